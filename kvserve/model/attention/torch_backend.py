@@ -1,0 +1,132 @@
+"""Paged attention in plain PyTorch, for the CPU.
+
+Decodes are the hot path: every step, each running sequence reads its whole cached K/V. They are
+batched into one `index_select` of their blocks into a reused scratch buffer (a fresh tensor
+would pay page faults on every layer of every step) and one SDPA call with an additive length
+mask. Prefill chunks run one SDPA call each: with no cached context the new K/V are used as they
+are (plain causal attention), otherwise the context blocks are gathered and a causal mask offset
+by the context length is applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+
+
+@dataclass
+class _PrefillPlan:
+    seq: SequenceSlice
+    gather_index: torch.Tensor | None  # block ids covering seq_len; None when no context
+    mask: torch.Tensor | None  # [query_len, padded_len] bool, True = attend
+
+
+@dataclass
+class _StepState:
+    prefills: list[_PrefillPlan]
+    decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    decode_max_blocks: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 scale: float) -> None:
+        super().__init__(kv_caches, block_size, scale)
+        k0 = kv_caches[0][0]
+        self._num_kv_heads = k0.shape[2]
+        self._head_dim = k0.shape[3]
+        self._scratch_k = torch.empty(0, dtype=k0.dtype)
+        self._scratch_v = torch.empty(0, dtype=k0.dtype)
+
+    # -- per step ---------------------------------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> _StepState:
+        prefills = [self._plan_prefill(seq) for seq in meta.prefills]
+        if not meta.decodes:
+            return _StepState(prefills, None, None, 0)
+        bs = self.block_size
+        max_blocks = max(len(s.block_table[: _ceil_div(s.seq_len, bs)]) for s in meta.decodes)
+        table = torch.zeros(len(meta.decodes), max_blocks, dtype=torch.long)
+        for i, s in enumerate(meta.decodes):
+            blocks = s.block_table[: _ceil_div(s.seq_len, bs)]
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
+        positions = torch.arange(max_blocks * bs)
+        mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=self._dtype())
+        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        self._ensure_scratch(len(meta.decodes) * max_blocks)
+        return _StepState(prefills, table.view(-1), mask, max_blocks)
+
+    def _plan_prefill(self, seq: SequenceSlice) -> _PrefillPlan:
+        context = seq.seq_len - seq.query_len
+        if context == 0:
+            return _PrefillPlan(seq, None, None)
+        bs = self.block_size
+        blocks = seq.block_table[: _ceil_div(seq.seq_len, bs)]
+        padded = len(blocks) * bs
+        q_pos = torch.arange(context, seq.seq_len)[:, None]
+        k_pos = torch.arange(padded)[None, :]
+        return _PrefillPlan(seq, torch.tensor(blocks, dtype=torch.long), k_pos <= q_pos)
+
+    # -- per layer --------------------------------------------------------------------------
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, state: _StepState) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        hkv, d = self._num_kv_heads, self._head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for plan in state.prefills:
+            rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan)
+        if state.decode_index is not None:
+            start = meta.num_prefill_tokens
+            out[start:] = self._decode(q[start:], k_cache, v_cache, state)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, plan: _PrefillPlan) -> torch.Tensor:
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if plan.gather_index is None:
+            kh = k.transpose(0, 1).unsqueeze(0)
+            vh = v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            hkv, d = self._num_kv_heads, self._head_dim
+            kh = k_cache.index_select(0, plan.gather_index).view(1, -1, hkv, d).transpose(1, 2)
+            vh = v_cache.index_select(0, plan.gather_index).view(1, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, scale=self.scale,
+                                               enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                state: _StepState) -> torch.Tensor:
+        n = q.shape[0]
+        hkv, d = self._num_kv_heads, self._head_dim
+        rows = state.decode_index.numel()
+        kg = torch.index_select(k_cache, 0, state.decode_index, out=self._scratch_k[:rows])
+        vg = torch.index_select(v_cache, 0, state.decode_index, out=self._scratch_v[:rows])
+        kh = kg.view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vh = vg.view(n, -1, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=state.decode_mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype:
+        return self.kv_caches[0][0].dtype
+
+    def _ensure_scratch(self, num_blocks: int) -> None:
+        if self._scratch_k.shape[0] < num_blocks:
+            shape = (num_blocks,) + tuple(self.kv_caches[0][0].shape[1:])
+            self._scratch_k = torch.empty(shape, dtype=self._dtype())
+            self._scratch_v = torch.empty(shape, dtype=self._dtype())
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,89 @@
+"""SamplingParams: how one request picks its tokens, with vLLM's field names and defaults.
+
+Validation happens in `__post_init__`, so an invalid value is refused when the user builds the
+object, long before it could reach the sampler inside a batched step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs per generated token (the chosen one is added)
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    # filled by the engine, not the user
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _require(_is_num(self.temperature) and self.temperature >= 0,
+                 f"temperature must be >= 0, got {self.temperature!r}")
+        _require(_is_num(self.top_p) and 0 < self.top_p <= 1,
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0,
+                 f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
+        _require(_is_num(self.min_p) and 0 <= self.min_p <= 1,
+                 f"min_p must be in [0, 1], got {self.min_p!r}")
+        _require(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+                 f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0,
+                 f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+                 f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop_list),
+                 f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
