@@ -1,0 +1,24 @@
+# Both targets set themselves up: a .venv at the repo root, torch pinned to the CPU wheel.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+demo: $(STAMP)
+	$(VENV)/bin/kvserve generate
+
+test: $(STAMP)
+	bash scripts/run_tests.sh
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

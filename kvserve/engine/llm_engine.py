@@ -1,0 +1,302 @@
+"""The engine loop: schedule -> run -> sample -> update, one step at a time.
+
+`LLMEngine` owns every piece (model, KV pool, scheduler, sampler, tokenizer) and is the single
+place where a request is validated, so that nothing malformed ever reaches a batched step: an
+invalid request raises before it is queued, and holds no blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.layout import KVLayout, available_host_memory
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.loader import load_model
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampler import Sampler, SamplingRow
+from kvserve.sampling import SamplingParams
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+logger = logging.getLogger("kvserve")
+
+# A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
+PromptType = Union[str, Mapping[str, Any]]
+
+
+@dataclass
+class _Detok:
+    """Per-sample text state: the incremental decoder and the text cut at a stop string."""
+
+    decoder: IncrementalDetokenizer
+    text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_dir = config.model
+        if model_dir is None:
+            from kvserve.model.make_model import ensure_default_model
+
+            model_dir = str(ensure_default_model())
+            config.model = model_dir
+        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or model_dir)
+        config.finalize(self.model_config.max_position_embeddings)
+        self.dtype = next(self.model.parameters()).dtype
+
+        self.layout = KVLayout(self.model_config.num_hidden_layers,
+                               self.model_config.num_key_value_heads,
+                               self.model_config.head_dim, self.dtype, config.block_size)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.backend = TorchAttentionBackend(self.layout.allocate(num_blocks, config.device),
+                                             config.block_size,
+                                             self.model_config.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, self.backend, self.kv)
+        self.scheduler = Scheduler(config, self.kv)
+        self.sampler = Sampler(seed=config.seed)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._groups: dict[str, list[Request]] = {}
+        self._detok: dict[str, _Detok] = {}
+        self._next_id = 0
+        tokens = num_blocks * config.block_size
+        logger.info("KV cache size: %s tokens, Maximum concurrency for %s tokens per request: "
+                    "%.2fx", f"{tokens:,}", f"{config.max_model_len:,}",
+                    tokens / config.max_model_len)
+
+    # -- sizing -----------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        else:
+            # No point reserving more than every sequence slot at full length could use.
+            most = cfg.max_num_seqs * cfg.max_model_len * self.layout.bytes_per_token
+            budget = min(int(available_host_memory() * cfg.gpu_memory_utilization),
+                         CPU_DEFAULT_KV_CACHE_BYTES, most)
+        blocks = self.layout.num_blocks_for(budget)
+        if blocks < 1:
+            raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
+                             f"{self.layout.bytes_per_block:,} bytes; raise kv_cache_memory_bytes")
+        return blocks
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"request needs up to {blocks} KV blocks ({len(token_ids)} prompt + {max_tokens} "
+                f"new tokens) but the KV pool has only {self.kv.num_blocks} blocks "
+                f"({self.kv.num_blocks * self.config.block_size} tokens); raise "
+                "kv_cache_memory_bytes or lower max_tokens")
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = [Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                            prompt_token_ids=token_ids, sampling_params=params,
+                            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                            arrival_time=arrival, prompt=text, index=i, parent_id=request_id)
+                    for i in range(params.n)]
+        self._groups[request_id] = children
+        for child in children:
+            self._requests[child.request_id] = child
+            if params.detokenize:
+                self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
+                    self.tokenizer, token_ids, params.skip_special_tokens))
+            self.scheduler.add(child)
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            ids = list(ids)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        else:
+            raise ValueError("a prompt must be a string, {'prompt': str} or "
+                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        return text, ids
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.config.max_model_len
+        assert limit is not None
+        if prompt_len >= limit:
+            raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
+                             "no room to generate")
+        if params.max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + params.max_tokens > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens, but "
+                             f"{prompt_len} prompt tokens + {params.max_tokens} max_tokens "
+                             f"= {prompt_len + params.max_tokens} were requested")
+        return params.max_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
+        for child in self._groups.get(request_id, ()):
+            if not child.finished:
+                self._finish(child, RequestStatus.FINISHED_ABORTED)
+        self._groups.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of the requests that produced tokens or ended."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        logits, sampled = self.runner.execute(batch)
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+        if not sampled:
+            return []
+        rows = [batch.requests[i] for i in sampled]
+        result = self.sampler(logits, [SamplingRow(r.sampling_params, r.output_token_ids,
+                                                   r.prompt_token_ids, r.generator,
+                                                   r.eos_token_ids) for r in rows])
+        now = time.time()
+        touched: dict[str, None] = {}
+        for request, token, logprobs in zip(rows, result.token_ids, result.logprobs):
+            self._append_token(request, token, logprobs, now)
+            touched[request.parent_id or request.request_id] = None
+        return [self._output(parent) for parent in touched]
+
+    def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
+                      now: float) -> None:
+        request.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs[token]
+        status = self._check_stop(request, token)
+        if status is not None:
+            self._finish(request, status)
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        detok = self._detok.get(request.request_id)
+        if detok is not None:
+            delta = detok.decoder.add(token)
+            detok.text += delta
+            if params.stop_list and n_out >= params.min_tokens:
+                at = find_stop(detok.text, len(delta), params.stop_list)
+                if at is not None:
+                    stop = next(s for s in params.stop_list if detok.text.startswith(s, at))
+                    cut = at + len(stop) if params.include_stop_str_in_output else at
+                    detok.text = detok.text[:cut]
+                    request.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        request.finished_time = time.time()
+
+    # -- outputs ----------------------------------------------------------------------------
+    def _output(self, parent_id: str) -> RequestOutput:
+        children = self._groups[parent_id]
+        finished = all(c.finished for c in children)
+        if finished:
+            del self._groups[parent_id]
+            for c in children:
+                self._requests.pop(c.request_id, None)
+        completions = []
+        for c in children:
+            detok = self._detok.pop(c.request_id, None) if finished else \
+                self._detok.get(c.request_id)
+            wants_logprobs = c.sampling_params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=c.index, text=detok.text if detok else "", token_ids=c.output_token_ids,
+                cumulative_logprob=c.cumulative_logprob if wants_logprobs else None,
+                logprobs=list(c.output_logprobs) if wants_logprobs else None,
+                finish_reason=c.status.value if c.finished else None,
+                stop_reason=c.stop_reason))
+        first = children[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min((c.first_token_time for c in children
+                                  if c.first_token_time is not None), default=None),
+            last_token_time=max((c.last_token_time for c in children
+                                 if c.last_token_time is not None), default=None),
+            finished_time=max((c.finished_time or 0.0 for c in children), default=None)
+            if finished else None,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(c.num_preemptions for c in children))
+        return RequestOutput(request_id=parent_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
+                             finished=finished, metrics=metrics,
+                             num_cached_tokens=first.num_cached_tokens)
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Debug check run by the tests after every step: queues, tables and pool agree."""
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        assert len({r.request_id for r in live}) == len(live), "a request is queued twice"
+        for r in self.scheduler.running:
+            assert r.status is RequestStatus.RUNNING
+        for r in self.scheduler.waiting:
+            assert r.status is RequestStatus.WAITING
+            assert r.request_id not in self.kv.block_tables, "a waiting request holds blocks"
+        assert len(self.scheduler.running) <= self.config.max_num_seqs
+        self.kv.check_invariants(live)
+
+    @property
+    def model_max_len(self) -> int:
+        assert self.config.max_model_len is not None
+        return self.config.max_model_len
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": self.kv.usage,
+                "num_preemptions": self.scheduler.num_preemptions}

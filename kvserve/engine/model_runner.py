@@ -1,0 +1,63 @@
+"""Turns a scheduled batch into one forward pass over a flat token batch.
+
+The runner is the only piece that reads both the scheduler's view (requests, new-token counts)
+and the cache's (block tables); it translates them into the flat tensors of `AttentionMetadata`
+and returns logits only for the rows that sample this step (the last token of each request whose
+uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.decoder import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv: KVCacheManager) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch; return (logits [S, vocab] float32, indices into batch of those S rows)."""
+        bs = self.kv.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[SequenceSlice] = []
+        decodes: list[SequenceSlice] = []
+        sample_rows: list[int] = []  # flat token index of each sampled row
+        sampled: list[int] = []  # index into batch.requests
+        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = request.num_computed_tokens
+            end = start + n
+            table = self.kv.block_table(request)
+            flat_start = len(input_ids)
+            input_ids.extend(request.token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            seq = SequenceSlice(flat_start, n, end, table)
+            (prefills if n > 1 else decodes).append(seq)
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(i)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            prefills=prefills,
+            decodes=decodes,
+            num_prefill_tokens=sum(s.query_len for s in prefills),
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
+                            torch.tensor(positions, dtype=torch.long),
+                            self.backend.bind(meta))
+        if not sample_rows:
+            return torch.empty(0), []
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long)]
+        return self.model.compute_logits(hidden), sampled

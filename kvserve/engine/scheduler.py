@@ -1,0 +1,125 @@
+"""Continuous batching with a token budget, chunked prefill and preemption.
+
+One step schedules a flat list of (request, number of new tokens). There is no separate prefill
+and decode phase: a request simply has some tokens not yet computed (its prompt, a chunk of it,
+or the one token sampled last step), and the scheduler hands out the step's token budget:
+
+1. Running requests first, oldest first, so decodes keep flowing while a long prompt is chunked.
+   When the pool cannot hold a running request's next tokens, the youngest running request is
+   preempted (its blocks freed, its tokens recomputed later) until it fits.
+2. Then waiting requests in arrival order, while budget, sequence slots and blocks last. A
+   request is admitted only when the pool can hold its whole remaining prompt, so that admitting
+   it does not immediately force a preemption on its next chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests with more than one new token (prefill chunks) first, then single-token steps."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        assert config.max_num_batched_tokens is not None
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: everything after it is gone too
+
+        if not preempted:
+            self._admit(chosen, budget)
+
+        prefills = [(r, n) for r, n in chosen if n > 1]
+        decodes = [(r, n) for r, n in chosen if n == 1]
+        ordered = prefills + decodes
+        now = time.time()
+        for r, _ in ordered:
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+        return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted)
+
+    def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_uncomputed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if self.kv.num_new_blocks(request, remaining) > self.kv.num_free_blocks:
+                break
+            if not self.kv.allocate_slots(request, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chosen.append((request, n))
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and send it back to the front of the queue."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from the queues and release its blocks."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)

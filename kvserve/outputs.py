@@ -1,0 +1,49 @@
+"""What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)

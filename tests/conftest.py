@@ -1,0 +1,74 @@
+"""Shared fixtures: checkpoints made by transformers itself (the independent reference) and by
+kvserve's make-model, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+HF_VOCAB = 512
+
+
+def _hf_config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
+                  eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                        rope_theta=500000.0, attention_bias=True,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                      "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 128})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                                        rope_theta=1e6)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, tie_word_embeddings=False, rope_theta=1e4,
+                                          sliding_window=None)
+    raise ValueError(arch)
+
+
+def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
+    """A random-weight checkpoint written by transformers' own save_pretrained."""
+    import transformers
+
+    from kvserve.tokenizer import train_tokenizer
+
+    torch.manual_seed(seed)
+    config = _hf_config(arch)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init with std 0.02 gives near-uniform logits and fragile greedy ties; a wider
+    # spread makes the argmax well separated, so a parity failure means a real difference.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    train_tokenizer(out, HF_VOCAB)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_checkpoint(arch, root / arch)
+            for arch in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from kvserve.model.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny") / "qwen2-tiny", arch="qwen2", size="tiny")
