@@ -73,6 +73,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._groups: dict[str, list[Request]] = {}
         self._detok: dict[str, _Detok] = {}
+        self._streaming: set[str] = set()
         self._next_id = 0
         tokens = num_blocks * config.block_size
         logger.info("KV cache size: %s tokens, Maximum concurrency for %s tokens per request: "
@@ -97,8 +98,13 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    stream: bool = False) -> str:
+        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad.
+
+        A streaming request reports an output after every step that gave it a token; the others
+        report once, when they finish.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -123,9 +129,13 @@ class LLMEngine:
                             arrival_time=arrival, prompt=text, index=i, parent_id=request_id)
                     for i in range(params.n)]
         self._groups[request_id] = children
+        if stream:
+            self._streaming.add(request_id)
         for child in children:
             self._requests[child.request_id] = child
-            if params.detokenize:
+            # Text is decoded token by token only when someone looks at it before the end (stop
+            # strings, streaming); otherwise once, at the end, off the per-token path.
+            if params.detokenize and (stream or params.stop_list):
                 self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens))
             self.scheduler.add(child)
@@ -169,17 +179,20 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
-        for child in self._groups.get(request_id, ()):
+        for child in self._groups.pop(request_id, ()):
             if not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
-        self._groups.pop(request_id, None)
+            self._requests.pop(child.request_id, None)
+            self._detok.pop(child.request_id, None)
+        self._streaming.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the requests that produced tokens or ended."""
+        """Run one batch; return the outputs of requests that finished, and of streaming
+        requests that got a token."""
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
@@ -197,7 +210,8 @@ class LLMEngine:
         for request, token, logprobs in zip(rows, result.token_ids, result.logprobs):
             self._append_token(request, token, logprobs, now)
             touched[request.parent_id or request.request_id] = None
-        return [self._output(parent) for parent in touched]
+        return [self._output(parent) for parent in touched
+                if parent in self._streaming or all(c.finished for c in self._groups[parent])]
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
                       now: float) -> None:
@@ -247,15 +261,25 @@ class LLMEngine:
         finished = all(c.finished for c in children)
         if finished:
             del self._groups[parent_id]
+            self._streaming.discard(parent_id)
             for c in children:
                 self._requests.pop(c.request_id, None)
         completions = []
         for c in children:
             detok = self._detok.pop(c.request_id, None) if finished else \
                 self._detok.get(c.request_id)
+            if detok is not None:
+                if finished and c.stop_reason is None:  # text ended mid-character: emit the rest
+                    detok.text += detok.decoder.flush()
+                text = detok.text
+            elif c.sampling_params.detokenize:
+                text = self.tokenizer.decode(c.output_token_ids,
+                                             skip_special_tokens=c.sampling_params.skip_special_tokens)
+            else:
+                text = ""
             wants_logprobs = c.sampling_params.logprobs is not None
             completions.append(CompletionOutput(
-                index=c.index, text=detok.text if detok else "", token_ids=c.output_token_ids,
+                index=c.index, text=text, token_ids=c.output_token_ids,
                 cumulative_logprob=c.cumulative_logprob if wants_logprobs else None,
                 logprobs=list(c.output_logprobs) if wants_logprobs else None,
                 finish_reason=c.status.value if c.finished else None,
