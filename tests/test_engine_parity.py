@@ -85,19 +85,20 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
 
     llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=16)
     runner = llm.engine.runner
-    captured: list[torch.Tensor] = []
+    captured: dict[tuple[int, ...], torch.Tensor] = {}
     original = runner.execute
 
     def spy(batch):
         logits, rows = original(batch)
-        if len(rows) == len(prompts) and not captured:
-            captured.extend(logits[i].clone() for i in range(len(rows)))
+        for j, i in enumerate(rows):
+            captured[tuple(batch.requests[i].prompt_token_ids)] = logits[j].clone()
         return logits, rows
 
     runner.execute = spy
     generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(temperature=0.0, max_tokens=1))
     assert len(captured) == len(prompts)
-    for got, want in zip(captured, ref):
+    for p, want in zip(prompts, ref):
+        got = captured[tuple(p)]
         assert got.dtype == torch.float32
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()

@@ -29,8 +29,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            prompts = [prompts]  # one prompt; add_request says what is wrong with a bad one
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
