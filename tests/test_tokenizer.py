@@ -450,8 +450,9 @@ def test_detok_property(tok, byte_ids, data, skip):
 def test_detok_valid_text_never_emits_replacement(tok, byte_ids, text):
     ids = [byte_ids[b] for b in text.encode()]
     deltas, tail, _ = _stream(tok, [], ids)
-    assert "".join(deltas) == text and tail == ""
-    if "\ufffd" not in text:
+    assert "".join(deltas) + tail == text
+    if "\ufffd" not in text:  # a real U+FFFD in the text may be held back until the flush
+        assert tail == ""
         assert all("\ufffd" not in d for d in deltas)
 
 
