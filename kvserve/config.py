@@ -36,6 +36,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # exact KV pool size; overrides the fraction below
     gpu_memory_utilization: float = 0.9  # on CPU: fraction of available RAM, capped (see above)
     num_threads: int | None = None  # torch intra-op threads on CPU; None = leave torch's choice
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"  # which idle cached blocks go first: lru, lfu or priority
+    scheduling_policy: str = "fcfs"  # "lpm": waiting requests with the longest cached prefix first
     disable_log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -52,6 +55,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if self.eviction_policy not in ("lru", "lfu", "priority"):
+            raise ValueError("eviction_policy must be 'lru', 'lfu' or 'priority', "
+                             f"got {self.eviction_policy!r}")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', "
+                             f"got {self.scheduling_policy!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
 

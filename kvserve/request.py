@@ -40,6 +40,8 @@ class Request:
     prompt: str | None = None
     index: int = 0  # which of the n samples of its parent this is
     parent_id: str | None = None
+    cache_salt: str | None = None  # requests with different salts never share KV blocks
+    priority: int = 0  # higher keeps its cached prefix longer under the "priority" policy
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -50,6 +52,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

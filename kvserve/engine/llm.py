@@ -28,15 +28,20 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """A prompt may carry `cache_salt` ({"prompt": ..., "cache_salt": ...}) as in vLLM;
+        `priority` (one per prompt, higher = kept longer) feeds the "priority" eviction policy."""
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
             prompts = [prompts]  # one prompt; add_request says what is wrong with a bad one
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(prompt, p, priority=prio))
         except Exception:
             for rid in ids:  # refuse the whole call, leaving nothing queued
                 self.engine.abort_request(rid)
@@ -55,6 +60,9 @@ class LLM:
                                     **(chat_template_kwargs or {})),
             add_special_tokens=False)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:

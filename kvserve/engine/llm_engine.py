@@ -62,7 +62,8 @@ class LLMEngine:
                                self.model_config.num_key_value_heads,
                                self.model_config.head_dim, self.dtype, config.block_size)
         num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.eviction_policy)
         self.backend = TorchAttentionBackend(self.layout.allocate(num_blocks, config.device),
                                              config.block_size,
                                              self.model_config.head_dim ** -0.5)
@@ -99,7 +100,8 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    stream: bool = False) -> str:
+                    stream: bool = False, cache_salt: str | None = None,
+                    priority: int = 0) -> str:
         """Validate and queue a request (n samples); returns its id. Raises ValueError if bad.
 
         A streaming request reports an output after every step that gave it a token; the others
@@ -108,6 +110,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is None and isinstance(prompt, Mapping):
+            cache_salt = prompt.get("cache_salt")  # vLLM's TextPrompt / TokensPrompt field
+        _check_cache_salt(cache_salt)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
@@ -126,7 +133,8 @@ class LLMEngine:
         children = [Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                             prompt_token_ids=token_ids, sampling_params=params,
                             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                            arrival_time=arrival, prompt=text, index=i, parent_id=request_id)
+                            arrival_time=arrival, prompt=text, index=i, parent_id=request_id,
+                            cache_salt=cache_salt, priority=priority)
                     for i in range(params.n)]
         self._groups[request_id] = children
         if stream:
@@ -199,6 +207,7 @@ class LLMEngine:
         logits, sampled = self.runner.execute(batch)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
         if not sampled:
             return []
         rows = [batch.requests[i] for i in sampled]
@@ -314,6 +323,10 @@ class LLMEngine:
         assert len(self.scheduler.running) <= self.config.max_num_seqs
         self.kv.check_invariants(live)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); running requests go on."""
+        self.kv.reset_prefix_cache()
+
     @property
     def model_max_len(self) -> int:
         assert self.config.max_model_len is not None
@@ -323,4 +336,15 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": self.kv.usage,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.kv.prefix_cache_queries,
+                "prefix_cache_hits": self.kv.prefix_cache_hits,
+                "num_evicted_blocks": self.kv.index.num_evicted_blocks if self.kv.index else 0}
+
+
+def _check_cache_salt(salt: object) -> None:
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > 256:
+        raise ValueError("cache_salt must be a non-empty string of at most 256 characters, "
+                         f"got {salt!r:.40}")

@@ -7,9 +7,10 @@ or the one token sampled last step), and the scheduler hands out the step's toke
 1. Running requests first, oldest first, so decodes keep flowing while a long prompt is chunked.
    When the pool cannot hold a running request's next tokens, the youngest running request is
    preempted (its blocks freed, its tokens recomputed later) until it fits.
-2. Then waiting requests in arrival order, while budget, sequence slots and blocks last. A
-   request is admitted only when the pool can hold its whole remaining prompt, so that admitting
-   it does not immediately force a preemption on its next chunk.
+2. Then waiting requests in arrival order (or longest cached prefix first), while budget,
+   sequence slots and blocks last. A request first takes what the prefix cache holds of it, and
+   is admitted only when the pool can hold the rest of its tokens, so that admitting it does not
+   immediately force a preemption on its next chunk.
 """
 
 from __future__ import annotations
@@ -89,21 +90,62 @@ class Scheduler:
         return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        """Admit waiting requests while budget, sequence slots and blocks last.
+
+        A request whose next uncached block is being computed in this very step by another
+        request (the same system prompt arriving twice, n > 1 samples) waits one step and then
+        hits it, instead of computing it a second time.
+        """
+        if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:
+            self._order_by_longest_match()
+        inflight = self._blocks_in_flight(chosen)
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            remaining = request.num_uncomputed_tokens
+            match = self.kv.match(request)
+            if self._waits_for(request, match, inflight):
+                deferred.append(self.waiting.popleft())
+                continue
+            remaining = request.num_tokens - match.num_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if self.kv.num_new_blocks(request, remaining) > self.kv.num_free_blocks:
-                break
-            if not self.kv.allocate_slots(request, n):
+            if not self.kv.admit(request, match, n):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, n))
             budget -= n
+            inflight.update(self._completed_blocks(request, n))
+        self.waiting.extendleft(reversed(deferred))
+
+    def _completed_blocks(self, request: Request, n: int) -> list[int]:
+        """Hashes of the full blocks that computing `n` more tokens of `request` completes."""
+        if self.kv.index is None:
+            return []
+        bs = self.kv.block_size
+        first = request.num_computed_tokens // bs
+        last = (request.num_computed_tokens + n) // bs
+        return self.kv.block_hashes(request, last)[first:] if last > first else []
+
+    def _blocks_in_flight(self, chosen: list[tuple[Request, int]]) -> set[int]:
+        if self.kv.index is None:
+            return set()
+        return {h for r, n in chosen for h in self._completed_blocks(r, n)}
+
+    def _waits_for(self, request: Request, match, inflight: set[int]) -> bool:
+        if not inflight:
+            return False
+        j = len(match.nodes)
+        hashes = self.kv.block_hashes(request, (request.num_tokens - 1) // self.kv.block_size)
+        return j < len(hashes) and hashes[j] in inflight
+
+    def _order_by_longest_match(self) -> None:
+        """SGLang's "lpm": serve first the waiting requests that reuse the most cached KV
+        (stable, so equal matches keep arrival order)."""
+        ranked = sorted(self.waiting, key=lambda r: -self.kv.match(r).num_tokens)
+        self.waiting = deque(ranked)
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and send it back to the front of the queue."""

@@ -1,19 +1,21 @@
-"""Physical KV blocks: who owns them and which are free.
+"""Physical KV blocks: who holds them, which are free, which are cached and idle.
 
-A block is an index into the per-layer K/V tensors. The pool only counts references; it does not
-know about requests or tokens. A block with ref count 0 is on the free list; sharing a block (a
-prefix used by several requests) is one more reference, and the block returns to the free list
-when the last holder releases it.
+A block is an index into the per-layer K/V tensors. Its ref count is the number of requests whose
+block table holds it. A block with ref count 0 is either free (on the free list, content
+meaningless) or cached-idle: the prefix index still names it and a later request may hit it, but
+it can be evicted whenever a fresh block is needed. So the blocks an allocation can count on are
+`num_free + num_cached_idle`, and `allocate` asks the evictor (the prefix index) to turn idle
+blocks into free ones when the free list alone is short.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
-    """Raised when an allocation asks for more blocks than are free; callers check first."""
+    """Raised when an allocation asks for more blocks than can be had; callers check first."""
 
 
 class BlockPool:
@@ -22,20 +24,32 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # FIFO reuse: a freed block is taken again as late as possible, which keeps freed content
-        # around longest for whoever may want to find it again (prefix caching builds on this).
+        self.cached = [False] * num_blocks  # named by the prefix index
+        self.num_cached_idle = 0  # cached with ref count 0: evictable
         self._free: deque[int] = deque(range(num_blocks))
+        # Set by the prefix index: evict(n) frees up to n idle blocks (returns how many);
+        # on_idle(block) hears of a cached block whose last holder let go.
+        self.evict: Callable[[int], int] | None = None
+        self.on_idle: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus idle cached ones it may evict."""
+        return len(self._free) + self.num_cached_idle
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by someone (vLLM's kv_cache_usage_perc, as 0..1)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by requests (vLLM's kv_cache_usage_perc, as 0..1); idle
+        cached blocks count as free, since any allocation may take them."""
+        return 1.0 - self.num_available / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
+        if n > len(self._free) and self.evict is not None:
+            self.evict(n - len(self._free))
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(n)]
@@ -44,28 +58,53 @@ class BlockPool:
         return blocks
 
     def share(self, blocks: Iterable[int]) -> None:
-        """Add a holder to blocks that are already in use."""
+        """Add a holder to blocks that are held or cached (a prefix-cache hit)."""
         for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"block {b} is free and cannot be shared")
-            self.ref_counts[b] += 1
+            count = self.ref_counts[b]
+            if count == 0:
+                if not self.cached[b]:
+                    raise ValueError(f"block {b} is free and cannot be shared")
+                self.num_cached_idle -= 1
+            self.ref_counts[b] = count + 1
 
     def release(self, blocks: Iterable[int]) -> None:
-        """Drop one holder from each block; the last release frees it.
+        """Drop one holder from each block; at zero a cached block turns idle, others free.
 
         Blocks are released in reverse so that the tail of a sequence, the part least likely to be
-        shared, goes back to the free list first and is reused first.
+        shared, goes back first and is reused first.
         """
         for b in reversed(list(blocks)):
             count = self.ref_counts[b]
             if count <= 0:
                 raise ValueError(f"block {b} released more often than it was held")
             self.ref_counts[b] = count - 1
-            if count == 1:
+            if count > 1:
+                continue
+            if self.cached[b]:
+                self.num_cached_idle += 1
+                if self.on_idle is not None:
+                    self.on_idle(b)
+            else:
                 self._free.append(b)
 
+    def mark_cached(self, block: int) -> None:
+        """The prefix index names a held block."""
+        if self.ref_counts[block] <= 0 or self.cached[block]:
+            raise ValueError(f"block {block} cannot be cached (free or cached already)")
+        self.cached[block] = True
+
+    def uncache(self, block: int) -> None:
+        """The prefix index forgets a block: an idle one goes to the free list."""
+        if not self.cached[block]:
+            raise ValueError(f"block {block} is not cached")
+        self.cached[block] = False
+        if self.ref_counts[block] == 0:
+            self.num_cached_idle -= 1
+            self._free.append(block)
+
     def check_invariants(self, holders: Iterable[Iterable[int]] = ()) -> None:
-        """Ref counts equal the number of holders; free list = exactly the unheld blocks."""
+        """Ref counts equal the number of holders; free list = exactly the unheld, uncached
+        blocks; the idle count matches."""
         expected = [0] * self.num_blocks
         for table in holders:
             for b in table:
@@ -73,5 +112,8 @@ class BlockPool:
         assert expected == self.ref_counts, "ref counts disagree with the block tables"
         free = list(self._free)
         assert len(free) == len(set(free)), "a block is on the free list twice"
-        assert set(free) == {b for b, c in enumerate(self.ref_counts) if c == 0}, \
+        unheld = {b for b, c in enumerate(self.ref_counts) if c == 0}
+        assert set(free) == {b for b in unheld if not self.cached[b]}, \
             "free list disagrees with ref counts"
+        assert self.num_cached_idle == sum(1 for b in unheld if self.cached[b]), \
+            "idle cached count is off"
