@@ -1,0 +1,262 @@
+"""The model's shape and hyper-parameters, read from a Hugging Face `config.json`.
+
+One `ModelConfig` describes all supported architectures; the differences between them are a few
+flags (`attention_bias`, `qk_norm`) that the single decoder in `kvserve.model.decoder` reads.
+Both the transformers 5 layout (`rope_parameters`, `dtype`) and the older one (`rope_theta`,
+`rope_scaling`, `torch_dtype` at the top level) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# transformers' per-class defaults for keys a config.json may leave out.
+_DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048,
+    "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768,
+    "MistralForCausalLM": 131072,
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "vocab_size")
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32",
+                "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "half": "float16", "fp16": "float16"}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE; else {"rope_type": "linear" | "llama3", ...its parameters}
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama/Qwen3 also on o_proj)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (not given)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    sliding_window: int | None = None  # kept for reference; attention is always full for now
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # -- parsing ----------------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read `<path>/config.json`; every problem is a `ValueError` naming the path."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"model directory {str(path)!r} does not exist or is not a directory")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{str(config_file)!r} not found: a model directory must hold a "
+                             "Hugging Face config.json")
+        try:
+            data = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot parse {str(config_file)!r}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{str(config_file)!r} must hold a JSON object, "
+                             f"got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{str(config_file)!r}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = _architecture(d)
+        missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config is missing required key(s) {missing} for {arch}")
+        hidden = _pos_int(d, "hidden_size")
+        layers = _pos_int(d, "num_hidden_layers")
+        heads = _pos_int(d, "num_attention_heads")
+        kv_heads = _pos_int(d, "num_key_value_heads") if d.get("num_key_value_heads") else heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        if d.get("head_dim") is not None:
+            head_dim = _pos_int(d, "head_dim")
+        elif arch == "Qwen3ForCausalLM" and "head_dim" not in d:
+            head_dim = 128  # transformers' Qwen3Config default when the key is absent
+        else:
+            if hidden % heads:
+                raise ValueError(f"hidden_size ({hidden}) is not a multiple of "
+                                 f"num_attention_heads ({heads}) and no head_dim is given")
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if d.get("pretraining_tp", 1) not in (None, 1):
+            raise ValueError(f"pretraining_tp={d['pretraining_tp']} is not supported (only 1)")
+
+        max_pos = d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
+        rope_theta, rope_scaling = _rope(d, int(max_pos))
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+        elif arch == "MistralForCausalLM":
+            qkv_bias = o_bias = False
+        else:  # Llama, Qwen3: one flag for q, k, v and o
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+
+        sliding = d.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window"):
+            sliding = None
+
+        dtype = d.get("dtype", d.get("torch_dtype"))
+        if dtype is not None:
+            dtype = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+            if dtype is None:
+                raise ValueError(f"dtype {d.get('dtype', d.get('torch_dtype'))!r} is not "
+                                 f"supported; use one of float32, bfloat16, float16")
+
+        return cls(
+            architecture=arch,
+            model_type=d.get("model_type") or _model_type(arch),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_pos_int(d, "intermediate_size"),
+            vocab_size=_pos_int(d, "vocab_size"),
+            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(max_pos),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=dtype,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            sliding_window=sliding,
+        )
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if archs:
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"'architectures' must be a list of names, got {archs!r}")
+        arch = archs[0]
+    elif d.get("model_type") in _ARCH_BY_MODEL_TYPE:
+        arch = _ARCH_BY_MODEL_TYPE[d["model_type"]]
+    else:
+        raise ValueError("config has no 'architectures' entry and no known 'model_type' "
+                         f"(got {d.get('model_type')!r}); supported architectures: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported architectures: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _model_type(arch: str) -> str:
+    return next(t for t, a in _ARCH_BY_MODEL_TYPE.items() if a == arch)
+
+
+def _pos_int(d: dict[str, Any], key: str) -> int:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling`, resolved the way transformers resolves them."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
+    if params and all(isinstance(v, dict) or v is None for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = params.get("rope_theta", d.get("rope_theta"))
+    theta = 10000.0 if theta is None else float(theta)
+    if theta <= 0:
+        raise ValueError(f"rope_theta must be positive, got {theta}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported")
+    if rope_type == "default":
+        return theta, None
+    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": _rope_float(params, "factor")}
+    if rope_type == "llama3":
+        scaling["low_freq_factor"] = _rope_float(params, "low_freq_factor")
+        scaling["high_freq_factor"] = _rope_float(params, "high_freq_factor")
+        if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+            raise ValueError("llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
+                             f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+        original = params.get("original_max_position_embeddings",
+                              d.get("original_max_position_embeddings", max_pos))
+        scaling["original_max_position_embeddings"] = int(original)
+    return theta, scaling
+
+
+def _rope_float(params: dict[str, Any], key: str) -> float:
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"rope scaling of type {params.get('rope_type', params.get('type'))!r} "
+                         f"needs a positive {key!r}, got {value!r}")
+    return float(value)

@@ -1,0 +1,271 @@
+"""One config-driven decoder for Llama, Qwen2, Qwen3 and Mistral.
+
+The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
+dimension and no padding. Everything that depends on which sequence a token belongs to (the
+KV cache, masks) lives behind the `AttentionFn` the caller passes in.
+
+Layout, chosen for the CPU hot path:
+  * q, k and v projections are one matrix `qkv_proj` ([q; k; v] rows), gate and up are one
+    matrix `gate_up_proj` ([gate; up] rows), so each layer runs four GEMMs;
+  * the residual add is folded into the o_proj and down_proj GEMMs (`addmm_` with beta=1 writes
+    straight into the residual stream, or oneDNN's "add" post-op, below);
+  * RoPE uses Hugging Face's rotate-half convention (the first half of each head pairs with the
+    second half), with cos/sin precomputed once in float32 and gathered once per step;
+  * on x86 CPUs `CausalLM.pack_weights()` (called by the loader) re-lays the four projection
+    matrices and the LM head out in oneDNN's blocked format and routes the GEMMs through
+    oneDNN, with the residual add as a fused post-op. On this project's reference CPU (AMD
+    Zen 5, 2 threads) that runs the projections about 2x faster than `F.linear` (MKL, which
+    does not use AVX-512 fully on AMD) in float32; in bfloat16 `F.linear` already goes through
+    oneDNN and packing gains 10-30%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention.base import AttentionFn
+from kvserve.model.config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    # torch.empty does not initialise: the loader fills every parameter.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dim: statistics in float32, result cast back to
+    x's dtype, then scaled by `weight`.
+
+    One fused reduction (`vector_norm`, float32 accumulation) plus two elementwise passes: on the
+    CPU this is 2x faster than `F.rms_norm`, whose decomposition makes several passes."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    inv_rms = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1], tiny
+    y = torch.mul(x, inv_rms)  # float32 (type promotion)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if weight is None else y.mul_(weight)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta
+                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    if scaling["rope_type"] == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
+
+
+def rope_cache(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
+    second, computed in float32 exactly as transformers computes them per step."""
+    inv_freq = rope_inv_freq(config)
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return cache if device is None else cache.to(device)
+
+
+# -- GEMM back ends: (x, weight, bias) -> y and (x, residual, weight, bias) -> residual + y ----
+def _dense_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _dense_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                      b: torch.Tensor | None) -> torch.Tensor:
+    residual.addmm_(x, w.t())  # beta=1 GEMM straight into the residual stream
+    return residual if b is None else residual.add_(b)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                       b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    # The batch-size hint only picks the blocked layout; the packed weight serves any T.
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+
+
+def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this build and CPU can pack weights of `dtype` for oneDNN."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    # These are the (private) ops torch.compile's CPU freezing pass emits; probe them on a tiny
+    # matrix rather than trusting their presence (e.g. bfloat16 needs avx512_bf16 or AMX).
+    try:
+        w = _onednn_pack(torch.ones(8, 8, dtype=dtype))
+        y = _onednn_linear_add(torch.ones(2, 8, dtype=dtype), torch.ones(2, 8, dtype=dtype), w,
+                               None)
+        return bool((y == 9).all())
+    except Exception:  # noqa: BLE001 - any failure means "use F.linear"
+        return False
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.q_size = c.q_size
+        self.qk_size = c.q_size + c.kv_size
+        self.intermediate_size = c.intermediate_size
+        self.eps = c.rms_norm_eps
+        p = dict(dtype=dtype, device=device)
+        h, qkv = c.hidden_size, c.q_size + 2 * c.kv_size
+        self.input_layernorm = _param(h, **p)
+        self.qkv_proj = _param(qkv, h, **p)
+        self.qkv_bias = _param(qkv, **p) if c.attention_bias else None
+        # Qwen3: q_norm repeated over the q heads, then k_norm over the kv heads, so that one
+        # normalisation covers q and k together.
+        self.qk_norm = _param(c.num_attention_heads + c.num_key_value_heads, c.head_dim, **p) \
+            if c.qk_norm else None
+        self.o_proj = _param(h, c.q_size, **p)
+        self.o_bias = _param(h, **p) if c.o_proj_bias else None
+        self.post_attention_layernorm = _param(h, **p)
+        self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
+        self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
+        self.down_proj = _param(h, c.intermediate_size, **p)
+        self.down_bias = _param(h, **p) if c.mlp_bias else None
+        self._linear = _dense_linear
+        self._linear_add = _dense_linear_add
+
+    def pack_weights(self) -> None:
+        """Replace the four projection matrices by oneDNN-packed copies (frees the dense ones)."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            setattr(self, name, nn.Parameter(_onednn_pack(getattr(self, name)),
+                                             requires_grad=False))
+        self._linear = _onednn_linear
+        self._linear_add = _onednn_linear_add
+
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
+        t = hidden.shape[0]
+        d = self.head_dim
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        qkv = self._linear(x, self.qkv_proj, self.qkv_bias)
+        qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm)
+        qk = _apply_rope(qk, cos_sin)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads:]
+        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
+        o = attn(self.layer_idx, q, k, v)
+        hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
+
+        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
+        gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
+        act = F.silu(gate_up[:, : self.intermediate_size])
+        act.mul_(gate_up[:, self.intermediate_size:])
+        return self._linear_add(act, hidden, self.down_proj, self.down_bias)
+
+
+def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos_sin [T, D] (cos | sin halves); returns a new tensor."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1 = out[..., :half]
+    o2 = out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
+
+
+class CausalLM(nn.Module):
+    """Parameters are allocated uninitialised; `kvserve.model.loader.load_model` fills them."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        p = dict(dtype=dtype, device=device)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = _param(config.hidden_size, **p)
+        self.lm_head = None if config.tie_word_embeddings else \
+            _param(config.vocab_size, config.hidden_size, **p)
+        self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
+        self.packed = False
+        self._logits_linear = _dense_linear
+        # With tied embeddings and packing: a packed copy of the embedding table for the head.
+        self.register_buffer("_packed_head", None, persistent=False)
+
+    def pack_weights(self) -> bool:
+        """Switch the projections and the LM head to oneDNN-packed weights when this build and
+        CPU support it for the model's dtype; returns whether it did. Call once, after the
+        weights are loaded: packed weights can no longer be sliced or copied into.
+
+        Memory stays the same except with tied embeddings: the lookup needs the dense table, so
+        the head gets a packed copy (vocab_size x hidden_size more), which runs the LM head
+        about 1.4x faster than oneDNN on the dense table and 3x faster than `F.linear`."""
+        if self.packed:
+            return True
+        if not onednn_available(self.dtype, self.embed_tokens.device):
+            return False
+        for layer in self.layers:
+            layer.pack_weights()
+        if self.lm_head is not None:
+            self.lm_head = nn.Parameter(_onednn_pack(self.lm_head), requires_grad=False)
+        else:
+            self._packed_head = _onednn_pack(self.embed_tokens)
+        self._logits_linear = _onednn_linear
+        self.packed = True
+        return True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos_sin, attn)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        if self.lm_head is not None:
+            weight = self.lm_head
+        elif self._packed_head is not None:
+            weight = self._packed_head
+        else:
+            weight = self.embed_tokens
+        return self._logits_linear(hidden, weight, None).float()

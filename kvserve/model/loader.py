@@ -1,0 +1,196 @@
+"""Load a Hugging Face safetensors checkpoint into `CausalLM`'s fused layout.
+
+The model is built with uninitialised parameters, then every checkpoint tensor is copied (and
+cast) straight into its place: q/k/v into row ranges of `qkv_proj`, gate/up into `gate_up_proj`,
+Qwen3's q_norm/k_norm broadcast over their heads. Nothing is initialised twice and no
+intermediate concatenations are built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import CausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+                  "bf16": "bfloat16"}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class _Target:
+    dest: torch.Tensor  # a view into a model parameter
+    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """"auto" takes config.json's dtype (float32 when absent); else float32/bfloat16/float16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        name = config.torch_dtype or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu",
+               pack_weights: bool = True) -> tuple[CausalLM, ModelConfig]:
+    """Read config.json and the safetensors weights of `model_dir`; raises ValueError on any
+    problem with the checkpoint, naming the file or tensor at fault.
+
+    With `pack_weights` (the default) the projections are re-laid out for oneDNN where the CPU
+    and dtype allow it (see `CausalLM.pack_weights`); the logits are the same up to float
+    rounding either way."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    files = checkpoint_files(model_dir)
+    with torch.no_grad():
+        model = CausalLM(config, torch_dtype, device)
+        targets = _targets(model, config)
+        loaded: set[str] = set()
+        for file in files:
+            _load_file(file, targets, loaded, config)
+    missing = sorted(set(targets) - loaded, key=_natural_key)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)"
+                                           if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
+    model.eval()
+    if pack_weights:
+        model.pack_weights()
+    return model, config
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards named by model.safetensors.index.json, or (failing
+    both) every *.safetensors file in the directory."""
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                AttributeError) as e:
+            raise ValueError(f"cannot read shard index {str(index)!r}: {e!r}") from e
+        files = [model_dir / n for n in names]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"shard(s) listed in {str(index)!r} not found: {absent}")
+        if not files:
+            raise ValueError(f"shard index {str(index)!r} lists no files")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {str(model_dir)!r} (expected {SINGLE_FILE} "
+                         f"or {INDEX_FILE} with its shards)")
+    return files
+
+
+def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
+               config: ModelConfig) -> None:
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type for bad headers/lengths
+        raise ValueError(f"cannot read safetensors file {str(file)!r} (corrupted or "
+                         f"truncated?): {e}") from e
+    with handle as f:
+        for key in f.keys():
+            if _IGNORED.match(key):
+                continue
+            name = key  # the model tensor this checkpoint tensor fills
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                # Tied: the embedding matrix is the LM head. Some exports keep only this copy;
+                # use it unless the embedding itself has been loaded (if it comes later, it
+                # overwrites this).
+                name = "model.embed_tokens.weight"
+                if name in loaded:
+                    continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"unexpected tensor {key!r} in {str(file)!r} for "
+                                 f"{config.architecture} with {config.num_hidden_layers} layers")
+            try:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != target.shape:
+                    raise ValueError(f"tensor {key!r} in {str(file)!r} has shape "
+                                     f"{list(shape)}, expected {list(target.shape)}")
+                tensor = f.get_tensor(key)
+            except ValueError:
+                raise
+            except Exception as e:  # safetensors' own error types
+                raise ValueError(f"cannot read tensor {key!r} from {str(file)!r}: {e}") from e
+            if not tensor.is_floating_point():
+                raise ValueError(f"tensor {key!r} in {str(file)!r} has dtype {tensor.dtype}; "
+                                 "expected a floating-point tensor (quantised checkpoints are "
+                                 "not supported)")
+            target.dest.copy_(tensor)
+            loaded.add(name)
+
+
+def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
+    """Checkpoint tensor name -> where it goes in the model."""
+    c = config
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    h = c.num_attention_heads
+    t: dict[str, _Target] = {}
+
+    def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+        t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape)
+
+    add("model.embed_tokens.weight", model.embed_tokens)
+    add("model.norm.weight", model.norm)
+    if model.lm_head is not None:
+        add("lm_head.weight", model.lm_head)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", layer.input_layernorm)
+        add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+        add(p + "self_attn.q_proj.weight", layer.qkv_proj[:q])
+        add(p + "self_attn.k_proj.weight", layer.qkv_proj[q: q + kv])
+        add(p + "self_attn.v_proj.weight", layer.qkv_proj[q + kv:])
+        if layer.qkv_bias is not None:
+            add(p + "self_attn.q_proj.bias", layer.qkv_bias[:q])
+            add(p + "self_attn.k_proj.bias", layer.qkv_bias[q: q + kv])
+            add(p + "self_attn.v_proj.bias", layer.qkv_bias[q + kv:])
+        if layer.qk_norm is not None:
+            add(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
+            add(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
+        add(p + "self_attn.o_proj.weight", layer.o_proj)
+        if layer.o_bias is not None:
+            add(p + "self_attn.o_proj.bias", layer.o_bias)
+        add(p + "mlp.gate_proj.weight", layer.gate_up_proj[:inter])
+        add(p + "mlp.up_proj.weight", layer.gate_up_proj[inter:])
+        add(p + "mlp.down_proj.weight", layer.down_proj)
+        if layer.gate_up_bias is not None:
+            add(p + "mlp.gate_proj.bias", layer.gate_up_bias[:inter])
+            add(p + "mlp.up_proj.bias", layer.gate_up_bias[inter:])
+            add(p + "mlp.down_proj.bias", layer.down_bias)
+    return t
+
+
+def _natural_key(name: str) -> list[object]:
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]

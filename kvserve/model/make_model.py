@@ -1,0 +1,230 @@
+"""Write random-weight checkpoints in exactly the Hugging Face layout.
+
+The checkpoints load in kvserve and in transformers alike (`AutoModelForCausalLM.from_pretrained`),
+which is what the parity tests and benchmarks rely on. `ensure_default_model` builds the model an
+engine uses when none is given, once per cache directory.
+
+    python -m kvserve.model.make_model OUT_DIR --arch qwen2 --size small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "small")
+DEFAULT_ARCH = "qwen2"
+DEFAULT_SIZE = "tiny"
+_HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
+
+_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                 max_position_embeddings=2048),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
+                  max_position_embeddings=4096),
+}
+
+
+def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 0,
+              eos_token_id: int = 2) -> dict[str, Any]:
+    """The config.json transformers 5.24 writes for this architecture and size."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    s = dict(_SHAPES[size])
+    layers = s["num_hidden_layers"]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    if arch == "qwen3" and size == "tiny":
+        head_dim = 32  # deliberately != hidden_size / num_attention_heads
+    common: dict[str, Any] = {
+        "architectures": [_ARCHITECTURE[arch]],
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "dtype": dtype,
+        "eos_token_id": eos_token_id,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "model_type": arch,
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "transformers_version": _HF_VERSION,
+        "use_cache": True,
+        **s,
+    }
+    if arch == "llama":
+        original = s["max_position_embeddings"] // 4
+        extra = {
+            "attention_bias": False,
+            "head_dim": head_dim,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "rope_parameters": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                "original_max_position_embeddings": original,
+                                "rope_theta": 500000.0, "rope_type": "llama3"},
+            "tie_word_embeddings": False,
+        }
+    elif arch == "mistral":
+        extra = {
+            "head_dim": head_dim,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_window": None,  # full attention, as kvserve computes it
+            "tie_word_embeddings": False,
+        }
+    else:  # qwen2, qwen3
+        extra = {
+            "layer_types": ["full_attention"] * layers,
+            "max_window_layers": layers,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+        }
+        if arch == "qwen3":
+            extra.update(attention_bias=False, head_dim=head_dim)
+    return dict(sorted({**common, **extra}.items()))
+
+
+def random_weights(config: dict[str, Any], seed: int = 0,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named tensors: N(0, 0.02) matrices, zero biases, unit norms, drawn in a fixed order."""
+    gen = torch.Generator().manual_seed(seed)
+    h = config["hidden_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    std = config.get("initializer_range", 0.02)
+    qwen2 = config["model_type"] == "qwen2"
+    qwen3 = config["model_type"] == "qwen3"
+    out: dict[str, torch.Tensor] = {}
+
+    def normal(name: str, *shape: int) -> None:
+        out[name] = torch.empty(shape).normal_(0.0, std, generator=gen).to(dtype)
+
+    def const(name: str, value: float, *shape: int) -> None:
+        out[name] = torch.full(shape, value, dtype=dtype)
+
+    normal("model.embed_tokens.weight", vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        const(p + "input_layernorm.weight", 1.0, h)
+        normal(p + "self_attn.q_proj.weight", heads * head_dim, h)
+        normal(p + "self_attn.k_proj.weight", kv_heads * head_dim, h)
+        normal(p + "self_attn.v_proj.weight", kv_heads * head_dim, h)
+        if qwen2:
+            const(p + "self_attn.q_proj.bias", 0.0, heads * head_dim)
+            const(p + "self_attn.k_proj.bias", 0.0, kv_heads * head_dim)
+            const(p + "self_attn.v_proj.bias", 0.0, kv_heads * head_dim)
+        if qwen3:
+            const(p + "self_attn.q_norm.weight", 1.0, head_dim)
+            const(p + "self_attn.k_norm.weight", 1.0, head_dim)
+        normal(p + "self_attn.o_proj.weight", h, heads * head_dim)
+        const(p + "post_attention_layernorm.weight", 1.0, h)
+        normal(p + "mlp.gate_proj.weight", inter, h)
+        normal(p + "mlp.up_proj.weight", inter, h)
+        normal(p + "mlp.down_proj.weight", h, inter)
+    const("model.norm.weight", 1.0, h)
+    if not config.get("tie_word_embeddings", False):
+        normal("lm_head.weight", vocab, h)
+    return out
+
+
+def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE,
+               seed: int = 0, dtype: str = "float32", with_tokenizer: bool = True) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and (unless
+    `with_tokenizer` is False) tokenizer.json/tokenizer_config.json into `out_dir`."""
+    out = Path(out_dir)
+    bos, eos = 0, 2
+    train_tokenizer = None
+    if with_tokenizer:
+        from kvserve import tokenizer as tok  # lazy: only needed when writing a tokenizer
+
+        train_tokenizer = tok.train_tokenizer
+        bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID
+    config = hf_config(arch, size, dtype, bos, eos)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(random_weights(config, seed, torch_dtype), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {
+        "_from_model_config": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "output_attentions": False,
+        "output_hidden_states": False,
+        "transformers_version": _HF_VERSION,
+        "use_cache": True,
+    })
+    if train_tokenizer is not None:
+        train_tokenizer(out, config["vocab_size"],
+                        model_max_length=config["max_position_embeddings"])
+    return out
+
+
+def default_model_path() -> Path:
+    """$KVSERVE_CACHE_DIR (default ~/.cache/kvserve) / default-qwen2-tiny."""
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join("~", ".cache", "kvserve")
+    return Path(root).expanduser() / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}"
+
+
+def ensure_default_model() -> Path:
+    """Create the default model once and return its directory.
+
+    It is built in a private temporary directory next to the target and renamed into place, so a
+    reader never sees a half-written model and two processes racing here both end up with one
+    complete copy (the loser of the rename discards its own).
+    """
+    path = default_model_path()
+    if path.is_dir():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        make_model(tmp, DEFAULT_ARCH, DEFAULT_SIZE, seed=0)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight HF checkpoint.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
+    parser.add_argument("--size", choices=SIZES, default=DEFAULT_SIZE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        default="float32")
+    args = parser.parse_args(argv)
+    print(make_model(args.out_dir, args.arch, args.size, args.seed, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""kvserve's decoder against transformers' own implementations, on random weights.
+
+Every reference model is built and saved by transformers itself (`save_pretrained`), then loaded
+by `kvserve.model.loader.load_model`; logits must agree to 1e-4 in float32. Norm weights and
+biases are re-randomised before saving (transformers initialises them to 1 and 0), so a wrong
+mapping of either cannot hide.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from kvserve.model.decoder import CausalLM, onednn_available, rope_inv_freq  # noqa: E402
+from kvserve.model.loader import load_model  # noqa: E402
+from kvserve.model.make_model import (ARCHS, default_model_path, ensure_default_model,  # noqa: E402
+                                      make_model)
+
+transformers.logging.set_verbosity_error()
+HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer") is not None
+
+ATOL = 1e-4
+VOCAB = 320
+LENGTHS = (1, 7, 40)
+
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+              initializer_range=0.08, bos_token_id=0, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+# name -> (config class, model class, config overrides)
+VARIANTS = {
+    # untied, llama3 RoPE scaling
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)),
+    # q/k/v/o and MLP biases, linear RoPE scaling, tied, multi-query attention
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1,
+                        tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                         "rope_theta": 10000.0})),
+    # tied, qkv bias always on
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 1e6})),
+    # head_dim 32 != 64 / 4, q/k norms
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # sliding_window set in config (ignored: sequences here are shorter than it)
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(sliding_window=4096, num_key_value_heads=4, tie_word_embeddings=False)),
+}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def build_hf(variant: str, seed: int = 0, **overrides):
+    cfg_name, model_name, extra = VARIANTS[variant]
+    config = getattr(transformers, cfg_name)(**{**_SMALL, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def causal_attn(scale: float):
+    """One sequence, plain causal attention with GQA: enough to run the model without a cache."""
+
+    def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        return o.transpose(0, 1)
+
+    return attend
+
+
+def kv_logits(model: CausalLM, config: ModelConfig, ids: torch.Tensor,
+              start: int = 0) -> torch.Tensor:
+    positions = torch.arange(start, start + ids.shape[0])
+    with torch.inference_mode():
+        hidden = model(ids, positions, causal_attn(config.attention_scale))
+        return model.compute_logits(hidden)
+
+
+def hf_logits(model, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    positions = torch.arange(start, start + ids.shape[0])[None]
+    with torch.no_grad():
+        return model(ids[None], position_ids=positions).logits[0].float()
+
+
+def token_ids(n: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """variant -> (transformers model, directory it was saved to); built once per module."""
+    cache: dict[str, tuple[object, Path]] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            model = build_hf(variant)
+            path = tmp_path_factory.mktemp(variant)
+            model.save_pretrained(path)
+            cache[variant] = (model, path)
+        return cache[variant]
+
+    return get
+
+
+# -- float32 parity ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "dense"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers(saved, variant, pack):
+    hf, path = saved(variant)
+    model, config = load_model(path, pack_weights=pack)
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.packed == (pack and onednn_available(torch.float32, torch.device("cpu")))
+    for i, n in enumerate(LENGTHS):
+        ids = token_ids(n, seed=100 + i)
+        ref = hf_logits(hf, ids)
+        out = kv_logits(model, config, ids)
+        assert out.dtype == torch.float32 and out.shape == (n, VOCAB)
+        assert ref.abs().max() > 0.5  # the comparison is not between near-zero logits
+        diff = (out - ref).abs().max().item()
+        assert diff < ATOL, f"{variant} length {n}: max abs diff {diff}"
+    # Late positions exercise the far end of the RoPE cache.
+    ids = token_ids(7, seed=99)
+    start = config.max_position_embeddings - 7
+    diff = (kv_logits(model, config, ids, start) - hf_logits(hf, ids, start)).abs().max().item()
+    assert diff < ATOL, f"{variant} at positions {start}+: max abs diff {diff}"
+    # The (scaled) inverse frequencies are bit-identical to transformers'.
+    assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
+
+
+def test_config_fields_from_transformers(saved):
+    _, path = saved("qwen3")
+    c = ModelConfig.from_dir(path)
+    assert (c.architecture, c.head_dim, c.num_key_value_heads, c.qk_norm) == \
+        ("Qwen3ForCausalLM", 32, 2, True)
+    assert not c.tie_word_embeddings and c.rope_scaling is None and c.torch_dtype == "float32"
+    c = ModelConfig.from_dir(saved("llama")[1])
+    assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3"
+    assert c.rope_scaling["original_max_position_embeddings"] == 64
+    c = ModelConfig.from_dir(saved("qwen2")[1])
+    assert c.attention_bias and c.tie_word_embeddings and c.rope_theta == 1e6
+    c = ModelConfig.from_dir(saved("mistral")[1])
+    assert c.sliding_window == 4096 and not c.attention_bias
+
+
+def test_legacy_v4_config_layout():
+    """transformers 4 wrote rope_theta/rope_scaling/torch_dtype at the top level."""
+    d = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 100,
+         "rope_theta": 500000.0, "torch_dtype": "bfloat16", "max_position_embeddings": 1024,
+         "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0}}
+    c = ModelConfig.from_dict(d)
+    assert c.rope_theta == 500000.0 and c.torch_dtype == "bfloat16"
+    assert c.num_key_value_heads == 4 and c.head_dim == 16
+    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+# -- paged attention --------------------------------------------------------------------------
+def test_paged_backend_prefill_chunk_and_decode(saved):
+    """Two steps through TorchAttentionBackend with scattered block tables: step 1 prefills A
+    (19 tokens) and C (9 tokens); step 2 prefills B from scratch, continues C with a 6-token
+    chunk on its cached context, and decodes A's 20th token from its cache."""
+    hf, path = saved("qwen3")
+    model, config = load_model(path)
+    bs, num_blocks = 4, 24
+    kv_caches = [(torch.zeros(num_blocks, bs, config.num_key_value_heads, config.head_dim),
+                  torch.zeros(num_blocks, bs, config.num_key_value_heads, config.head_dim))
+                 for _ in range(config.num_hidden_layers)]
+    backend = TorchAttentionBackend(kv_caches, bs, config.attention_scale)
+    seqs = {"A": token_ids(20, 1), "B": token_ids(11, 2), "C": token_ids(15, 3)}
+    tables = {"A": [5, 2, 17, 0, 9], "B": [1, 23, 8], "C": [12, 4, 6, 20]}
+    refs = {name: hf_logits(hf, ids) for name, ids in seqs.items()}
+
+    def step(parts: list[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
+        """parts: (sequence, first position, last position + 1), prefills first."""
+        ids, pos, slots, prefills, decodes = [], [], [], [], []
+        for name, lo, hi in parts:
+            sl = SequenceSlice(len(ids), hi - lo, hi, tables[name])
+            (prefills if hi - lo > 1 else decodes).append(sl)
+            ids += seqs[name][lo:hi].tolist()
+            pos += range(lo, hi)
+            slots += [tables[name][p // bs] * bs + p % bs for p in range(lo, hi)]
+        meta = AttentionMetadata(torch.tensor(slots), prefills, decodes,
+                                 sum(s.query_len for s in prefills))
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), backend.bind(meta))
+            logits = model.compute_logits(hidden)
+        out, row = {}, 0
+        for name, lo, hi in parts:
+            out[name] = logits[row: row + hi - lo]
+            row += hi - lo
+        return out
+
+    first = step([("A", 0, 19), ("C", 0, 9)])
+    torch.testing.assert_close(first["A"], refs["A"][:19], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first["C"], refs["C"][:9], atol=ATOL, rtol=0)
+    second = step([("B", 0, 11), ("C", 9, 15), ("A", 19, 20)])
+    torch.testing.assert_close(second["B"], refs["B"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second["C"], refs["C"][9:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second["A"], refs["A"][19:], atol=ATOL, rtol=0)
+
+
+# -- dtypes and checkpoint layouts ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_load(saved, dtype):
+    hf, path = saved("llama")
+    model, config = load_model(path, dtype=str(dtype).removeprefix("torch."))
+    assert all(p.dtype == dtype for p in model.parameters())
+    ids = token_ids(40, 7)
+    ref = hf_logits(hf, ids)
+    out = kv_logits(model, config, ids)
+    assert out.dtype == torch.float32
+    # Loose: half-precision rounding of weights and activations.
+    assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_auto_dtype_follows_config(tmp_path):
+    hf = build_hf("qwen2").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    model, config = load_model(tmp_path)
+    assert config.torch_dtype == "bfloat16"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids = token_ids(7, 8)
+    ref = hf_logits(hf, ids)
+    out = kv_logits(model, config, ids)
+    assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    model32, _ = load_model(tmp_path, dtype="float32")
+    assert next(model32.parameters()).dtype == torch.float32
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = build_hf("mistral", seed=3)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    model, config = load_model(tmp_path)
+    ids = token_ids(7, 9)
+    assert (kv_logits(model, config, ids) - hf_logits(hf, ids)).abs().max().item() < ATOL
+
+
+# -- make_model -------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_make_model_loads_in_both(tmp_path, arch):
+    path = make_model(tmp_path / arch, arch, "tiny", seed=1, with_tokenizer=HAVE_TOKENIZER)
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= names
+    if HAVE_TOKENIZER:
+        assert "tokenizer.json" in names
+    model, config = load_model(path)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(hf).__name__ == config.architecture
+    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
+    if arch == "qwen3":
+        assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    gen_cfg = json.loads((path / "generation_config.json").read_text())
+    assert gen_cfg["eos_token_id"] == config.eos_token_id == 2
+    assert gen_cfg["bos_token_id"] == config.bos_token_id == 0
+    for n in (1, 40):
+        ids = token_ids(n, 11, config.vocab_size)
+        assert (kv_logits(model, config, ids) - hf_logits(hf.eval(), ids)).abs().max() < ATOL
+
+
+def test_make_model_is_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    a = load_file(make_model(tmp_path / "a", "llama", "tiny", seed=5, with_tokenizer=False)
+                  / "model.safetensors")
+    b = load_file(make_model(tmp_path / "b", "llama", "tiny", seed=5, with_tokenizer=False)
+                  / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not HAVE_TOKENIZER, reason="kvserve.tokenizer not available yet")
+def test_ensure_default_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    path = ensure_default_model()
+    assert path == default_model_path() == tmp_path / "default-qwen2-tiny"
+    assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary leftovers
+    load_model(path)
+
+
+# -- broken checkpoints -----------------------------------------------------------------------
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    return make_model(tmp_path / "m", "llama", "tiny", with_tokenizer=False)
+
+
+def test_unsupported_architecture(tiny_ckpt):
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tiny_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
+        load_model(tiny_ckpt)
+    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_missing_config(tiny_ckpt, tmp_path):
+    (tiny_ckpt / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tiny_ckpt)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_invalid_config(tiny_ckpt):
+    (tiny_ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot parse"):
+        load_model(tiny_ckpt)
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "intermediate_size": 128}
+    (tiny_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_model(tiny_ckpt)
+
+
+def test_missing_tensor(tiny_ckpt):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny_ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tiny_ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tiny_ckpt)
+
+
+def test_wrong_shape(tiny_ckpt):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny_ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    save_file(tensors, tiny_ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=r"k_proj\.weight.*shape"):
+        load_model(tiny_ckpt)
+
+
+def test_truncated_safetensors(tiny_ckpt):
+    f = tiny_ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(tiny_ckpt)
+    f.write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(tiny_ckpt)
+
+
+def test_no_weights(tiny_ckpt):
+    (tiny_ckpt / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no safetensors"):
+        load_model(tiny_ckpt)
+
+
+def test_tied_checkpoint_with_only_lm_head(tmp_path):
+    """Some exports of tied models store the shared matrix as lm_head.weight only."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build_hf("qwen2", seed=4)
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, config = load_model(tmp_path)
+    ids = token_ids(7, 12)
+    assert (kv_logits(model, config, ids) - hf_logits(hf, ids)).abs().max().item() < ATOL
