@@ -23,7 +23,7 @@ from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa:
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
 from kvserve.model.decoder import CausalLM, onednn_available, rope_inv_freq  # noqa: E402
 from kvserve.model.loader import load_model  # noqa: E402
-from kvserve.model.make_model import (ARCHS, default_model_path, ensure_default_model,  # noqa: E402
+from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
 
 transformers.logging.set_verbosity_error()
@@ -303,7 +303,7 @@ def test_make_model_is_deterministic(tmp_path):
 def test_ensure_default_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     path = ensure_default_model()
-    assert path == default_model_path() == tmp_path / "default-qwen2-tiny"
+    assert path == default_model_path() == tmp_path / f"default-qwen2-tiny-v{DEFAULT_MODEL_VERSION}"
     assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model() == path

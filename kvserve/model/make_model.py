@@ -34,7 +34,7 @@ _SHAPES = {
                  max_position_embeddings=2048),
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
-                  max_position_embeddings=4096),
+                  max_position_embeddings=8192),
 }
 
 
@@ -178,10 +178,16 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     return out
 
 
+# Bump when make_model or the tokenizer trainer changes what they write, so that a cached default
+# model from an older kvserve is not reused.
+DEFAULT_MODEL_VERSION = 1
+
+
 def default_model_path() -> Path:
-    """$KVSERVE_CACHE_DIR (default ~/.cache/kvserve) / default-qwen2-tiny."""
+    """$KVSERVE_CACHE_DIR (default ~/.cache/kvserve) / default-qwen2-tiny-v<N>."""
     root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join("~", ".cache", "kvserve")
-    return Path(root).expanduser() / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}"
+    return (Path(root).expanduser()
+            / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}-v{DEFAULT_MODEL_VERSION}")
 
 
 def ensure_default_model() -> Path:
