@@ -100,7 +100,7 @@ class PrefixIndex:
         rest = tokens[start:start + bs]
         if rest:
             for child in node.by_first_token.get(rest[0], ()):
-                n = _common_prefix(child.tokens, rest)
+                n = common_prefix(child.tokens, rest)
                 if n > result.partial_len:
                     result.partial, result.partial_len = child, n
         return result
@@ -216,7 +216,7 @@ class PrefixIndex:
         assert sum(self.pool.cached) == seen, "cached flags disagree with the tree"
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -160,12 +160,27 @@ class DecoderLayer(nn.Module):
         self._linear_add = _dense_linear_add
 
     def pack_weights(self) -> None:
-        """Replace the four projection matrices by oneDNN-packed copies (frees the dense ones)."""
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        """Replace the projection matrices by oneDNN-packed copies (frees the dense ones).
+
+        Gate and up are packed apart: SiLU then runs as the gate GEMM's epilogue and the product
+        as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
+        SwiGLU element-wise work was ~12% of a decode step).
+        """
+        for name in ("qkv_proj", "o_proj", "down_proj"):
             setattr(self, name, nn.Parameter(_onednn_pack(getattr(self, name)),
                                              requires_grad=False))
+        i = self.intermediate_size
+        gate, up = self.gate_up_proj[:i], self.gate_up_proj[i:]
+        self.gate_proj = nn.Parameter(_onednn_pack(gate), requires_grad=False)
+        self.up_proj = nn.Parameter(_onednn_pack(up), requires_grad=False)
+        bias = self.gate_up_bias
+        self.gate_bias = None if bias is None else bias[:i].contiguous()
+        self.up_bias = None if bias is None else bias[i:].contiguous()
+        del self.gate_up_proj
+        self.gate_up_proj = None
         self._linear = _onednn_linear
         self._linear_add = _onednn_linear_add
+        self._swiglu = self._swiglu_fused
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
@@ -185,10 +200,18 @@ class DecoderLayer(nn.Module):
         hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
 
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
+        return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
         act = F.silu(gate_up[:, : self.intermediate_size])
-        act.mul_(gate_up[:, self.intermediate_size:])
-        return self._linear_add(act, hidden, self.down_proj, self.down_bias)
+        return act.mul_(gate_up[:, self.intermediate_size:])
+
+    def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_proj, self.gate_bias, "swish",
+                                                  [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_proj, self.up_bias,
+                                                         "mul")
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
