@@ -72,3 +72,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from kvserve.model.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny") / "qwen2-tiny", arch="qwen2", size="tiny")
+
+
+@pytest.fixture(autouse=True)
+def _check_invariants_after_every_step(monkeypatch):
+    """Every engine step in every test is followed by the engine's invariant check."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    original = LLMEngine.step
+
+    def checked_step(self, *args, **kwargs):
+        outputs = original(self, *args, **kwargs)
+        self.check_invariants()
+        return outputs
+
+    monkeypatch.setattr(LLMEngine, "step", checked_step)

@@ -90,6 +90,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.llm = llm
         self.engine = llm.engine
+        self.engine.reset_prefix_cache()  # each example starts from an empty cache
         self.live: list[str] = []
 
     @rule(prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 30),

@@ -117,7 +117,7 @@ class PrefixIndex:
     def insert(self, parent: Node, tokens: Sequence[int], block_hash: int, block: int,
                priority: int = 0) -> Node:
         """Add one full block under `parent`; if the same content is cached already, the
-        existing node is returned and `block` stays private to its request."""
+        existing node is returned (and its block is the one to use from now on)."""
         existing = parent.children.get(block_hash)
         if existing is not None:
             self.touch([existing], priority)
