@@ -61,7 +61,8 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed + self.index)
+            self.generator = torch.Generator().manual_seed(
+                (self.sampling_params.seed + self.index) % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:

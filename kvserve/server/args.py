@@ -1,0 +1,42 @@
+"""The `kvserve serve` flags beyond the shared engine flags of `kvserve.cli.add_engine_args`
+(vLLM's names). Only argparse here, so that building the CLI parser stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+
+SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+
+
+def kv_cache_dtype(value: str) -> str:
+    if value not in SUPPORTED_KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"kv cache dtype {value!r} is not supported yet; only 'auto' (the KV cache uses the "
+            "model's dtype) is")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV of shared prompt prefixes "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                        help="where the model and the KV cache live (default: cpu)")
+    parser.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
+                        help="only 'auto' for now")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) the API answers to (default: MODEL, or 'default' "
+                        "for the embedded default model); the first one is used in responses")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* and "
+                        "/reset_prefix_cache")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="refuse new requests with 429 while this many wait (default 1024)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic throughput/cache log line")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -1,0 +1,42 @@
+"""`kvserve serve`: load the engine, then serve the API with uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvserve.logging_setup import init_logging
+
+logger = logging.getLogger("kvserve")
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [args.model if args.model is not None else "default"]
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    import uvicorn
+
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.server.app import build_app
+
+    init_logging()
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    engine_kwargs = dict(engine_kwargs, enable_prefix_caching=args.enable_prefix_caching,
+                         device=args.device)
+    engine = AsyncLLMEngine.from_kwargs(max_waiting_requests=args.max_waiting_requests,
+                                        log_stats=not args.disable_log_stats,
+                                        log_interval=args.log_stats_interval, **engine_kwargs)
+    names = served_names(args)
+    app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"))
+    logger.info("serving %s (%s) on http://%s:%d", names[0], engine.config.model, args.host,
+                args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
+    return 0

@@ -1,0 +1,171 @@
+"""Prometheus metrics for the server, in a dedicated CollectorRegistry, under vLLM's metric names
+with the `kvserve:` prefix.
+
+`PrometheusStatLogger` is a `StatLogger` of the AsyncLLMEngine: it runs on the engine loop
+thread after every step (prometheus_client's metrics are thread safe, so `/metrics` can be
+scraped from the asyncio thread at any time).
+
+Latency figures per request:
+* TTFT (`time_to_first_token_seconds`) and queue time (`request_queue_time_seconds`, arrival to
+  first scheduled) are observed when the request's first token appears (streaming requests) or
+  when it finishes (the others report only then).
+* Inter-token latency: a streaming request reports after every step that gave it a token, so each
+  gap is observed as it happens. A non-streaming request reports once, at the end, so its mean gap
+  ((last token - first token) / (tokens - 1)) is observed once per gap.
+* End-to-end latency (`e2e_request_latency_seconds`) on finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+
+__all__ = ["PrometheusStatLogger", "CONTENT_TYPE_LATEST"]
+
+disable_created_metrics()  # no `_created` series: vLLM's exposition has none either
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _RequestTimes:
+    __slots__ = ("first_seen", "last_token_time", "num_tokens")
+
+    def __init__(self) -> None:
+        self.first_seen = False
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, labels + list(extra), registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.prefix_cache_queries = counter(
+            "kvserve:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "kvserve:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("kvserve:num_preemptions",
+                                       "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("kvserve:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("kvserve:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self.request_success = counter("kvserve:request_success",
+                                       "Count of finished requests.", ["finished_reason"])
+        self.kv_cache_usage = gauge("kvserve:kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage (idle cached "
+                                    "prefix blocks count as free).")
+        self.num_running = gauge("kvserve:num_requests_running",
+                                 "Number of sequences in model execution batches.")
+        self.num_waiting = gauge("kvserve:num_requests_waiting",
+                                 "Number of sequences waiting to be processed.")
+        self.ttft = histogram("kvserve:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("kvserve:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e = histogram("kvserve:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("kvserve:request_queue_time_seconds",
+                                    "Histogram of time spent in the waiting queue (arrival to "
+                                    "first scheduled) in seconds.", _LATENCY_BUCKETS)
+        self._label = {"model_name": model_name}
+        self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
+                          if isinstance(m, (Counter, Gauge, Histogram))
+                          and name != "request_success"}
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def m(self, name: str):
+        return self._children[name]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- StatLogger -------------------------------------------------------------------------
+    def _engine_gauges(self, engine: LLMEngine) -> None:
+        kv, sched = engine.kv, engine.scheduler
+        self.m("kv_cache_usage").set(kv.usage)
+        self.m("num_running").set(len(sched.running))
+        self.m("num_waiting").set(len(sched.waiting))
+        # The engine's counters only grow, except a prefix-cache reset may restart them.
+        q, h, p = kv.prefix_cache_queries, kv.prefix_cache_hits, sched.num_preemptions
+        if q >= self._last_queries and h >= self._last_hits:
+            self.m("prefix_cache_queries").inc(q - self._last_queries)
+            self.m("prefix_cache_hits").inc(h - self._last_hits)
+        self._last_queries, self._last_hits = q, h
+        if p >= self._last_preemptions:
+            self.m("num_preemptions").inc(p - self._last_preemptions)
+        self._last_preemptions = p
+
+    def on_idle(self, engine: LLMEngine) -> None:
+        self._engine_gauges(engine)
+
+    def on_request_gone(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput],
+                streaming, now: float) -> None:
+        self._engine_gauges(engine)
+        for out in outputs:
+            st = self._requests.get(out.request_id)
+            if st is None:
+                st = self._requests[out.request_id] = _RequestTimes()
+            met = out.metrics
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            new_tokens = num_tokens - st.num_tokens
+            if new_tokens > 0:
+                self.m("generation_tokens").inc(new_tokens)
+            if not st.first_seen and met.first_token_time is not None:
+                st.first_seen = True
+                self.m("prompt_tokens").inc(len(out.prompt_token_ids))
+                self.m("ttft").observe(max(0.0, met.first_token_time - met.arrival_time))
+                if met.first_scheduled_time is not None:
+                    self.m("queue_time").observe(
+                        max(0.0, met.first_scheduled_time - met.arrival_time))
+            if out.request_id in streaming:
+                if st.last_token_time is not None and met.last_token_time is not None \
+                        and new_tokens > 0:
+                    self.m("itl").observe(max(0.0, met.last_token_time - st.last_token_time))
+            elif out.finished:
+                for c in out.outputs:  # one report at the end: its mean gap, once per gap
+                    gaps = len(c.token_ids) - 1
+                    if gaps > 0 and met.first_token_time is not None \
+                            and met.last_token_time is not None:
+                        mean = max(0.0, met.last_token_time - met.first_token_time) / gaps
+                        hist = self.m("itl")
+                        for _ in range(gaps):
+                            hist.observe(mean)
+            st.num_tokens = num_tokens
+            st.last_token_time = met.last_token_time
+            if out.finished:
+                if met.finished_time is not None:
+                    self.m("e2e").observe(max(0.0, met.finished_time - met.arrival_time))
+                for c in out.outputs:
+                    self.request_success.labels(model_name=self._label["model_name"],
+                                                finished_reason=c.finish_reason or "abort").inc()
+                self._requests.pop(out.request_id, None)

@@ -1,0 +1,134 @@
+"""Request bodies of the OpenAI-compatible API (pydantic v2), and the error shape.
+
+The models are strict (a string is not a number, a number is not a string) and refuse
+non-finite floats, so that every malformed body is a 400 before it reaches the engine. The
+ranges of the sampling fields are repeated here so that the OpenAPI schema documents them; the
+checks that need the model (prompt length against max_model_len, token ids against the
+vocabulary) and cache_salt's rules stay in `LLMEngine.add_request`, and `SamplingParams`
+re-checks everything: their ValueError is a 400 too. Some bounds are the server's own (how many
+samples, how many logprobs, the seed's width, how many stop strings), and the OpenAI fields
+kvserve does not implement are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Limits of this server (vLLM's max_logprobs default is 20; OpenAI caps n at 128).
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+MaxTokens = Annotated[int, Field(ge=1)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields common to both endpoints (OpenAI's, then vLLM's extensions)."""
+
+    model: Optional[str] = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Optional[Annotated[float, Field(ge=0)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    seed: Optional[Seed] = None
+    stop: Optional[Union[StopString, Annotated[list[StopString],
+                                               Field(max_length=MAX_STOP)]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM's extra sampling parameters
+    top_k: Optional[Annotated[int, Field(ge=-1)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0)]] = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=1024)]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: Optional[str] = None
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[Annotated[str, Field(min_length=1)],
+                  Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]]
+    max_tokens: Optional[MaxTokens] = 16
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[MaxTokens] = None
+    max_completion_tokens: Optional[MaxTokens] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+          503: "server_error"}
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as OpenAI's {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | int | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
+                                       else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return APIError(status, message, param=param, code=code).body()

@@ -1,0 +1,553 @@
+"""The /v1/completions and /v1/chat/completions handlers: request -> engine requests -> OpenAI
+response objects (JSON or server-sent events).
+
+Engine outputs are cumulative (full text and tokens so far); the streaming code keeps per-choice
+cursors and sends only what is new. While a choice is running, trailing text that could be the
+start of a stop string is held back (the engine cuts the text at a stop string, so text sent
+too early could not be taken back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineQueueFullError,
+                                         EngineStepError, RequestStream)
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling import SamplingParams
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.tokenizer import holdback
+
+logger = logging.getLogger("kvserve")
+
+# Text longer than this is tokenized in a worker thread, keeping the event loop responsive.
+_TOKENIZE_INLINE_CHARS = 8192
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """Map what adding or running a request raised to an HTTP error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (ValueError, TypeError)):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineQueueFullError):
+        return APIError(429, str(exc), code="rate_limit_exceeded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc))
+    logger.error("request failed: %r", exc, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes byte b as one printable character: b itself for the printable
+    Latin-1 bytes, 256 + k for the k-th of the others (the GPT-2 scheme). Inverse map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: b for b in printable}
+    k = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + k
+            k += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _byte_level_alphabet()
+
+
+def _lp(value: float) -> float:
+    return value if value == value and value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _Prepared:
+    """An endpoint's request, turned into engine inputs."""
+
+    prompts: list[dict[str, Any]]
+    params: SamplingParams
+    stop_list: list[str]
+    engine_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _ChoiceCursor:
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str]) -> None:
+        self.engine = engine
+        self.model_names = list(served_model_names)
+        self.tokenizer = engine.tokenizer
+        self._token_strs: dict[int, tuple[str, bytes, int]] = {}
+
+    # -- shared -----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+        return model
+
+    def token_str(self, token_id: int) -> str:
+        """How a token is shown in logprobs: its text, or (for a token that is only part of a
+        UTF-8 character) OpenAI's "bytes:\\xNN" form, so that different tokens never share a
+        name in `top_logprobs`."""
+        return self._token_info(token_id)[0]
+
+    def token_text_len(self, token_id: int) -> int:
+        return self._token_info(token_id)[2]
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self._token_info(token_id)[1])
+
+    def _token_info(self, token_id: int) -> tuple[str, bytes, int]:
+        info = self._token_strs.get(token_id)
+        if info is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw, length = text.encode(), len(text)
+            if "\ufffd" in text:
+                piece = self.tokenizer.id_to_token(token_id)
+                if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
+                    raw = bytes(_BYTE_DECODER[ch] for ch in piece)  # byte-level BPE
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            info = (text, raw, length)
+            if len(self._token_strs) < 1_000_000:
+                self._token_strs[token_id] = info
+        return info
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    @staticmethod
+    def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        kw: dict[str, Any] = dict(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def _add_all(self, prep: _Prepared, base_id: str, req, streaming: bool,
+                       arrival: float) -> list[RequestStream]:
+        """Add one engine request per prompt, all in one go (the loop thread takes them in one
+        batch); all or nothing."""
+        prep.engine_ids = [f"{base_id}-{i}" for i in range(len(prep.prompts))]
+        adds = [self.engine.add_request(rid, prompt, prep.params, stream=streaming,
+                                        cache_salt=req.cache_salt, priority=req.priority,
+                                        arrival_time=arrival)
+                for rid, prompt in zip(prep.engine_ids, prep.prompts)]
+        try:
+            results = await asyncio.gather(*adds, return_exceptions=True)
+        except BaseException:  # cancelled: whatever was added goes
+            for rid in prep.engine_ids:
+                self.engine.abort(rid)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid in prep.engine_ids:
+                self.engine.abort(rid)
+            # the most telling error: the caller's (400) before the server's state (429, 503)
+            errors.sort(key=lambda e: 0 if isinstance(e, (ValueError, TypeError)) else 1)
+            raise engine_error(errors[0]) from errors[0]
+        return list(results)
+
+    def _abort_all(self, prep: _Prepared, streams: Sequence[RequestStream]) -> None:
+        for rid, rs in zip(prep.engine_ids, streams):
+            if not rs.finished:
+                self.engine.abort(rid)
+
+    async def _collect(self, raw: Request, prep: _Prepared,
+                       streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """Wait for every stream to finish, or for the client to go (then abort; None)."""
+        async def final(rs: RequestStream) -> RequestOutput:
+            while True:
+                out = await rs.get()
+                if out.finished:
+                    return out
+
+        tasks = [asyncio.ensure_future(final(rs)) for rs in streams]
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        pending = set(tasks)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | {watcher},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    logger.debug("client disconnected: aborting %s", prep.engine_ids)
+                    return None
+                errors = [t.exception() for t in done if t.exception() is not None]
+                if errors:
+                    raise errors[0]
+                pending -= done
+            return [t.result() for t in tasks]
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        finally:
+            watcher.cancel()
+            for t in pending:
+                t.cancel()
+            self._abort_all(prep, streams)
+
+    @staticmethod
+    async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several streams as they come, tagged with the stream's position."""
+        if len(streams) == 1:
+            rs = streams[0]
+            while not rs.finished:
+                yield 0, await rs.get()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, rs: RequestStream) -> None:
+            try:
+                while not rs.finished:
+                    queue.put_nowait((i, await rs.get()))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, rs)) for i, rs in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def _usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
+        outs = [o for o in outputs if o is not None]
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _text_delta(self, c: CompletionOutput, cur: _ChoiceCursor,
+                    stop_list: list[str]) -> str:
+        """New text of a choice, holding back a possible stop-string prefix while it runs."""
+        text = c.text
+        end = len(text)
+        if c.finish_reason is None and stop_list:
+            end -= holdback(text, stop_list)
+        if end <= cur.text_len:
+            return ""
+        delta = text[cur.text_len:end]
+        cur.text_len = end
+        return delta
+
+    # -- /v1/completions --------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        model = self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must be equal to n (or unset)", param="best_of")
+        prompts = await self._completion_prompts(req.prompt)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        prep = _Prepared(prompts, params, params.stop_list)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await self._add_all(prep, cid, req, req.stream, arrival)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _event_stream(self._completion_events(prep, streams, cid, created, model,
+                                                         req, include_usage),
+                                 lambda: self._abort_all(prep, streams))
+        outputs = await self._collect(raw, prep, streams)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = []
+        for p, out in enumerate(outputs):
+            for c in out.outputs:
+                choices.append({
+                    "index": p * req.n + c.index, "text": c.text,
+                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0)[0]
+                    if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices,
+                             "usage": self._usage(outputs)})
+
+    async def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append({"prompt": item, "prompt_token_ids": await self._encode(item)})
+            else:
+                out.append({"prompt_token_ids": list(item)})
+        return out
+
+    def _completion_logprobs(self, token_ids: Sequence[int],
+                             logprobs: Sequence[dict[int, float]] | None,
+                             text_offset: int) -> tuple[dict[str, Any] | None, int]:
+        if logprobs is None:
+            return None, text_offset
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lps in zip(token_ids, logprobs):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(_lp(lps.get(tid, _MIN_LOGPROB)))
+            top: dict[str, float] = {}
+            for t, v in sorted(lps.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token_str(t), _lp(v))
+            tops.append(top)
+            offsets.append(text_offset)
+            text_offset += self.token_text_len(tid)
+        return ({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                 "text_offset": offsets}, text_offset)
+
+    async def _completion_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
+                                 created: int, model: str, req: CompletionRequest,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        n = req.n
+        cursors = [[_ChoiceCursor() for _ in range(n)] for _ in streams]
+        last: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for p, out in self._merge(streams):
+                last[p] = out
+                for c in out.outputs:
+                    cur = cursors[p][c.index]
+                    if cur.done:
+                        continue
+                    delta = self._text_delta(c, cur, prep.stop_list)
+                    lp = None
+                    if req.logprobs is not None and c.logprobs is not None \
+                            and len(c.token_ids) > cur.num_tokens:
+                        lp, cur.text_offset = self._completion_logprobs(
+                            c.token_ids[cur.num_tokens:], c.logprobs[cur.num_tokens:],
+                            cur.text_offset)
+                        cur.num_tokens = len(c.token_ids)
+                    finished = c.finish_reason is not None
+                    if not delta and lp is None and not finished:
+                        continue
+                    cur.done = finished
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": model, "choices": [{
+                                    "index": p * n + c.index, "text": delta,
+                                    "logprobs": lp if req.logprobs is not None else None,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason}]})
+            if include_usage:
+                yield _sse({"id": cid, "object": "text_completion", "created": created,
+                            "model": model, "choices": [], "usage": self._usage(last)})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # headers are out: report in the stream, then end it
+            err = engine_error(exc)
+            yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:  # also on cancellation / GeneratorExit when the client went away
+            self._abort_all(prep, streams)
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        model = self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text is not supported",
+                           param="response_format")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported",
+                           param="tool_choice")
+        prompt = await self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs)
+        prep = _Prepared([prompt], params, params.stop_list)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await self._add_all(prep, cid, req, req.stream, arrival)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _event_stream(self._chat_events(prep, streams, cid, created, model, req,
+                                                   include_usage),
+                                 lambda: self._abort_all(prep, streams))
+        outputs = await self._collect(raw, prep, streams)
+        if outputs is None:
+            return Response(status_code=499)
+        out = outputs[0]
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs)
+                    if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
+                             "model": model, "choices": choices, "usage": self._usage(outputs)})
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.content is None:
+                content = ""
+            elif isinstance(m.content, str):
+                content = m.content
+            else:
+                content = "\n".join(part.text for part in m.content)
+            msg: dict[str, Any] = {"role": m.role, "content": content}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+                  if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools if req.tools else None, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        except Exception as exc:  # a template is user-supplied code: any failure is a 400
+            raise APIError(400, f"chat template error: {type(exc).__name__}: {exc}",
+                           param="messages") from exc
+        return {"prompt": text, "prompt_token_ids": await self._encode(text, False)}
+
+    def _chat_logprobs(self, token_ids: Sequence[int],
+                       logprobs: Sequence[dict[int, float]] | None,
+                       top_n: int | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        content = []
+        for tid, lps in zip(token_ids, logprobs):
+            s = self.token_str(tid)
+            top = []
+            if top_n:
+                for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]:
+                    ts = self.token_str(t)
+                    top.append({"token": ts, "logprob": _lp(v), "bytes": self.token_bytes(t)})
+            content.append({"token": s, "logprob": _lp(lps.get(tid, _MIN_LOGPROB)),
+                            "bytes": self.token_bytes(tid), "top_logprobs": top})
+        return {"content": content}
+
+    async def _chat_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
+                           created: int, model: str, req: ChatCompletionRequest,
+                           include_usage: bool) -> AsyncIterator[str]:
+        cursors = [_ChoiceCursor() for _ in range(req.n)]
+        last: RequestOutput | None = None
+
+        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None):
+            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                         "model": model, "choices": [{
+                             "index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish, "stop_reason": stop}]})
+
+        try:
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for _, out in self._merge(streams):
+                last = out
+                for c in out.outputs:
+                    cur = cursors[c.index]
+                    if cur.done:
+                        continue
+                    delta = self._text_delta(c, cur, prep.stop_list)
+                    lp = None
+                    if req.logprobs and c.logprobs is not None \
+                            and len(c.token_ids) > cur.num_tokens:
+                        lp = self._chat_logprobs(c.token_ids[cur.num_tokens:],
+                                                 c.logprobs[cur.num_tokens:], req.top_logprobs)
+                        cur.num_tokens = len(c.token_ids)
+                    finished = c.finish_reason is not None
+                    if not delta and lp is None and not finished:
+                        continue
+                    cur.done = finished
+                    yield chunk(c.index, {"content": delta} if delta or not finished else {},
+                                lp, c.finish_reason, c.stop_reason)
+            if include_usage:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": self._usage([last])})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield _sse(engine_error(exc).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort_all(prep, streams)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that always cleans up when the response ends, however it ends.
+
+    When the client goes away while the generator waits for tokens, Starlette cancels it there
+    and its `finally` aborts the engine requests. But the client may also go away while a write
+    is pending (the generator is then suspended at a `yield`: closing it runs the `finally`) or
+    before the generator ever ran (then only `on_close` can abort the requests)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
+def _event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
+    return _EventStreamResponse(events, on_close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Return when the client closes the connection. The body was read already, so the next
+    ASGI message the server delivers is the disconnect (uvicorn holds `receive` until then)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
