@@ -1,4 +1,4 @@
-"""`kvserve make-model | generate`: the command line, with vLLM's flag names."""
+"""`kvserve make-model | generate | serve`: the command line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV of shared prompt prefixes "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
+    parser.add_argument("--eviction-policy", choices=["lru", "lfu", "priority"], default="lru",
+                        help="which idle cached blocks are evicted first")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
+                        help="lpm: waiting requests with the longest cached prefix first")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                        help="where the model and the KV cache live (default: cpu)")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch intra-op threads on CPU (default: torch's choice)")
 
@@ -35,7 +44,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                num_threads=args.num_threads)
+                num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
+                eviction_policy=args.eviction_policy, scheduling_policy=args.scheduling_policy,
+                device=args.device)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -71,6 +82,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.server.launch import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from kvserve.server.args import add_server_args
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="checkpoint directory (default: the embedded default model)")
+    add_engine_args(srv)
+    add_server_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    from kvserve.planner.cli import EPILOG as PLAN_EPILOG, add_plan_args, cmd_plan
+    from kvserve.sim.cli import EPILOG as SIM_EPILOG, add_simulate_args, cmd_simulate
+
+    raw = argparse.RawDescriptionHelpFormatter
+    plan = sub.add_parser("plan", help="KV-cache memory and concurrency for a model and a GPU",
+                          epilog=PLAN_EPILOG, formatter_class=raw)
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
+    sim = sub.add_parser("simulate", help="replay a request trace through the prefix cache",
+                         epilog=SIM_EPILOG, formatter_class=raw)
+    add_simulate_args(sim)
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

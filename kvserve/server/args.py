@@ -19,11 +19,6 @@ def kv_cache_dtype(value: str) -> str:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV of shared prompt prefixes "
-                        "(default: on; --no-enable-prefix-caching turns it off)")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="where the model and the KV cache live (default: cpu)")
     parser.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
                         help="only 'auto' for now")
     parser.add_argument("--served-model-name", nargs="+", default=None,

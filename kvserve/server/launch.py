@@ -28,8 +28,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    engine_kwargs = dict(engine_kwargs, enable_prefix_caching=args.enable_prefix_caching,
-                         device=args.device)
     engine = AsyncLLMEngine.from_kwargs(max_waiting_requests=args.max_waiting_requests,
                                         log_stats=not args.disable_log_stats,
                                         log_interval=args.log_stats_interval, **engine_kwargs)

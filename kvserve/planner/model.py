@@ -1,0 +1,274 @@
+"""What the planner needs to know of a model, read from a Hugging Face `config.json` or a preset.
+
+Unlike `kvserve.model.config.ModelConfig`, which accepts only the architectures the engine can
+run, this reads the shape of any decoder: MHA, GQA and MQA (num_key_value_heads), MLA
+(kv_lora_rank + qk_rope_head_dim, DeepSeek-V2/V3), sliding-window and hybrid layer patterns
+(Mistral's window on every layer, Gemma-2's alternation, Gemma-3's `sliding_window_pattern`,
+Qwen's `max_window_layers`, or an explicit `layer_types` list), and dense or mixture-of-experts
+MLPs for the parameter count.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.planner import presets
+
+_DTYPES = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16",
+           "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                      "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str  # "preset", or the path it was read from
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_params: int
+    params_source: str  # "published", "safetensors" or "estimated"
+    dtype: str  # the checkpoint's dtype: fp32, fp16 or bf16
+    kv_lora_rank: int | None = None  # MLA
+    qk_rope_head_dim: int = 0  # MLA: the decoupled RoPE key, stored beside the latent
+    # One entry per layer: None = full attention, an int = a sliding window of that many tokens.
+    layer_windows: tuple[int | None, ...] = ()
+    quantization: dict[str, Any] = field(default_factory=dict)  # config.json's quantization_config
+
+    @property
+    def attention(self) -> str:
+        if self.kv_lora_rank:
+            return "mla"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "mha"
+        if self.num_kv_heads == 1:
+            return "mqa"
+        return "gqa"
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.layer_windows or (None,) * self.num_layers
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(1 for w in self.windows if w is not None)
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus an untied LM head: the parameters quantized checkpoints keep in
+        16 bits."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    # -- reading ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any], name: str, source: str,
+                       num_params: int | None = None, params_source: str = "estimated"
+                       ) -> "ModelSpec":
+        """Every problem is a ValueError that names the key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: a config must be a JSON object")
+        if isinstance(d.get("text_config"), dict):  # multimodal wrappers: plan the LM
+            d = {**d, **d["text_config"]}
+        arch = (d.get("architectures") or [d.get("model_type") or "unknown"])[0]
+        layers = _pos_int(d, "num_hidden_layers", source, ("n_layer", "num_layers"))
+        hidden = _pos_int(d, "hidden_size", source, ("n_embd", "d_model"))
+        heads = _pos_int(d, "num_attention_heads", source, ("n_head",))
+        if d.get("multi_query"):
+            kv_heads = 1
+        else:
+            kv_heads = _opt_int(d, "num_key_value_heads", source, ("num_kv_heads",)) or heads
+        head_dim = _opt_int(d, "head_dim", source) or hidden // heads
+        vocab = _pos_int(d, "vocab_size", source)
+        kv_lora = _opt_int(d, "kv_lora_rank", source)
+        rope = _opt_int(d, "qk_rope_head_dim", source) or 0
+        if not kv_lora and heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        max_pos = _opt_int(d, "max_position_embeddings", source, ("n_positions",)) or 2048
+        dtype = _DTYPES.get(str(d.get("torch_dtype") or d.get("dtype") or "bfloat16")
+                            .removeprefix("torch."), "bf16")
+        windows = _layer_windows(d, layers, source)
+        explicit = d.get("num_params")
+        if num_params is None and explicit:
+            num_params, params_source = int(explicit), "published"
+        if num_params is None:
+            num_params = estimate_params(d)
+        return cls(name=name, source=source, architecture=arch, num_layers=layers,
+                   hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=head_dim, vocab_size=vocab, max_position_embeddings=max_pos,
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   num_params=int(num_params), params_source=params_source, dtype=dtype,
+                   kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
+                   layer_windows=windows if any(w is not None for w in windows) else (),
+                   quantization=dict(d.get("quantization_config") or {}))
+
+    @classmethod
+    def load(cls, what: str) -> "ModelSpec":
+        """A preset name, a config.json, or a checkpoint directory (whose safetensors headers
+        give the exact parameter count)."""
+        found = presets.lookup(what)
+        if found is not None:
+            key, d = found
+            return cls.from_hf_config(d, key, "preset")
+        path = Path(what)
+        if path.is_dir():
+            config_file = path / "config.json"
+        elif path.is_file():
+            config_file = path
+        else:
+            raise ValueError(f"{what!r} is neither a preset ({', '.join(presets.preset_names())})"
+                             " nor a config.json / checkpoint directory")
+        if not config_file.is_file():
+            raise ValueError(f"{str(path)!r} holds no config.json")
+        try:
+            d = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot parse {str(config_file)!r}: {e}") from e
+        # Packed int4 tensors (AWQ/GPTQ) hide the parameter count: estimate those from shapes.
+        counted = None if d.get("quantization_config") else \
+            count_safetensors_params(config_file.parent)
+        name = config_file.parent.name or str(config_file)
+        if counted:
+            return cls.from_hf_config(d, name, str(config_file), counted, "safetensors")
+        return cls.from_hf_config(d, name, str(config_file))
+
+
+def _key(d: dict[str, Any], key: str, aliases: tuple[str, ...]) -> Any:
+    for k in (key, *aliases):
+        if d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def _pos_int(d: dict[str, Any], key: str, source: str, aliases: tuple[str, ...] = ()) -> int:
+    value = _key(d, key, aliases)
+    if value is None:
+        raise ValueError(f"{source}: config has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _opt_int(d: dict[str, Any], key: str, source: str, aliases: tuple[str, ...] = ()) -> int | None:
+    value = _key(d, key, aliases)
+    if value is None:
+        return None
+    return _pos_int({key: value}, key, source)
+
+
+def _layer_windows(d: dict[str, Any], layers: int, source: str) -> tuple[int | None, ...]:
+    """Per layer: None for full attention, else the sliding window in tokens, following the
+    rules transformers applies to each family."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    model_type = str(d.get("model_type") or "")
+    if model_type.startswith("qwen") and not d.get("use_sliding_window", False):
+        window = None
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{source}: layer_types must list {layers} layer types")
+        out: list[int | None] = []
+        for t in types:
+            if t == "full_attention":
+                out.append(None)
+            elif t in ("sliding_attention", "chunked_attention"):
+                w = window or d.get("attention_chunk_size")
+                if not w:
+                    raise ValueError(f"{source}: layer type {t!r} without a sliding_window")
+                out.append(int(w))
+            else:
+                raise ValueError(f"{source}: layer type {t!r} is not supported by the planner "
+                                 "(full_attention, sliding_attention, chunked_attention)")
+        return tuple(out)
+    if not window:
+        return (None,) * layers
+    window = int(window)
+    if model_type.startswith("qwen"):
+        first = int(d.get("max_window_layers", layers))
+        return tuple(window if i >= first else None for i in range(layers))
+    if model_type == "gemma2":
+        return tuple(window if (i + 1) % 2 else None for i in range(layers))
+    pattern = d.get("sliding_window_pattern")
+    if pattern:
+        return tuple(window if (i + 1) % int(pattern) else None for i in range(layers))
+    return (window,) * layers
+
+
+def estimate_params(d: dict[str, Any]) -> int:
+    """Parameters of a decoder from its config: embeddings, attention (standard or MLA), and a
+    dense, mixture-of-experts (DeepSeek, Qwen-MoE, Mixtral) or mixed MLP stack; norms and q/k/v
+    biases included, q/k norms and an o_proj bias left out (well under 0.1%)."""
+    if isinstance(d.get("text_config"), dict):
+        d = {**d, **d["text_config"]}
+    h = int(_key(d, "hidden_size", ("n_embd", "d_model")))
+    layers = int(_key(d, "num_hidden_layers", ("n_layer", "num_layers")))
+    heads = int(_key(d, "num_attention_heads", ("n_head",)))
+    kv = 1 if d.get("multi_query") else int(d.get("num_key_value_heads") or heads)
+    hd = int(d.get("head_dim") or h // heads)
+    vocab = int(d["vocab_size"])
+    inter = int(d.get("intermediate_size") or 4 * h)
+    embed = vocab * h * (1 if d.get("tie_word_embeddings", False) else 2)
+
+    if d.get("kv_lora_rank"):
+        q_lora = d.get("q_lora_rank")
+        rope, nope = int(d["qk_rope_head_dim"]), int(d["qk_nope_head_dim"])
+        v_dim, kv_lora = int(d.get("v_head_dim") or nope), int(d["kv_lora_rank"])
+        q = (h * q_lora + q_lora + q_lora * heads * (nope + rope)) if q_lora \
+            else h * heads * (nope + rope)
+        attn = q + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) \
+            + heads * v_dim * h
+    else:
+        attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+        if str(d.get("model_type", "")) in ("qwen2", "qwen2_moe") or d.get("attention_bias"):
+            attn += heads * hd + 2 * kv * hd  # q, k, v biases (Qwen2 always has them)
+
+    dense_mlp = 3 * h * inter
+    experts = d.get("n_routed_experts") or d.get("num_experts") or d.get("num_local_experts")
+    if experts:
+        moe_inter = int(d.get("moe_intermediate_size") or inter)
+        shared = int(d.get("n_shared_experts") or 0) * 3 * h * moe_inter
+        shared += 3 * h * int(d.get("shared_expert_intermediate_size") or 0)
+        moe_mlp = int(experts) * 3 * h * moe_inter + shared + h * int(experts)
+        first_dense = int(d.get("first_k_dense_replace") or 0)
+        freq = int(d.get("moe_layer_freq") or d.get("decoder_sparse_step") or 1)
+        moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
+        mlp_total = moe_layers * moe_mlp + (layers - moe_layers) * dense_mlp
+    else:
+        mlp_total = layers * dense_mlp
+    norms = layers * 2 * h + h
+    return embed + layers * attn + mlp_total + norms
+
+
+def count_safetensors_params(directory: Path) -> int | None:
+    """Exact parameter count from the headers of *.safetensors files (no tensor data is read);
+    None when there are none."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise ValueError(f"cannot read the safetensors header of {str(f)!r}: {e}") from e
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            total += count
+    return total

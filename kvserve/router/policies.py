@@ -1,0 +1,148 @@
+"""Routing policies: which of N replicas serves a request.
+
+A policy sees the request's chained block hashes (kvserve/kv/hashing.py, the names blocks go by in
+every process) and, per replica, its load and how many of the request's tokens its prefix cache
+holds. The simulator (kvserve/sim) drives these with replicas that are real `KVCacheManager`s; a
+router in front of engine processes can drive the same classes with views of its own.
+
+- random, round_robin: cache-blind baselines.
+- consistent_hash: the request's prefix (the chained hash of its first `key_tokens` tokens, in
+  whole blocks) picks a point on a ring of virtual nodes; the request goes to the first replica
+  clockwise whose load stays within the bound ceil(c x (total load + 1) / N) (Mirrokni, Thorup and
+  Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018), so a hot prefix spills over to
+  the next replica instead of overloading one.
+- cache_aware: the replica holding the longest cached prefix of the request; ties (no replica
+  holds any of it, most often) go to the least loaded. When the best-matching replica's load is
+  above the same bound, it falls back to the least loaded replica: affinity wins while loads
+  are balanced, balance wins once they are not.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+import xxhash
+
+ROUTING_POLICIES = ("random", "round_robin", "consistent_hash", "cache_aware")
+
+
+class RouteRequest(Protocol):
+    """What a policy reads of a request."""
+
+    block_hashes: list[int]  # chained hashes of its full blocks (may be longer than needed)
+
+
+class ReplicaView(Protocol):
+    @property
+    def load(self) -> int:
+        """Requests the replica is serving now (or has served, in a model without time)."""
+
+    def match_tokens(self, request) -> int:
+        """Tokens of `request` this replica's prefix cache holds."""
+
+
+def load_bound(loads: Sequence[int], factor: float) -> int:
+    """The most load one replica may carry after taking one more request."""
+    return max(1, math.ceil(factor * (sum(loads) + 1) / len(loads)))
+
+
+def least_loaded(loads: Sequence[int]) -> int:
+    return min(range(len(loads)), key=lambda i: (loads[i], i))
+
+
+class RoutingPolicy:
+    name = ""
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        raise NotImplementedError
+
+
+class RandomPolicy(RoutingPolicy):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        return self._rng.randrange(len(replicas))
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        i = self._next % len(replicas)
+        self._next += 1
+        return i
+
+
+class ConsistentHashPolicy(RoutingPolicy):
+    name = "consistent_hash"
+
+    def __init__(self, num_replicas: int, block_size: int, key_tokens: int = 256,
+                 balance_factor: float = 1.25, vnodes: int = 160) -> None:
+        if num_replicas < 1 or balance_factor < 1:
+            raise ValueError("need at least one replica and a balance factor >= 1")
+        self.key_blocks = max(1, key_tokens // block_size)
+        self.balance_factor = balance_factor
+        ring = sorted((xxhash.xxh3_64_intdigest(f"replica-{r}-vnode-{v}".encode()), r)
+                      for r in range(num_replicas) for v in range(vnodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [r for _, r in ring]
+
+    def key(self, request) -> int | None:
+        hashes = request.block_hashes
+        if not hashes:
+            return None
+        return hashes[min(len(hashes), self.key_blocks) - 1] & (2**64 - 1)
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        loads = [r.load for r in replicas]
+        key = self.key(request)
+        if key is None:  # shorter than a block: nothing to be affine to
+            return least_loaded(loads)
+        bound = load_bound(loads, self.balance_factor)
+        start = bisect.bisect_left(self._points, key)
+        n = len(self._points)
+        for step in range(n):
+            r = self._owners[(start + step) % n]
+            if loads[r] + 1 <= bound:
+                return r
+        return least_loaded(loads)
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    name = "cache_aware"
+
+    def __init__(self, balance_factor: float = 1.25) -> None:
+        if balance_factor < 1:
+            raise ValueError("balance factor must be >= 1")
+        self.balance_factor = balance_factor
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        loads = [r.load for r in replicas]
+        matches = [r.match_tokens(request) for r in replicas]
+        best = max(range(len(replicas)), key=lambda i: (matches[i], -loads[i], -i))
+        if matches[best] == 0 or loads[best] + 1 > load_bound(loads, self.balance_factor):
+            return least_loaded(loads)
+        return best
+
+
+def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
+                balance_factor: float = 1.25, key_tokens: int = 256) -> RoutingPolicy:
+    if name == "random":
+        return RandomPolicy(seed)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "consistent_hash":
+        return ConsistentHashPolicy(num_replicas, block_size, key_tokens, balance_factor)
+    if name == "cache_aware":
+        return CacheAwarePolicy(balance_factor)
+    raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
