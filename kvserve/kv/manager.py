@@ -145,6 +145,15 @@ class KVCacheManager:
         for i in range(cursor.num_blocks, full):
             node = self.index.insert(node, request.token_ids[i * bs:(i + 1) * bs], hashes[i],
                                      table[i], request.priority)
+            if node.block != table[i]:
+                # The index holds this content already (computed twice at once, or a
+                # copy-on-write block that ended up equal to its source): switch to the cached
+                # block and free the duplicate. A request must hold every node on its path: an
+                # idle node above a held one could not be evicted though the pool counts it as
+                # available, and the cursor node could be evicted under the request.
+                self.pool.share([node.block])
+                self.pool.release([table[i]])
+                table[i] = node.block
         cursor.node = node
         cursor.num_blocks = full
 
