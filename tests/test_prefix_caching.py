@@ -280,7 +280,6 @@ def test_repeated_block_aligned_prompt_under_pressure(ref_model):
 
 
 # -- transformers as the reference ------------------------------------------------------------
-
 def _hf_greedy(path, prompts, max_new):
     import transformers
 
@@ -549,8 +548,9 @@ def test_eviction_policies_keep_tokens_equal(ref_model, policy):
     """Whatever is evicted, the output does not change; priority feeds the priority policy."""
     rng = random.Random(8)
     hot, cold = tokens(rng, 100, HF_VOCAB), tokens(rng, 100, HF_VOCAB)
-    prompts = [hot + tokens(rng, 10, HF_VOCAB), cold + tokens(rng, 10, HF_VOCAB)] * 2 + \
-        [tokens(rng, 110, HF_VOCAB) for _ in range(3)] + [hot + tokens(rng, 10, HF_VOCAB), cold + tokens(rng, 10, HF_VOCAB)]
+    pair = [hot + tokens(rng, 10, HF_VOCAB), cold + tokens(rng, 10, HF_VOCAB)]
+    prompts = pair * 2 + [tokens(rng, 110, HF_VOCAB) for _ in range(3)] + \
+        [hot + tokens(rng, 10, HF_VOCAB), cold + tokens(rng, 10, HF_VOCAB)]
     pool = 24 * 16 * kv_bytes_per_token(ref_model)
     results = {}
     for caching in (True, False):

@@ -93,7 +93,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.live: dict[str, Request] = {}
         self.preempted: list[Request] = []
-        self.history: list[list[int]] = []  # token lists seen, for prompts sharing prefixes
+        self.history: list[tuple[list[int], str | None]] = []  # computed prefixes, for reuse
         self.tables: dict[str, list[int]] = {}  # our copy of every live block table
         self.slots: dict[tuple[int, int], tuple] = {}  # (block, offset) -> identity
         self.next_id = 0
