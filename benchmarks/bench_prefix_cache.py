@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     params = bt.param_counts(model_dir)
 
     # bench_throughput.run_worker (called by its measure(): quiet-wait, disturbed-run retries)
-    # starts `python <its module's __file__> --worker ...`: point it at this script.
-    bt.__file__ = os.path.abspath(__file__)
+    # starts `python <bt.WORKER_SCRIPT> --worker ...`: point it at this script.
+    bt.WORKER_SCRIPT = os.path.abspath(__file__)
 
     jobs: list[dict] = []
     for r in range(repeats):

@@ -37,6 +37,9 @@ from pathlib import Path
 from kvserve.kv.prefix_index import common_prefix
 
 REPO = Path(__file__).resolve().parent.parent
+# The script `run_worker` starts with `--worker`; a benchmark that reuses this runner for its own
+# workers points it at itself.
+WORKER_SCRIPT = os.path.abspath(__file__)
 ENGINES = ("kvserve", "transformers")
 ANCHOR_FP32_GFLOPS = 190.0  # /work/shared/ANCHORS.md: nominal fp32 matmul ceiling of the machine
 ANCHOR_BF16_GFLOPS = 430.0
@@ -389,7 +392,7 @@ def run_worker(argv: list[str], threads: int, timeout: float) -> dict:
         env[var] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *argv,
+    cmd = [sys.executable, WORKER_SCRIPT, "--worker", *argv,
            "--threads", str(threads)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
