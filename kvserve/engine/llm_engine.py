@@ -71,7 +71,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self._requests: dict[str, Request] = {}
         self._groups: dict[str, list[Request]] = {}
         self._detok: dict[str, _Detok] = {}
         self._streaming: set[str] = set()
@@ -140,7 +139,6 @@ class LLMEngine:
         if stream:
             self._streaming.add(request_id)
         for child in children:
-            self._requests[child.request_id] = child
             # Text is decoded token by token only when someone looks at it before the end (stop
             # strings, streaming); otherwise once, at the end, off the per-token path.
             if params.detokenize and (stream or params.stop_list):
@@ -190,7 +188,6 @@ class LLMEngine:
         for child in self._groups.pop(request_id, ()):
             if not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
-            self._requests.pop(child.request_id, None)
             self._detok.pop(child.request_id, None)
         self._streaming.discard(request_id)
 
@@ -271,8 +268,6 @@ class LLMEngine:
         if finished:
             del self._groups[parent_id]
             self._streaming.discard(parent_id)
-            for c in children:
-                self._requests.pop(c.request_id, None)
         completions = []
         for c in children:
             detok = self._detok.pop(c.request_id, None) if finished else \
