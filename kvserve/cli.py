@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="where the model and the KV cache live (default: cpu)")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch intra-op threads on CPU (default: torch's choice)")
+    parser.add_argument("--kv-tier-config", default=None, metavar="FILE_OR_JSON",
+                        help="storage tiers under the KV pool (host memory, disk, Redis): a YAML "
+                        "file with LMCache's keys (chunk_size, local_cpu, max_local_cpu_size, "
+                        "local_disk, max_local_disk_size, remote_url, remote_serde, ...) or the "
+                        "same as a JSON string")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                 num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
                 eviction_policy=args.eviction_policy, scheduling_policy=args.scheduling_policy,
-                device=args.device)
+                device=args.device, kv_tier_config=args.kv_tier_config)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:

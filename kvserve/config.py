@@ -40,6 +40,9 @@ class EngineConfig:
     eviction_policy: str = "lru"  # which idle cached blocks go first: lru, lfu or priority
     scheduling_policy: str = "fcfs"  # "lpm": waiting requests with the longest cached prefix first
     disable_log_stats: bool = True
+    # Storage tiers under the KV pool (host memory, disk, Redis): a YAML file with LMCache's key
+    # names, a JSON string, a dict or a TierConfig; None = no tiers.
+    kv_tier_config: Any = None
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -61,6 +64,15 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', "
                              f"got {self.scheduling_policy!r}")
+        from kvserve.kv.tiers.config import load_tier_config
+
+        self.kv_tier_config = load_tier_config(self.kv_tier_config)
+        if self.kv_tier_config is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_tier_config needs prefix caching (enable_prefix_caching)")
+            if self.kv_tier_config.chunk_size % self.block_size:
+                raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
+                                 f"must be a multiple of block_size ({self.block_size})")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
 

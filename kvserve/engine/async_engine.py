@@ -223,6 +223,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.engine.shutdown()
 
     # -- the asyncio side -------------------------------------------------------------------
     def _check_alive(self) -> None:

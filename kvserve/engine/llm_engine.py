@@ -20,6 +20,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.layout import KVLayout, available_host_memory
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tiers.stats import SOURCES
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,6 +68,7 @@ class LLMEngine:
         self.backend = TorchAttentionBackend(self.layout.allocate(num_blocks, config.device),
                                              config.block_size,
                                              self.model_config.head_dim ** -0.5)
+        self.tiers = self._make_tiers(model_dir)
         self.runner = ModelRunner(self.model, self.backend, self.kv)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
@@ -95,6 +97,34 @@ class LLMEngine:
             raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
                              f"{self.layout.bytes_per_block:,} bytes; raise kv_cache_memory_bytes")
         return blocks
+
+    def _make_tiers(self, model_dir: str):
+        """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
+        tier_config = self.config.kv_tier_config
+        if tier_config is None or not tier_config.enabled:
+            return None
+        from kvserve.kv.tiers.chunk import ChunkIdentity, model_fingerprint
+        from kvserve.kv.tiers.tiered import TieredKVStore
+
+        layout = self.layout
+        identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
+                                 layout.dtype, layout.num_layers, layout.num_kv_heads,
+                                 layout.head_dim, layout.block_size, tier_config.chunk_size)
+        tiers = TieredKVStore(tier_config, identity)
+        self.kv.attach_tiers(tiers, self.backend)
+        logger.info("KV storage tiers: %s", ", ".join(
+            [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
+            + [f"disk {tier_config.local_disk} {tier_config.max_local_disk_size:g} GB"]
+            * (tier_config.local_disk is not None)
+            + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
+        return tiers
+
+    def shutdown(self) -> None:
+        """Finish queued tier saves and stop the tier threads."""
+        if self.tiers is not None:
+            self.kv.detach_tiers()
+            self.tiers.close()
+            self.tiers = None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -144,6 +174,7 @@ class LLMEngine:
             if params.detokenize and (stream or params.stop_list):
                 self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens))
+            self.kv.start_prefetch(child)
             self.scheduler.add(child)
         return request_id
 
@@ -199,6 +230,8 @@ class LLMEngine:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
         batch = self.scheduler.schedule()
+        if not batch.requests and self.kv.wait_for_prefetch(0.05):
+            batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
         if not batch.requests:
             return []
         logits, sampled = self.runner.execute(batch)
@@ -334,7 +367,12 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits,
-                "num_evicted_blocks": self.kv.index.num_evicted_blocks if self.kv.index else 0}
+                "num_evicted_blocks": self.kv.index.num_evicted_blocks if self.kv.index else 0,
+                **{f"hit_tokens_{source}": self.kv.hit_tokens[source] for source in SOURCES}}
+
+    def tier_stats(self) -> dict[str, dict]:
+        """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""
+        return self.tiers.stats.snapshot() if self.tiers is not None else {}
 
 
 def _check_cache_salt(salt: object) -> None:

@@ -26,6 +26,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Run the batch; return (logits [S, vocab] float32, indices into batch of those S rows)."""
         self.kv.apply_pending_copies(self.backend.copy_blocks)
+        self.kv.apply_pending_loads(self.backend.write_blocks)
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -102,6 +102,9 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.kv.prefetch_pending(request):  # its KV is on its way up from disk/Redis
+                deferred.append(self.waiting.popleft())
+                continue
             match = self.kv.match(request)
             if self._waits_for(request, match, inflight):
                 deferred.append(self.waiting.popleft())
@@ -137,7 +140,7 @@ class Scheduler:
     def _waits_for(self, request: Request, match, inflight: set[int]) -> bool:
         if not inflight:
             return False
-        j = len(match.nodes)
+        j = match.num_full_blocks
         hashes = self.kv.block_hashes(request, (request.num_tokens - 1) // self.kv.block_size)
         return j < len(hashes) and hashes[j] in inflight
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
@@ -32,6 +32,7 @@ class Node:
     block_hash: int
     block: int  # -1 for a root
     parent: "Node | None"
+    depth: int = 0  # blocks from the root: this node is block depth - 1 of its sequences
     children: dict[int, "Node"] = field(default_factory=dict)  # by block hash
     by_first_token: dict[int, list["Node"]] = field(default_factory=dict)  # for partial matches
     last_access: int = 0
@@ -50,6 +51,11 @@ class PrefixMatch:
     @property
     def num_tokens(self) -> int:
         return len(self.nodes) * self.block_size + self.partial_len
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Leading full blocks the request need not compute."""
+        return len(self.nodes)
 
     @property
     def blocks(self) -> list[int]:
@@ -73,6 +79,9 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
         self.num_evicted_blocks = 0
+        # Hears of each block just before eviction frees it, while its KV is still intact (the
+        # storage tiers save it then).
+        self.on_evict: Callable[[Node], None] | None = None
         pool.evict = self.evict
         pool.on_idle = self._on_idle
 
@@ -122,7 +131,7 @@ class PrefixIndex:
         if existing is not None:
             self.touch([existing], priority)
             return existing
-        node = Node(tuple(tokens), block_hash, block, parent)
+        node = Node(tuple(tokens), block_hash, block, parent, parent.depth + 1)
         parent.children[block_hash] = node
         parent.by_first_token.setdefault(node.tokens[0], []).append(node)
         self._node_of_block[block] = node
@@ -168,6 +177,8 @@ class PrefixIndex:
             _, version, node = heapq.heappop(self._heap)
             if not self._evictable(node, version):
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             self._remove(node)
             done += 1
             parent = node.parent

@@ -91,10 +91,32 @@ class PrometheusStatLogger:
         self.queue_time = histogram("kvserve:request_queue_time_seconds",
                                     "Histogram of time spent in the waiting queue (arrival to "
                                     "first scheduled) in seconds.", _LATENCY_BUCKETS)
+        # Storage tiers (kv/tiers): labelled by where KV came from or went to.
+        self.hits_by_source = counter("kvserve:prefix_cache_hits_by_source",
+                                      "Prefix cache hits in tokens, by where the KV was found: "
+                                      "device, host, disk or remote.", ["source"])
+        self.tier_bytes_saved = counter("kvserve:kv_tier_bytes_saved",
+                                        "Bytes of KV chunks written to a storage tier.", ["tier"])
+        self.tier_bytes_loaded = counter("kvserve:kv_tier_bytes_loaded",
+                                         "Bytes of KV chunks read from a storage tier.", ["tier"])
+        self.tier_errors = counter("kvserve:kv_tier_errors",
+                                   "Storage tier faults (unreachable, timeouts, corrupt chunks, "
+                                   "I/O errors); each one was served as a miss.", ["tier", "kind"])
+        self.tier_skipped_saves = counter("kvserve:kv_tier_skipped_saves",
+                                          "Chunk saves skipped (budget, backlog, errors).",
+                                          ["reason"])
+        self.tier_load_latency = Histogram("kvserve:kv_tier_load_latency_seconds",
+                                           "Time to read and check one KV chunk from a tier.",
+                                           labels + ["tier"], buckets=_ITL_BUCKETS, registry=r)
+        self.tier_usage = Gauge("kvserve:kv_tier_usage_bytes", "Bytes held by a storage tier.",
+                                labels + ["tier"], registry=r, multiprocess_mode="mostrecent")
         self._label = {"model_name": model_name}
+        labelled = {"request_success", "hits_by_source", "tier_bytes_saved", "tier_bytes_loaded",
+                    "tier_errors", "tier_skipped_saves", "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
-                          if isinstance(m, (Counter, Gauge, Histogram))
-                          and name != "request_success"}
+                          if isinstance(m, (Counter, Gauge, Histogram)) and name not in labelled}
+        self._last_counts: dict[tuple, float] = {}
+        self._num_latencies = 0
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
@@ -121,6 +143,33 @@ class PrometheusStatLogger:
         if p >= self._last_preemptions:
             self.m("num_preemptions").inc(p - self._last_preemptions)
         self._last_preemptions = p
+        self._tier_metrics(engine)
+
+    def _grow(self, metric: Counter, values: dict, **labels_of) -> None:
+        """Add to a labelled counter what a cumulative engine count grew by since last time."""
+        for key, value in values.items():
+            labels = {name: part for name, part in zip(labels_of, key.split(":"))}
+            mark = (id(metric), key)
+            last = self._last_counts.get(mark, 0)
+            if value > last:
+                metric.labels(**self._label, **labels).inc(value - last)
+            self._last_counts[mark] = value
+
+    def _tier_metrics(self, engine: LLMEngine) -> None:
+        self._grow(self.hits_by_source, dict(engine.kv.hit_tokens), source=None)
+        tiers = engine.tiers
+        if tiers is None:
+            return
+        snap = tiers.stats.snapshot()
+        self._grow(self.tier_bytes_saved, snap["bytes_saved"], tier=None)
+        self._grow(self.tier_bytes_loaded, snap["bytes_loaded"], tier=None)
+        self._grow(self.tier_errors, snap["errors"], tier=None, kind=None)
+        self._grow(self.tier_skipped_saves, snap["skipped_saves"], reason=None)
+        latencies, self._num_latencies = tiers.stats.latencies_since(self._num_latencies)
+        for tier, seconds in latencies:
+            self.tier_load_latency.labels(**self._label, tier=tier).observe(seconds)
+        for tier, used in tiers.usage().items():
+            self.tier_usage.labels(**self._label, tier=tier).set(used)
 
     def on_idle(self, engine: LLMEngine) -> None:
         self._engine_gauges(engine)

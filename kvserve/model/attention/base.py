@@ -83,3 +83,21 @@ class AttentionBackend(ABC):
         for k_cache, v_cache in self.kv_caches:
             k_cache[d] = k_cache[s]
             v_cache[d] = v_cache[s]
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """The KV of whole blocks, every layer, as one contiguous host tensor
+        [layers, 2, len(blocks) * block_size, Hkv, D] (what a storage tier saves)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv_caches[0][0].device)
+        out = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                           for k, v in self.kv_caches])
+        return out.flatten(2, 3).cpu()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
+        k0 = self.kv_caches[0][0]
+        idx = torch.tensor(blocks, dtype=torch.long, device=k0.device)
+        data = data.to(device=k0.device, dtype=k0.dtype, non_blocking=True)
+        data = data.unflatten(2, (len(blocks), self.block_size))
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache.index_copy_(0, idx, data[layer, 0])
+            v_cache.index_copy_(0, idx, data[layer, 1])

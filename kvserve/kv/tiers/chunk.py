@@ -1,0 +1,147 @@
+"""What a stored chunk is called and how it is written down.
+
+A chunk is the KV of `chunk_size` consecutive tokens, every layer, K and V: a tensor
+[layers, 2, chunk_size, kv_heads, head_dim]. Its name is the chained hash of its last block (which
+already covers every token before it and the cache_salt) plus a digest of everything else that
+makes two KV tensors incompatible: the model, the KV dtype and layout, the block and chunk sizes.
+So different models, dtypes or tenants never read each other's chunks.
+
+Leaving process memory (disk, Redis), a chunk is framed with a magic number, a format version, its
+own key, its shape, the payload length and an xxh3 checksum of the payload: a truncated,
+corrupted, misplaced or foreign chunk is recognised and dropped, never loaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+import xxhash
+
+MAGIC = b"KVSC"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHBB16s5IQQQ")  # magic ver serde dtype key shape[5] raw payload checksum
+_SERDE_IDS = {"naive": 0, "zlib": 1}
+_DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
+              torch.uint8: 4, torch.float8_e4m3fn: 5}
+_DTYPES = {v: k for k, v in _DTYPE_IDS.items()}
+
+
+class CorruptChunkError(ValueError):
+    """A stored chunk failed its checks (magic, version, key, shape, length or checksum)."""
+
+
+@dataclass(frozen=True)
+class ChunkIdentity:
+    """Everything besides the token prefix that a chunk's KV depends on."""
+
+    model: str
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    chunk_size: int
+
+    @cached_property
+    def digest(self) -> str:
+        fields = (self.model, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
+                  self.block_size, self.chunk_size, FORMAT_VERSION)
+        return xxhash.xxh3_64_hexdigest(json.dumps(fields).encode())
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+
+    def key(self, chunk_hash: int) -> str:
+        """The storage key of the chunk whose last block has this chained hash."""
+        return f"kvserve:{self.digest}:{chunk_hash:032x}"
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """A cheap identity of a checkpoint's contents: config.json, and each weights file's size,
+    header and a sample of its data. Copies of one checkpoint agree wherever they live; two
+    random-weight models with the same config do not."""
+    h = xxhash.xxh3_128()
+    config = os.path.join(model_dir, "config.json")
+    if os.path.exists(config):
+        with open(config, "rb") as f:
+            h.update(f.read())
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 16))  # 8-byte length + JSON header (names, shapes, offsets)
+            f.seek(max(0, size // 2))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _key_digest(key: str) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode())
+
+
+def encode(key: str, data: torch.Tensor, serde: str = "naive") -> bytes:
+    """Frame a chunk tensor for disk or Redis."""
+    data = data.contiguous()
+    raw = data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8 \
+        else data.numpy().tobytes()
+    if serde == "zlib":
+        # Float bytes compress badly as they come; grouped by byte position (all exponents, then
+        # all high mantissa bytes, ...) the exponent plane is highly repetitive.
+        planes = np.frombuffer(raw, np.uint8).reshape(-1, data.element_size()).T.tobytes()
+        payload = zlib.compress(planes, 1)
+    elif serde == "naive":
+        payload = raw
+    else:
+        raise ValueError(f"unknown serde {serde!r}")
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _SERDE_IDS[serde], _DTYPE_IDS[data.dtype],
+                          _key_digest(key), *data.shape, len(raw), len(payload),
+                          xxhash.xxh3_64_intdigest(payload))
+    return header + payload
+
+
+def decode(key: str, blob: bytes, dtype: torch.dtype,
+           shape: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """Check and unframe a stored chunk; raise CorruptChunkError on any mismatch."""
+    if len(blob) < _HEADER.size:
+        raise CorruptChunkError(f"chunk {key} is truncated ({len(blob)} bytes)")
+    (magic, version, serde_id, dtype_id, key_digest, *rest) = _HEADER.unpack_from(blob)
+    stored_shape, (raw_len, payload_len, checksum) = tuple(rest[:5]), rest[5:]
+    if magic != MAGIC:
+        raise CorruptChunkError(f"chunk {key} has no chunk header")
+    if version != FORMAT_VERSION:
+        raise CorruptChunkError(f"chunk {key} has format version {version}, "
+                                f"this build reads {FORMAT_VERSION}")
+    if key_digest != _key_digest(key):
+        raise CorruptChunkError(f"chunk stored under {key} belongs to another key")
+    if _DTYPES.get(dtype_id) != dtype or stored_shape != tuple(shape):
+        raise CorruptChunkError(f"chunk {key} is {_DTYPES.get(dtype_id)} {stored_shape}, "
+                                f"expected {dtype} {tuple(shape)}")
+    payload = memoryview(blob)[_HEADER.size:]
+    if len(payload) != payload_len:
+        raise CorruptChunkError(f"chunk {key} is truncated: {len(payload)} of {payload_len} "
+                                "payload bytes")
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise CorruptChunkError(f"chunk {key} fails its checksum")
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if serde_id == _SERDE_IDS["zlib"]:
+        try:
+            planes = zlib.decompress(payload)
+        except zlib.error as e:
+            raise CorruptChunkError(f"chunk {key} does not decompress: {e}") from None
+        raw = np.frombuffer(planes, np.uint8).reshape(elem, -1).T.copy()
+    elif serde_id == _SERDE_IDS["naive"]:
+        raw = np.frombuffer(payload, np.uint8).copy()
+    else:
+        raise CorruptChunkError(f"chunk {key} has unknown serde id {serde_id}")
+    if raw.size != raw_len or raw_len != elem * int(np.prod(shape)):
+        raise CorruptChunkError(f"chunk {key} holds {raw.size} bytes, expected {raw_len}")
+    return torch.from_numpy(raw.reshape(-1)).view(dtype).reshape(shape)

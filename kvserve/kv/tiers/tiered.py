@@ -1,0 +1,249 @@
+"""The storage tiers as one object: save chunks down, find and prefetch them back up.
+
+Saving: the engine thread hands over a chunk tensor (read out of device blocks when the device pool
+evicts it, or as soon as it is computed under write-through). It goes into host memory at once
+and onto a bounded queue for a background thread, which frames it and writes it to disk and Redis.
+A full queue skips the save: the engine never waits for storage.
+
+Loading: when a request arrives, a background prefetch walks its chunks in order and promotes
+each one found on disk or in Redis into host memory, stopping at the first miss. The scheduler
+leaves the request waiting (others run) until its prefetch is done or `prefetch_timeout` passes,
+then takes whatever is in host memory by then. So no step ever blocks on disk or on a slow Redis.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.tiers.chunk import ChunkIdentity, CorruptChunkError, decode, encode
+from kvserve.kv.tiers.config import TierConfig
+from kvserve.kv.tiers.stats import TierStats
+from kvserve.kv.tiers.stores import DiskStore, HostStore, RedisStore
+
+logger = logging.getLogger("kvserve.tiers")
+
+# Without an L2, prefetched chunks still need somewhere to wait for their request.
+_STAGING_BYTES = 256 * 1024**2
+
+
+@dataclass
+class FoundChunk:
+    chunk_hash: int
+    data: torch.Tensor  # [layers, 2, chunk_size, kv_heads, head_dim]
+    source: str  # where it was found: host, disk or remote
+
+
+class Prefetch:
+    """One request's background load: done, or given up on after the deadline."""
+
+    def __init__(self, future: concurrent.futures.Future, deadline: float) -> None:
+        self.future = future
+        self.deadline = deadline
+
+    @property
+    def pending(self) -> bool:
+        return not self.future.done() and time.monotonic() < self.deadline
+
+    def wait(self, seconds: float) -> None:
+        try:
+            self.future.result(timeout=max(0.0, min(seconds, self.deadline - time.monotonic())))
+        except Exception:  # a timeout here, or a bug reported by the worker's own log
+            pass
+
+
+class TieredKVStore:
+    def __init__(self, config: TierConfig, identity: ChunkIdentity) -> None:
+        self.config = config
+        self.identity = identity
+        self.stats = TierStats()
+        self.host = HostStore(config.max_local_cpu_bytes if config.local_cpu else _STAGING_BYTES,
+                              self.stats)
+        self.disk = DiskStore(config.local_disk, config.max_local_disk_bytes, self.stats) \
+            if config.local_disk else None
+        self.remote = RedisStore(config.remote_url, config.remote_timeout,
+                                 config.remote_retry_interval, self.stats) \
+            if config.remote_url else None
+        self._lower = [s for s in (self.disk, self.remote) if s is not None]
+        if self.remote is not None:
+            self.remote.on_recover = self._forget_written
+        self._origin: dict[str, str] = {}  # key -> tier a prefetch promoted it from
+        self._written: OrderedDict[str, None] = OrderedDict()  # keys sent below, newest last
+        self._lock = threading.Lock()
+        self._saves: queue.Queue = queue.Queue(maxsize=config.max_pending_saves)
+        self._saver = threading.Thread(target=self._save_loop, name="kvserve-tier-save",
+                                       daemon=True)
+        self._saver.start()
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvserve-tier-load")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return bool(self._lower)
+
+    def key(self, chunk_hash: int) -> str:
+        return self.identity.key(chunk_hash)
+
+    # -- saving -----------------------------------------------------------------------------
+    def knows(self, chunk_hash: int) -> bool:
+        """Saved already (in host memory, or sent below by this process): no need to read it
+        out of the device again."""
+        key = self.key(chunk_hash)
+        with self._lock:
+            if key in self._written:
+                return True
+        return self.config.local_cpu and self.host.contains(key)
+
+    def save(self, chunk_hash: int, data: torch.Tensor) -> None:
+        key = self.key(chunk_hash)
+        if self.config.local_cpu:
+            self.host.put(key, data)
+        if not self._lower:
+            return
+        with self._lock:
+            if key in self._written:
+                return
+            self._written[key] = None
+            if len(self._written) > 1_000_000:
+                self._written.popitem(last=False)
+        try:
+            self._saves.put_nowait((key, data))
+        except queue.Full:
+            with self._lock:
+                self._written.pop(key, None)
+            self.stats.add("skipped_saves", "backlog")
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            try:
+                if item is None:
+                    return
+                key, data = item
+                blobs: dict[str, bytes] = {}
+                saved = True
+                for store in self._lower:
+                    serde = self.config.remote_serde if store is self.remote else "naive"
+                    if serde not in blobs:
+                        blobs[serde] = encode(key, data, serde)
+                    saved = store.put(key, blobs[serde]) and saved
+                if not saved:  # let a later eviction try again
+                    with self._lock:
+                        self._written.pop(key, None)
+            except Exception:  # never let one bad save stop the saver
+                logger.exception("saving a KV chunk failed")
+            finally:
+                self._saves.task_done()
+
+    def _forget_written(self) -> None:
+        """Redis came back, possibly empty: chunks sent before may have to be sent again."""
+        with self._lock:
+            self._written.clear()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until queued saves are written (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._saves.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    # -- loading ----------------------------------------------------------------------------
+    def prefetch(self, chunk_hashes: Sequence[int]) -> Prefetch | None:
+        """Start promoting these consecutive chunks from disk/Redis into host memory."""
+        if not self._lower or not chunk_hashes:
+            return None
+        keys = [self.key(h) for h in chunk_hashes]
+        future = self._loader.submit(self._promote, keys)
+        return Prefetch(future, time.monotonic() + self.config.prefetch_timeout)
+
+    def _promote(self, keys: list[str]) -> int:
+        for n, key in enumerate(keys):
+            if self.host.contains(key):
+                continue
+            for store in self._lower:
+                data = self._load(store, key)
+                if data is not None:
+                    if not self.host.put(key, data):
+                        return n
+                    with self._lock:
+                        self._origin[key] = store.name
+                    break
+            else:
+                return n
+        return len(keys)
+
+    def _load(self, store, key: str) -> torch.Tensor | None:
+        start = time.perf_counter()
+        blob = store.get(key)
+        if blob is None:
+            return None
+        try:
+            data = decode(key, blob, self.identity.dtype, self.identity.shape)
+        except CorruptChunkError as e:
+            self.stats.add("errors", (store.name, "corrupt_chunk"))
+            logger.warning("dropping a bad KV chunk from the %s tier: %s", store.name, e)
+            store.delete(key)
+            with self._lock:
+                self._written.pop(key, None)  # so that the recomputed chunk is saved again
+            return None
+        self.stats.observe_load(store.name, time.perf_counter() - start)
+        self.stats.add("bytes_loaded", store.name, len(blob))
+        return data
+
+    def lookup(self, chunk_hashes: Sequence[int]) -> list[FoundChunk]:
+        """The leading run of these chunks that host memory holds now (engine thread)."""
+        found = []
+        for h in chunk_hashes:
+            key = self.key(h)
+            data = self.host.get(key)
+            if data is None:
+                break
+            with self._lock:
+                source = self._origin.get(key, "host")
+            found.append(FoundChunk(h, data, source))
+        return found
+
+    def consumed(self, chunks: Sequence[FoundChunk]) -> None:
+        """These chunks were loaded into the device: count them, and drop staging copies."""
+        for c in chunks:
+            key = self.key(c.chunk_hash)
+            with self._lock:
+                self._origin.pop(key, None)
+            if c.source == "host":
+                self.stats.add("bytes_loaded", "host", c.data.nbytes)
+            if not self.config.local_cpu:
+                self.host.delete(key)
+
+    # -- admin ------------------------------------------------------------------------------
+    def clear(self, tiers: Sequence[str] = ("host", "disk")) -> None:
+        """Forget the chunks of this process's host and disk tiers (benchmarks, tests); Redis is
+        shared with other engines and left alone."""
+        if "host" in tiers:
+            self.host.clear()
+        if "disk" in tiers and self.disk is not None:
+            self.disk.clear()
+        with self._lock:
+            self._written.clear()
+            self._origin.clear()
+
+    def usage(self) -> dict[str, int]:
+        out = {"host": self.host.used_bytes}
+        if self.disk is not None:
+            out["disk"] = self.disk.used_bytes
+        return out
+
+    def close(self) -> None:
+        self.flush(timeout=5.0)
+        self._saves.put(None)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        if self.remote is not None:
+            self.remote.close()
