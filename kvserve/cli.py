@@ -32,8 +32,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="which idle cached blocks are evicted first")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
                         help="lpm: waiting requests with the longest cached prefix first")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="where the model and the KV cache live (default: cpu)")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                        help="where the model and the KV cache live (default: auto = cuda when "
+                        "a GPU is visible, else cpu)")
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                        default="auto", help="auto: triton on cuda, torch on cpu")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs for decode batches")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch intra-op threads on CPU (default: torch's choice)")
     parser.add_argument("--kv-tier-config", default=None, metavar="FILE_OR_JSON",
@@ -51,7 +56,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                 num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
                 eviction_policy=args.eviction_policy, scheduling_policy=args.scheduling_policy,
-                device=args.device, kv_tier_config=args.kv_tier_config)
+                device=args.device, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager, kv_tier_config=args.kv_tier_config)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:

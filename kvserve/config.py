@@ -27,7 +27,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # weights and activations; "auto" takes config.json's torch_dtype
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # "auto" = cuda when torch sees a GPU, else cpu (resolved here)
     block_size: int = 16
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -40,6 +40,8 @@ class EngineConfig:
     eviction_policy: str = "lru"  # which idle cached blocks go first: lru, lfu or priority
     scheduling_policy: str = "fcfs"  # "lpm": waiting requests with the longest cached prefix first
     disable_log_stats: bool = True
+    attention_backend: str = "auto"  # "torch" | "triton"; auto = triton on cuda, torch on cpu
+    enforce_eager: bool = False  # vLLM's name: True = no CUDA graphs for decode batches
     # Storage tiers under the KV pool (host memory, disk, Redis): a YAML file with LMCache's key
     # names, a JSON string, a dict or a TierConfig; None = no tiers.
     kv_tier_config: Any = None
@@ -75,6 +77,18 @@ class EngineConfig:
                                  f"must be a multiple of block_size ({self.block_size})")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        if self.device == "cuda" and self.attention_backend == "torch":
+            raise ValueError("attention_backend='torch' is the CPU backend; use 'triton' (or "
+                             "'auto') with device='cuda'")
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the limits that depend on the loaded model and check them against each other."""

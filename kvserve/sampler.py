@@ -100,6 +100,13 @@ class Sampler:
         with torch.inference_mode():
             logits = _check(logits, rows)
             plan = _Plan(rows)
+            if logits.device.type != "cpu" and (
+                    len(plan.greedy_plain) < len(rows)
+                    or any(r.params.logprobs is not None for r in rows)):
+                # GPU logits: plain greedy stays on the device (one argmax, a few bytes back);
+                # anything else runs on the host path, which per-request CPU generators
+                # and the NumPy top-k/top-p code need, and which is what the tests cover.
+                logits = logits.cpu()
             if len(plan.greedy_plain) == len(rows):
                 tokens = _argmax(logits)  # the hot path: one argmax, nothing else built
             else:

@@ -53,10 +53,12 @@ def test_engine_options_reach_the_engine(monkeypatch):
     monkeypatch.setattr(async_engine.AsyncLLMEngine, "from_kwargs", staticmethod(fake_from_kwargs))
     with pytest.raises(Stop):
         cli.main(["serve", "--no-enable-prefix-caching", "--block-size", "8",
-                  "--max-waiting-requests", "5"])
+                  "--max-waiting-requests", "5", "--attention-backend", "triton",
+                  "--enforce-eager"])
     assert seen["enable_prefix_caching"] is False and seen["block_size"] == 8
     assert seen["max_waiting_requests"] == 5 and seen["model"] is None
-    assert seen["device"] == "cpu"
+    assert seen["device"] == "auto" and seen["attention_backend"] == "triton"
+    assert seen["enforce_eager"] is True
 
 
 def test_invalid_values_exit_with_a_message(capsys):

@@ -21,7 +21,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.layout import KVLayout, available_host_memory
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers.stats import SOURCES
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.attention.select import make_attention_backend
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -55,6 +55,8 @@ class LLMEngine:
             model_dir = str(ensure_default_model())
             config.model = model_dir
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        if config.attention_backend == "triton":
+            self.model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or model_dir)
         config.finalize(self.model_config.max_position_embeddings)
         self.dtype = next(self.model.parameters()).dtype
@@ -65,11 +67,18 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy)
-        self.backend = TorchAttentionBackend(self.layout.allocate(num_blocks, config.device),
-                                             config.block_size,
-                                             self.model_config.head_dim ** -0.5)
+        self.backend = make_attention_backend(config.attention_backend,
+                                              self.layout.allocate(num_blocks, config.device),
+                                              config.block_size,
+                                              self.model_config.head_dim ** -0.5)
         self.tiers = self._make_tiers(model_dir)
         self.runner = ModelRunner(self.model, self.backend, self.kv)
+        if config.device == "cuda" and not config.enforce_eager:
+            from kvserve.engine.cuda_graphs import CUDAGraphRunner
+
+            self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
+                                                 config.max_model_len)
+            self.runner.graphs.capture_all()
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -87,6 +96,10 @@ class LLMEngine:
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
+        elif cfg.device == "cuda":
+            from kvserve.engine.gpu_memory import profile_kv_budget
+
+            budget = profile_kv_budget(self.model, cfg)
         else:
             # No point reserving more than every sequence slot at full length could use.
             most = cfg.max_num_seqs * cfg.max_model_len * self.layout.bytes_per_token

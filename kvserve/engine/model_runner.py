@@ -21,6 +21,9 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.kv = kv
+        self.device = model.embed_tokens.device
+        # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
+        self.graphs = None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -55,11 +58,17 @@ class ModelRunner:
             decodes=decodes,
             num_prefill_tokens=sum(s.query_len for s in prefills),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
-                            torch.tensor(positions, dtype=torch.long),
-                            self.backend.bind(meta))
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        if self.graphs is not None and not prefills and self.graphs.can_run(len(decodes)):
+            hidden = self.graphs.run(ids, pos_t, meta)
+        else:
+            if self.device.type != "cpu":
+                ids = ids.to(self.device, non_blocking=True)
+                pos_t = pos_t.to(self.device, non_blocking=True)
+            hidden = self.model(ids, pos_t, self.backend.bind(meta))
         if not sample_rows:
             return torch.empty(0), []
         if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long)]
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden), sampled

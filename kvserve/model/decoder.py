@@ -158,6 +158,23 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h, **p) if c.mlp_bias else None
         self._linear = _dense_linear
         self._linear_add = _dense_linear_add
+        self._norm = rms_norm
+        self._rope = _apply_rope
+
+    def use_triton_ops(self) -> None:
+        """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
+        where each PyTorch element-wise op is a kernel launch. Not with oneDNN-packed weights."""
+        from kvserve.model import gpu_ops
+
+        self._norm = gpu_ops.rms_norm
+        self._rope = gpu_ops.apply_rope
+        if self.gate_up_proj is not None:
+            self._swiglu = self._swiglu_triton
+
+    def _swiglu_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.model import gpu_ops
+
+        return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
     def pack_weights(self) -> None:
         """Replace the projection matrices by oneDNN-packed copies (frees the dense ones).
@@ -187,19 +204,19 @@ class DecoderLayer(nn.Module):
         """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
         t = hidden.shape[0]
         d = self.head_dim
-        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        x = self._norm(hidden, self.input_layernorm, self.eps)
         qkv = self._linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
         if self.qk_norm is not None:
-            qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm)
-        qk = _apply_rope(qk, cos_sin)
+            qk = self._norm(qk, self.qk_norm, self.eps)  # per-head weight [heads, D]
+        qk = self._rope(qk, cos_sin)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
         o = attn(self.layer_idx, q, k, v)
         hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
 
-        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
+        x = self._norm(hidden, self.post_attention_layernorm, self.eps)
         return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,6 +266,7 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
         self.packed = False
         self._logits_linear = _dense_linear
+        self._norm = rms_norm
         # With tied embeddings and packing: a packed copy of the embedding table for the head.
         self.register_buffer("_packed_head", None, persistent=False)
 
@@ -281,7 +299,15 @@ class CausalLM(nn.Module):
         cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos_sin, attn)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self._norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def use_triton_ops(self) -> None:
+        """Switch every layer to the fused Triton element-wise kernels (see DecoderLayer)."""
+        from kvserve.model import gpu_ops
+
+        for layer in self.layers:
+            layer.use_triton_ops()
+        self._norm = gpu_ops.rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
 DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
 _HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
@@ -35,6 +35,14 @@ _SHAPES = {
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
                   max_position_embeddings=8192),
+    # The real models' shapes, for GPU benchmarks with random weights.
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960,
+                       tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, tie_word_embeddings=False),
 }
 
 
@@ -49,7 +57,8 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     s = dict(_SHAPES[size])
     layers = s["num_hidden_layers"]
-    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    head_dim = s.pop("head_dim", s["hidden_size"] // s["num_attention_heads"])
+    tied = s.pop("tie_word_embeddings", None)  # None: the architecture's usual choice
     if arch == "qwen3" and size == "tiny":
         head_dim = 32  # deliberately != hidden_size / num_attention_heads
     common: dict[str, Any] = {
@@ -100,13 +109,21 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         }
         if arch == "qwen3":
             extra.update(attention_bias=False, head_dim=head_dim)
+    if tied is not None:
+        extra["tie_word_embeddings"] = tied
+    if arch in ("qwen2", "qwen3") and head_dim != s["hidden_size"] // s["num_attention_heads"]:
+        extra["head_dim"] = head_dim
     return dict(sorted({**common, **extra}.items()))
 
 
 def random_weights(config: dict[str, Any], seed: int = 0,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """HF-named tensors: N(0, 0.02) matrices, zero biases, unit norms, drawn in a fixed order."""
-    gen = torch.Generator().manual_seed(seed)
+                   dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named tensors: N(0, 0.02) matrices, zero biases, unit norms, drawn in a fixed order.
+
+    `device="cuda"` draws on the GPU (a 7B model in seconds instead of minutes; different
+    numbers from the CPU draw for the same seed); the tensors are returned on the CPU."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     h = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -117,7 +134,8 @@ def random_weights(config: dict[str, Any], seed: int = 0,
     out: dict[str, torch.Tensor] = {}
 
     def normal(name: str, *shape: int) -> None:
-        out[name] = torch.empty(shape).normal_(0.0, std, generator=gen).to(dtype)
+        out[name] = torch.empty(shape, device=device).normal_(0.0, std, generator=gen) \
+            .to(dtype).cpu()
 
     def const(name: str, value: float, *shape: int) -> None:
         out[name] = torch.full(shape, value, dtype=dtype)
@@ -148,9 +166,11 @@ def random_weights(config: dict[str, Any], seed: int = 0,
 
 
 def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE,
-               seed: int = 0, dtype: str = "float32", with_tokenizer: bool = True) -> Path:
+               seed: int = 0, dtype: str = "float32", with_tokenizer: bool = True,
+               device: str = "cpu") -> Path:
     """Write config.json, generation_config.json, model.safetensors and (unless
-    `with_tokenizer` is False) tokenizer.json/tokenizer_config.json into `out_dir`."""
+    `with_tokenizer` is False) tokenizer.json/tokenizer_config.json into `out_dir`.
+    `device` is where the random weights are drawn (see `random_weights`)."""
     out = Path(out_dir)
     bos, eos = 0, 2
     train_tokenizer = None
@@ -163,7 +183,7 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     out.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(config, seed, torch_dtype), str(out / "model.safetensors"),
+    save_file(random_weights(config, seed, torch_dtype, device), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {

@@ -1,0 +1,502 @@
+"""Triton kernels for the paged KV cache, with thin PyTorch launchers.
+
+Four kernels, all addressing the cache through block tables so that a sequence's KV never has to
+be contiguous:
+
+* `store_kv`: write the K/V of this step's new tokens into their cache slots (slot < 0 = a
+  padding row of a CUDA-graph batch, skipped).
+* `decode_attention`: one query token per sequence over its cached KV, flash-decoding style.
+  Each program owns one (sequence, KV head, split): it loads a K/V tile once for all query heads
+  of its GQA group (MQA is the group = all heads), so KV is read once per step, and the KV range
+  is split across programs so that a batch of one still fills the GPU; a second small kernel
+  merges the splits by their log-sum-exp.
+* `extend_attention`: the new tokens of many sequences of different lengths in one launch, each
+  attending causally to its cached prefix plus itself. New K/V are stored first, so prefix and
+  new tokens are read by the same paged loop (one code path for a cold prefill, a chunk, and an
+  extension of a cached prefix).
+* `copy_blocks`: copy whole blocks (src -> dst) in every layer's K and V in one launch, through a
+  table of the per-layer cache pointers (copy-on-write of a shared partial block).
+
+The cache layout is the engine's: per layer `k, v` of shape [num_blocks, block_size, Hkv, D].
+Any block size works (slots are addressed per token); head_dim may be any size from 16 to 256
+(tiles are padded to a power of two and masked). The kernels also run on CPU tensors under
+Triton's interpreter (`TRITON_INTERPRET=1`), which is how they are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+MIN_HEAD_DIM = 16  # tl.dot needs an inner dimension of at least 16
+_LOG2E = 1.4426950408889634
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless the cache is something these kernels handle."""
+    if k_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"Triton attention supports {[str(d) for d in SUPPORTED_DTYPES]} KV "
+                         f"caches, got {k_cache.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("KV cache tensors must both be [num_blocks, block_size, kv_heads, "
+                         f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    d = k_cache.shape[3]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"Triton attention supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
+                         f"got {d}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("KV cache tensors must be contiguous in head_dim")
+
+
+def _patch_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with `int(array)`, which NumPy
+    2.4 refuses for its 1-element (not 0-d) arrays; loops with runtime bounds then fail. Only
+    the interpreter (CPU testing) is touched, and only when it is enabled."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_kvserve_patched", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._kvserve_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+_patch_interpreter_for_numpy2()
+
+# Whether this module's kernels were built for Triton's interpreter (CPU tensors).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_d(head_dim: int) -> int:
+    return max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    """Whether tiles go through tl.dot in exact float32: for float32 models (no TF32 rounding, so
+    results match the PyTorch path), and always under the interpreter, whose dot mishandles
+    16-bit floats (it multiplies their raw bits)."""
+    return t.dtype == torch.float32 or not _on_gpu(t)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) store K/V into cache slots
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kcs, stride_kch,
+                     stride_vcb, stride_vcs, stride_vch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src_k = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst_k = k_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch \
+        + offs_d[None, :]
+    dst_v = v_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch \
+        + offs_d[None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(dst_k, k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(dst_v, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (any row/head strides, D contiguous) -> their slots in the cache.
+
+    slot_mapping [T] int64: block * block_size + offset; negative entries are skipped."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    _, block_size, hkv, d = k_cache.shape
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("new K/V must be contiguous in head_dim")
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) paged decode attention, split-K
+# ------------------------------------------------------------------------------------------------
+# Arguments that change from step to step (block-table width, split count) are not specialised:
+# a new value must not compile a new kernel in the middle of serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_mob", "stride_moh", "stride_mlb",
+                               "stride_mlh"])
+def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_lse,
+                         qk_scale,
+                         stride_qt, stride_qh,
+                         stride_kcb, stride_kcs, stride_kch,
+                         stride_vcb, stride_vcs, stride_vch,
+                         stride_tb,
+                         stride_mob, stride_moh, stride_mos,
+                         stride_mlb, stride_mlh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)  # int32 or int64 buffers: one loop type
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = tables + b * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + blk[:, None] * stride_kcb + tok[:, None] * stride_kcs
+                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs
+                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # base 2
+    o_ptrs = mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos \
+        + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["stride_mob", "stride_moh", "stride_mlb", "stride_mlh",
+                               "stride_ot"])
+def _decode_merge_kernel(mid_o, mid_lse, out_ptr,
+                         stride_mob, stride_moh, stride_mos,
+                         stride_mlb, stride_mlh,
+                         stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row with no KV at all: output 0
+    w = tl.where(s_mask, tl.math.exp2(lse - m), 0.0)
+    o = tl.load(mid_o + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64,
+                  num_sms: int | None = None) -> int:
+    """How many programs share one sequence's KV: enough (batch x kv heads x splits) programs to
+    cover the GPU about twice, never a split shorter than two tiles, at most 32 (the merge reads
+    every split of every head). A power of two, so that at most six kernel variants exist."""
+    if num_sms is None:
+        num_sms = _num_sms()
+    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    by_len = max(1, max_seq_len // (2 * block_n))
+    n = int(min(want, by_len, 32))
+    return 1 << (n.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 4
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, num_splits: int | None = None,
+                     max_seq_len: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence) over the paged cache -> [B, H, D].
+
+    block_tables [B, max_blocks] int32, seq_lens [B] int32 (KV length including this token,
+    already stored). `num_splits` fixes the split count (CUDA graphs need one per bucket); else
+    it is chosen from `max_seq_len` (or seq_lens.max(), which syncs)."""
+    b, h, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    group = h // hkv
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = decode_splits(b, hkv, max_seq_len, block_n)
+    mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    block_d = _block_d(d)
+    on_gpu = _on_gpu(q)
+    _decode_split_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        IEEE=_ieee(q),
+        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}))
+    _decode_merge_kernel[(b, h)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        **({"num_warps": 2} if on_gpu else {}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) extend / prefill attention over a cached prefix plus the new tokens
+# ------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["stride_tb"])
+def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, seq_lens,
+                   qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_kcb, stride_kcs, stride_kch,
+                   stride_vcb, stride_vcs, stride_vch,
+                   stride_tb,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   IEEE: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(q_lens + s).to(tl.int32)
+    m0 = mb * BLOCK_M
+    if m0 >= q_len:
+        return
+    q_start = tl.load(q_starts + s)
+    seq_len = tl.load(seq_lens + s).to(tl.int32)
+    ctx = seq_len - q_len  # cached prefix length
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = ctx + offs_m  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = tables + s * stride_tb
+    end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # the last row sees up to its own position
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + blk[:, None] * stride_kcb + tok[:, None] * stride_kcs
+                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE)
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs
+                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                     seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill/extend attention for S sequences in one launch.
+
+    q [T, H, D] holds every sequence's new tokens (rows q_starts[i] .. + q_lens[i]); their K/V
+    are already in the cache. Sequence i attends to its first seq_lens[i] - q_lens[i] cached
+    tokens plus its new ones, causally. block_tables [S, max_blocks] int32; the other per-
+    sequence tensors [S] int32. Rows of q not covered by any sequence are left untouched."""
+    t, h, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = q_lens.shape[0]
+    if t == 0 or num_seqs == 0:
+        return out
+    on_gpu = _on_gpu(q)
+    block_d = _block_d(d)
+    if on_gpu:
+        block_m = 64 if block_d <= 128 else 32
+        block_n = 64 if q.dtype != torch.float32 else 32
+        launch = {"num_warps": 4, "num_stages": 2}
+    else:
+        block_m, block_n, launch = 16, 16, {}
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, h)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, IEEE=_ieee(q), **launch)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) copy blocks in every layer
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _copy_blocks_kernel(cache_ptrs, src_ptr, dst_ptr, BLOCK_NUMEL: tl.constexpr,
+                        CHUNK: tl.constexpr, ELEM_BITS: tl.constexpr):
+    pair = tl.program_id(0)
+    cache = tl.program_id(1)
+    chunk = tl.program_id(2)
+    raw = tl.load(cache_ptrs + cache)
+    if ELEM_BITS == 32:
+        base = raw.to(tl.pointer_type(tl.int32))
+    elif ELEM_BITS == 16:
+        base = raw.to(tl.pointer_type(tl.int16))
+    else:
+        base = raw.to(tl.pointer_type(tl.int8))
+    src = tl.load(src_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_ptr + pair).to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_NUMEL
+    x = tl.load(base + src * BLOCK_NUMEL + offs, mask=mask)
+    tl.store(base + dst * BLOCK_NUMEL + offs, x, mask=mask)
+
+
+def cache_pointer_table(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[2 * layers] int64 data pointers of every K and V cache tensor (on their device)."""
+    ptrs = [t.data_ptr() for pair in kv_caches for t in pair]
+    return torch.tensor(ptrs, dtype=torch.int64, device=kv_caches[0][0].device)
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
+                dst: torch.Tensor, pointer_table: torch.Tensor | None = None) -> None:
+    """Copy block src[i] onto block dst[i] in every layer's K and V, in one launch.
+
+    src, dst [N] int64 on the cache's device. Every cache tensor must be contiguous with the
+    same shape and dtype (the engine allocates them so)."""
+    n = src.shape[0]
+    if n == 0:
+        return
+    k0 = kv_caches[0][0]
+    for pair in kv_caches:
+        for t in pair:
+            if not t.is_contiguous() or t.shape != k0.shape or t.dtype != k0.dtype:
+                raise ValueError("copy_blocks needs contiguous cache tensors of one shape/dtype")
+    if pointer_table is None:
+        pointer_table = cache_pointer_table(kv_caches)
+    block_numel = k0[0].numel()
+    chunk = min(4096, triton.next_power_of_2(block_numel))
+    grid = (n, 2 * len(kv_caches), triton.cdiv(block_numel, chunk))
+    _copy_blocks_kernel[grid](pointer_table, src, dst, BLOCK_NUMEL=block_numel, CHUNK=chunk,
+                              ELEM_BITS=8 * k0.element_size())
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch references (the tests' ground truth; also handy for debugging)
+# ------------------------------------------------------------------------------------------------
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_table: list[int], seq_len: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] = the last n tokens of a sequence of seq_len tokens; float32 result."""
+    n, h, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    blocks = torch.tensor(block_table[: math.ceil(seq_len / bs)], dtype=torch.long,
+                          device=k_cache.device)
+    k = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].float()
+    v = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].float()
+    k = k.repeat_interleave(h // hkv, dim=1)
+    v = v.repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
