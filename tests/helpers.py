@@ -26,6 +26,24 @@ def generate_checked(llm, prompts, params, max_steps: int = 100_000) -> list[Req
     return [done[i] for i in ids]
 
 
+def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' own greedy continuations (the independent reference), one prompt at a time
+    so that no padding is involved, EOS disabled."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

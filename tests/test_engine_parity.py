@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate_checked, kv_bytes_per_token, random_prompts
+from helpers import generate_checked, hf_greedy, kv_bytes_per_token, random_prompts
 
 from kvserve import LLM, SamplingParams
 
@@ -19,21 +19,10 @@ VOCAB = 512
 def references(hf_checkpoints) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """Per architecture: the prompts and transformers' greedy continuations, one prompt at a time
     (no padding, so the reference is exact)."""
-    import transformers
-
     refs = {}
     for arch, path in hf_checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.generation_config.eos_token_id = None
         prompts = random_prompts(LENGTHS, VOCAB, seed=ARCHS.index(arch))
-        outs = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-                outs.append(gen[0, len(p):].tolist())
-        refs[arch] = (prompts, outs)
+        refs[arch] = (prompts, hf_greedy(path, prompts, NEW_TOKENS))
     return refs
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kv_bytes_per_token
+from helpers import hf_greedy, kv_bytes_per_token
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_prefix_caching import _hf_greedy, _one_thread, generate, make_llm  # noqa: F401
+from test_prefix_caching import _one_thread, generate, make_llm  # noqa: F401
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
@@ -58,7 +58,7 @@ def workload(hf_checkpoints):
     pass_a = [d + q[0] for d, q in zip(docs, questions)]
     pass_b = [d + q[1] for d, q in zip(docs, questions)]
     path = hf_checkpoints["qwen3"]
-    return path, pass_a, pass_b, _hf_greedy(path, pass_a, NEW), _hf_greedy(path, pass_b, NEW)
+    return path, pass_a, pass_b, hf_greedy(path, pass_a, NEW), hf_greedy(path, pass_b, NEW)
 
 
 def tier_llm(path, tiers: dict, pool_tokens: int = POOL_TOKENS, **kwargs):
@@ -527,3 +527,18 @@ def test_cli_takes_a_tier_config_file(tmp_path):
     add_engine_args(parser)
     kwargs = engine_kwargs(parser.parse_args(["--kv-tier-config", str(path)]))
     assert EngineConfig(**kwargs).kv_tier_config.chunk_size == 64
+
+
+def test_a_prefix_longer_than_host_memory_loads_what_fits(workload, tmp_path):
+    """Host memory of 2.5 chunks under a 4-chunk document: the prefetch stops at 2 chunks
+    instead of evicting its own first chunks, and those 2 are hits."""
+    path, pass_a, pass_b, want_a, want_b = workload
+    budget_gb = 2.5 * CHUNK * kv_bytes_per_token(path) / 1024**3
+    llm = tier_llm(path, {"local_cpu": True, "max_local_cpu_size": budget_gb,
+                          "local_disk": str(tmp_path), "max_local_disk_size": 0.01})
+    assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a
+    llm.engine.tiers.flush()
+    llm.reset_prefix_cache()
+    llm.engine.tiers.clear(["host"])
+    assert tokens_of(generate(llm, pass_b[:1], PARAMS)) == want_b[:1]
+    assert llm.engine.stats()["hit_tokens_disk"] == 2 * CHUNK

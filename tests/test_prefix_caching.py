@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from helpers import kv_bytes_per_token
+from helpers import hf_greedy, kv_bytes_per_token
 from test_prefix_properties import check_index_evictable
 
 from kvserve import LLM, SamplingParams
@@ -280,21 +280,6 @@ def test_repeated_block_aligned_prompt_under_pressure(ref_model):
 
 
 # -- transformers as the reference ------------------------------------------------------------
-def _hf_greedy(path, prompts, max_new):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def hf_workload(hf_checkpoints):
     """Shared system prompt and RAG prompts, and transformers' greedy continuations of each."""
@@ -304,7 +289,7 @@ def hf_workload(hf_checkpoints):
     prompts = ([system + tokens(rng, 25, HF_VOCAB) for _ in range(4)]
                + [document + tokens(rng, 12, HF_VOCAB) for _ in range(4)])
     path = hf_checkpoints["qwen3"]
-    return path, prompts, _hf_greedy(path, prompts, 10)
+    return path, prompts, hf_greedy(path, prompts, 10)
 
 
 @pytest.mark.parametrize("block_size", [7, 64])

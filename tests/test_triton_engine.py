@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from helpers import generate_checked, random_prompts  # noqa: E402
+from helpers import generate_checked, hf_greedy, random_prompts  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
@@ -23,21 +23,6 @@ from kvserve.config import EngineConfig  # noqa: E402
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def transformers_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 def _llm(path, **kwargs) -> LLM:
@@ -48,7 +33,7 @@ def _llm(path, **kwargs) -> LLM:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_engine_greedy_matches_transformers(arch, hf_checkpoints):
     prompts = random_prompts([1, 5, 18, 33], 512, seed=11)
-    expected = transformers_greedy(hf_checkpoints[arch], prompts)
+    expected = hf_greedy(hf_checkpoints[arch], prompts, NEW_TOKENS)
     # Chunks of 24 tokens: the 33-token prompt is prefilled in two steps, next to decodes.
     llm = _llm(hf_checkpoints[arch], block_size=4, max_num_batched_tokens=24)
     assert type(llm.engine.backend).__name__ == "TritonAttentionBackend"
@@ -62,7 +47,7 @@ def test_triton_engine_prefix_hit_and_copy_on_write(hf_checkpoints):
     # Shares 14 tokens with `base`: three full blocks of 4 hit, and the match ends inside the
     # fourth block, which is served by copying it (copy-on-write).
     other = base[:14] + random_prompts([5], 512, seed=13)[0]
-    expected = transformers_greedy(path, [base, other])
+    expected = hf_greedy(path, [base, other], NEW_TOKENS)
     llm = _llm(path, block_size=4)
     copies: list[tuple[list[int], list[int]]] = []
     backend_copy = llm.engine.backend.copy_blocks
@@ -115,7 +100,7 @@ def test_graph_runner_padding_and_static_buffers(hf_checkpoints):
 
     path = hf_checkpoints["qwen3"]
     prompts = random_prompts([3, 9, 14], 512, seed=14)
-    expected = transformers_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
     llm = _llm(path, block_size=4, max_num_seqs=6)
     engine = llm.engine
     runner = EagerReplay(engine.model, engine.backend, 6, engine.config.max_model_len)

@@ -60,6 +60,13 @@ class ChunkIdentity:
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def chunk_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
     def key(self, chunk_hash: int) -> str:
         """The storage key of the chunk whose last block has this chained hash."""
         return f"kvserve:{self.digest}:{chunk_hash:032x}"

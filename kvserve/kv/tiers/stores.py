@@ -123,6 +123,10 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._lru.used
 
+    @property
+    def budget(self) -> int:
+        return self._lru.budget
+
 
 class DiskStore:
     """L3: one file per chunk in a directory, LRU within a byte budget.

@@ -32,7 +32,7 @@ from kvserve.kv.tiers.stores import DiskStore, HostStore, RedisStore
 logger = logging.getLogger("kvserve.tiers")
 
 # Without an L2, prefetched chunks still need somewhere to wait for their request.
-_STAGING_BYTES = 256 * 1024**2
+_STAGING_BYTES = 1024**3
 
 
 @dataclass
@@ -161,7 +161,11 @@ class TieredKVStore:
         """Start promoting these consecutive chunks from disk/Redis into host memory."""
         if not self._lower or not chunk_hashes:
             return None
-        keys = [self.key(h) for h in chunk_hashes]
+        # No more than host memory holds at once: the last chunks would evict the first ones.
+        fit = self.host.budget // self.identity.chunk_bytes
+        keys = [self.key(h) for h in chunk_hashes[:fit]]
+        if not keys:
+            return None
         future = self._loader.submit(self._promote, keys)
         return Prefetch(future, time.monotonic() + self.config.prefetch_timeout)
 
