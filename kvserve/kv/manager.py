@@ -11,17 +11,15 @@ performs the copy before the next forward, and the source stays locked until the
 step, the request's newly completed full blocks are inserted into the prefix index, so a request
 that arrives a step later can hit them while their writer is still running.
 
-With storage tiers attached (kv/tiers), a chunk of blocks that the index evicts is saved below
-first (or, under write-through, as soon as it is computed), and a match that ends on the device
-goes on through the chunks held in host memory: those are loaded into fresh blocks (the runner
-writes them before the next forward) and inserted into the index like computed ones.
+With storage tiers attached (kv/tiers/link.py does the chunk-level work), evicted chunks are
+saved below, and a match that ends on the device goes on through the chunks in host memory.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,8 +29,10 @@ from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.prefix_index import Node, PrefixIndex, PrefixMatch
 from kvserve.request import Request
 
+from kvserve.kv.tiers.link import CacheMatch, TierLink
+
 if TYPE_CHECKING:
-    from kvserve.kv.tiers.tiered import FoundChunk, Prefetch, TieredKVStore
+    from kvserve.kv.tiers.tiered import TieredKVStore
     from kvserve.model.attention.base import AttentionBackend
 
 
@@ -44,23 +44,6 @@ class _Cursor:
     node: Node
     num_blocks: int
     generation: int
-
-
-@dataclass
-class CacheMatch(PrefixMatch):
-    """A device match continued by whole chunks found in host memory."""
-
-    loaded: list["FoundChunk"] = field(default_factory=list)
-    skip_blocks: int = 0  # leading blocks of the first chunk that the device match covers
-    num_loaded_blocks: int = 0
-
-    @property
-    def num_full_blocks(self) -> int:
-        return len(self.nodes) + self.num_loaded_blocks
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_full_blocks * self.block_size + self.partial_len
 
 
 class KVCacheManager:
@@ -76,23 +59,35 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens served from cache
         self.hit_tokens = Counter()  # by source: device, host, disk, remote
-        self.tiers: TieredKVStore | None = None
-        self._kv_io: AttentionBackend | None = None  # reads and writes block contents
-        self._chunk_blocks = 0
-        self._pending_loads: dict[str, tuple[list[int], torch.Tensor]] = {}  # by request
-        self._prefetches: dict[str, Prefetch] = {}
+        self.tiers: TierLink | None = None
 
+    # -- storage tiers ----------------------------------------------------------------------
     def attach_tiers(self, tiers: "TieredKVStore", kv_io: "AttentionBackend") -> None:
         """Save evicted chunks to these tiers and load hits from them."""
-        if self.index is None:
-            raise ValueError("storage tiers need prefix caching: enable_prefix_caching=True")
-        chunk = tiers.identity.chunk_size
-        if chunk % self.block_size:
-            raise ValueError(f"chunk_size ({chunk}) must be a multiple of block_size "
-                             f"({self.block_size})")
-        self.tiers, self._kv_io = tiers, kv_io
-        self._chunk_blocks = chunk // self.block_size
-        self.index.on_evict = self._save_evicted
+        self.tiers = TierLink(self, tiers, kv_io)
+
+    def detach_tiers(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
+    def start_prefetch(self, request: Request) -> None:
+        """Begin promoting the request's chunks from disk/Redis into host memory."""
+        if self.tiers is not None:
+            self.tiers.start_prefetch(request)
+
+    def prefetch_pending(self, request: Request) -> bool:
+        return self.tiers is not None and self.tiers.prefetch_pending(request)
+
+    def wait_for_prefetch(self, seconds: float) -> bool:
+        """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
+        True if there was one."""
+        return self.tiers is not None and self.tiers.wait_for_prefetch(seconds)
+
+    def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
+        """Write the KV of chunks loaded from the tiers into their blocks (before a forward)."""
+        if self.tiers is not None:
+            self.tiers.apply_pending_loads(write_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -130,115 +125,7 @@ class KVCacheManager:
         tokens = request.token_ids[:limit]
         match = self.index.match(tokens, self.block_hashes(request, limit // self.block_size),
                                  extra_keys(request.cache_salt))
-        return match if self.tiers is None else self._continue_in_tiers(request, match)
-
-    # -- storage tiers ----------------------------------------------------------------------
-    def _chunk_hashes(self, request: Request, first_block: int) -> list[int]:
-        """Hashes naming the whole chunks of a request's prompt (less its last token), from the
-        chunk holding block `first_block` on: each chunk goes by its last block's hash."""
-        cb = self._chunk_blocks
-        num_chunks = (request.num_tokens - 1) // self.block_size // cb
-        hashes = self.block_hashes(request, num_chunks * cb)
-        return [hashes[(c + 1) * cb - 1] for c in range(first_block // cb, num_chunks)]
-
-    def _continue_in_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        assert self.tiers is not None
-        found = self.tiers.lookup(self._chunk_hashes(request, len(match.nodes)))
-        if not found:
-            return match
-        skip = len(match.nodes) % self._chunk_blocks
-        return CacheMatch(match.nodes, block_size=self.block_size, loaded=found,
-                          skip_blocks=skip,
-                          num_loaded_blocks=len(found) * self._chunk_blocks - skip)
-
-    def detach_tiers(self) -> None:
-        self.tiers = self._kv_io = None
-        self._pending_loads.clear()
-        self._prefetches.clear()
-        if self.index is not None:
-            self.index.on_evict = None
-
-    def start_prefetch(self, request: Request) -> None:
-        """Begin promoting the request's chunks from disk/Redis into host memory."""
-        if self.tiers is None or not self.tiers.has_lower_tiers or request.num_tokens <= 1:
-            return
-        assert self.index is not None
-        limit = request.num_tokens - 1
-        device = self.index.match(request.token_ids[:limit],
-                                  self.block_hashes(request, limit // self.block_size),
-                                  extra_keys(request.cache_salt))
-        handle = self.tiers.prefetch(self._chunk_hashes(request, len(device.nodes)))
-        if handle is not None:
-            self._prefetches[request.request_id] = handle
-
-    def prefetch_pending(self, request: Request) -> bool:
-        handle = self._prefetches.get(request.request_id)
-        if handle is None:
-            return False
-        if handle.pending:
-            return True
-        del self._prefetches[request.request_id]
-        return False
-
-    def wait_for_prefetch(self, seconds: float) -> bool:
-        """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
-        True if there was one."""
-        for handle in self._prefetches.values():
-            if handle.pending:
-                handle.wait(seconds)
-                return True
-        return False
-
-    def _save_evicted(self, node: Node) -> None:
-        """The index is about to evict `node`: if it ends a chunk, save the chunk below."""
-        assert self.tiers is not None and self._kv_io is not None
-        cb = self._chunk_blocks
-        if node.depth % cb or self.tiers.knows(node.block_hash):
-            return
-        blocks = []
-        walk: Node | None = node
-        for _ in range(cb):
-            assert walk is not None
-            blocks.append(walk.block)
-            walk = walk.parent
-        self.tiers.save(node.block_hash, self._kv_io.read_blocks(blocks[::-1]))
-
-    def _save_computed(self, table: list[int], hashes: list[int], first: int, end: int) -> None:
-        """Write-through: save the chunks that blocks [first, end) completed."""
-        assert self.tiers is not None and self._kv_io is not None
-        cb = self._chunk_blocks
-        for i in range(first, end):
-            if (i + 1) % cb == 0 and not self.tiers.knows(hashes[i]):
-                self.tiers.save(hashes[i], self._kv_io.read_blocks(table[i + 1 - cb:i + 1]))
-
-    def _admit_loaded(self, request: Request, match: CacheMatch, table: list[int]) -> Node:
-        """Give the request fresh blocks for its chunks from host memory, queue their contents
-        for the runner, and insert them into the index; returns the deepest node."""
-        assert self.index is not None and self.tiers is not None
-        bs, first = self.block_size, len(match.nodes)
-        blocks = self.pool.allocate(match.num_loaded_blocks)
-        data = torch.cat([c.data for c in match.loaded], dim=2) if len(match.loaded) > 1 \
-            else match.loaded[0].data
-        self._pending_loads[request.request_id] = (blocks, data[:, :, match.skip_blocks * bs:])
-        table.extend(blocks)
-        hashes = self.block_hashes(request, first + len(blocks))
-        node = match.last_node or self.index.root(extra_keys(request.cache_salt))
-        for i in range(first, first + len(blocks)):
-            node = self.index.insert(node, request.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                     table[i], request.priority)
-            assert node.block == table[i], "a loaded chunk is on the device already"
-        cb = self._chunk_blocks
-        for j, chunk in enumerate(match.loaded):
-            used = cb - match.skip_blocks if j == 0 else cb
-            self.hit_tokens[chunk.source] += used * bs
-        self.tiers.consumed(match.loaded)
-        return node
-
-    def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
-        """Write the KV of chunks loaded from the tiers into their blocks (before a forward)."""
-        loads, self._pending_loads = self._pending_loads, {}
-        for blocks, data in loads.values():
-            write_blocks(blocks, data)
+        return match if self.tiers is None else self.tiers.continue_match(request, match)
 
     def admit(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Give a waiting request its cached prefix and room for `num_new_tokens` more, if the pool
@@ -255,7 +142,8 @@ class KVCacheManager:
         table = list(match.blocks)
         node = match.last_node
         if isinstance(match, CacheMatch):
-            node = self._admit_loaded(request, match, table)
+            assert self.tiers is not None
+            node = self.tiers.admit_loaded(request, match, table)
         elif match.partial is not None:
             self.pool.share([match.partial.block])  # locked until the copy is done
             copy = self.pool.allocate(1)[0]
@@ -314,8 +202,8 @@ class KVCacheManager:
                 self.pool.share([node.block])
                 self.pool.release([table[i]])
                 table[i] = node.block
-        if self.tiers is not None and self.tiers.config.write_policy == "write_through":
-            self._save_computed(table, hashes, cursor.num_blocks, full)
+        if self.tiers is not None:
+            self.tiers.save_computed(table, hashes, cursor.num_blocks, full)
         cursor.node = node
         cursor.num_blocks = full
 
@@ -344,8 +232,8 @@ class KVCacheManager:
         """Give back every block of a finished, aborted or preempted request; cached blocks stay
         in the index, idle, until evicted."""
         self._cursors.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
-        self._prefetches.pop(request.request_id, None)
+        if self.tiers is not None:
+            self.tiers.forget(request)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.release(table)

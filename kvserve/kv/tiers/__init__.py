@@ -1,0 +1,1 @@
+"""Storage tiers under the device KV pool: host memory, local disk, Redis."""
