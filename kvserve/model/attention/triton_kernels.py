@@ -106,6 +106,32 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _paged_slots(table, pos, n_mask, BLOCK_SIZE: tl.constexpr):
+    """(block id, offset in block) of each token position, through a sequence's block table."""
+    blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return blk, pos % BLOCK_SIZE
+
+
+@triton.jit
+def _load_paged(cache, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h):
+    """One KV head's [BLOCK_N, BLOCK_D] tile of K or V from scattered cache slots."""
+    return tl.load(cache + blk[:, None] * stride_b + tok[:, None] * stride_s + kvh * stride_h
+                   + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _online_softmax_step(scores, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one tile of (masked, log2-scaled) scores and its V rows into the running max,
+    normaliser and output (flash attention's online softmax)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
 # ------------------------------------------------------------------------------------------------
 # (a) store K/V into cache slots
 # ------------------------------------------------------------------------------------------------
@@ -201,21 +227,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_l
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        tok = pos % BLOCK_SIZE
+        blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + blk[:, None] * stride_kcb + tok[:, None] * stride_kcs
-                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_paged(k_cache, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
+                        stride_kch)
         s = _dot(q, tl.trans(k), IEEE)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs
-                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        v = _load_paged(v_cache, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
+                        stride_vch)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -366,22 +386,16 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        tok = pos % BLOCK_SIZE
+        blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + blk[:, None] * stride_kcb + tok[:, None] * stride_kcs
-                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_paged(k_cache, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
+                        stride_kch)
         qk = _dot(q, tl.trans(k), IEEE)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs
-                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        v = _load_paged(v_cache, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
+                        stride_vch)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
