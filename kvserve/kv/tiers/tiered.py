@@ -247,7 +247,11 @@ class TieredKVStore:
 
     def close(self) -> None:
         self.flush(timeout=5.0)
-        self._saves.put(None)
+        try:
+            self._saves.put(None, timeout=5.0)  # the saver stops after what is queued
+        except queue.Full:  # a saver stuck on a dead remote: it is a daemon thread, leave it
+            logger.warning("closing the KV tiers with %d chunk saves still queued",
+                           self._saves.qsize())
         self._loader.shutdown(wait=False, cancel_futures=True)
         if self.remote is not None:
             self.remote.close()
