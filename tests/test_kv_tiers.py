@@ -542,3 +542,45 @@ def test_a_prefix_longer_than_host_memory_loads_what_fits(workload, tmp_path):
     llm.engine.tiers.clear(["host"])
     assert tokens_of(generate(llm, pass_b[:1], PARAMS)) == want_b[:1]
     assert llm.engine.stats()["hit_tokens_disk"] == 2 * CHUNK
+
+
+def test_two_server_replicas_share_redis(tmp_path, redis_server):
+    """Two `kvserve serve` processes (--kv-tier-config) behind one Redis, driven with the
+    official openai client: the second replica answers a prompt the first one computed with
+    its prefix loaded from Redis (cached_tokens, /metrics by source), with the same text."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import ServerProcess, _unique_text
+
+    config = json.dumps({"chunk_size": 32, "local_cpu": True, "max_local_cpu_size": 0.1,
+                         "remote_url": redis_server.url, "write_policy": "write_through"})
+    replicas = [ServerProcess(name, ["--kv-tier-config", config, "--served-model-name", "tiny"],
+                              tmp_path) for name in ("replica-a", "replica-b")]
+    try:
+        for r in replicas:
+            r.wait_ready()
+        prompt = _unique_text(random.Random(7), 80)
+        clients = [openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0,
+                                 timeout=120) for r in replicas]
+        first = clients[0].completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                              temperature=0)
+        assert first.usage.prompt_tokens > 150
+        client = redis_server.client()
+        deadline = time.monotonic() + 30
+        while len(client.keys("kvserve:*")) < first.usage.prompt_tokens // 32 - 1:
+            assert time.monotonic() < deadline, "replica A saved nothing to Redis"
+            time.sleep(0.1)
+        second = clients[1].completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                               temperature=0)
+        assert second.choices[0].text == first.choices[0].text
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= (first.usage.prompt_tokens - 1) // 32 * 32
+        text = httpx.get(f"{replicas[1].url}/metrics", timeout=10).text
+        by_source = {s.labels["source"]: s.value
+                     for fam in text_string_to_metric_families(text) for s in fam.samples
+                     if s.name == "kvserve:prefix_cache_hits_by_source_total"}
+        assert by_source.get("remote", 0) == cached, by_source
+    finally:
+        codes = [r.stop() for r in replicas]
+    assert codes == [None, None], replicas[1].log()[-3000:]
