@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from helpers import generate_checked, hf_greedy, random_prompts  # noqa: E402
+from helpers import generate_checked, hf_greedy, kv_bytes_per_token, random_prompts  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
@@ -26,8 +26,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _llm(path, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 64 * 1024**2)
     return LLM(model=str(path), dtype="float32", max_model_len=256, attention_backend="triton",
-               device=DEVICE, enforce_eager=True, kv_cache_memory_bytes=64 * 1024**2, **kwargs)
+               device=DEVICE, enforce_eager=True, **kwargs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -63,6 +64,27 @@ def test_triton_engine_prefix_hit_and_copy_on_write(hf_checkpoints):
     assert second.outputs[0].token_ids == expected[1]
     assert second.num_cached_tokens >= 12
     assert any(src for src, _ in copies), "no copy-on-write happened"
+
+
+def test_triton_engine_loads_prefixes_from_a_storage_tier(hf_checkpoints, tmp_path):
+    """Tier saves and loads go through the backend's read_blocks/write_blocks: a prefix evicted
+    from a small pool to disk comes back and decodes to transformers' tokens."""
+    path = hf_checkpoints["qwen2"]
+    docs = random_prompts([40, 40], 512, seed=14)
+    prompts = [docs[0] + [5, 6], docs[1] + [7, 8], docs[0] + [9, 10]]
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    # 13 blocks of 4 tokens: each 48-token request evicts the one before
+    llm = _llm(path, block_size=4, kv_cache_memory_bytes=13 * 4 * kv_bytes_per_token(path),
+               kv_tier_config={"chunk_size": 8, "local_cpu": False, "local_disk": str(tmp_path),
+                               "max_local_disk_size": 0.01})
+    outs = [generate_checked(llm, [{"prompt_token_ids": p}], GREEDY)[0] for p in prompts[:2]]
+    llm.engine.tiers.flush()
+    outs += generate_checked(llm, [{"prompt_token_ids": prompts[2]}], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    assert stats["hit_tokens_disk"] >= 32 and stats["hit_tokens_device"] + \
+        stats["hit_tokens_disk"] >= 40, stats
+    llm.engine.shutdown()
 
 
 def test_attention_backend_config():
