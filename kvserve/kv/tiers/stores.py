@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -39,7 +39,7 @@ def _nbytes(value: "torch.Tensor | bytes") -> int:
     return value.nbytes if isinstance(value, torch.Tensor) else len(value)
 
 
-class _LRUBudget(Generic[V]):
+class _LRUBudget:
     """Sizes by key in least-recently-used order, within a byte budget (not thread safe)."""
 
     def __init__(self, budget: int) -> None:
@@ -76,7 +76,7 @@ class HostStore:
     name = "host"
 
     def __init__(self, budget_bytes: int, stats: TierStats) -> None:
-        self._lru: _LRUBudget = _LRUBudget(budget_bytes)
+        self._lru = _LRUBudget(budget_bytes)
         self._data: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.stats = stats
@@ -142,7 +142,7 @@ class DiskStore:
     def __init__(self, directory: str, budget_bytes: int, stats: TierStats) -> None:
         self.directory = directory
         self.stats = stats
-        self._lru: _LRUBudget = _LRUBudget(budget_bytes)
+        self._lru = _LRUBudget(budget_bytes)
         self._lock = threading.Lock()
         os.makedirs(directory, exist_ok=True)
         entries = []
@@ -263,7 +263,7 @@ class RedisStore:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _call(self, op: str, fn, *args, **kwargs):
+    def _call(self, fn, *args, **kwargs):
         if not self.available:
             return None
         try:
@@ -284,10 +284,10 @@ class RedisStore:
         return result
 
     def get(self, key: str) -> bytes | None:
-        return self._call("get", self._client.get, key)
+        return self._call(self._client.get, key)
 
     def put(self, key: str, blob: bytes) -> bool:
-        done = self._call("set", self._client.set, key, blob, nx=True)
+        done = self._call(self._client.set, key, blob, nx=True)
         if done is None and not self.available:
             self.stats.add("skipped_saves", "remote_error")
             return False
@@ -296,10 +296,10 @@ class RedisStore:
         return True
 
     def delete(self, key: str) -> None:
-        self._call("delete", self._client.delete, key)
+        self._call(self._client.delete, key)
 
     def contains(self, key: str) -> bool:
-        return bool(self._call("exists", self._client.exists, key))
+        return bool(self._call(self._client.exists, key))
 
     def close(self) -> None:
         self._client.close()

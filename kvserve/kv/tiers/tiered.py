@@ -27,7 +27,7 @@ import torch
 from kvserve.kv.tiers.chunk import ChunkIdentity, CorruptChunkError, decode, encode
 from kvserve.kv.tiers.config import TierConfig
 from kvserve.kv.tiers.stats import TierStats
-from kvserve.kv.tiers.stores import DiskStore, HostStore, RedisStore
+from kvserve.kv.tiers.stores import DiskStore, HostStore, RedisStore, Store
 
 logger = logging.getLogger("kvserve.tiers")
 
@@ -72,7 +72,7 @@ class TieredKVStore:
         self.remote = RedisStore(config.remote_url, config.remote_timeout,
                                  config.remote_retry_interval, self.stats) \
             if config.remote_url else None
-        self._lower = [s for s in (self.disk, self.remote) if s is not None]
+        self._lower: list[Store] = [s for s in (self.disk, self.remote) if s is not None]
         if self.remote is not None:
             self.remote.on_recover = self._forget_written
         self._origin: dict[str, str] = {}  # key -> tier a prefetch promoted it from
@@ -185,7 +185,7 @@ class TieredKVStore:
                 return n
         return len(keys)
 
-    def _load(self, store, key: str) -> torch.Tensor | None:
+    def _load(self, store: Store, key: str) -> torch.Tensor | None:
         start = time.perf_counter()
         blob = store.get(key)
         if blob is None:
