@@ -137,13 +137,15 @@ def test_write_through_serves_after_a_reset(workload, tmp_path):
 
 
 def test_tiers_off_and_on_agree_on_a_mixed_workload(workload, tmp_path):
-    """Many prompts sharing documents, interleaved, with preemptions: identical to no tiers."""
+    """Many prompts sharing documents, interleaved, with preemptions: identical to no tiers,
+    and both to transformers."""
     path, pass_a, pass_b, *_ = workload
     rng = random.Random(5)
     prompts = [rng.choice(pass_a + pass_b)[: rng.randrange(40, DOC + QUESTION)] + [7, 8, 9]
                for _ in range(12)]
     plain = tokens_of(generate(make_llm(path, pool_tokens=POOL_TOKENS, block_size=16,
                                         max_model_len=512), prompts, PARAMS))
+    assert plain == hf_greedy(path, prompts, NEW)
     llm = tier_llm(path, {"local_cpu": True, "max_local_cpu_size": 0.01,
                           "local_disk": str(tmp_path), "max_local_disk_size": 0.01})
     assert tokens_of(generate(llm, prompts, PARAMS)) == plain
