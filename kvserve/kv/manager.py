@@ -59,35 +59,35 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens served from cache
         self.hit_tokens = Counter()  # by source: device, host, disk, remote
-        self.tiers: TierLink | None = None
+        self.tier_link: TierLink | None = None
 
     # -- storage tiers ----------------------------------------------------------------------
     def attach_tiers(self, tiers: "TieredKVStore", kv_io: "AttentionBackend") -> None:
         """Save evicted chunks to these tiers and load hits from them."""
-        self.tiers = TierLink(self, tiers, kv_io)
+        self.tier_link = TierLink(self, tiers, kv_io)
 
     def detach_tiers(self) -> None:
-        if self.tiers is not None:
-            self.tiers.close()
-            self.tiers = None
+        if self.tier_link is not None:
+            self.tier_link.close()
+            self.tier_link = None
 
     def start_prefetch(self, request: Request) -> None:
         """Begin promoting the request's chunks from disk/Redis into host memory."""
-        if self.tiers is not None:
-            self.tiers.start_prefetch(request)
+        if self.tier_link is not None:
+            self.tier_link.start_prefetch(request)
 
     def prefetch_pending(self, request: Request) -> bool:
-        return self.tiers is not None and self.tiers.prefetch_pending(request)
+        return self.tier_link is not None and self.tier_link.prefetch_pending(request)
 
     def wait_for_prefetch(self, seconds: float) -> bool:
         """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
         True if there was one."""
-        return self.tiers is not None and self.tiers.wait_for_prefetch(seconds)
+        return self.tier_link is not None and self.tier_link.wait_for_prefetch(seconds)
 
     def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
         """Write the KV of chunks loaded from the tiers into their blocks (before a forward)."""
-        if self.tiers is not None:
-            self.tiers.apply_pending_loads(write_blocks)
+        if self.tier_link is not None:
+            self.tier_link.apply_pending_loads(write_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -125,7 +125,7 @@ class KVCacheManager:
         tokens = request.token_ids[:limit]
         match = self.index.match(tokens, self.block_hashes(request, limit // self.block_size),
                                  extra_keys(request.cache_salt))
-        return match if self.tiers is None else self.tiers.continue_match(request, match)
+        return match if self.tier_link is None else self.tier_link.continue_match(request, match)
 
     def admit(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Give a waiting request its cached prefix and room for `num_new_tokens` more, if the pool
@@ -142,8 +142,8 @@ class KVCacheManager:
         table = list(match.blocks)
         node = match.last_node
         if isinstance(match, CacheMatch):
-            assert self.tiers is not None
-            node = self.tiers.admit_loaded(request, match, table)
+            assert self.tier_link is not None
+            node = self.tier_link.admit_loaded(request, match, table)
         elif match.partial is not None:
             self.pool.share([match.partial.block])  # locked until the copy is done
             copy = self.pool.allocate(1)[0]
@@ -202,8 +202,8 @@ class KVCacheManager:
                 self.pool.share([node.block])
                 self.pool.release([table[i]])
                 table[i] = node.block
-        if self.tiers is not None:
-            self.tiers.save_computed(table, hashes, cursor.num_blocks, full)
+        if self.tier_link is not None:
+            self.tier_link.save_computed(table, hashes, cursor.num_blocks, full)
         cursor.node = node
         cursor.num_blocks = full
 
@@ -232,8 +232,8 @@ class KVCacheManager:
         """Give back every block of a finished, aborted or preempted request; cached blocks stay
         in the index, idle, until evicted."""
         self._cursors.pop(request.request_id, None)
-        if self.tiers is not None:
-            self.tiers.forget(request)
+        if self.tier_link is not None:
+            self.tier_link.forget(request)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.release(table)
