@@ -232,8 +232,7 @@ def kvserve_decode_and_ttft(plan: Plan, ckpt: dict[str, Path], bandwidth: float
                             greedy(plan.decode_new), use_tqdm=False)
         res[f"decode_tok_s_b{batch}"] = decode_rate(outs)
     weights = weights_read_per_step(llm)
-    layout = llm.engine.layout
-    kv = layout.bytes_per_token * (plan.decode_prompt + plan.decode_new // 2)
+    kv = llm.engine.kv_spec.bytes_per_token * (plan.decode_prompt + plan.decode_new // 2)
     res["bytes_per_step"] = weights + kv
     res["roofline_tok_s"] = bandwidth / (weights + kv)
     res["roofline_fraction_b1"] = res["decode_tok_s_b1"] / res["roofline_tok_s"]

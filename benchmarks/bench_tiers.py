@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         label = "transformers (recompute)" if s == "transformers" else s
         rows.append({"source": label, "ttft_ms": st, "speedup_vs_recompute": speedup})
         print(f"{label:<26}{bt.fmt_stat(st):>24}{speedup:>15.1f}x")
-    kv_mib = args.prefix * engine.layout.bytes_per_token / 1024**2
+    kv_mib = args.prefix * engine.kv_spec.bytes_per_token / 1024**2
     print(f"(the prefix's KV: {kv_mib:.0f} MiB in {args.prefix // 256} chunks)")
     result = {"prefix_tokens": args.prefix, "question_tokens": QUESTION, "kv_mib": kv_mib,
               "repeats": args.repeats, "threads": args.threads, "rows": rows,

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from kvserve.kv.eviction import ONLINE_POLICIES
+
 DEMO_PROMPTS = [
     "The capital of France is",
     "A paged KV cache stores keys and values in",
@@ -28,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV of shared prompt prefixes "
                         "(default: on; --no-enable-prefix-caching turns it off)")
-    parser.add_argument("--eviction-policy", choices=["lru", "lfu", "priority"], default="lru",
+    parser.add_argument("--eviction-policy", choices=ONLINE_POLICIES, default="lru",
                         help="which idle cached blocks are evicted first")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
                         help="lpm: waiting requests with the longest cached prefix first")

@@ -60,9 +60,9 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if self.eviction_policy not in ("lru", "lfu", "priority"):
-            raise ValueError("eviction_policy must be 'lru', 'lfu' or 'priority', "
-                             f"got {self.eviction_policy!r}")
+        from kvserve.kv.eviction import make_eviction_policy
+
+        make_eviction_policy(self.eviction_policy)  # the registry names the valid ones
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', "
                              f"got {self.scheduling_policy!r}")

@@ -65,10 +65,6 @@ class Request:
                 (self.sampling_params.seed + self.index) % 2**64)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

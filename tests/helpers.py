@@ -22,7 +22,7 @@ def generate_checked(llm, prompts, params, max_steps: int = 100_000) -> list[Req
         engine.check_invariants()
     else:
         raise AssertionError("the engine did not finish")
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    assert engine.kv.num_available_blocks == engine.kv.num_blocks, "KV blocks leaked"
     return [done[i] for i in ids]
 
 
@@ -57,3 +57,14 @@ def kv_bytes_per_token(model_dir, dtype_bytes: int = 4) -> int:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def pool_over(caches, block_size: int | None = None):
+    """A KV tensor pool over hand-made per-layer (k, v) tensors [blocks, block_size, Hkv, D]."""
+    from kvserve.kv.spec import KVStorage, decoder_kv_spec
+    from kvserve.kv.tensors import KVTensorPool
+
+    k0 = caches[0][0]
+    spec = decoder_kv_spec(len(caches), k0.shape[2], k0.shape[3], KVStorage("fp32"),
+                           block_size or k0.shape[1])
+    return KVTensorPool.wrap(spec, caches)

@@ -33,7 +33,7 @@ def test_outputs_in_input_order_with_metrics(llm):
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert m.num_cached_tokens == 0 and o.finished
         assert isinstance(c.text, str)
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
 
 
 def test_text_is_detokenized_output(llm):
@@ -140,7 +140,7 @@ def test_bad_prompts_are_refused(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
 
 
 def test_prompt_plus_max_tokens_beyond_max_model_len(llm):
@@ -162,7 +162,7 @@ def test_one_bad_prompt_refuses_the_whole_call(llm):
     with pytest.raises(ValueError):
         llm.generate([{"prompt_token_ids": [4, 5]}, ""], SamplingParams(max_tokens=3))
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("kwargs", [

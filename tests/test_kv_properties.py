@@ -124,7 +124,7 @@ class EngineMachine(RuleBasedStateMachine):
         for rid in list(self.live):
             self.engine.abort_request(rid)
         assert not self.engine.has_unfinished_requests()
-        assert self.engine.kv.num_free_blocks == self.engine.kv.num_blocks, "KV blocks leaked"
+        assert self.engine.kv.num_available_blocks == self.engine.kv.num_blocks, "KV blocks leaked"
 
 
 def test_engine_add_step_abort(small_pool_llm):

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from helpers import pool_over  # noqa: E402
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
 from kvserve.model.decoder import CausalLM, onednn_available, rope_inv_freq  # noqa: E402
 from kvserve.model.loader import load_model  # noqa: E402
@@ -192,7 +193,7 @@ def test_paged_backend_prefill_chunk_and_decode(saved):
     kv_caches = [(torch.zeros(num_blocks, bs, config.num_key_value_heads, config.head_dim),
                   torch.zeros(num_blocks, bs, config.num_key_value_heads, config.head_dim))
                  for _ in range(config.num_hidden_layers)]
-    backend = TorchAttentionBackend(kv_caches, bs, config.attention_scale)
+    backend = TorchAttentionBackend(pool_over(kv_caches), config.attention_scale)
     seqs = {"A": token_ids(20, 1), "B": token_ids(11, 2), "C": token_ids(15, 3)}
     tables = {"A": [5, 2, 17, 0, 9], "B": [1, 23, 8], "C": [12, 4, 6, 20]}
     refs = {name: hf_logits(hf, ids) for name, ids in seqs.items()}

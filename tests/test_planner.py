@@ -203,18 +203,26 @@ def test_tensor_parallel_splits_kv_heads():
         kv_bytes_per_token(spec, "fp16", tp=3)
 
 
-def test_kv_cache_matches_the_engine_layout(tiny_model_dir):
-    import torch
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
+    """For every architecture the engine loads, the bytes per token its KV tensors really take
+    equal what `kvserve plan` computes from the same config.json."""
+    from kvserve import LLM
 
-    from kvserve.kv.layout import KVLayout
-    from kvserve.model.config import ModelConfig
+    path = hf_checkpoints[arch]
+    llm = LLM(model=str(path), dtype=dtype, kv_cache_memory_bytes=1 << 20, block_size=16)
+    engine = llm.engine
+    allocated = sum(t.numel() * t.element_size() for layer in engine.tensors.layers
+                    for t in layer)
+    per_token = allocated // (engine.tensors.num_blocks * 16)
+    planned = kv_bytes_per_token(ModelSpec.load(str(path)), dtype)
+    assert per_token == engine.kv_spec.bytes_per_token == planned
+    assert engine.kv.num_blocks == (1 << 20) // (16 * planned)
 
+
+def test_planner_reads_the_tiny_checkpoint(tiny_model_dir):
     spec = ModelSpec.load(str(tiny_model_dir))
-    cfg = ModelConfig.from_dir(tiny_model_dir)
-    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                          torch_dtype, 16)
-        assert kv_bytes_per_token(spec, dtype) == layout.bytes_per_token
     assert spec.params_source == "safetensors"
     assert spec.num_params == estimate_params(json.loads((tiny_model_dir / "config.json")
                                                          .read_text()))

@@ -76,7 +76,7 @@ def generate(llm: LLM, prompts, params=GREEDY, **kwargs):
     outs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts],
                         params, use_tqdm=False, **kwargs)
     kv = llm.engine.kv
-    assert not kv.block_tables and kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    assert not kv.block_tables and kv.num_available_blocks == kv.num_blocks, "KV blocks leaked"
     return outs
 
 
@@ -156,7 +156,7 @@ class Workloads:
             out_tokens.append(answer)
             cached.append(out.num_cached_tokens)
             least.append(expected)
-            if llm.engine.kv.index is not None:
+            if llm.engine.kv.index.enabled:
                 assert out.num_cached_tokens == expected, (turn, out.num_cached_tokens, expected)
                 assert out.metrics.num_cached_tokens == expected
             computed = len(prompt) + len(answer) - 1
@@ -174,7 +174,7 @@ class Workloads:
         samples = [c.token_ids for c in out.outputs]
         assert samples[0] == samples[1] == samples[2]
         got = llm.engine.kv.prefix_cache_hits - hits
-        if llm.engine.kv.index is not None:
+        if llm.engine.kv.index.enabled:
             assert got > 0, "the n > 1 samples did not share their prompt"
         return samples, [got], [1]
 
@@ -437,7 +437,7 @@ def test_invalid_cache_salt_is_refused(tiny_model_dir, salt):
     with pytest.raises(ValueError, match="cache_salt"):
         llm.engine.add_request({"prompt_token_ids": prompt}, GREEDY, cache_salt=salt)
     assert not llm.engine.has_unfinished_requests()  # the whole call was refused
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
 
 
 def test_reset_prefix_cache(ref_model):

@@ -66,7 +66,7 @@ def check_index_evictable(kv: KVCacheManager) -> None:
     be evicted, leaves first. So a held node's parent is held (or a root), and every idle leaf
     has a live heap entry."""
     index = kv.index
-    if index is None:
+    if not index.enabled:
         return
     refs = kv.pool.ref_counts
     live_entries = {(id(node), version) for _, version, node in index._heap}
@@ -112,7 +112,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """The copy-on-write the runner performs: sources are cached or held, destinations
         were just given to the admitted request and to nobody else."""
         for s, d in zip(src, dst):
-            assert self.kv.pool.ref_counts[s] > 0, "copy source was not locked"
+            # The manager lets go of a source when it hands out the plan; the runner copies
+            # before anything can allocate again, so it must still be cached (never free).
+            assert self.kv.pool.ref_counts[s] > 0 or self.kv.pool.cached[s], \
+                "copy source was freed before its copy"
             assert self.kv.pool.ref_counts[d] == 1, "copy destination is shared"
             for off in range(self.bs):
                 if (s, off) in self.slots:
@@ -173,20 +176,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         free_before = kv.pool.num_free
         idle_before = kv.pool.num_cached_idle
         others = self._held_by_others(req.request_id)
-        if not kv.admit(req, match, n):
+        admission = kv.admit(req, match, n)
+        if admission is None:
             assert req.request_id not in kv.block_tables, "a refused admission holds blocks"
             assert (kv.pool.num_free, kv.pool.num_cached_idle) == (free_before, idle_before)
             self.preempted.append(req)  # back to waiting
             return
         self.queries += req.num_tokens
         self.hits += match.num_tokens
-        assert req.num_computed_tokens == match.num_tokens
+        assert admission.num_computed_tokens == match.num_tokens
+        req.num_computed_tokens = admission.num_computed_tokens  # the scheduler's part
         table = kv.block_tables[req.request_id]
         assert table[: len(match.nodes)] == match.blocks
         fresh = table[len(match.nodes):]
         assert not set(fresh) & others, "a block held by a live request was handed out again"
         assert len(set(table)) == len(table)
-        kv.apply_pending_copies(self._copy)  # the runner does this before the forward pass
+        plan = kv.end_step()  # the runner executes the plan before the forward pass
+        assert not plan.saves and not plan.loads, "no tiers: nothing to save or load"
+        self._copy([s for s, _ in plan.copies], [d for _, d in plan.copies])
         self.tables[req.request_id] = list(table)
         self.live[req.request_id] = req
         self._compute(req, n)
@@ -224,7 +231,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             before = list(self.kv.block_tables[rid])
             if not self.kv.allocate_slots(req, n):
                 assert self.kv.block_tables[rid] == before
-                assert self.kv.num_new_blocks(req, n) > self.kv.pool.num_available
+                missing = self.kv.blocks_for_tokens(req.num_computed_tokens + n) - len(before)
+                assert missing > self.kv.pool.num_available
                 return
             table = self.kv.block_tables[rid]
             assert table[: len(before)] == before
@@ -253,7 +261,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         nodes = list(_tree_nodes(index))
         children = {id(node): list(node.children.values()) for node in nodes}
         idle = self.kv.pool.num_cached_idle
-        done = index.evict(n)
+        done = len(index.evict(n))
         assert done <= min(n, idle)
         remaining = {id(node) for node in _tree_nodes(index)}
         evicted = [node for node in nodes if id(node) not in remaining]
@@ -273,7 +281,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         n = data.draw(st.one_of(st.just(pool.num_available), st.integers(0, pool.num_free + 2)))
         n = min(n, pool.num_available)
         held = {b for t in self.tables.values() for b in t}
-        blocks = pool.allocate(n)
+        blocks = self.kv.allocate_blocks(n)
         assert len(set(blocks)) == n
         assert not set(blocks) & held, "a block held by a live request was handed out"
         for b in blocks:
@@ -345,8 +353,10 @@ class Driver:
         req = _request(f"q{self.n}", tokens, salt, priority)
         self.n += 1
         match = self.kv.match(req)
-        assert self.kv.admit(req, match, req.num_tokens - match.num_tokens)
-        self.kv.apply_pending_copies(lambda s, d: None)
+        admission = self.kv.admit(req, match, req.num_tokens - match.num_tokens)
+        assert admission is not None
+        req.num_cached_tokens = admission.num_computed_tokens  # the scheduler's part
+        self.kv.end_step()
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_full_blocks(req)
         if not keep:
@@ -369,11 +379,11 @@ def test_lru_evicts_least_recently_used_leaf_first():
         d.run(s)
     d.run(a + [7])  # a hit on a: a is now the most recently used
     assert d.cached(a) == 2
-    assert d.kv.index.evict(1) == 1
+    assert len(d.kv.index.evict(1)) == 1
     assert (d.cached(a), d.cached(b), d.cached(c)) == (2, 0, 2)  # b went first
-    assert d.kv.index.evict(1) == 1
+    assert len(d.kv.index.evict(1)) == 1
     assert (d.cached(a), d.cached(c)) == (2, 0)
-    assert d.kv.index.evict(5) == 1
+    assert len(d.kv.index.evict(5)) == 1
     assert d.kv.index.num_cached_blocks == 0
 
 
@@ -393,7 +403,7 @@ def test_lfu_evicts_least_hit_first():
     order = []
     for _ in range(3):
         before = {name: d.cached(s) for name, s in (("a", a), ("b", b), ("c", c))}
-        assert d.kv.index.evict(1) == 1
+        assert len(d.kv.index.evict(1)) == 1
         after = {name: d.cached(s) for name, s in (("a", a), ("b", b), ("c", c))}
         order += [name for name in before if before[name] and not after[name]]
     assert order == ["b", "a", "c"]
@@ -459,7 +469,7 @@ def test_eviction_is_leaf_first(policy):
     while index.num_cached_blocks:
         parents = {id(n.parent) for n in _tree_nodes(index)}
         before = {id(n): n for n in _tree_nodes(index)}
-        assert index.evict(1) == 1
+        assert len(index.evict(1)) == 1
         after = {id(n) for n in _tree_nodes(index)}
         (gone,) = [n for k, n in before.items() if k not in after]
         assert id(gone) not in parents, "an inner node was evicted before its children"
@@ -472,13 +482,13 @@ def test_held_prefix_is_never_evicted():
     d = Driver(num_blocks=8, block_size=2)
     held = d.run(_seq(1, 3), keep=True)  # 3 blocks, locked by a running request
     d.run(_seq(2, 3))  # 3 idle cached blocks
-    assert d.kv.index.evict(100) == 3
+    assert len(d.kv.index.evict(100)) == 3
     assert d.cached(_seq(1, 3)) == 6
     got = d.kv.pool.allocate(d.kv.pool.num_available)
     assert not set(got) & set(d.kv.block_tables[held.request_id])
     d.kv.pool.release(got)
     d.kv.free(held)
-    assert d.kv.index.evict(100) == 3
+    assert len(d.kv.index.evict(100)) == 3
     assert d.kv.pool.num_free == 8
 
 
@@ -498,7 +508,7 @@ def test_duplicate_full_block_does_not_strand_idle_blocks():
     d.kv.cache_full_blocks(req)
     d.kv.check_invariants([req])
     check_index_evictable(d.kv)
-    blocks = d.kv.pool.allocate(d.kv.pool.num_available)  # all it promised
+    blocks = d.kv.allocate_blocks(d.kv.pool.num_available)  # all it promised
     d.kv.pool.release(blocks)
     d.kv.free(req)
     d.kv.index.evict(100)
@@ -566,7 +576,7 @@ def _index_with_idle_leaves(n: int) -> PrefixIndex:
     blocks = pool.allocate(n)
     for i, b in enumerate(blocks):
         index.insert(root, (i,), chain_hashes([i], 1)[0], b)
-    pool.release(blocks)
+    index.mark_idle(pool.release(blocks))
     assert pool.num_cached_idle == n
     return index
 
@@ -581,7 +591,7 @@ def test_eviction_cost_does_not_grow_with_the_number_of_idle_leaves(monkeypatch)
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
-            assert index.evict(1000) == 1000
+            assert len(index.evict(1000)) == 1000
             best = min(best, time.perf_counter() - t)
         # O(1) heap operations per eviction: one pop each, no pushes (no parent to requeue)
         assert counter.pops == 3000, counter.pops

@@ -20,6 +20,7 @@ from kvserve.model.attention import triton_kernels as tk  # noqa: E402
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from helpers import pool_over  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -176,10 +177,10 @@ def test_backend_matches_torch_backend_on_a_mixed_step(dtype):
     k = torch.randn(t, hkv, d, generator=gen).to(DEVICE, dtype)
     v = torch.randn(t, hkv, d, generator=gen).to(DEVICE, dtype)
     ref_caches = [(k_init.cpu().clone(), v_init.cpu().clone())]
-    ref = TorchAttentionBackend(ref_caches, bs, d ** -0.5)
+    ref = TorchAttentionBackend(pool_over(ref_caches), d ** -0.5)
     expected = ref.bind(meta)(0, q.cpu(), k.cpu(), v.cpu())
     caches = [(k_init.clone(), v_init.clone())]
-    backend = TritonAttentionBackend(caches, bs, d ** -0.5)
+    backend = TritonAttentionBackend(pool_over(caches), d ** -0.5)
     got = backend.bind(meta)(0, q, k, v)
     torch.testing.assert_close(got.cpu().float(), expected.float(), atol=TOL[dtype],
                                rtol=TOL[dtype])
@@ -189,14 +190,15 @@ def test_backend_matches_torch_backend_on_a_mixed_step(dtype):
     assert torch.equal(caches[0][0][tables[3][-1]], caches[0][0][tables[0][0]])
 
 
-def test_backend_read_write_blocks_round_trip():
-    """The storage tiers' interface works on the Triton backend's cache too."""
+def test_pool_read_write_blocks_round_trip():
+    """The storage tiers' interface works on the Triton backend's device tensors too."""
     gen = torch.Generator().manual_seed(6)
     caches = [_cache(6, 4, 2, 16, torch.float32, gen) for _ in range(2)]
-    backend = TritonAttentionBackend(caches, 4, 0.25)
-    data = backend.read_blocks([1, 4])
+    pool = pool_over(caches)
+    TritonAttentionBackend(pool, 0.25)
+    data = pool.read_blocks([1, 4])
     assert data.shape == (2, 2, 8, 2, 16) and data.device.type == "cpu"
-    backend.write_blocks([0, 5], data)
+    pool.write_blocks([0, 5], data)
     for k, v in caches:
         assert torch.equal(k[0], k[1]) and torch.equal(v[5], v[4])
 
@@ -204,12 +206,12 @@ def test_backend_read_write_blocks_round_trip():
 # -- errors -----------------------------------------------------------------------------------
 def test_unsupported_caches_raise_clear_errors():
     with pytest.raises(ValueError, match="head_dim"):
-        TritonAttentionBackend([(torch.zeros(2, 4, 1, 8, device=DEVICE),) * 2], 4, 1.0)
+        TritonAttentionBackend(pool_over([(torch.zeros(2, 4, 1, 8, device=DEVICE),) * 2]), 1.0)
     with pytest.raises(ValueError, match="KV caches"):
-        TritonAttentionBackend(
-            [(torch.zeros(2, 4, 1, 16, dtype=torch.int8, device=DEVICE),) * 2], 4, 1.0)
+        TritonAttentionBackend(pool_over(
+            [(torch.zeros(2, 4, 1, 16, dtype=torch.int8, device=DEVICE),) * 2]), 1.0)
     with pytest.raises(ValueError, match="block_size"):
-        TritonAttentionBackend([(torch.zeros(2, 4, 1, 16, device=DEVICE),) * 2], 8, 1.0)
+        pool_over([(torch.zeros(2, 4, 1, 16, device=DEVICE),) * 2], block_size=8)
 
 
 def test_decode_split_choice():

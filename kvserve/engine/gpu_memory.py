@@ -10,6 +10,7 @@ a real step reaches, without needing a KV pool to exist yet.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -65,3 +66,16 @@ def profile_kv_budget(model: CausalLM, cfg: EngineConfig) -> int:
                          f"{peak / 2**30:.1f} GiB of weights and activations; raise "
                          "gpu_memory_utilization or lower max_num_batched_tokens")
     return budget
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be had without swapping), else total RAM: on a
+    CPU this is the "device" memory the KV pool is a fraction of."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

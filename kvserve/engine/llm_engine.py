@@ -18,8 +18,11 @@ import torch
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
-from kvserve.kv.layout import KVLayout, available_host_memory
+from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
+from kvserve.kv.tensors import KVTensorPool
+from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.model.attention.select import make_attention_backend
 from kvserve.model.loader import load_model
@@ -61,18 +64,16 @@ class LLMEngine:
         config.finalize(self.model_config.max_position_embeddings)
         self.dtype = next(self.model.parameters()).dtype
 
-        self.layout = KVLayout(self.model_config.num_hidden_layers,
-                               self.model_config.num_key_value_heads,
-                               self.model_config.head_dim, self.dtype, config.block_size)
+        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size)
         num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.eviction_policy)
-        self.backend = make_attention_backend(config.attention_backend,
-                                              self.layout.allocate(num_blocks, config.device),
-                                              config.block_size,
+        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
+        self.backend = make_attention_backend(config.attention_backend, self.tensors,
                                               self.model_config.head_dim ** -0.5)
         self.tiers = self._make_tiers(model_dir)
-        self.runner = ModelRunner(self.model, self.backend, self.kv)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.eviction_policy,
+                                 TierLink(self.tiers, config.block_size) if self.tiers else None)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
@@ -86,10 +87,7 @@ class LLMEngine:
         self._detok: dict[str, _Detok] = {}
         self._streaming: set[str] = set()
         self._next_id = 0
-        tokens = num_blocks * config.block_size
-        logger.info("KV cache size: %s tokens, Maximum concurrency for %s tokens per request: "
-                    "%.2fx", f"{tokens:,}", f"{config.max_model_len:,}",
-                    tokens / config.max_model_len)
+        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
 
     # -- sizing -----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -102,13 +100,14 @@ class LLMEngine:
             budget = profile_kv_budget(self.model, cfg)
         else:
             # No point reserving more than every sequence slot at full length could use.
-            most = cfg.max_num_seqs * cfg.max_model_len * self.layout.bytes_per_token
+            most = cfg.max_num_seqs * cfg.max_model_len * self.kv_spec.bytes_per_token
             budget = min(int(available_host_memory() * cfg.gpu_memory_utilization),
                          CPU_DEFAULT_KV_CACHE_BYTES, most)
-        blocks = self.layout.num_blocks_for(budget)
+        blocks = self.kv_spec.num_blocks_for(budget)
         if blocks < 1:
             raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
-                             f"{self.layout.bytes_per_block:,} bytes; raise kv_cache_memory_bytes")
+                             f"{self.kv_spec.bytes_per_block:,} bytes; raise "
+                             "kv_cache_memory_bytes")
         return blocks
 
     def _make_tiers(self, model_dir: str):
@@ -119,12 +118,12 @@ class LLMEngine:
         from kvserve.kv.tiers.chunk import ChunkIdentity, model_fingerprint
         from kvserve.kv.tiers.tiered import TieredKVStore
 
-        layout = self.layout
+        mc = self.model_config
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 layout.dtype, layout.num_layers, layout.num_kv_heads,
-                                 layout.head_dim, layout.block_size, tier_config.chunk_size)
+                                 self.tensors.dtype, mc.num_hidden_layers,
+                                 mc.num_key_value_heads, mc.head_dim, self.config.block_size,
+                                 tier_config.chunk_size)
         tiers = TieredKVStore(tier_config, identity)
-        self.kv.attach_tiers(tiers, self.backend)
         logger.info("KV storage tiers: %s", ", ".join(
             [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
             + [f"disk {tier_config.local_disk} {tier_config.max_local_disk_size:g} GB"]
@@ -135,7 +134,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
         if self.tiers is not None:
-            self.kv.detach_tiers()
+            self.kv.tiers.close()
             self.tiers.close()
             self.tiers = None
 
@@ -243,14 +242,13 @@ class LLMEngine:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
         batch = self.scheduler.schedule()
-        if not batch.requests and self.kv.wait_for_prefetch(0.05):
-            batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
         if not batch.requests:
-            return []
+            self.runner.apply_plan(batch.plan)  # write-through saves of the last step
+            if not self.kv.wait_for_prefetch(0.05):
+                return []
+            batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
         logits, sampled = self.runner.execute(batch)
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
+        self.scheduler.update(batch)
         if not sampled:
             return []
         rows = [batch.requests[i] for i in sampled]
@@ -380,12 +378,20 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits,
-                "num_evicted_blocks": self.kv.index.num_evicted_blocks if self.kv.index else 0,
+                "num_evicted_blocks": self.kv.index.num_evicted_blocks,
                 **{f"hit_tokens_{source}": self.kv.hit_tokens[source] for source in SOURCES}}
 
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
+
+
+def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+    """What the engine stores per token: K and V of every layer in the model's dtype (the
+    planner derives its figures from the same spec classes)."""
+    mc = model_config
+    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                           KVStorage(kv_dtype_name(dtype)), block_size)
 
 
 def _check_cache_salt(salt: object) -> None:

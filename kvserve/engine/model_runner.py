@@ -4,6 +4,9 @@ The runner is the only piece that reads both the scheduler's view (requests, new
 and the cache's (block tables); it translates them into the flat tensors of `AttentionMetadata`
 and returns logits only for the rows that sample this step (the last token of each request whose
 uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head.
+
+It is also the one place where KV memory is moved: the batch's step plan (saves to the storage
+tiers, loads from them, copy-on-write copies) runs here, in that order, before the forward.
 """
 
 from __future__ import annotations
@@ -12,24 +15,40 @@ import torch
 
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.plan import StepPlan
+from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 from kvserve.model.decoder import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, backend: AttentionBackend, kv: KVCacheManager) -> None:
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv: KVCacheManager,
+                 tensors: KVTensorPool) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
+        self.tensors = tensors
         self.device = model.embed_tokens.device
         # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
         self.graphs = None
 
     @torch.inference_mode()
+    def apply_plan(self, plan: StepPlan) -> None:
+        """Saves, then loads, then copies (kv/plan.py says why this order)."""
+        for save in plan.saves:
+            self.kv.tiers.save(save.chunk_hash, self.tensors.read_blocks(list(save.blocks)))
+        for load in plan.loads:
+            self.tensors.write_blocks(list(load.blocks), load.data)
+        if plan.copies:
+            self.backend.copy_blocks([s for s, _ in plan.copies], [d for _, d in plan.copies])
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch; return (logits [S, vocab] float32, indices into batch of those S rows)."""
-        self.kv.apply_pending_copies(self.backend.copy_blocks)
-        self.kv.apply_pending_loads(self.backend.write_blocks)
+        """Apply the batch's plan and run it; return (logits [S, vocab] float32, indices into
+        batch of those S rows)."""
+        self.apply_plan(batch.plan)
+        if not batch.requests:
+            return torch.empty(0), []
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []

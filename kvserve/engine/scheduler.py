@@ -11,6 +11,9 @@ or the one token sampled last step), and the scheduler hands out the step's toke
    sequence slots and blocks last. A request first takes what the prefix cache holds of it, and
    is admitted only when the pool can hold the rest of its tokens, so that admitting it does not
    immediately force a preemption on its next chunk.
+
+The batch carries the step's `StepPlan` (what the KV cache must do to memory before the forward),
+and after the forward `update` is the one place that advances requests' computed tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.plan import StepPlan
+from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.request import Request, RequestStatus
 
 
@@ -31,6 +36,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    plan: StepPlan = field(default_factory=StepPlan)  # executed by the runner before the forward
 
     @property
     def total_tokens(self) -> int:
@@ -87,7 +93,15 @@ class Scheduler:
         for r, _ in ordered:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-        return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted)
+        return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted,
+                              self.kv.end_step())
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the forward: the scheduled tokens are computed, and their full blocks go into
+        the prefix cache (so a request arriving next step can hit them)."""
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         """Admit waiting requests while budget, sequence slots and blocks last.
@@ -113,36 +127,25 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.admit(request, match, n):
+            admission = self.kv.admit(request, match, n)
+            if admission is None:
                 break
+            request.num_computed_tokens = admission.num_computed_tokens
+            if request.num_preemptions == 0:  # a resumed request hitting its own blocks is no news
+                request.num_cached_tokens = admission.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, n))
             budget -= n
-            inflight.update(self._completed_blocks(request, n))
+            inflight.update(self.kv.hashes_completed_by(request, n))
         self.waiting.extendleft(reversed(deferred))
 
-    def _completed_blocks(self, request: Request, n: int) -> list[int]:
-        """Hashes of the full blocks that computing `n` more tokens of `request` completes."""
-        if self.kv.index is None:
-            return []
-        bs = self.kv.block_size
-        first = request.num_computed_tokens // bs
-        last = (request.num_computed_tokens + n) // bs
-        return self.kv.block_hashes(request, last)[first:] if last > first else []
-
     def _blocks_in_flight(self, chosen: list[tuple[Request, int]]) -> set[int]:
-        if self.kv.index is None:
-            return set()
-        return {h for r, n in chosen for h in self._completed_blocks(r, n)}
+        return {h for r, n in chosen for h in self.kv.hashes_completed_by(r, n)}
 
-    def _waits_for(self, request: Request, match, inflight: set[int]) -> bool:
-        if not inflight:
-            return False
-        j = match.num_full_blocks
-        hashes = self.kv.block_hashes(request, (request.num_tokens - 1) // self.kv.block_size)
-        return j < len(hashes) and hashes[j] in inflight
+    def _waits_for(self, request: Request, match: PrefixMatch, inflight: set[int]) -> bool:
+        return bool(inflight) and self.kv.next_block_hash(request, match) in inflight
 
     def _order_by_longest_match(self) -> None:
         """SGLang's "lpm": serve first the waiting requests that reuse the most cached KV

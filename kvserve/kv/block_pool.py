@@ -1,21 +1,21 @@
-"""Physical KV blocks: who holds them, which are free, which are cached and idle.
+"""Physical KV blocks: ids, ref counts, the free list, and which blocks the prefix index names.
 
-A block is an index into the per-layer K/V tensors. Its ref count is the number of requests whose
-block table holds it. A block with ref count 0 is either free (on the free list, content
+A block id indexes the KV tensor pool (kv/tensors.py). Its ref count is the number of requests
+whose block table holds it. A block with ref count 0 is either free (on the free list, content
 meaningless) or cached-idle: the prefix index still names it and a later request may hit it, but
-it can be evicted whenever a fresh block is needed. So the blocks an allocation can count on are
-`num_free + num_cached_idle`, and `allocate` asks the evictor (the prefix index) to turn idle
-blocks into free ones when the free list alone is short.
+the manager may ask the index to evict it whenever fresh blocks are needed. So the blocks an
+allocation can count on are `num_free + num_cached_idle`. The pool calls nobody: eviction is asked
+for top-down by the manager, and `release` returns the blocks that turned idle.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
-    """Raised when an allocation asks for more blocks than can be had; callers check first."""
+    """Raised when an allocation asks for more free blocks than there are; callers check first."""
 
 
 class BlockPool:
@@ -27,10 +27,6 @@ class BlockPool:
         self.cached = [False] * num_blocks  # named by the prefix index
         self.num_cached_idle = 0  # cached with ref count 0: evictable
         self._free: deque[int] = deque(range(num_blocks))
-        # Set by the prefix index: evict(n) frees up to n idle blocks (returns how many);
-        # on_idle(block) hears of a cached block whose last holder let go.
-        self.evict: Callable[[int], int] | None = None
-        self.on_idle: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -38,7 +34,7 @@ class BlockPool:
 
     @property
     def num_available(self) -> int:
-        """Blocks an allocation can get: free ones plus idle cached ones it may evict."""
+        """Blocks an allocation can get: free ones plus idle cached ones that may be evicted."""
         return len(self._free) + self.num_cached_idle
 
     @property
@@ -48,8 +44,7 @@ class BlockPool:
         return 1.0 - self.num_available / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free) and self.evict is not None:
-            self.evict(n - len(self._free))
+        """Take `n` blocks off the free list (the manager evicts first when it is short)."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(n)]
@@ -67,12 +62,14 @@ class BlockPool:
                 self.num_cached_idle -= 1
             self.ref_counts[b] = count + 1
 
-    def release(self, blocks: Iterable[int]) -> None:
-        """Drop one holder from each block; at zero a cached block turns idle, others free.
+    def release(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one holder from each block; at zero a cached block turns idle (returned, so the
+        index can make it evictable), others go back to the free list.
 
         Blocks are released in reverse so that the tail of a sequence, the part least likely to be
         shared, goes back first and is reused first.
         """
+        idle = []
         for b in reversed(list(blocks)):
             count = self.ref_counts[b]
             if count <= 0:
@@ -82,10 +79,10 @@ class BlockPool:
                 continue
             if self.cached[b]:
                 self.num_cached_idle += 1
-                if self.on_idle is not None:
-                    self.on_idle(b)
+                idle.append(b)
             else:
                 self._free.append(b)
+        return idle
 
     def mark_cached(self, block: int) -> None:
         """The prefix index names a held block."""

@@ -1,44 +1,60 @@
-"""Per-request block tables over the block pool, with prefix caching.
+"""Per-request block tables over the block pool, with prefix caching and storage tiers.
 
-The manager answers the scheduler's questions, "what of this request is cached already?" and
-"can it get room for N more tokens?", and keeps each request's block table: block i holds the KV of
-token positions [i * block_size, (i + 1) * block_size). Allocation is all-or-nothing, so a refused
-request holds exactly what it held before.
+The manager answers the scheduler's questions — "what of this sequence is cached already?" and
+"can it get room for N more tokens?" — and keeps each sequence's block table: block i holds the KV
+of token positions [i * block_size, (i + 1) * block_size). Allocation is all-or-nothing, so a
+refused sequence holds exactly what it held before.
 
-With prefix caching, admission shares the matched blocks (one more reference each) and, for a
-match that ends inside a block, copies that block into a fresh one (copy-on-write: the runner
-performs the copy before the next forward, and the source stays locked until then). After every
-step, the request's newly completed full blocks are inserted into the prefix index, so a request
-that arrives a step later can hit them while their writer is still running.
+It touches no KV memory. What a step must do to memory — save evicted chunks to the tiers, load
+chunks found there, copy partially matched blocks — is collected in a `StepPlan` that `end_step`
+hands to the runner, which executes it before the forward (kv/plan.py says in which order).
 
-With storage tiers attached (kv/tiers/link.py does the chunk-level work), evicted chunks are
-saved below, and a match that ends on the device goes on through the chunks in host memory.
+It writes no request fields either: it reads a sequence through `CachedSeq` and tells its owner
+(the scheduler, or the simulator) what admission gave it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
-from kvserve.kv.prefix_index import Node, PrefixIndex, PrefixMatch
-from kvserve.request import Request
+from kvserve.kv.plan import ChunkLoad, StepPlan
+from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
+from kvserve.kv.tiers.link import NoTiers, TierLink, Tiers
 
-from kvserve.kv.tiers.link import CacheMatch, TierLink
+class CachedSeq(Protocol):
+    """What the cache reads of a request (the engine's `Request`, the simulator's `SimSeq`)."""
 
-if TYPE_CHECKING:
-    from kvserve.kv.tiers.tiered import TieredKVStore
-    from kvserve.model.attention.base import AttentionBackend
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int  # written only by the sequence's owner
+    cache_salt: str | None
+    priority: int
+    block_hashes: list[int]  # chained hashes of full blocks, extended on demand by the manager
+
+
+def matchable_tokens(seq: CachedSeq) -> int:
+    """How much of a sequence the cache may serve: all but its last token, whose logits are
+    needed, so at least one token is always computed."""
+    return max(len(seq.token_ids) - 1, 0)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admission gave a sequence: its first `num_computed_tokens` are in the cache (device
+    hits, copies and tier loads), and room for the tokens asked for is allocated."""
+
+    num_computed_tokens: int
 
 
 @dataclass
 class _Cursor:
-    """How far a request's blocks are in the prefix index: its deepest node, and how many of
+    """How far a sequence's blocks are in the prefix index: its deepest node, and how many of
     its leading blocks that node's path accounts for."""
 
     node: Node
@@ -48,53 +64,28 @@ class _Cursor:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None
+                 ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.index = PrefixIndex(self.pool, block_size, eviction_policy) \
-            if enable_prefix_caching else None
+        self.index: PrefixCache = PrefixIndex(self.pool, block_size, eviction_policy) \
+            if enable_prefix_caching else NoPrefixCache(block_size)
+        self.tiers: Tiers = tiers if tiers is not None else NoTiers()
         self.block_tables: dict[str, list[int]] = {}
         self._cursors: dict[str, _Cursor] = {}
-        self._pending_copies: list[tuple[int, int]] = []  # (source, destination)
+        self._plan = StepPlan()
+        self._copy_sources: list[int] = []  # locked until the plan that copies them is handed out
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens served from cache
-        self.hit_tokens = Counter()  # by source: device, host, disk, remote
-        self.tier_link: TierLink | None = None
+        self.hit_tokens: Counter[str] = Counter()  # by source: device, host, disk, remote
 
-    # -- storage tiers ----------------------------------------------------------------------
-    def attach_tiers(self, tiers: "TieredKVStore", kv_io: "AttentionBackend") -> None:
-        """Save evicted chunks to these tiers and load hits from them."""
-        self.tier_link = TierLink(self, tiers, kv_io)
-
-    def detach_tiers(self) -> None:
-        if self.tier_link is not None:
-            self.tier_link.close()
-            self.tier_link = None
-
-    def start_prefetch(self, request: Request) -> None:
-        """Begin promoting the request's chunks from disk/Redis into host memory."""
-        if self.tier_link is not None:
-            self.tier_link.start_prefetch(request)
-
-    def prefetch_pending(self, request: Request) -> bool:
-        return self.tier_link is not None and self.tier_link.prefetch_pending(request)
-
-    def wait_for_prefetch(self, seconds: float) -> bool:
-        """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
-        True if there was one."""
-        return self.tier_link is not None and self.tier_link.wait_for_prefetch(seconds)
-
-    def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
-        """Write the KV of chunks loaded from the tiers into their blocks (before a forward)."""
-        if self.tier_link is not None:
-            self.tier_link.apply_pending_loads(write_blocks)
-
+    # -- sizes ------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_available_blocks(self) -> int:
         """Blocks an allocation can count on: free plus evictable cached ones."""
         return self.pool.num_available
 
@@ -106,149 +97,227 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -----------------------------------------------------------------------
-    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The request's chained block hashes, extended on demand to `num_blocks` full blocks."""
-        hashes = request.block_hashes
+    def block_hashes(self, seq: CachedSeq, num_blocks: int) -> list[int]:
+        """The sequence's chained block hashes, extended on demand to `num_blocks` full blocks."""
+        hashes = seq.block_hashes
         if len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else 0
-            hashes.extend(chain_hashes(request.token_ids[: num_blocks * self.block_size],
-                                       self.block_size, extra_keys(request.cache_salt), parent,
+            hashes.extend(chain_hashes(seq.token_ids[: num_blocks * self.block_size],
+                                       self.block_size, extra_keys(seq.cache_salt), parent,
                                        start_block=len(hashes)))
         return hashes[:num_blocks]
 
-    def match(self, request: Request) -> PrefixMatch:
-        """Longest cached prefix of a request that holds no blocks; the last token is always
-        left to compute, since its logits are needed."""
-        limit = request.num_tokens - 1
-        if self.index is None or limit <= 0:
-            return PrefixMatch([], block_size=self.block_size)
-        tokens = request.token_ids[:limit]
-        match = self.index.match(tokens, self.block_hashes(request, limit // self.block_size),
-                                 extra_keys(request.cache_salt))
-        return match if self.tier_link is None else self.tier_link.continue_match(request, match)
+    def _matchable_hashes(self, seq: CachedSeq) -> list[int]:
+        return self.block_hashes(seq, matchable_tokens(seq) // self.block_size)
 
-    def admit(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> bool:
-        """Give a waiting request its cached prefix and room for `num_new_tokens` more, if the pool
-        can also hold the rest of its tokens later; otherwise change nothing and return False."""
-        assert request.request_id not in self.block_tables
-        # Blocks the match uses stop being evictable once shared: they are not extra room.
-        idle_hits = sum(1 for b in match.blocks if self.pool.ref_counts[b] == 0)
-        if match.partial is not None and self.pool.ref_counts[match.partial.block] == 0:
-            idle_hits += 1
-        need = self.blocks_for_tokens(request.num_tokens) - len(match.nodes)
-        if need > self.pool.num_available - idle_hits:
+    def device_match(self, seq: CachedSeq) -> PrefixMatch:
+        """The longest prefix of a sequence that device blocks hold."""
+        limit = matchable_tokens(seq)
+        if limit == 0 or not self.index.enabled:
+            return PrefixMatch([], block_size=self.block_size)
+        return self.index.match(seq.token_ids[:limit], self._matchable_hashes(seq),
+                                extra_keys(seq.cache_salt))
+
+    def match(self, seq: CachedSeq) -> PrefixMatch:
+        """The longest cached prefix of a sequence that holds no blocks: device blocks, then
+        chunks in host memory."""
+        match = self.device_match(seq)
+        if matchable_tokens(seq) == 0 or not self.index.enabled:
+            return match
+        return self.tiers.continue_match(match, self._matchable_hashes(seq))
+
+    def hashes_completed_by(self, seq: CachedSeq, num_new_tokens: int) -> list[int]:
+        """Hashes of the full blocks that computing `num_new_tokens` more of `seq` completes (the
+        scheduler lets a request whose next block is among them wait a step and hit it)."""
+        if not self.index.enabled:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        last = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        return self.block_hashes(seq, last)[first:] if last > first else []
+
+    def next_block_hash(self, seq: CachedSeq, match: PrefixMatch) -> int | None:
+        """The hash of the first matchable block that `match` does not cover, if any."""
+        hashes = self._matchable_hashes(seq) if self.index.enabled else []
+        j = match.num_full_blocks
+        return hashes[j] if j < len(hashes) else None
+
+    def start_prefetch(self, seq: CachedSeq) -> None:
+        """Begin promoting the sequence's chunks from disk/Redis into host memory."""
+        if matchable_tokens(seq) and self.index.enabled:
+            self.tiers.start_prefetch(seq.request_id, self._matchable_hashes(seq),
+                                      len(self.device_match(seq).nodes))
+
+    def prefetch_pending(self, seq: CachedSeq) -> bool:
+        return self.tiers.prefetch_pending(seq.request_id)
+
+    def wait_for_prefetch(self, seconds: float) -> bool:
+        """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
+        True if there was one."""
+        return self.tiers.wait_for_prefetch(seconds)
+
+    # -- admission --------------------------------------------------------------------------
+    def can_admit(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
+                  ) -> bool:
+        """Whether the pool can hold `num_tokens` of a sequence (with a partially matched block
+        locked until its copy is made) and, if given, `total_tokens` once the copy is done."""
+        pool = self.pool
+        taken = sum(1 for b in match.blocks if pool.ref_counts[b] == 0)  # stop being evictable
+        source = int(match.partial is not None and pool.ref_counts[match.partial.block] == 0)
+        room = pool.num_available - taken
+        if self.blocks_for_tokens(num_tokens) - len(match.nodes) > room - source:
             return False
+        return total_tokens is None or \
+            self.blocks_for_tokens(total_tokens) - len(match.nodes) <= room
+
+    def admit(self, seq: CachedSeq, match: PrefixMatch, num_new_tokens: int,
+              total_tokens: int | None = None) -> Admission | None:
+        """Give a waiting sequence its cached prefix and room for `num_new_tokens` more, if the
+        pool can also hold the rest of its tokens (or `total_tokens`, when the caller reserves
+        more); otherwise change nothing and return None."""
+        assert seq.request_id not in self.block_tables
+        if not self.can_admit(match, len(seq.token_ids), total_tokens):
+            return None
         self.pool.share(match.blocks)
         table = list(match.blocks)
-        node = match.last_node
-        if isinstance(match, CacheMatch):
-            assert self.tier_link is not None
-            node = self.tier_link.admit_loaded(request, match, table)
+        node = match.last_node or self.index.root(extra_keys(seq.cache_salt))
+        if match.loaded:
+            node = self._admit_loaded(seq, match, table, node)
         elif match.partial is not None:
-            self.pool.share([match.partial.block])  # locked until the copy is done
-            copy = self.pool.allocate(1)[0]
-            self._pending_copies.append((match.partial.block, copy))
+            self.pool.share([match.partial.block])  # locked until the plan is handed out
+            self._copy_sources.append(match.partial.block)
+            copy = self.allocate_blocks(1)[0]
+            self._plan.copies.append((match.partial.block, copy))
             table.append(copy)
-        self.block_tables[request.request_id] = table
-        request.num_computed_tokens = match.num_tokens
-        if request.num_preemptions == 0:  # a resumed request hitting its own blocks is no news
-            request.num_cached_tokens = match.num_tokens
-        self.prefix_cache_queries += request.num_tokens
+        self.block_tables[seq.request_id] = table
+        self._count_hits(seq, match)
+        self.index.touch(match.nodes, seq.priority)
+        self._cursors[seq.request_id] = _Cursor(node, match.num_full_blocks,
+                                                self.index.generation)
+        self._grow(seq.request_id, match.num_tokens + num_new_tokens)
+        return Admission(match.num_tokens)
+
+    def _admit_loaded(self, seq: CachedSeq, match: PrefixMatch, table: list[int],
+                      node: Node) -> Node:
+        """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
+        they enter the index like computed blocks (nothing reads them before the plan's loads
+        have run); returns the deepest node."""
+        assert isinstance(self.tiers, TierLink), "only the tiers load chunks"
+        blocks = self.allocate_blocks(match.num_loaded_blocks)
+        self._plan.loads.append(ChunkLoad(tuple(blocks), self.tiers.loaded_kv(match)))
+        first = len(table)
+        table.extend(blocks)
+        hashes = self.block_hashes(seq, first + len(blocks))
+        bs = self.block_size
+        for i in range(first, first + len(blocks)):
+            node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
+                                     table[i], seq.priority)
+            assert node.block == table[i], "a loaded chunk is on the device already"
+        self.tiers.consumed(match.loaded)
+        return node
+
+    def _count_hits(self, seq: CachedSeq, match: PrefixMatch) -> None:
+        self.prefix_cache_queries += len(seq.token_ids)
         self.prefix_cache_hits += match.num_tokens
         self.hit_tokens["device"] += len(match.nodes) * self.block_size + match.partial_len
-        if self.index is not None:
-            self.index.touch(match.nodes, request.priority)
-            root = self.index.root(extra_keys(request.cache_salt))
-            self._cursors[request.request_id] = _Cursor(node or root, match.num_full_blocks,
-                                                        self.index.generation)
-        ok = self.allocate_slots(request, num_new_tokens)
-        assert ok, "admission checked the room"
+        if match.loaded:
+            for source, tokens in self.tiers.tokens_by_source(match):
+                self.hit_tokens[source] += tokens
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate_blocks(self, n: int) -> list[int]:
+        """Take `n` blocks, evicting idle cached ones first if the free list is short; a
+        chunk an eviction ends is named in the plan, to be saved before the block is reused."""
+        short = n - self.pool.num_free
+        if short > 0:
+            for node in self.index.evict(short):
+                save = self.tiers.save_for_evicted(node)
+                if save is not None:
+                    self._plan.saves.append(save)
+        return self.pool.allocate(n)
+
+    def _grow(self, request_id: str, num_tokens: int) -> bool:
+        table = self.block_tables.setdefault(request_id, [])
+        missing = self.blocks_for_tokens(num_tokens) - len(table)
+        if missing > self.pool.num_available:
+            return False
+        if missing > 0:
+            table.extend(self.allocate_blocks(missing))
         return True
 
-    def apply_pending_copies(self, copy_blocks: Callable[[list[int], list[int]], None]) -> None:
-        """Perform the copy-on-write copies queued by admissions, then unlock their sources."""
-        if not self._pending_copies:
-            return
-        src = [s for s, _ in self._pending_copies]
-        dst = [d for _, d in self._pending_copies]
-        self._pending_copies = []
-        copy_blocks(src, dst)
-        self.pool.release(src)
+    def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        return self._grow(seq.request_id, seq.num_computed_tokens + num_new_tokens)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Insert the request's newly computed full blocks into the prefix index."""
-        cursor = self._cursors.get(request.request_id)
-        if cursor is None or self.index is None:
+    def free(self, seq: CachedSeq) -> None:
+        """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
+        in the index, idle, until evicted."""
+        self._cursors.pop(seq.request_id, None)
+        self.tiers.forget(seq.request_id)
+        table = self.block_tables.pop(seq.request_id, None)
+        if table:
+            self.index.mark_idle(self.pool.release(table))
+
+    def block_table(self, seq: CachedSeq) -> list[int]:
+        return self.block_tables[seq.request_id]
+
+    # -- after a step -----------------------------------------------------------------------
+    def cache_full_blocks(self, seq: CachedSeq) -> None:
+        """Insert the sequence's newly computed full blocks into the prefix index (and, under
+        write-through, name their chunks for saving in the next plan)."""
+        cursor = self._cursors.get(seq.request_id)
+        if cursor is None or not self.index.enabled:
             return
         if cursor.generation != self.index.generation:  # the cache was reset under it
-            del self._cursors[request.request_id]
+            del self._cursors[seq.request_id]
             return
-        full = request.num_computed_tokens // self.block_size
+        full = seq.num_computed_tokens // self.block_size
         if full <= cursor.num_blocks:
             return
-        hashes = self.block_hashes(request, full)
-        table = self.block_tables[request.request_id]
+        hashes = self.block_hashes(seq, full)
+        table = self.block_tables[seq.request_id]
         bs = self.block_size
         node = cursor.node
         for i in range(cursor.num_blocks, full):
-            node = self.index.insert(node, request.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                     table[i], request.priority)
+            node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
+                                     table[i], seq.priority)
             if node.block != table[i]:
                 # The index holds this content already (computed twice at once, or a
                 # copy-on-write block that ended up equal to its source): switch to the cached
-                # block and free the duplicate. A request must hold every node on its path: an
+                # block and free the duplicate. A sequence must hold every node on its path: an
                 # idle node above a held one could not be evicted though the pool counts it as
-                # available, and the cursor node could be evicted under the request.
+                # available, and the cursor node could be evicted under the sequence.
                 self.pool.share([node.block])
-                self.pool.release([table[i]])
+                self.index.mark_idle(self.pool.release([table[i]]))
                 table[i] = node.block
-        if self.tier_link is not None:
-            self.tier_link.save_computed(table, hashes, cursor.num_blocks, full)
+        self._plan.saves.extend(self.tiers.saves_for_computed(table, hashes, cursor.num_blocks,
+                                                              full))
         cursor.node = node
         cursor.num_blocks = full
 
+    def end_step(self) -> StepPlan:
+        """Hand out what this step must do to KV memory, and start the next plan.
+
+        The plan is executed before anything can allocate again (the runner runs it before the
+        forward, and the next step schedules after that), so the sources of its copies can be let
+        go now: nothing can evict and reuse them before they are read.
+        """
+        plan, self._plan = self._plan, StepPlan()
+        if self._copy_sources:
+            self.index.mark_idle(self.pool.release(self._copy_sources))
+            self._copy_sources = []
+        return plan
+
     def reset_prefix_cache(self) -> None:
-        if self.index is not None:
-            self.index.reset()
+        self.index.reset()
 
-    # -- allocation -------------------------------------------------------------------------
-    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks still missing to hold the request's computed tokens plus `num_new_tokens`."""
-        held = len(self.block_tables.get(request.request_id, ()))
-        needed = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - held)
-
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
-        missing = self.num_new_blocks(request, num_new_tokens)
-        if missing > self.pool.num_available:
-            return False
-        table = self.block_tables.setdefault(request.request_id, [])
-        if missing:
-            table.extend(self.pool.allocate(missing))
-        return True
-
-    def free(self, request: Request) -> None:
-        """Give back every block of a finished, aborted or preempted request; cached blocks stay
-        in the index, idle, until evicted."""
-        self._cursors.pop(request.request_id, None)
-        if self.tier_link is not None:
-            self.tier_link.forget(request)
-        table = self.block_tables.pop(request.request_id, None)
-        if table:
-            self.pool.release(table)
-
-    def block_table(self, request: Request) -> list[int]:
-        return self.block_tables[request.request_id]
-
-    def check_invariants(self, requests: list[Request]) -> None:
-        """Tables belong to live requests, cover their computed tokens, and match the pool."""
-        live = {r.request_id: r for r in requests}
+    # -- checks -----------------------------------------------------------------------------
+    def check_invariants(self, seqs: Sequence[CachedSeq]) -> None:
+        """Tables belong to live sequences, cover their computed tokens, and match the pool."""
+        live = {s.request_id: s for s in seqs}
         assert set(self.block_tables) <= set(live), "a block table outlived its request"
         for rid, table in self.block_tables.items():
             need = self.blocks_for_tokens(live[rid].num_computed_tokens)
             assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
-        holders = list(self.block_tables.values()) + [[s] for s, _ in self._pending_copies]
+        holders = list(self.block_tables.values()) + [[s] for s in self._copy_sources]
         self.pool.check_invariants(holders)
-        if self.index is not None:
-            self.index.check_invariants()
+        self.index.check_invariants()

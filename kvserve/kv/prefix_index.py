@@ -10,20 +10,27 @@ so partial matching never looks across tenants either.
 
 Who may evict what: a block held by a request (ref count > 0) is locked, and so is every ancestor
 of it, because a request holds its whole prefix. Idle leaves are kept in a heap keyed by the
-eviction policy; entries go stale instead of being removed (a version number per node), so both
-pushing and evicting cost O(log n) and nothing is ever rebuilt.
+eviction policy (kv/eviction.py); entries go stale instead of being removed (a version number per
+node), so both pushing and evicting cost O(log n) and nothing is ever rebuilt. The index is asked
+top-down: the manager calls `evict` when it needs blocks and `mark_idle` with the blocks a release
+turned idle; nothing calls back up.
+
+`NoPrefixCache` is the same interface with nothing behind it (prefix caching off).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 
-POLICIES = ("lru", "lfu", "priority")
+if TYPE_CHECKING:
+    from kvserve.kv.tiers.tiered import FoundChunk
 
 
 @dataclass(eq=False)
@@ -43,19 +50,25 @@ class Node:
 
 @dataclass
 class PrefixMatch:
+    """What the cache holds of a request: full blocks on the device, then either a partially
+    matching block (served by copy-on-write) or whole chunks found in the storage tiers."""
+
     nodes: list[Node]  # matched full blocks, root first
     partial: Node | None = None  # a child sharing `partial_len` leading tokens of the next block
     partial_len: int = 0
     block_size: int = 0
+    loaded: list["FoundChunk"] = field(default_factory=list)  # tier chunks continuing `nodes`
+    skip_blocks: int = 0  # leading blocks of the first loaded chunk that `nodes` covers
+    num_loaded_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.nodes) * self.block_size + self.partial_len
+        return self.num_full_blocks * self.block_size + self.partial_len
 
     @property
     def num_full_blocks(self) -> int:
         """Leading full blocks the request need not compute."""
-        return len(self.nodes)
+        return len(self.nodes) + self.num_loaded_blocks
 
     @property
     def blocks(self) -> list[int]:
@@ -67,23 +80,19 @@ class PrefixMatch:
 
 
 class PrefixIndex:
-    def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
+    enabled = True
+
+    def __init__(self, pool: BlockPool, block_size: int,
+                 policy: str | EvictionPolicy = "lru") -> None:
         self.pool = pool
         self.block_size = block_size
-        self.policy = policy
+        self.policy = make_eviction_policy(policy) if isinstance(policy, str) else policy
         self._roots: dict[bytes, Node] = {}
         self._node_of_block: dict[int, Node] = {}
         self._heap: list[tuple[tuple[int, ...], int, Node]] = []
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
         self.num_evicted_blocks = 0
-        # Hears of each block just before eviction frees it, while its KV is still intact (the
-        # storage tiers save it then).
-        self.on_evict: Callable[[Node], None] | None = None
-        pool.evict = self.evict
-        pool.on_idle = self._on_idle
 
     # -- lookup -----------------------------------------------------------------------------
     def root(self, extra: bytes) -> Node:
@@ -144,49 +153,43 @@ class PrefixIndex:
     def num_cached_blocks(self) -> int:
         return len(self._node_of_block)
 
-    def _key(self, node: Node) -> tuple[int, ...]:
-        if self.policy == "lfu":
-            return (node.hit_count, node.last_access)
-        if self.policy == "priority":
-            return (node.priority, node.last_access)
-        return (node.last_access,)
-
     def _push(self, node: Node) -> None:
         node.version += 1
-        heapq.heappush(self._heap, (self._key(node), node.version, node))
+        heapq.heappush(self._heap, (self.policy.key(node), node.version, node))
         if len(self._heap) > 2 * len(self._node_of_block) + 1024:
             # Stale entries pile up when blocks go idle and busy again without evictions; drop
             # them now and then (O(n) every ~n pushes: O(1) amortised).
             self._heap = [e for e in self._heap if self._evictable(e[2], e[1])]
             heapq.heapify(self._heap)
 
-    def _on_idle(self, block: int) -> None:
-        node = self._node_of_block[block]
-        if not node.children:
-            self._push(node)
+    def mark_idle(self, blocks: Sequence[int]) -> None:
+        """These cached blocks lost their last holder: the leaves among them become evictable."""
+        for block in blocks:
+            node = self._node_of_block[block]
+            if not node.children:
+                self._push(node)
 
     def _evictable(self, node: Node, version: int) -> bool:
         return (version == node.version and not node.children
                 and self._node_of_block.get(node.block) is node
                 and self.pool.ref_counts[node.block] == 0)
 
-    def evict(self, n: int) -> int:
-        """Free up to `n` idle blocks, leaves first, in policy order; returns how many."""
-        done = 0
-        while done < n and self._heap:
+    def evict(self, n: int) -> list[Node]:
+        """Free up to `n` idle blocks, leaves first, in policy order; returns the evicted nodes
+        (their parent links still name the rest of their chunk, for the storage tiers)."""
+        evicted: list[Node] = []
+        while len(evicted) < n and self._heap:
             _, version, node = heapq.heappop(self._heap)
             if not self._evictable(node, version):
                 continue
-            if self.on_evict is not None:
-                self.on_evict(node)
             self._remove(node)
-            done += 1
+            evicted.append(node)
             parent = node.parent
             if (parent is not None and parent.block >= 0 and not parent.children
                     and self.pool.ref_counts[parent.block] == 0):
                 self._push(parent)
-        self.num_evicted_blocks += done
-        return done
+        self.num_evicted_blocks += len(evicted)
+        return evicted
 
     def _remove(self, node: Node) -> None:
         parent = node.parent
@@ -225,6 +228,47 @@ class PrefixIndex:
                 stack.extend(node.children.values())
         assert seen == len(self._node_of_block), "unreachable nodes in the block map"
         assert sum(self.pool.cached) == seen, "cached flags disagree with the tree"
+
+
+class NoPrefixCache:
+    """Prefix caching off: the index's interface, matching nothing and keeping nothing."""
+
+    enabled = False
+    generation = 0
+    num_cached_blocks = 0
+    num_evicted_blocks = 0
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._root = Node((), 0, -1, None)
+
+    def root(self, extra: bytes) -> Node:
+        return self._root
+
+    def match(self, tokens: Sequence[int], hashes: Sequence[int], extra: bytes = b"") -> PrefixMatch:
+        return PrefixMatch([], block_size=self.block_size)
+
+    def touch(self, nodes: Sequence[Node], priority: int = 0) -> None:
+        pass
+
+    def insert(self, parent: Node, tokens: Sequence[int], block_hash: int, block: int,
+               priority: int = 0) -> Node:
+        return Node((), block_hash, block, parent)  # not kept: the block stays the request's
+
+    def mark_idle(self, blocks: Sequence[int]) -> None:
+        assert not blocks, "nothing is cached without prefix caching"
+
+    def evict(self, n: int) -> list[Node]:
+        return []
+
+    def reset(self) -> None:
+        pass
+
+    def check_invariants(self) -> None:
+        pass
+
+
+PrefixCache = PrefixIndex | NoPrefixCache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

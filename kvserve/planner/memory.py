@@ -22,42 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.kv.spec import KV_DTYPES, KVCacheSpec, KVStorage, decoder_kv_spec
+from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype
 from kvserve.planner.model import ModelSpec
 
-# -- KV dtypes ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVDType:
-    name: str
-    bits: int
-    grouped: bool  # an fp16 scale and an fp16 zero point per group of elements
-
-
-KV_DTYPES = {
-    "fp32": KVDType("fp32", 32, False),
-    "fp16": KVDType("fp16", 16, False),
-    "bf16": KVDType("bf16", 16, False),
-    "fp8": KVDType("fp8", 8, False),
-    "int8": KVDType("int8", 8, True),
-    "int4": KVDType("int4", 4, True),
-}
-_KV_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
-               "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
-               "e4m3": "fp8", "e5m2": "fp8"}
-SCALE_BYTES_PER_GROUP = 4  # fp16 scale + fp16 zero point
+# -- KV bytes: from the same spec classes the engine sizes its pool with ----------------------
 
 
 def resolve_kv_dtype(name: str, spec: ModelSpec | None = None) -> str:
     """vLLM's --kv-cache-dtype names plus int8/int4; "auto" is the model's dtype."""
-    key = name.strip().lower()
-    if key == "auto":
-        return spec.dtype if spec is not None else "bf16"
-    key = _KV_ALIASES.get(key, key)
-    if key not in KV_DTYPES:
-        raise ValueError(f"KV cache dtype must be auto or one of {', '.join(KV_DTYPES)} "
-                         f"(or fp8_e4m3, fp8_e5m2), got {name!r}")
-    return key
+    return _resolve_kv_dtype(name, spec.dtype if spec is not None else "bf16")
 
 
 def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
@@ -76,47 +50,34 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
     return spec.num_kv_heads // tp
 
 
-def kv_vector_bytes(width: int, dtype: str, group_size: int | None = None) -> int:
-    """Bytes of one stored vector of `width` elements, with its quantization scales."""
-    d = KV_DTYPES[resolve_kv_dtype(dtype)]
-    data_bits = width * d.bits
-    if data_bits % 8:
-        raise ValueError(f"{width} elements of {d.name} do not fill whole bytes")
-    size = data_bits // 8
-    if d.grouped:
-        size += math.ceil(width / (group_size or width)) * SCALE_BYTES_PER_GROUP
-    return size
+def kv_cache_spec(spec: ModelSpec, dtype: str, tp: int = 1, group_size: int | None = None,
+                  block_size: int = 1) -> KVCacheSpec:
+    """What one GPU stores per token for this model: the engine's spec objects (kvserve.kv.spec),
+    so the planner and the engine cannot disagree."""
+    storage = KVStorage(resolve_kv_dtype(dtype, spec), group_size)
+    return decoder_kv_spec(spec.num_layers, kv_heads_per_gpu(spec, tp), spec.head_dim, storage,
+                           block_size, spec.layer_windows, spec.kv_lora_rank,
+                           spec.qk_rope_head_dim)
 
 
 def kv_bytes_per_token_layer(spec: ModelSpec, dtype: str, tp: int = 1,
                              group_size: int | None = None) -> int:
     """One layer, one token, on one GPU."""
-    dtype = resolve_kv_dtype(dtype, spec)
-    if spec.attention == "mla":
-        return kv_vector_bytes(spec.kv_lora_rank + spec.qk_rope_head_dim, dtype, group_size)
-    return 2 * kv_heads_per_gpu(spec, tp) * kv_vector_bytes(spec.head_dim, dtype, group_size)
+    return kv_cache_spec(spec, dtype, tp, group_size).groups[0].spec.bytes_per_token
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str, tp: int = 1,
                        group_size: int | None = None) -> int:
     """All layers, one token, on one GPU, before any sliding-window cap."""
-    return spec.num_layers * kv_bytes_per_token_layer(spec, dtype, tp, group_size)
+    return kv_cache_spec(spec, dtype, tp, group_size).bytes_per_token
 
 
 def kv_bytes_per_request(spec: ModelSpec, dtype: str, seq_len: int, block_size: int | None = None,
                          tp: int = 1, group_size: int | None = None) -> int:
     """One request of `seq_len` tokens: each layer holds min(seq_len, its window) tokens, rounded
     up to whole blocks when `block_size` is given."""
-    if seq_len < 0:
-        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
-    per_layer = kv_bytes_per_token_layer(spec, dtype, tp, group_size)
-    total = 0
-    for window in spec.windows:
-        tokens = seq_len if window is None else min(seq_len, window)
-        if block_size:
-            tokens = -(-tokens // block_size) * block_size
-        total += tokens * per_layer
-    return total
+    kv = kv_cache_spec(spec, dtype, tp, group_size, block_size or 1)
+    return kv.bytes_per_request(seq_len, whole_blocks=bool(block_size))
 
 
 def max_concurrency(kv_cache_tokens: int, context_len: int) -> float:

@@ -13,10 +13,7 @@ from collections.abc import Sequence
 
 from kvserve.kv.manager import KVCacheManager
 from kvserve.planner.memory import fragmentation
-from kvserve.request import Request
-from kvserve.sampling import SamplingParams
-
-_PARAMS = SamplingParams()
+from kvserve.sim.replay import SimSeq
 
 
 def fill(lengths: Sequence[int], capacity_tokens: int, block_size: int) -> dict:
@@ -32,8 +29,8 @@ def fill(lengths: Sequence[int], capacity_tokens: int, block_size: int) -> dict:
     while admitted < limit:
         n = lengths[i % len(lengths)]
         i += 1
-        req = Request(str(i), [0] * n, _PARAMS, 0)
-        if not kv.admit(req, kv.match(req), n):
+        req = SimSeq(str(i), [0] * n)
+        if kv.admit(req, kv.match(req), n) is None:
             break
         req.num_computed_tokens = n
         used += n

@@ -73,10 +73,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvserve.planner.units import parse_token_list, parse_tokens
-    from kvserve.router.policies import ROUTING_POLICIES
+    from kvserve.sim.routing import ROUTING_POLICIES
     from kvserve.sim.alloc import allocation_modes
     from kvserve.sim.generators import generate, parse_gen_options
-    from kvserve.sim.replay import EVICTION_POLICIES, SimConfig, replay
+    from kvserve.kv.eviction import EVICTION_POLICIES
+    from kvserve.sim.replay import SimConfig, replay
     from kvserve.sim.report import format_report, plot_report
     from kvserve.sim.trace import load_trace, write_trace
 
@@ -99,7 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         lifetime = "timed" if trace.has_timestamps else "immediate"
     block_size = args.block_size or (trace.block_size if trace.is_hash_trace else 16)
     capacities = parse_token_list(args.capacity)
-    policies = _names(args.policy, EVICTION_POLICIES, "--policy")
+    policies = _names(args.policy, tuple(EVICTION_POLICIES), "--policy")
     routings = _names(args.routing, ROUTING_POLICIES, "--routing")
     replica_counts = [int(x) for x in args.replicas.split(",") if x.strip()]
     if not replica_counts or min(replica_counts) < 1:

@@ -1,12 +1,13 @@
 """Trace replay through kvserve's own KV cache: `KVCacheManager`, its `BlockPool` and
-`PrefixIndex`, exactly as the engine drives them, without a model.
+`PrefixIndex`, through the same calls the engine's scheduler makes (`match`, `admit`,
+`cache_full_blocks`, `free`, `end_step`), without a model.
 
 The lifetime of a request, per replica (each replica is one `KVCacheManager`):
 
 1. It arrives at its timestamp and is routed (one replica: trivially).
 2. Admission, first come first served: `kv.match`, then `kv.admit` once the pool can hold the
-   whole request (prompt + output - 1 tokens, the KV that will ever be computed: the engine
-   never computes the last sampled token). If it cannot, the request waits for the replica's
+   whole request (`total_tokens` = prompt + output - 1, the KV that will ever be computed: the
+   engine never computes the last sampled token). If it cannot, the request waits for the replica's
    earliest finishing request to release its blocks; later arrivals on that replica wait behind
    it. A request larger than the whole pool, or that the pool refuses with nothing else
    running, is rejected.
@@ -33,23 +34,29 @@ import itertools
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvserve.kv.eviction import Belady, FutureUses, make_eviction_policy
 from kvserve.kv.hashing import block_hash, chain_hashes, extra_keys
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.prefix_index import POLICIES
-from kvserve.request import Request
-from kvserve.router.policies import ROUTING_POLICIES, make_policy
-from kvserve.sampling import SamplingParams
-from kvserve.sim.belady import BeladyPrefixIndex, FutureUses
+from kvserve.kv.manager import KVCacheManager, matchable_tokens
+from kvserve.sim.routing import ROUTING_POLICIES, make_policy
 from kvserve.sim.trace import Trace, TraceRequest
 
-EVICTION_POLICIES = (*POLICIES, "belady")
-_PARAMS = SamplingParams()  # shared by every simulated request; sampling never happens
 
+@dataclass
+class SimSeq:
+    """A simulated request: what the KV cache reads of one (`kvserve.kv.manager.CachedSeq`)."""
 
-def _no_copy(src: list[int], dst: list[int]) -> None:
-    """Copy-on-write of a partially matched block: there is no KV data to copy."""
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None = None
+    priority: int = 0
+    num_computed_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -67,9 +74,7 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.policy!r}")
+        make_eviction_policy(self.policy, online_only=False)  # a clear error for a bad name
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing!r}")
@@ -91,7 +96,7 @@ class SimConfig:
 
 class PromptHasher:
     """Chained block hashes of a prompt, computed by kvserve.kv.hashing exactly as the manager
-    would (the replay hands them to the Request up front so they are computed once). For a
+    would (the replay hands them to the SimSeq up front so they are computed once). For a
     hash-id trace whose blocks are the cache's blocks, block k's hash depends only on the parent's
     hash and hash id k, so it is memoised on that pair."""
 
@@ -127,16 +132,16 @@ class Replica:
 
     def __init__(self, config: SimConfig, future: FutureUses | None = None) -> None:
         self.config = config
-        policy = "lru" if config.policy == "belady" else config.policy
+        policy = make_eviction_policy(config.policy, online_only=False)
+        self.belady: Belady | None = None
+        if isinstance(policy, Belady):
+            assert future is not None
+            policy.future = future
+            self.belady = policy
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  enable_prefix_caching=True, eviction_policy=policy)
-        self.belady: BeladyPrefixIndex | None = None
-        if config.policy == "belady":
-            assert future is not None
-            self.belady = BeladyPrefixIndex(self.kv.pool, config.block_size, future)
-            self.kv.index = self.belady
         self.immediate = config.lifetime == "immediate"
-        self._running: list[tuple[float, int, Request, TraceRequest, int]] = []
+        self._running: list[tuple[float, int, SimSeq, TraceRequest, int]] = []
         self._seq = itertools.count()
         self.last_start = float("-inf")
         self.routed = 0
@@ -151,10 +156,10 @@ class Replica:
     def load(self) -> int:
         return self.routed if self.immediate else len(self._running)
 
-    def match_tokens(self, request: Request) -> int:
+    def match_tokens(self, request: SimSeq) -> int:
         return self.kv.match(request).num_tokens
 
-    def running_requests(self) -> list[Request]:
+    def running_requests(self) -> list[SimSeq]:
         """Requests holding blocks now (for invariant checks)."""
         return [entry[2] for entry in self._running]
 
@@ -168,20 +173,7 @@ class Replica:
     def drain(self, now: int) -> None:
         self.release_until(float("inf"), now)
 
-    def _fits(self, req: Request, match, total_blocks: int) -> bool:
-        """`kv.admit`'s own check (the prompt, with a partially matched block locked until its
-        copy is made), and the same check for the whole request (prompt and output), which the
-        simulator holds from the start; the copy's source is let go before the output needs room.
-        """
-        pool = self.kv.pool
-        idle_hits = sum(1 for b in match.blocks if pool.ref_counts[b] == 0)
-        source = 1 if match.partial is not None and \
-            pool.ref_counts[match.partial.block] == 0 else 0
-        prompt_need = self.kv.blocks_for_tokens(req.num_tokens) - len(match.nodes)
-        return (prompt_need <= pool.num_available - idle_hits - source
-                and total_blocks - len(match.nodes) <= pool.num_available - idle_hits)
-
-    def submit(self, req: Request, rec: TraceRequest, arrival: float, pos: int) -> bool:
+    def submit(self, req: SimSeq, rec: TraceRequest, arrival: float, pos: int) -> bool:
         kv = self.kv
         self.routed += 1
         if self.belady is not None:
@@ -193,9 +185,11 @@ class Replica:
             return False
         start = max(arrival, self.last_start)
         self.release_until(start, pos)
+        total_tokens = req.num_tokens + max(out - 1, 0)
         while True:
             match = kv.match(req)
-            if self._fits(req, match, total_blocks):
+            admission = kv.admit(req, match, req.num_tokens - match.num_tokens, total_tokens)
+            if admission is not None:
                 break
             if not self._running:  # nothing left to wait for: the pool cannot take it
                 self.rejected += 1
@@ -203,14 +197,12 @@ class Replica:
             finish, _, r, rr, p = heapq.heappop(self._running)  # wait for the next release
             start = max(start, finish)
             self._finish(r, rr, p, pos)
-        ok = kv.admit(req, match, req.num_tokens - match.num_tokens)
-        assert ok, "the room was checked"
-        kv.apply_pending_copies(_no_copy)
+        kv.end_step()  # no KV memory to move: the plan (copies of partial hits) is dropped
         req.num_computed_tokens = req.num_tokens
         kv.cache_full_blocks(req)
         if out > 1:
             ok = kv.allocate_slots(req, out - 1)
-            assert ok, "the room was checked"
+            assert ok, "admission reserved the room"
         held = kv.num_blocks - kv.pool.num_available
         if held > self.peak_held:
             self.peak_held = held
@@ -227,7 +219,7 @@ class Replica:
             heapq.heappush(self._running, (start + duration, next(self._seq), req, rec, pos))
         return True
 
-    def _finish(self, req: Request, rec: TraceRequest, pos: int, now: int) -> None:
+    def _finish(self, req: SimSeq, rec: TraceRequest, pos: int, now: int) -> None:
         if self.belady is not None:
             self.belady.now = now
         out = rec.output_length
@@ -247,9 +239,9 @@ class Replica:
                     hit_rate=kv.prefix_cache_hits / kv.prefix_cache_queries
                     if kv.prefix_cache_queries else 0.0,
                     prefill_tokens_computed=self.prefill_computed,
-                    evicted_blocks=kv.index.num_evicted_blocks if kv.index else 0,
+                    evicted_blocks=kv.index.num_evicted_blocks,
                     peak_usage=self.peak_held / kv.num_blocks,
-                    cached_blocks=kv.index.num_cached_blocks if kv.index else 0)
+                    cached_blocks=kv.index.num_cached_blocks)
 
 
 def future_uses(trace: Trace, block_size: int, hasher: PromptHasher) -> tuple[FutureUses,
@@ -261,7 +253,7 @@ def future_uses(trace: Trace, block_size: int, hasher: PromptHasher) -> tuple[Fu
         tokens = trace.prompt_tokens(rec)
         hashes = hasher(rec, tokens)
         all_hashes.append(hashes)
-        uses.append(hashes[: (len(tokens) - 1) // block_size])
+        uses.append(hashes[: matchable_tokens(SimSeq("", tokens)) // block_size])
     return FutureUses(uses), all_hashes
 
 
@@ -285,8 +277,7 @@ def replay(trace: Trace, config: SimConfig,
                          "timestamps (or a generator a rate), or replay with lifetime immediate")
     for pos, rec in enumerate(trace.requests):
         tokens = trace.prompt_tokens(rec)
-        req = Request(str(pos), tokens, _PARAMS, rec.output_length, cache_salt=rec.cache_salt,
-                      priority=rec.priority)
+        req = SimSeq(str(pos), list(tokens), rec.cache_salt, rec.priority)
         req.block_hashes = precomputed[pos] if precomputed is not None else hasher(rec, tokens)
         arrival = rec.timestamp if timed else float("-inf")
         if router is None:

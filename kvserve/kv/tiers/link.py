@@ -1,164 +1,125 @@
-"""How the KV cache manager reaches the storage tiers.
+"""The chunk-level rules between the prefix cache and the storage tiers.
 
-The manager stays about blocks; this is the part that thinks in chunks (`chunk_size` tokens =
-`chunk_blocks` blocks, each named by its last block's chained hash):
+The cache thinks in blocks, the tiers in chunks (`chunk_size` tokens = `chunk_blocks` blocks, each
+chunk named by its last block's chained hash). This module translates, and decides; it touches
+no KV memory and no manager state. What it decides travels as data in the step plan:
 
-* saving: when the prefix index is about to evict a block that ends a chunk, the chunk's blocks
-  (that block and its ancestors, all still cached) are read out and saved; under write-through,
-  chunks are saved as soon as a request computes them;
-* loading: a device match goes on through the chunks that host memory holds (`CacheMatch`); at
-  admission those get fresh blocks, are inserted into the index like computed blocks, and their
-  contents are queued for the runner to write before the next forward;
+* saving: when the index evicts a block that ends a chunk, `save_for_evicted` names the chunk's
+  blocks (that block and its ancestors) as a `ChunkSave`; under write-through, `saves_for_computed`
+  names each chunk as soon as a request completes it. The runner reads the blocks and hands the KV
+  to `save` before anything in the step can overwrite them;
+* loading: `continue_match` extends a device match with the whole chunks that host memory holds;
+  at admission the manager gives them fresh blocks and puts a `ChunkLoad` in the plan;
 * prefetching: when a request arrives, its chunks on disk or in Redis are promoted into host
   memory in the background, and the scheduler lets it wait until that is done or timed out.
+
+`NoTiers` is the same interface with no tiers behind it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
-from kvserve.kv.hashing import extra_keys
+from kvserve.kv.plan import ChunkSave
 from kvserve.kv.prefix_index import Node, PrefixMatch
-from kvserve.request import Request
-
-if TYPE_CHECKING:
-    from kvserve.kv.manager import KVCacheManager
-    from kvserve.kv.tiers.tiered import FoundChunk, Prefetch, TieredKVStore
-    from kvserve.model.attention.base import AttentionBackend
-
-
-@dataclass
-class CacheMatch(PrefixMatch):
-    """A device match continued by whole chunks found in host memory."""
-
-    loaded: list["FoundChunk"] = field(default_factory=list)
-    skip_blocks: int = 0  # leading blocks of the first chunk that the device match covers
-    num_loaded_blocks: int = 0
-
-    @property
-    def num_full_blocks(self) -> int:
-        return len(self.nodes) + self.num_loaded_blocks
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_full_blocks * self.block_size + self.partial_len
+from kvserve.kv.tiers.tiered import FoundChunk, Prefetch, TieredKVStore
 
 
 class TierLink:
-    def __init__(self, kv: "KVCacheManager", tiers: "TieredKVStore",
-                 kv_io: "AttentionBackend") -> None:
-        if kv.index is None:
-            raise ValueError("storage tiers need prefix caching: enable_prefix_caching=True")
+    def __init__(self, tiers: TieredKVStore, block_size: int) -> None:
         chunk = tiers.identity.chunk_size
-        if chunk % kv.block_size:
+        if chunk % block_size:
             raise ValueError(f"chunk_size ({chunk}) must be a multiple of block_size "
-                             f"({kv.block_size})")
-        self.kv = kv
-        self.index = kv.index
+                             f"({block_size})")
         self.tiers = tiers
-        self.kv_io = kv_io  # reads and writes block contents
-        self.block_size = kv.block_size
-        self.chunk_blocks = chunk // kv.block_size
+        self.block_size = block_size
+        self.chunk_blocks = chunk // block_size
         self.write_through = tiers.config.write_policy == "write_through"
-        self._pending_loads: dict[str, tuple[list[int], torch.Tensor]] = {}  # by request
         self._prefetches: dict[str, Prefetch] = {}
-        self.index.on_evict = self.save_evicted
 
     def close(self) -> None:
-        self.index.on_evict = None
-        self._pending_loads.clear()
         self._prefetches.clear()
 
-    def chunk_hashes(self, request: Request, first_block: int) -> list[int]:
-        """Hashes naming the whole chunks of a request's prompt (less its last token), from the
-        chunk holding block `first_block` on: each chunk goes by its last block's hash."""
+    def chunk_hashes(self, block_hashes: Sequence[int], first_block: int) -> list[int]:
+        """The names of the whole chunks among a request's matchable block hashes, from the chunk
+        holding block `first_block` on."""
         cb = self.chunk_blocks
-        num_chunks = (request.num_tokens - 1) // self.block_size // cb
-        hashes = self.kv.block_hashes(request, num_chunks * cb)
-        return [hashes[(c + 1) * cb - 1] for c in range(first_block // cb, num_chunks)]
+        return [block_hashes[(c + 1) * cb - 1]
+                for c in range(first_block // cb, len(block_hashes) // cb)]
 
     # -- saving -----------------------------------------------------------------------------
-    def save_evicted(self, node: Node) -> None:
-        """The index is about to evict `node`: if it ends a chunk, save the chunk below."""
+    def save_for_evicted(self, node: Node) -> ChunkSave | None:
+        """The index evicted `node`: if it ends a chunk not saved yet, name the chunk's blocks."""
         cb = self.chunk_blocks
         if node.depth % cb or self.tiers.knows(node.block_hash):
-            return
+            return None
         blocks = []
         walk: Node | None = node
         for _ in range(cb):
             assert walk is not None
             blocks.append(walk.block)
             walk = walk.parent
-        self.tiers.save(node.block_hash, self.kv_io.read_blocks(blocks[::-1]))
+        return ChunkSave(node.block_hash, tuple(blocks[::-1]))
 
-    def save_computed(self, table: list[int], hashes: list[int], first: int, end: int) -> None:
-        """Write-through: save the chunks that blocks [first, end) completed."""
+    def saves_for_computed(self, table: Sequence[int], hashes: Sequence[int], first: int,
+                           end: int) -> list[ChunkSave]:
+        """Write-through: the chunks that computing blocks [first, end) completed."""
         if not self.write_through:
-            return
+            return []
         cb = self.chunk_blocks
-        for i in range(first, end):
-            if (i + 1) % cb == 0 and not self.tiers.knows(hashes[i]):
-                self.tiers.save(hashes[i], self.kv_io.read_blocks(table[i + 1 - cb:i + 1]))
+        return [ChunkSave(hashes[i], tuple(table[i + 1 - cb:i + 1])) for i in range(first, end)
+                if (i + 1) % cb == 0 and not self.tiers.knows(hashes[i])]
+
+    def save(self, chunk_hash: int, data: torch.Tensor) -> None:
+        """Hand a chunk's KV (read out by the runner) to the tiers."""
+        self.tiers.save(chunk_hash, data)
 
     # -- loading ----------------------------------------------------------------------------
-    def continue_match(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        found = self.tiers.lookup(self.chunk_hashes(request, len(match.nodes)))
+    def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
+        """Extend a device match with the chunks host memory holds right after it."""
+        found = self.tiers.lookup(self.chunk_hashes(block_hashes, len(match.nodes)))
         if not found:
             return match
         skip = len(match.nodes) % self.chunk_blocks
-        return CacheMatch(match.nodes, block_size=self.block_size, loaded=found,
-                          skip_blocks=skip,
-                          num_loaded_blocks=len(found) * self.chunk_blocks - skip)
+        return PrefixMatch(match.nodes, block_size=self.block_size, loaded=found,
+                           skip_blocks=skip,
+                           num_loaded_blocks=len(found) * self.chunk_blocks - skip)
 
-    def admit_loaded(self, request: Request, match: CacheMatch, table: list[int]) -> Node:
-        """Give the request fresh blocks for its chunks from host memory, queue their contents
-        for the runner, and insert them into the index; returns the deepest node."""
-        bs, first = self.block_size, len(match.nodes)
-        blocks = self.kv.pool.allocate(match.num_loaded_blocks)
-        data = torch.cat([c.data for c in match.loaded], dim=2) if len(match.loaded) > 1 \
-            else match.loaded[0].data
-        self._pending_loads[request.request_id] = (blocks, data[:, :, match.skip_blocks * bs:])
-        table.extend(blocks)
-        hashes = self.kv.block_hashes(request, first + len(blocks))
-        node = match.last_node or self.index.root(extra_keys(request.cache_salt))
-        for i in range(first, first + len(blocks)):
-            node = self.index.insert(node, request.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                     table[i], request.priority)
-            assert node.block == table[i], "a loaded chunk is on the device already"
-        for j, chunk in enumerate(match.loaded):
-            used = self.chunk_blocks - match.skip_blocks if j == 0 else self.chunk_blocks
-            self.kv.hit_tokens[chunk.source] += used * bs
-        self.tiers.consumed(match.loaded)
-        return node
+    def loaded_kv(self, match: PrefixMatch) -> torch.Tensor:
+        """The KV of a match's loaded blocks, in token order (the first chunk's leading blocks,
+        which the device holds already, cut off)."""
+        chunks = match.loaded
+        data = torch.cat([c.data for c in chunks], dim=2) if len(chunks) > 1 else chunks[0].data
+        return data[:, :, match.skip_blocks * self.block_size:]
 
-    def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
-        loads, self._pending_loads = self._pending_loads, {}
-        for blocks, data in loads.values():
-            write_blocks(blocks, data)
+    def tokens_by_source(self, match: PrefixMatch) -> list[tuple[str, int]]:
+        """(source, tokens) per loaded chunk, for the hit counters."""
+        cb, bs = self.chunk_blocks, self.block_size
+        return [(c.source, ((cb - match.skip_blocks) if j == 0 else cb) * bs)
+                for j, c in enumerate(match.loaded)]
+
+    def consumed(self, chunks: list[FoundChunk]) -> None:
+        self.tiers.consumed(chunks)
 
     # -- prefetching ------------------------------------------------------------------------
-    def start_prefetch(self, request: Request) -> None:
-        if not self.tiers.has_lower_tiers or request.num_tokens <= 1:
+    def start_prefetch(self, request_id: str, block_hashes: Sequence[int],
+                       device_blocks: int) -> None:
+        """Promote the chunks after the first `device_blocks` blocks from disk/Redis."""
+        if not self.tiers.has_lower_tiers:
             return
-        limit = request.num_tokens - 1
-        device = self.index.match(request.token_ids[:limit],
-                                  self.kv.block_hashes(request, limit // self.block_size),
-                                  extra_keys(request.cache_salt))
-        handle = self.tiers.prefetch(self.chunk_hashes(request, len(device.nodes)))
+        handle = self.tiers.prefetch(self.chunk_hashes(block_hashes, device_blocks))
         if handle is not None:
-            self._prefetches[request.request_id] = handle
+            self._prefetches[request_id] = handle
 
-    def prefetch_pending(self, request: Request) -> bool:
-        handle = self._prefetches.get(request.request_id)
+    def prefetch_pending(self, request_id: str) -> bool:
+        handle = self._prefetches.get(request_id)
         if handle is None:
             return False
         if handle.pending:
             return True
-        del self._prefetches[request.request_id]
+        del self._prefetches[request_id]
         return False
 
     def wait_for_prefetch(self, seconds: float) -> bool:
@@ -168,7 +129,44 @@ class TierLink:
                 return True
         return False
 
-    def forget(self, request: Request) -> None:
-        """The request let go of its blocks: drop its queued loads and its prefetch."""
-        self._pending_loads.pop(request.request_id, None)
-        self._prefetches.pop(request.request_id, None)
+    def forget(self, request_id: str) -> None:
+        """The request let go of its blocks: drop its prefetch."""
+        self._prefetches.pop(request_id, None)
+
+
+class NoTiers:
+    """No storage tiers: nothing is saved, loaded or prefetched."""
+
+    chunk_blocks = 0
+
+    def close(self) -> None:
+        pass
+
+    def save_for_evicted(self, node: Node) -> ChunkSave | None:
+        return None
+
+    def saves_for_computed(self, table: Sequence[int], hashes: Sequence[int], first: int,
+                           end: int) -> list[ChunkSave]:
+        return []
+
+    def save(self, chunk_hash: int, data: torch.Tensor) -> None:
+        raise AssertionError("no tiers to save to")
+
+    def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
+        return match
+
+    def start_prefetch(self, request_id: str, block_hashes: Sequence[int],
+                       device_blocks: int) -> None:
+        pass
+
+    def prefetch_pending(self, request_id: str) -> bool:
+        return False
+
+    def wait_for_prefetch(self, seconds: float) -> bool:
+        return False
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+Tiers = TierLink | NoTiers

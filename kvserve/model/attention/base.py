@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from kvserve.kv.tensors import KVTensorPool
+
 # (layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,12 +49,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Owns the per-layer paged K/V tensors and computes attention over them."""
+    """Computes attention over the KV tensor pool's per-layer (K, V) tensors; owns no storage."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 scale: float) -> None:
-        self.kv_caches = kv_caches  # per layer: (k, v), each [num_blocks, block_size, Hkv, D]
-        self.block_size = block_size
+    def __init__(self, pool: KVTensorPool, scale: float) -> None:
+        self.pool = pool
+        self.kv_caches = pool.layers  # per layer: (k, v), each [num_blocks, block_size, Hkv, D]
+        self.block_size = pool.block_size
         self.scale = scale
 
     @abstractmethod
@@ -75,29 +77,6 @@ class AttentionBackend(ABC):
         return attend
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks in every layer (copy-on-write of a shared block)."""
-        if not src:
-            return
-        s = torch.tensor(src, dtype=torch.long)
-        d = torch.tensor(dst, dtype=torch.long)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[d] = k_cache[s]
-            v_cache[d] = v_cache[s]
-
-    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """The KV of whole blocks, every layer, as one contiguous host tensor
-        [layers, 2, len(blocks) * block_size, Hkv, D] (what a storage tier saves)."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv_caches[0][0].device)
-        out = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                           for k, v in self.kv_caches])
-        return out.flatten(2, 3).cpu()
-
-    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
-        k0 = self.kv_caches[0][0]
-        idx = torch.tensor(blocks, dtype=torch.long, device=k0.device)
-        data = data.to(device=k0.device, dtype=k0.dtype, non_blocking=True)
-        data = data.unflatten(2, (len(blocks), self.block_size))
-        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            k_cache.index_copy_(0, idx, data[layer, 0])
-            v_cache.index_copy_(0, idx, data[layer, 1])
+        """Copy whole blocks in every layer (copy-on-write); a backend with a faster kernel for
+        its device overrides this."""
+        self.pool.copy_blocks(src, dst)

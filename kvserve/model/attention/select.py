@@ -4,26 +4,24 @@ Triton is imported only when asked for, so a CPU install without Triton never ne
 
 from __future__ import annotations
 
-import torch
-
+from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend
 
 BACKENDS = ("torch", "triton")
 
 
-def make_attention_backend(name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                           block_size: int, scale: float) -> AttentionBackend:
+def make_attention_backend(name: str, pool: KVTensorPool, scale: float) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
     for tests)."""
     if name == "torch":
         from kvserve.model.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(kv_caches, block_size, scale)
+        return TorchAttentionBackend(pool, scale)
     if name == "triton":
         try:
             from kvserve.model.attention.triton_backend import TritonAttentionBackend
         except ImportError as e:
             raise ValueError("attention_backend='triton' needs the triton package "
                              f"(pip install triton): {e}") from e
-        return TritonAttentionBackend(kv_caches, block_size, scale)
+        return TritonAttentionBackend(pool, scale)
     raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 
 
@@ -34,10 +35,9 @@ class _StepState:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 scale: float) -> None:
-        super().__init__(kv_caches, block_size, scale)
-        k0 = kv_caches[0][0]
+    def __init__(self, pool: KVTensorPool, scale: float) -> None:
+        super().__init__(pool, scale)
+        k0 = self.kv_caches[0][0]
         self._num_kv_heads = k0.shape[2]
         self._head_dim = k0.shape[3]
         self._scratch_k = torch.empty(0, dtype=k0.dtype)

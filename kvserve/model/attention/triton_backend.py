@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import triton_kernels as tk
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 
@@ -51,14 +52,10 @@ class TritonStepState:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 scale: float) -> None:
-        super().__init__(kv_caches, block_size, scale)
-        k0, v0 = kv_caches[0]
+    def __init__(self, pool: KVTensorPool, scale: float) -> None:
+        super().__init__(pool, scale)
+        k0, v0 = self.kv_caches[0]
         tk.check_kv_cache(k0, v0)
-        if k0.shape[1] != block_size:
-            raise ValueError(f"KV cache blocks hold {k0.shape[1]} tokens, block_size is "
-                             f"{block_size}")
         self.device = k0.device
         if self.device.type == "cpu" and not tk.INTERPRETED:
             raise ValueError("the Triton backend runs on CPU tensors only under Triton's "
@@ -66,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
                              "use attention_backend='torch' on the CPU")
         self.num_kv_heads = k0.shape[2]
         self.head_dim = k0.shape[3]
-        self._pointer_table = tk.cache_pointer_table(kv_caches)
+        self._pointer_table = tk.cache_pointer_table(self.kv_caches)
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> TritonStepState:

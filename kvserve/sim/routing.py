@@ -2,8 +2,8 @@
 
 A policy sees the request's chained block hashes (kvserve/kv/hashing.py, the names blocks go by in
 every process) and, per replica, its load and how many of the request's tokens its prefix cache
-holds. The simulator (kvserve/sim) drives these with replicas that are real `KVCacheManager`s; a
-router in front of engine processes can drive the same classes with views of its own.
+holds. The simulator drives these with replicas that are real `KVCacheManager`s; they live here,
+with their one user, until a gateway in front of engine processes gives them a second.
 
 - random, round_robin: cache-blind baselines.
 - consistent_hash: the request's prefix (the chained hash of its first `key_tokens` tokens, in
@@ -28,12 +28,6 @@ from typing import Protocol
 import xxhash
 
 ROUTING_POLICIES = ("random", "round_robin", "consistent_hash", "cache_aware")
-
-
-class RouteRequest(Protocol):
-    """What a policy reads of a request."""
-
-    block_hashes: list[int]  # chained hashes of its full blocks (may be longer than needed)
 
 
 class ReplicaView(Protocol):

@@ -1,0 +1,46 @@
+"""What the cache must do to KV memory before a step's forward pass, as data.
+
+Scheduling decides which blocks are reused, shared and filled; it touches no memory. Everything
+that reads or writes block contents is recorded here and executed by the runner in one place, in
+one fixed order, before the forward:
+
+1. saves:  chunks of evicted (or newly computed, under write-through) blocks are read out for the
+           storage tiers — first, because their blocks may be reused in this very step;
+2. loads:  chunks found in the tiers are written into the blocks given to them;
+3. copies: partially matched blocks are copied into the requester's own block (copy-on-write) —
+           after the loads, because the source may be a block that a load fills in this step.
+
+Within a step nothing else writes a block before the forward, so this order is the whole story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkSave:
+    """Save the KV of `blocks` (one chunk, in token order) under `chunk_hash`."""
+
+    chunk_hash: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """Write `data` (a tier chunk's KV, [layers, tensors, tokens, heads, width]) into `blocks`."""
+
+    blocks: tuple[int, ...]
+    data: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    saves: list[ChunkSave] = field(default_factory=list)
+    loads: list[ChunkLoad] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.copies)

@@ -1,0 +1,229 @@
+"""What each group of layers stores per token, and what that costs in bytes.
+
+One `KVCacheSpec` describes a model's whole KV cache: layer groups, each with one spec (full
+attention, a sliding window, or MLA's latent vector) and one storage format (a dtype, and for
+grouped integer formats a scale and zero point per group). Everything that sizes KV — the pool's
+number of blocks, the start-up capacity line, the tensor pool's shapes, and `kvserve plan` — derives
+from these objects, so the engine and the planner cannot disagree about bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+# -- storage formats ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVDType:
+    name: str
+    bits: int
+    grouped: bool  # an fp16 scale and an fp16 zero point per group of elements
+    torch_dtype: torch.dtype | None  # None: packed, needs a quantized cache layout
+
+
+KV_DTYPES = {
+    "fp32": KVDType("fp32", 32, False, torch.float32),
+    "fp16": KVDType("fp16", 16, False, torch.float16),
+    "bf16": KVDType("bf16", 16, False, torch.bfloat16),
+    "fp8": KVDType("fp8", 8, False, None),
+    "int8": KVDType("int8", 8, True, None),
+    "int4": KVDType("int4", 4, True, None),
+}
+_KV_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+               "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
+               "e4m3": "fp8", "e5m2": "fp8"}
+SCALE_BYTES_PER_GROUP = 4  # fp16 scale + fp16 zero point
+
+
+def resolve_kv_dtype(name: str, model_dtype: str = "bf16") -> str:
+    """vLLM's --kv-cache-dtype names plus int8/int4; "auto" is the model's dtype."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key == "auto":
+        key = model_dtype
+    key = _KV_ALIASES.get(key, key)
+    if key not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype must be auto or one of {', '.join(KV_DTYPES)} "
+                         f"(or fp8_e4m3, fp8_e5m2), got {name!r}")
+    return key
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The storage name of an unquantized torch dtype (torch.bfloat16 -> "bf16")."""
+    for d in KV_DTYPES.values():
+        if d.torch_dtype == dtype:
+            return d.name
+    raise ValueError(f"no KV storage format for {dtype}")
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """How one stored vector's elements are kept: a dtype and, for int8/int4, a scale and a zero
+    point per `group_size` elements (None: one group per vector)."""
+
+    dtype: str = "bf16"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_kv_dtype(self.dtype))
+
+    def vector_bytes(self, width: int) -> int:
+        """Bytes of one stored vector of `width` elements, with its quantization scales."""
+        d = KV_DTYPES[self.dtype]
+        data_bits = width * d.bits
+        if data_bits % 8:
+            raise ValueError(f"{width} elements of {d.name} do not fill whole bytes")
+        size = data_bits // 8
+        if d.grouped:
+            size += math.ceil(width / (self.group_size or width)) * SCALE_BYTES_PER_GROUP
+        return size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = KV_DTYPES[self.dtype].torch_dtype
+        if dtype is None:
+            raise ValueError(f"the engine's KV tensor pool cannot store {self.dtype} yet: "
+                             "quantized KV (fp8/int8/int4) is planned, not built")
+        return dtype
+
+
+# -- what a layer stores per token ----------------------------------------------------------
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """K and V for every token: num_kv_heads vectors of head_dim each."""
+
+    num_kv_heads: int
+    head_dim: int
+    storage: KVStorage = KVStorage()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.storage.vector_bytes(self.head_dim)
+
+    @property
+    def tensors(self) -> tuple[tuple[int, int], ...]:
+        """The per-token shape of each stored tensor (K, V)."""
+        return ((self.num_kv_heads, self.head_dim),) * 2
+
+    def tokens_held(self, seq_len: int) -> int:
+        return seq_len
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """K and V like full attention, but attention reads only the last `window` tokens, so a
+    sequence needs no more than that many (older blocks can be let go)."""
+
+    window: int = 4096
+
+    def tokens_held(self, seq_len: int) -> int:
+        return min(seq_len, self.window)
+
+
+@dataclass(frozen=True)
+class MLALatentSpec:
+    """MLA (DeepSeek-V2/V3): one compressed latent of `kv_lora_rank` plus the decoupled RoPE key
+    of `rope_dim` per token, shared by every head."""
+
+    kv_lora_rank: int
+    rope_dim: int = 0
+    storage: KVStorage = KVStorage()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.storage.vector_bytes(self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def tensors(self) -> tuple[tuple[int, int], ...]:
+        return ((1, self.kv_lora_rank + self.rope_dim),)
+
+    def tokens_held(self, seq_len: int) -> int:
+        return seq_len
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | MLALatentSpec
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that store the same thing per token."""
+
+    layers: tuple[int, ...]
+    spec: LayerSpec
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """A model's whole KV cache, per token and per block of `block_size` tokens."""
+
+    groups: tuple[KVGroup, ...]
+    block_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """Each layer's spec, in layer order."""
+        out: list[LayerSpec | None] = [None] * self.num_layers
+        for g in self.groups:
+            for i in g.layers:
+                out[i] = g.spec
+        assert all(s is not None for s in out), "layer groups leave a gap"
+        return out  # type: ignore[return-value]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every layer, one token (before any sliding-window cap)."""
+        return sum(len(g.layers) * g.spec.bytes_per_token for g in self.groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return memory_bytes // self.bytes_per_block
+
+    def bytes_per_request(self, seq_len: int, whole_blocks: bool = True) -> int:
+        """One request of `seq_len` tokens: each layer holds what its spec keeps of them, rounded
+        up to whole blocks unless `whole_blocks` is False."""
+        if seq_len < 0:
+            raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+        total = 0
+        for g in self.groups:
+            tokens = g.spec.tokens_held(seq_len)
+            if whole_blocks:
+                tokens = -(-tokens // self.block_size) * self.block_size
+            total += len(g.layers) * tokens * g.spec.bytes_per_token
+        return total
+
+
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """vLLM's start-up line: the pool in tokens, and how many max-length requests it holds."""
+    tokens = num_blocks * block_size
+    return (f"KV cache size: {tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens "
+            f"per request: {tokens / max_model_len:.2f}x")
+
+
+def decoder_kv_spec(num_layers: int, num_kv_heads: int, head_dim: int, storage: KVStorage,
+                    block_size: int, layer_windows: tuple[int | None, ...] = (),
+                    kv_lora_rank: int | None = None, rope_dim: int = 0) -> KVCacheSpec:
+    """The spec of a decoder-only model: MLA if it has a latent rank, else (per layer) full
+    attention or a sliding window; layers with equal specs form one group."""
+    windows = layer_windows or (None,) * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
+    specs: list[LayerSpec] = []
+    for w in windows:
+        if kv_lora_rank:
+            specs.append(MLALatentSpec(kv_lora_rank, rope_dim, storage))
+        elif w is None:
+            specs.append(FullAttentionSpec(num_kv_heads, head_dim, storage))
+        else:
+            specs.append(SlidingWindowSpec(num_kv_heads, head_dim, storage, w))
+    by_spec: dict[LayerSpec, list[int]] = {}
+    for i, s in enumerate(specs):
+        by_spec.setdefault(s, []).append(i)
+    return KVCacheSpec(tuple(KVGroup(tuple(ls), s) for s, ls in by_spec.items()), block_size)
