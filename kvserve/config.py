@@ -39,7 +39,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"  # which idle cached blocks go first: lru, lfu or priority
     scheduling_policy: str = "fcfs"  # "lpm": waiting requests with the longest cached prefix first
-    disable_log_stats: bool = True
     attention_backend: str = "auto"  # "torch" | "triton"; auto = triton on cuda, torch on cpu
     enforce_eager: bool = False  # vLLM's name: True = no CUDA graphs for decode batches
     # Storage tiers under the KV pool (host memory, disk, Redis): a YAML file with LMCache's key

@@ -43,7 +43,6 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32",
 @dataclass
 class ModelConfig:
     architecture: str
-    model_type: str
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -62,9 +61,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (not given)
-    bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    sliding_window: int | None = None  # kept for reference; attention is always full for now
 
     @property
     def q_size(self) -> int:
@@ -150,10 +147,6 @@ class ModelConfig:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
 
-        sliding = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window"):
-            sliding = None
-
         dtype = d.get("dtype", d.get("torch_dtype"))
         if dtype is not None:
             dtype = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
@@ -163,7 +156,6 @@ class ModelConfig:
 
         return cls(
             architecture=arch,
-            model_type=d.get("model_type") or _model_type(arch),
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
@@ -181,9 +173,7 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=dtype,
-            bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            sliding_window=sliding,
         )
 
 
@@ -203,10 +193,6 @@ def _architecture(d: dict[str, Any]) -> str:
         raise ValueError(f"unsupported architecture {arch!r}; supported architectures: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
-
-
-def _model_type(arch: str) -> str:
-    return next(t for t, a in _ARCH_BY_MODEL_TYPE.items() if a == arch)
 
 
 def _pos_int(d: dict[str, Any], key: str) -> int:
