@@ -27,7 +27,7 @@ from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_mode
                                       make_model)
 
 transformers.logging.set_verbosity_error()
-HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer") is not None
+HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer_train") is not None
 
 ATOL = 1e-4
 VOCAB = 320
@@ -299,7 +299,7 @@ def test_make_model_is_deterministic(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.skipif(not HAVE_TOKENIZER, reason="kvserve.tokenizer not available yet")
+@pytest.mark.skipif(not HAVE_TOKENIZER, reason="kvserve.tokenizer_train not available yet")
 def test_ensure_default_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     path = ensure_default_model()

@@ -175,7 +175,7 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     bos, eos = 0, 2
     train_tokenizer = None
     if with_tokenizer:
-        from kvserve import tokenizer as tok  # lazy: only needed when writing a tokenizer
+        from kvserve import tokenizer_train as tok  # lazy: only needed when writing a tokenizer
 
         train_tokenizer = tok.train_tokenizer
         bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID
