@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-                  "bf16": "bfloat16"}
+from kvserve.dtypes import DTYPE_ALIASES, DTYPES
+
+SUPPORTED_DTYPES = ("auto", *DTYPES)
 
 # On a CPU the "device memory" is the machine's RAM, shared with everything else; vLLM's CPU
 # backend reserves a fixed KV space (4 GiB by default) instead of a fraction for the same reason.
@@ -46,7 +46,7 @@ class EngineConfig:
     kv_tier_config: Any = None
 
     def __post_init__(self) -> None:
-        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _check_positive_int("block_size", self.block_size)

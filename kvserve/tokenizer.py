@@ -19,6 +19,8 @@ from typing import Any
 
 import tokenizers
 
+from kvserve.model.config import read_json_object
+
 __all__ = [
     "IncrementalDetokenizer",
     "Tokenizer",
@@ -84,19 +86,10 @@ def _jinja_env():
 # Tokenizer
 # --------------------------------------------------------------------------------------------
 
-def _read_json(path: Path, required: bool = False) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ValueError(f"{path} not found")
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+def _read_json(path: Path) -> dict[str, Any]:
+    """An optional JSON file of the checkpoint: {} when absent, parsed as the model loader
+    parses config.json when present."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_content(value: Any) -> str | None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.dtypes import short_dtype_name
 from kvserve.planner.model import ModelSpec
 
 # -- KV dtypes ------------------------------------------------------------------------------
@@ -42,9 +43,9 @@ KV_DTYPES = {
     "int8": KVDType("int8", 8, True),
     "int4": KVDType("int4", 4, True),
 }
-_KV_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
-               "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
-               "e4m3": "fp8", "e5m2": "fp8"}
+# fp8's spellings; the float dtypes' spellings come from kvserve.dtypes.
+_FP8_ALIASES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
+                "e4m3": "fp8", "e5m2": "fp8"}
 SCALE_BYTES_PER_GROUP = 4  # fp16 scale + fp16 zero point
 
 
@@ -53,7 +54,7 @@ def resolve_kv_dtype(name: str, spec: ModelSpec | None = None) -> str:
     key = name.strip().lower()
     if key == "auto":
         return spec.dtype if spec is not None else "bf16"
-    key = _KV_ALIASES.get(key, key)
+    key = short_dtype_name(key) or _FP8_ALIASES.get(key, key)
     if key not in KV_DTYPES:
         raise ValueError(f"KV cache dtype must be auto or one of {', '.join(KV_DTYPES)} "
                          f"(or fp8_e4m3, fp8_e5m2), got {name!r}")
@@ -131,7 +132,7 @@ WEIGHT_FORMATS = ("auto", "fp32", "fp16", "bf16", "fp8", "int8", "awq", "gptq", 
 def resolve_weight_format(fmt: str, spec: ModelSpec) -> tuple[str, int]:
     """(format, group size) with "auto" read from config.json's quantization_config/dtype."""
     fmt = fmt.strip().lower()
-    fmt = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(fmt, fmt)
+    fmt = short_dtype_name(fmt) or fmt
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
     q = spec.quantization
