@@ -56,7 +56,7 @@ def drop_page_cache(directory: str) -> None:
 
 
 def ttft(engine, prompt: list[int], params) -> tuple[float, dict]:
-    before = dict(engine.stats())
+    before = engine.stats().hit_tokens
     rid = engine.add_request({"prompt_token_ids": prompt}, params)
     out = None
     while engine.has_unfinished_requests():
@@ -64,9 +64,9 @@ def ttft(engine, prompt: list[int], params) -> tuple[float, dict]:
             if o.request_id == rid and o.finished:
                 out = o
     assert out is not None
-    after = engine.stats()
-    hits = {k[len("hit_tokens_"):]: after[k] - before.get(k, 0) for k in after
-            if k.startswith("hit_tokens_") and after[k] != before.get(k, 0)}
+    after = engine.stats().hit_tokens
+    hits = {source: n - before.get(source, 0) for source, n in after.items()
+            if n != before.get(source, 0)}
     return out.metrics.first_token_time - out.metrics.arrival_time, hits
 
 

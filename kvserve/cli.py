@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+import typing
+from typing import Any
 
-from kvserve.kv.eviction import ONLINE_POLICIES
+from kvserve.config import EngineConfig
+
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -17,49 +21,34 @@ DEMO_PROMPTS = [
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags under vLLM's names; defaults come from EngineConfig."""
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16", "half", "bf16"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV of shared prompt prefixes "
-                        "(default: on; --no-enable-prefix-caching turns it off)")
-    parser.add_argument("--eviction-policy", choices=ONLINE_POLICIES, default="lru",
-                        help="which idle cached blocks are evicted first")
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
-                        help="lpm: waiting requests with the longest cached prefix first")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
-                        help="where the model and the KV cache live (default: auto = cuda when "
-                        "a GPU is visible, else cpu)")
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
-                        default="auto", help="auto: triton on cuda, torch on cpu")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs for decode batches")
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch intra-op threads on CPU (default: torch's choice)")
-    parser.add_argument("--kv-tier-config", default=None, metavar="FILE_OR_JSON",
-                        help="storage tiers under the KV pool (host memory, disk, Redis): a YAML "
-                        "file with LMCache's keys (chunk_size, local_cpu, max_local_cpu_size, "
-                        "local_disk, max_local_disk_size, remote_url, remote_serde, ...) or the "
-                        "same as a JSON string")
+    """One argument per `EngineConfig` field, under vLLM's --kebab-case name, with the field's
+    default, type, choices and help: adding or changing a field changes its flag with it.
+    Booleans are --x / --no-x; `model` is the optional positional MODEL."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        settings = dict(f.metadata)
+        if settings.pop("positional", False):
+            parser.add_argument(f.name, nargs="?", default=f.default, **settings)
+            continue
+        if hints[f.name] is bool:
+            settings["action"] = argparse.BooleanOptionalAction
+            settings["help"] += f" (default: {'on' if f.default else 'off'})"
+        else:
+            settings["type"] = _scalar_type(hints[f.name])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **settings)
+
+
+def _scalar_type(hint: Any) -> type:
+    """int for `int | None`, str for `Any`: what argparse converts a flag's value with."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1:
+        hint = args[0]
+    return hint if hint in (int, float, str) else str
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
-                eviction_policy=args.eviction_policy, scheduling_policy=args.scheduling_policy,
-                device=args.device, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, kv_tier_config=args.kv_tier_config)
+    """EngineConfig's keyword arguments from what `add_engine_args` parsed."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -114,8 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     mk.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser("generate", help="generate from prompts (default: a few demo prompts)")
-    gen.add_argument("model", nargs="?", default=None,
-                     help="checkpoint directory (default: the embedded default model)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -127,8 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.server.args import add_server_args
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    srv.add_argument("model", nargs="?", default=None,
-                     help="checkpoint directory (default: the embedded default model)")
     add_engine_args(srv)
     add_server_args(srv)
     srv.set_defaults(func=cmd_serve)

@@ -1,53 +1,78 @@
 """Engine configuration: one dataclass, vLLM's argument names, validated once at start-up.
 
 Every other component receives the finished `EngineConfig` and trusts it, so all argument checks
-live here and produce a `ValueError` that names the argument and the accepted range.
+live here and produce a `ValueError` that names the argument and the accepted range. The fields
+also define the engine flags of `kvserve generate` / `serve` (see `kvserve.cli.add_engine_args`):
+each field's metadata carries its help text and choices, so a flag cannot drift from its field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-                  "bf16": "bfloat16"}
+from kvserve.dtypes import DTYPE_ALIASES, DTYPES
+from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
+
+SUPPORTED_DTYPES = ("auto", *DTYPES)
+DEVICES = ("cpu", "cuda", "auto")
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 # On a CPU the "device memory" is the machine's RAM, shared with everything else; vLLM's CPU
 # backend reserves a fixed KV space (4 GiB by default) instead of a fraction for the same reason.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 
 
+def _arg(default: Any, help: str, **flag: Any) -> Any:
+    """A field whose help text (and argparse choices / metavar; positional=True for the one
+    argument that is not a --flag) the CLI's engine arguments read from its metadata."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 @dataclass
 class EngineConfig:
     """What an engine is built from. Field names follow vLLM's `EngineArgs`."""
 
-    model: str | None = None  # a local Hugging Face checkpoint directory; None = embedded default
-    tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # weights and activations; "auto" takes config.json's torch_dtype
-    seed: int = 0
-    device: str = "auto"  # "auto" = cuda when torch sees a GPU, else cpu (resolved here)
-    block_size: int = 16
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None = max(8192, max_model_len)
-    enable_chunked_prefill: bool = True
-    kv_cache_memory_bytes: int | None = None  # exact KV pool size; overrides the fraction below
-    gpu_memory_utilization: float = 0.9  # on CPU: fraction of available RAM, capped (see above)
-    num_threads: int | None = None  # torch intra-op threads on CPU; None = leave torch's choice
-    enable_prefix_caching: bool = True
-    eviction_policy: str = "lru"  # which idle cached blocks go first: lru, lfu or priority
-    scheduling_policy: str = "fcfs"  # "lpm": waiting requests with the longest cached prefix first
-    disable_log_stats: bool = True
-    attention_backend: str = "auto"  # "torch" | "triton"; auto = triton on cuda, torch on cpu
-    enforce_eager: bool = False  # vLLM's name: True = no CUDA graphs for decode batches
-    # Storage tiers under the KV pool (host memory, disk, Redis): a YAML file with LMCache's key
-    # names, a JSON string, a dict or a TierConfig; None = no tiers.
-    kv_tier_config: Any = None
+    model: str | None = _arg(None, "a local Hugging Face checkpoint directory (default: the "
+                             "embedded default model)", positional=True)
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
+    dtype: str = _arg("auto", "weights and activations; auto takes config.json's dtype",
+                      choices=(*SUPPORTED_DTYPES, *DTYPE_ALIASES))
+    seed: int = _arg(0, "seed of the engine's sampling generator")
+    device: str = _arg("auto", "where the model and the KV cache live (auto = cuda when a GPU "
+                       "is visible, else cpu; resolved here)", choices=DEVICES)
+    block_size: int = _arg(16, "tokens per KV cache block")
+    max_model_len: int | None = _arg(None, "longest sequence, prompt plus output (default: the "
+                                     "model's max_position_embeddings)")
+    max_num_seqs: int = _arg(256, "most requests in one batch")
+    max_num_batched_tokens: int | None = _arg(None, "most tokens in one step (default: "
+                                              "max(8192, max_model_len))")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    kv_cache_memory_bytes: int | None = _arg(None, "exact KV pool size in bytes; overrides "
+                                             "--gpu-memory-utilization")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of device memory for the model and the "
+                                         "KV pool (on CPU: of available RAM, capped)")
+    num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: torch's "
+                                   "choice)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
+    eviction_policy: str = _arg("lru", "which idle cached blocks are evicted first",
+                                choices=ONLINE_POLICIES)
+    scheduling_policy: str = _arg("fcfs", "lpm: waiting requests with the longest cached "
+                                  "prefix first", choices=SCHEDULING_POLICIES)
+    attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
+                                  choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
+    # None = no tiers; from Python also a dict or a TierConfig.
+    kv_tier_config: Any = _arg(None, "storage tiers under the KV pool (host memory, disk, "
+                               "Redis): a YAML file with LMCache's keys (chunk_size, local_cpu, "
+                               "max_local_cpu_size, local_disk, max_local_disk_size, remote_url, "
+                               "remote_serde, ...) or the same as a JSON string",
+                               metavar="FILE_OR_JSON")
 
     def __post_init__(self) -> None:
-        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _check_positive_int("block_size", self.block_size)
@@ -60,10 +85,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        from kvserve.kv.eviction import make_eviction_policy
-
         make_eviction_policy(self.eviction_policy)  # the registry names the valid ones
-        if self.scheduling_policy not in ("fcfs", "lpm"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', "
                              f"got {self.scheduling_policy!r}")
         from kvserve.kv.tiers.config import load_tier_config
@@ -75,13 +98,13 @@ class EngineConfig:
             if self.kv_tier_config.chunk_size % self.block_size:
                 raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                                  f"must be a multiple of block_size ({self.block_size})")
-        if self.device not in ("cpu", "cuda", "auto"):
+        if self.device not in DEVICES:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.device == "auto":
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
                              f"got {self.attention_backend!r}")
         if self.attention_backend == "auto":

@@ -42,10 +42,6 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _require(_is_num(self.temperature) and self.temperature >= 0,

@@ -42,7 +42,7 @@ def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
     """A random-weight checkpoint written by transformers' own save_pretrained."""
     import transformers
 
-    from kvserve.tokenizer import train_tokenizer
+    from kvserve.tokenizer_train import train_tokenizer
 
     torch.manual_seed(seed)
     config = _hf_config(arch)

@@ -114,7 +114,7 @@ def test_loads_from_each_tier_match_transformers(workload, kind, tmp_path, reque
     run_passes(llm, workload)
     stats = llm.engine.stats()
     # the first two documents were evicted by pass A and come back whole: 4 chunks each
-    assert stats[f"hit_tokens_{source}"] >= 2 * 4 * CHUNK, stats
+    assert stats.hit_tokens[source] >= 2 * 4 * CHUNK, stats
     tier = llm.engine.tier_stats()
     assert tier["bytes_loaded"].get(source, 0) > 0 and not tier["errors"], tier
     llm.engine.shutdown()
@@ -128,12 +128,12 @@ def test_write_through_serves_after_a_reset(workload, tmp_path):
                    pool_tokens=4096)
     _, pass_a, pass_b, want_a, want_b = workload
     assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a
-    assert llm.engine.stats()["num_evicted_blocks"] == 0  # nothing was saved by eviction
+    assert llm.engine.stats().num_evicted_blocks == 0  # nothing was saved by eviction
     llm.engine.tiers.flush()
     llm.reset_prefix_cache()
     llm.engine.tiers.clear(["host"])
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
-    assert llm.engine.stats()["hit_tokens_disk"] == 3 * 4 * CHUNK
+    assert llm.engine.stats().hit_tokens["disk"] == 3 * 4 * CHUNK
 
 
 def test_tiers_off_and_on_agree_on_a_mixed_workload(workload, tmp_path):
@@ -150,7 +150,7 @@ def test_tiers_off_and_on_agree_on_a_mixed_workload(workload, tmp_path):
                           "local_disk": str(tmp_path), "max_local_disk_size": 0.01})
     assert tokens_of(generate(llm, prompts, PARAMS)) == plain
     assert tokens_of(generate(llm, prompts[::-1], PARAMS)) == plain[::-1]
-    assert llm.engine.stats()["hit_tokens_host"] > 0
+    assert llm.engine.stats().hit_tokens["host"] > 0
 
 
 def test_tenants_and_models_do_not_share_chunks(workload, tmp_path, hf_checkpoints):
@@ -162,11 +162,11 @@ def test_tenants_and_models_do_not_share_chunks(workload, tmp_path, hf_checkpoin
     outs = generate(llm, [{"prompt_token_ids": p, "cache_salt": "tenant-b"} for p in pass_b],
                     PARAMS)
     assert tokens_of(outs) == want_b
-    assert llm.engine.stats()["hit_tokens_disk"] == 0  # other tenant: no hit
+    assert llm.engine.stats().hit_tokens["disk"] == 0  # other tenant: no hit
     # another model (same shapes, other weights) on the same directory: no hit either
     other = tier_llm(hf_checkpoints["qwen2"], disk)
     generate(other, pass_a, PARAMS)
-    assert other.engine.stats()["hit_tokens_disk"] == 0
+    assert other.engine.stats().hit_tokens["disk"] == 0
     llm.engine.shutdown()
     other.engine.shutdown()
 
@@ -188,11 +188,11 @@ def test_two_engine_processes_share_redis(workload, redis_server):
     config = {"chunk_size": CHUNK, "local_cpu": True, "remote_url": redis_server.url,
               "write_policy": "write_through"}
     first = run_worker(path, config, pass_a)
-    assert first["tokens"] == want_a and first["stats"]["hit_tokens_remote"] == 0
+    assert first["tokens"] == want_a and first["stats"]["hit_tokens"]["remote"] == 0
     assert first["tiers"]["bytes_saved"]["remote"] > 0
     second = run_worker(path, config, pass_b)
     assert second["tokens"] == want_b
-    assert second["stats"]["hit_tokens_remote"] == 3 * 4 * CHUNK, second["stats"]
+    assert second["stats"]["hit_tokens"]["remote"] == 3 * 4 * CHUNK, second["stats"]
 
 
 # -- 3. faults --------------------------------------------------------------------------------
@@ -220,9 +220,9 @@ def test_redis_killed_mid_run_then_restarted(workload, redis_server, log_records
     time.sleep(0.2)
     assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a
     engine.tiers.flush()
-    before = engine.stats()["hit_tokens_remote"]
+    before = engine.stats().hit_tokens["remote"]
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
-    assert engine.stats()["hit_tokens_remote"] > before
+    assert engine.stats().hit_tokens["remote"] > before
     assert any("is back" in r.getMessage() for r in log_records)
     engine.shutdown()
 
@@ -252,7 +252,7 @@ def test_stalled_redis_costs_a_miss_not_a_stall(workload, redis_server):
     assert [done[i] for i in ids] == want_b
     assert finished_while_stalled, "the engine waited for the stalled server"
     assert longest < 2.0, f"a step took {longest:.2f} s"
-    assert engine.stats()["hit_tokens_remote"] == 0
+    assert engine.stats().hit_tokens["remote"] == 0
     assert engine.tier_stats()["errors"].get("remote:TimeoutError", 0) >= 1
     engine.shutdown()
 
@@ -278,13 +278,13 @@ def test_corrupt_chunks_on_disk_are_dropped_and_recomputed(workload, tmp_path, h
         f.write_bytes(corrupt(f.read_bytes(), how))
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
     stats, tier = llm.engine.stats(), llm.engine.tier_stats()
-    assert stats["hit_tokens_disk"] == 0
+    assert stats.hit_tokens["disk"] == 0
     assert tier["errors"].get("disk:corrupt_chunk", 0) >= 2
     assert any("dropping a bad KV chunk" in r.getMessage() for r in log_records)
     # the bad chunks that were read are gone; the recomputed ones are saved again and serve
     llm.engine.tiers.flush()
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
-    assert llm.engine.stats()["hit_tokens_disk"] > 0
+    assert llm.engine.stats().hit_tokens["disk"] > 0
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -299,11 +299,11 @@ def test_corrupt_chunks_in_redis_are_dropped_and_recomputed(workload, redis_serv
     for key in keys:
         client.set(key, corrupt(client.get(key), how))
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
-    assert llm.engine.stats()["hit_tokens_remote"] == 0
+    assert llm.engine.stats().hit_tokens["remote"] == 0
     assert llm.engine.tier_stats()["errors"].get("remote:corrupt_chunk", 0) >= 2
     llm.engine.tiers.flush()  # recomputed chunks replace the dropped ones, and serve
     assert tokens_of(generate(llm, pass_b, PARAMS)) == want_b
-    assert llm.engine.stats()["hit_tokens_remote"] > 0
+    assert llm.engine.stats().hit_tokens["remote"] > 0
     llm.engine.shutdown()
 
 
@@ -510,7 +510,7 @@ def test_prometheus_metrics_by_source(workload, tmp_path):
 
     stats, tier = llm.engine.stats(), llm.engine.tier_stats()
     assert value("kvserve:prefix_cache_hits_by_source_total", source="disk") \
-        == stats["hit_tokens_disk"] > 0
+        == stats.hit_tokens["disk"] > 0
     assert value("kvserve:kv_tier_bytes_loaded_total", tier="disk") == tier["bytes_loaded"]["disk"]
     assert value("kvserve:kv_tier_bytes_saved_total", tier="disk") == tier["bytes_saved"]["disk"]
     assert value("kvserve:kv_tier_load_latency_seconds_count", tier="disk") >= 8
@@ -543,7 +543,7 @@ def test_a_prefix_longer_than_host_memory_loads_what_fits(workload, tmp_path):
     llm.reset_prefix_cache()
     llm.engine.tiers.clear(["host"])
     assert tokens_of(generate(llm, pass_b[:1], PARAMS)) == want_b[:1]
-    assert llm.engine.stats()["hit_tokens_disk"] == 2 * CHUNK
+    assert llm.engine.stats().hit_tokens["disk"] == 2 * CHUNK
 
 
 def test_two_server_replicas_share_redis(tmp_path, redis_server):

@@ -208,8 +208,8 @@ def test_cached_equals_uncached(ref_model, block_size):
             assert c >= want, f"{name}: request {i} hit {c} tokens, expected >= {want}"
         assert sum(cached_on) > 0, f"{name}: no prefix-cache hit at all"
     stats = on.engine.stats()
-    assert 0 < stats["prefix_cache_hits"] < stats["prefix_cache_queries"]
-    assert off.engine.stats()["prefix_cache_hits"] == 0
+    assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
+    assert off.engine.stats().prefix_cache_hits == 0
 
 
 def test_block_64_hits_a_short_prefix_by_copy_on_write(tiny_model_dir):
@@ -253,7 +253,7 @@ def test_small_pool_evicts_and_preempts(ref_model, block_size):
             assert sum(cached) > 0
             assert llm.engine.kv.index.num_evicted_blocks > 0, "nothing was evicted"
             assert llm.engine.scheduler.num_preemptions > 0, "nothing was preempted"
-            assert llm.engine.stats()["num_evicted_blocks"] > 0
+            assert llm.engine.stats().num_evicted_blocks > 0
     assert results[True] == results[False]
 
 
@@ -375,7 +375,7 @@ def test_hit_rate_is_the_theoretical_maximum(tiny_model_dir, gsp_workload, block
     assert rate == sum(expected) / (64 * 1088)
     assert rate > 0.8  # 7/8 of the prompts hit 1024+ of their 1088 tokens
     stats = llm.engine.stats()
-    assert (stats["prefix_cache_hits"], stats["prefix_cache_queries"]) == \
+    assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == \
         (kv.prefix_cache_hits, kv.prefix_cache_queries)
 
 

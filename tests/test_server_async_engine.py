@@ -102,8 +102,8 @@ def test_abort_frees_blocks_and_duplicate_ids_are_refused(llm):
 
     first, usage_running, stats = _run(main())
     assert not first.finished and usage_running > 0
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert stats["kv_cache_usage"] == 0.0
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0.0
 
 
 def test_waiting_queue_limit(llm):

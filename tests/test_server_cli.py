@@ -30,6 +30,22 @@ def test_defaults_and_flag_names():
     assert kwargs["kv_cache_memory_bytes"] == 1000000 and kwargs["seed"] == 3
 
 
+def test_every_engine_config_field_is_a_flag_with_its_default():
+    """The engine flags are generated from EngineConfig: none missing, no default drifted."""
+    import dataclasses
+
+    from kvserve.config import EngineConfig
+
+    args = _parse()
+    kwargs = cli.engine_kwargs(args)
+    assert kwargs == {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    args = _parse("--tokenizer", "/tok", "--no-enable-chunked-prefill", "--dtype", "bf16",
+                  "--num-threads", "2", "--enforce-eager", "--kv-tier-config", "{}")
+    assert (args.tokenizer, args.enable_chunked_prefill, args.dtype) == ("/tok", False, "bf16")
+    assert (args.num_threads, args.enforce_eager, args.kv_tier_config) == (2, True, "{}")
+    assert _parse("--no-enforce-eager").enforce_eager is False
+
+
 def test_kv_cache_dtype_other_than_auto_is_refused(capsys):
     with pytest.raises(SystemExit) as info:
         _parse("--kv-cache-dtype", "fp8")

@@ -82,8 +82,8 @@ def test_triton_engine_loads_prefixes_from_a_storage_tier(hf_checkpoints, tmp_pa
     outs += generate_checked(llm, [{"prompt_token_ids": prompts[2]}], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.stats()
-    assert stats["hit_tokens_disk"] >= 32 and stats["hit_tokens_device"] + \
-        stats["hit_tokens_disk"] >= 40, stats
+    assert stats.hit_tokens["disk"] >= 32 and stats.hit_tokens["device"] + \
+        stats.hit_tokens["disk"] >= 40, stats
     llm.engine.shutdown()
 
 

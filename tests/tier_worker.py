@@ -3,6 +3,7 @@ prompts with the given tier config, wait for the tier saves, print outputs and s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -19,7 +20,7 @@ def main() -> None:
     engine = llm.engine
     engine.tiers.flush()
     print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
-                      "stats": engine.stats(), "tiers": engine.tier_stats()}))
+                      "stats": dataclasses.asdict(engine.stats()), "tiers": engine.tier_stats()}))
     engine.shutdown()
 
 

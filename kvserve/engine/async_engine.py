@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 
@@ -294,7 +295,7 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> None:
         await self.call(lambda e: e.reset_prefix_cache())
 
-    async def stats(self) -> dict[str, float]:
+    async def stats(self) -> EngineStats:
         return await self.call(lambda e: e.stats())
 
     # -- the loop thread --------------------------------------------------------------------
@@ -479,19 +480,18 @@ class AsyncLLMEngine:
         now = time.monotonic()
         if not self.log_stats or not iv.active or now - iv.start < self.log_interval:
             return
-        engine = self.engine
+        stats = self.engine.stats()
         elapsed = now - iv.start
-        q, h = engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits
+        q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
         dq, dh = max(0, q - self._last_cache[0]), max(0, h - self._last_cache[1])
         self._last_cache = (q, h)
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
                     "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "Prefix cache hit rate: %.1f%%", iv.prompt_tokens / elapsed,
-                    iv.generation_tokens / elapsed, len(engine.scheduler.running),
-                    len(engine.scheduler.waiting), 100.0 * engine.kv.usage,
-                    100.0 * dh / dq if dq else 0.0)
+                    iv.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
+                    100.0 * stats.kv_cache_usage, 100.0 * dh / dq if dq else 0.0)
         self._interval = _IntervalStats(start=now,
-                                        active=engine.has_unfinished_requests())
+                                        active=self.engine.has_unfinished_requests())
 
 
 @dataclass

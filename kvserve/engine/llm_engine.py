@@ -17,6 +17,7 @@ import torch
 
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.stats import EngineStats
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.manager import KVCacheManager
@@ -371,15 +372,17 @@ class LLMEngine:
         assert self.config.max_model_len is not None
         return self.config.max_model_len
 
-    def stats(self) -> dict[str, float]:
-        return {"num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": self.kv.usage,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.kv.prefix_cache_queries,
-                "prefix_cache_hits": self.kv.prefix_cache_hits,
-                "num_evicted_blocks": self.kv.index.num_evicted_blocks,
-                **{f"hit_tokens_{source}": self.kv.hit_tokens[source] for source in SOURCES}}
+    def stats(self) -> EngineStats:
+        """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_evicted_blocks=self.kv.index.num_evicted_blocks,
+            hit_tokens={source: self.kv.hit_tokens[source] for source in SOURCES})
 
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.dtypes import short_dtype_name
+
 
 # -- storage formats ------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ KV_DTYPES = {
     "int8": KVDType("int8", 8, True, None),
     "int4": KVDType("int4", 4, True, None),
 }
-_KV_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
-               "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
-               "e4m3": "fp8", "e5m2": "fp8"}
+# fp8's spellings; the float dtypes' spellings come from kvserve.dtypes (the one alias table).
+_FP8_ALIASES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8", "e4m3": "fp8",
+                "e5m2": "fp8"}
 SCALE_BYTES_PER_GROUP = 4  # fp16 scale + fp16 zero point
 
 
@@ -43,7 +45,7 @@ def resolve_kv_dtype(name: str, model_dtype: str = "bf16") -> str:
     key = name.strip().lower().removeprefix("torch.")
     if key == "auto":
         key = model_dtype
-    key = _KV_ALIASES.get(key, key)
+    key = short_dtype_name(key) or _FP8_ALIASES.get(key, key)
     if key not in KV_DTYPES:
         raise ValueError(f"KV cache dtype must be auto or one of {', '.join(KV_DTYPES)} "
                          f"(or fp8_e4m3, fp8_e5m2), got {name!r}")

@@ -4,6 +4,9 @@ One `ModelConfig` describes all supported architectures; the differences between
 flags (`attention_bias`, `qk_norm`) that the single decoder in `kvserve.model.decoder` reads.
 Both the transformers 5 layout (`rope_parameters`, `dtype`) and the older one (`rope_theta`,
 `rope_scaling`, `torch_dtype` at the top level) are accepted.
+
+`read_json_object` and `checkpoint_dtype` are the checkpoint-file readers the planner and the
+tokenizer use too, so that a config.json means the same to every component.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvserve.dtypes import DTYPES, canonical_dtype
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -35,15 +40,11 @@ _DEFAULT_MAX_POSITIONS = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "vocab_size")
-_DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32",
-                "bfloat16": "bfloat16", "bf16": "bfloat16",
-                "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 @dataclass
 class ModelConfig:
     architecture: str
-    model_type: str
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -62,9 +63,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (not given)
-    bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    sliding_window: int | None = None  # kept for reference; attention is always full for now
 
     @property
     def q_size(self) -> int:
@@ -97,13 +96,7 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"{str(config_file)!r} not found: a model directory must hold a "
                              "Hugging Face config.json")
-        try:
-            data = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot parse {str(config_file)!r}: {e}") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"{str(config_file)!r} must hold a JSON object, "
-                             f"got {type(data).__name__}")
+        data = read_json_object(config_file)
         try:
             return cls.from_dict(data)
         except ValueError as e:
@@ -149,21 +142,10 @@ class ModelConfig:
         else:  # Llama, Qwen3: one flag for q, k, v and o
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
-
-        sliding = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window"):
-            sliding = None
-
-        dtype = d.get("dtype", d.get("torch_dtype"))
-        if dtype is not None:
-            dtype = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
-            if dtype is None:
-                raise ValueError(f"dtype {d.get('dtype', d.get('torch_dtype'))!r} is not "
-                                 f"supported; use one of float32, bfloat16, float16")
+        dtype = checkpoint_dtype(d)
 
         return cls(
             architecture=arch,
-            model_type=d.get("model_type") or _model_type(arch),
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
@@ -181,10 +163,33 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=dtype,
-            bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            sliding_window=sliding,
         )
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Parse a checkpoint's JSON file (config.json, tokenizer_config.json, ...); an unreadable
+    file or anything but a JSON object is a ValueError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot parse {str(path)!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def checkpoint_dtype(d: dict[str, Any]) -> str | None:
+    """The weights' dtype a config.json names (transformers 5's `dtype`, else the older
+    `torch_dtype`, either possibly spelled "torch.bfloat16"), as torch's name; None when it
+    names none, ValueError when it names one the engine cannot run."""
+    raw = d.get("dtype", d.get("torch_dtype"))
+    if raw is None:
+        return None
+    dtype = canonical_dtype(str(raw).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"dtype {raw!r} is not supported; use one of {', '.join(DTYPES)}")
+    return dtype
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -203,10 +208,6 @@ def _architecture(d: dict[str, Any]) -> str:
         raise ValueError(f"unsupported architecture {arch!r}; supported architectures: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
-
-
-def _model_type(arch: str) -> str:
-    return next(t for t, a in _ARCH_BY_MODEL_TYPE.items() if a == arch)
 
 
 def _pos_int(d: dict[str, Any], key: str) -> int:

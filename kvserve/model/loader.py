@@ -16,12 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import CausalLM
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-                  "bf16": "bfloat16"}
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -38,15 +36,13 @@ class _Target:
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     """"auto" takes config.json's dtype (float32 when absent); else float32/bfloat16/float16."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
+        if dtype not in [to_torch_dtype(name) for name in DTYPES]:
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
         return dtype
-    name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name == "auto":
-        name = config.torch_dtype or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]
+    name = (config.torch_dtype or "float32") if dtype == "auto" else canonical_dtype(dtype)
+    if name is None:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return to_torch_dtype(name)
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kvserve.dtypes import DTYPES, to_torch_dtype
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
 DEFAULT_ARCH = "qwen2"
@@ -53,7 +55,7 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     s = dict(_SHAPES[size])
     layers = s["num_hidden_layers"]
@@ -175,13 +177,12 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     bos, eos = 0, 2
     train_tokenizer = None
     if with_tokenizer:
-        from kvserve import tokenizer as tok  # lazy: only needed when writing a tokenizer
+        from kvserve import tokenizer_train as tok  # lazy: only needed when writing a tokenizer
 
         train_tokenizer = tok.train_tokenizer
         bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID
     config = hf_config(arch, size, dtype, bos, eos)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}[dtype]
+    torch_dtype = to_torch_dtype(dtype)
     out.mkdir(parents=True, exist_ok=True)
     save_file(random_weights(config, seed, torch_dtype, device), str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -249,8 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
     parser.add_argument("--size", choices=SIZES, default=DEFAULT_SIZE)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     args = parser.parse_args(argv)
     print(make_model(args.out_dir, args.arch, args.size, args.seed, args.dtype))
 

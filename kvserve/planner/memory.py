@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.dtypes import short_dtype_name
 from kvserve.kv.spec import KV_DTYPES, KVCacheSpec, KVStorage, decoder_kv_spec
 from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype
 from kvserve.planner.model import ModelSpec
@@ -92,7 +93,7 @@ WEIGHT_FORMATS = ("auto", "fp32", "fp16", "bf16", "fp8", "int8", "awq", "gptq", 
 def resolve_weight_format(fmt: str, spec: ModelSpec) -> tuple[str, int]:
     """(format, group size) with "auto" read from config.json's quantization_config/dtype."""
     fmt = fmt.strip().lower()
-    fmt = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(fmt, fmt)
+    fmt = short_dtype_name(fmt) or fmt
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
     q = spec.quantization

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.dtypes import short_dtype_name
+from kvserve.model.config import checkpoint_dtype, read_json_object
 from kvserve.planner import presets
 
-_DTYPES = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16",
-           "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                       "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -96,8 +96,7 @@ class ModelSpec:
             raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
         max_pos = _opt_int(d, "max_position_embeddings", source, ("n_positions",)) or 2048
-        dtype = _DTYPES.get(str(d.get("torch_dtype") or d.get("dtype") or "bfloat16")
-                            .removeprefix("torch."), "bf16")
+        dtype = _checkpoint_dtype(d)
         windows = _layer_windows(d, layers, source)
         explicit = d.get("num_params")
         if num_params is None and explicit:
@@ -131,10 +130,7 @@ class ModelSpec:
                              " nor a config.json / checkpoint directory")
         if not config_file.is_file():
             raise ValueError(f"{str(path)!r} holds no config.json")
-        try:
-            d = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot parse {str(config_file)!r}: {e}") from e
+        d = read_json_object(config_file)
         # Packed int4 tensors (AWQ/GPTQ) hide the parameter count: estimate those from shapes.
         counted = None if d.get("quantization_config") else \
             count_safetensors_params(config_file.parent)
@@ -142,6 +138,16 @@ class ModelSpec:
         if counted:
             return cls.from_hf_config(d, name, str(config_file), counted, "safetensors")
         return cls.from_hf_config(d, name, str(config_file))
+
+
+def _checkpoint_dtype(d: dict[str, Any]) -> str:
+    """fp32 / fp16 / bf16, read the way the model loader reads it. A dtype the engine cannot run
+    (an fp8 checkpoint's, say) or none at all is planned as bf16, the usual serving dtype."""
+    try:
+        dtype = checkpoint_dtype(d)
+    except ValueError:
+        dtype = None
+    return short_dtype_name(dtype or "bfloat16") or "bf16"
 
 
 def _key(d: dict[str, Any], key: str, aliases: tuple[str, ...]) -> Any:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 
 __all__ = ["PrometheusStatLogger", "CONTENT_TYPE_LATEST"]
@@ -130,12 +131,12 @@ class PrometheusStatLogger:
 
     # -- StatLogger -------------------------------------------------------------------------
     def _engine_gauges(self, engine: LLMEngine) -> None:
-        kv, sched = engine.kv, engine.scheduler
-        self.m("kv_cache_usage").set(kv.usage)
-        self.m("num_running").set(len(sched.running))
-        self.m("num_waiting").set(len(sched.waiting))
+        stats = engine.stats()
+        self.m("kv_cache_usage").set(stats.kv_cache_usage)
+        self.m("num_running").set(stats.num_running)
+        self.m("num_waiting").set(stats.num_waiting)
         # The engine's counters only grow, except a prefix-cache reset may restart them.
-        q, h, p = kv.prefix_cache_queries, kv.prefix_cache_hits, sched.num_preemptions
+        q, h, p = stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions
         if q >= self._last_queries and h >= self._last_hits:
             self.m("prefix_cache_queries").inc(q - self._last_queries)
             self.m("prefix_cache_hits").inc(h - self._last_hits)
@@ -143,7 +144,7 @@ class PrometheusStatLogger:
         if p >= self._last_preemptions:
             self.m("num_preemptions").inc(p - self._last_preemptions)
         self._last_preemptions = p
-        self._tier_metrics(engine)
+        self._tier_metrics(engine, stats)
 
     def _grow(self, metric: Counter, values: dict, **labels_of) -> None:
         """Add to a labelled counter what a cumulative engine count grew by since last time."""
@@ -155,12 +156,12 @@ class PrometheusStatLogger:
                 metric.labels(**self._label, **labels).inc(value - last)
             self._last_counts[mark] = value
 
-    def _tier_metrics(self, engine: LLMEngine) -> None:
-        self._grow(self.hits_by_source, dict(engine.kv.hit_tokens), source=None)
+    def _tier_metrics(self, engine: LLMEngine, stats: EngineStats) -> None:
+        self._grow(self.hits_by_source, stats.hit_tokens, source=None)
         tiers = engine.tiers
         if tiers is None:
             return
-        snap = tiers.stats.snapshot()
+        snap = engine.tier_stats()
         self._grow(self.tier_bytes_saved, snap["bytes_saved"], tier=None)
         self._grow(self.tier_bytes_loaded, snap["bytes_loaded"], tier=None)
         self._grow(self.tier_errors, snap["errors"], tier=None, kind=None)

@@ -16,27 +16,25 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
 from kvserve.kv.tiers.stats import TierStats
 
 logger = logging.getLogger("kvserve.tiers")
-V = TypeVar("V")
 
 
-class Store(Protocol[V]):
+class Store(Protocol):
+    """A lower tier (disk, Redis): framed chunk bytes by key. The host store keeps tensors and
+    is addressed directly, so it need not fit here."""
+
     name: str
 
-    def get(self, key: str) -> V | None: ...
-    def put(self, key: str, value: V) -> bool: ...
+    def get(self, key: str) -> bytes | None: ...
+    def put(self, key: str, blob: bytes) -> bool: ...
     def delete(self, key: str) -> None: ...
     def contains(self, key: str) -> bool: ...
-
-
-def _nbytes(value: "torch.Tensor | bytes") -> int:
-    return value.nbytes if isinstance(value, torch.Tensor) else len(value)
 
 
 class _LRUBudget:

@@ -26,7 +26,6 @@ Triton's interpreter (`TRITON_INTERPRET=1`), which is how they are tested withou
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -493,24 +492,3 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.T
     grid = (n, 2 * len(kv_caches), triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](pointer_table, src, dst, BLOCK_NUMEL=block_numel, CHUNK=chunk,
                               ELEM_BITS=8 * k0.element_size())
-
-
-# ------------------------------------------------------------------------------------------------
-# PyTorch references (the tests' ground truth; also handy for debugging)
-# ------------------------------------------------------------------------------------------------
-def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_table: list[int], seq_len: int, scale: float) -> torch.Tensor:
-    """q [n, H, D] = the last n tokens of a sequence of seq_len tokens; float32 result."""
-    n, h, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    blocks = torch.tensor(block_table[: math.ceil(seq_len / bs)], dtype=torch.long,
-                          device=k_cache.device)
-    k = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].float()
-    v = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].float()
-    k = k.repeat_interleave(h // hkv, dim=1)
-    v = v.repeat_interleave(h // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-    k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

@@ -1,0 +1,25 @@
+"""`EngineStats`: one reading of the engine's gauges and cumulative counters.
+
+The periodic log line of the AsyncLLMEngine and the Prometheus exporter (kvserve.server.metrics)
+both read this snapshot, taken by `LLMEngine.stats()`, instead of each reaching into the
+scheduler and the KV manager on its own: one place knows where a figure lives, so the two
+reports cannot disagree about what "running" or "a prefix-cache hit" means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, not yet scheduled (or preempted back)
+    kv_cache_usage: float  # 0..1 of the KV pool; idle cached prefix blocks count as free
+    # Cumulative since the engine started (a prefix-cache reset may restart the cache ones).
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose KV was found (any tier)
+    num_evicted_blocks: int  # cached blocks evicted from the device pool
+    # Prefix-cache hit tokens by where the KV came from: device, host, disk, remote.
+    hit_tokens: dict[str, int] = field(default_factory=dict)
