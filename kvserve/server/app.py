@@ -12,6 +12,7 @@ be encoded as UTF-8 reaches a handler or the engine.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -87,13 +88,35 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+_PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a worker thread
+
+
 class _JSONRequest(Request):
-    """A request whose JSON body is parsed by pydantic-core (see the module docstring)."""
+    """A request whose JSON body is parsed by pydantic-core (see the module docstring), in a
+    worker thread when it is large. Large bodies are what a /health probe must not wait for:
+    the body is copied into one buffer chunk by chunk as it arrives (sized by Content-Length)
+    instead of being joined at the end, and the parse leaves the event loop free to run
+    between its steps."""
+
+    async def body(self) -> bytearray:
+        if not hasattr(self, "_body"):
+            buf = bytearray(_content_length(self.scope))  # checked by BodySizeLimitMiddleware
+            end = 0
+            async for chunk in self.stream():
+                start, end = end, end + len(chunk)
+                buf[start:end] = chunk
+            del buf[end:]
+            self._body = buf
+        return self._body
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
+            body = await self.body()
             try:
-                self._json = from_json(await self.body())
+                if len(body) > _PARSE_INLINE_BYTES:
+                    self._json = await asyncio.to_thread(from_json, body)
+                else:
+                    self._json = from_json(body)
             except ValueError as exc:  # FastAPI turns this one into its json_invalid error
                 raise json.JSONDecodeError(str(exc), "", 0) from None
         return self._json
