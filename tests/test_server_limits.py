@@ -72,16 +72,24 @@ def test_unencodable_text_and_oov_ids_are_refused_at_add_request(llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_a_failing_detokenizer_fails_only_its_request(llm, alone, monkeypatch):
+@pytest.mark.parametrize("where", ["add", "flush"])
+def test_a_failing_detokenizer_fails_only_its_request(llm, alone, monkeypatch, where):
+    """`add` runs for every token (LLMEngine._append_token); `flush` once, when the output of
+    the finished request is built (LLMEngine._output)."""
     from kvserve.engine import llm_engine
 
     real = llm_engine.IncrementalDetokenizer
 
     class Exploding(real):
         def add(self, token_id: int) -> str:
-            if self.prompt_ids_len == POISONED:
+            if where == "add" and self.prompt_ids_len == POISONED:
                 raise RuntimeError("detokenizer fault")
             return super().add(token_id)
+
+        def flush(self) -> str:
+            if where == "flush" and self.prompt_ids_len == POISONED:
+                raise RuntimeError("detokenizer fault")
+            return super().flush()
 
         def __init__(self, tokenizer, prompt_ids=(), *args, **kwargs):
             super().__init__(tokenizer, prompt_ids, *args, **kwargs)

@@ -263,10 +263,11 @@ class LLMEngine:
         rows = [batch.requests[i] for i in sampled]
         tokens, all_logprobs, failed = self._sample(logits, rows)
         now = time.time()
-        touched: dict[str, None] = {}
+        touched: dict[str, list[Request]] = {}  # parent id -> its samples
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
-            touched[parent] = None
+            if parent not in touched:
+                touched[parent] = self._groups[parent]
             if parent in failed:
                 continue
             try:
@@ -274,15 +275,16 @@ class LLMEngine:
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[parent] = exc
         outputs = []
-        for parent in touched:
+        for parent, children in touched.items():
             if parent in failed or not (parent in self._streaming
-                                        or all(c.finished for c in self._groups[parent])):
+                                        or all(c.finished for c in children)):
                 continue
             try:
                 outputs.append(self._output(parent))
             except Exception as exc:
                 failed[parent] = exc
-        outputs.extend(self._fail_group(parent, exc) for parent, exc in failed.items())
+        outputs.extend(self._fail_group(parent, touched[parent], exc)
+                       for parent, exc in failed.items())
         return outputs
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]
@@ -311,13 +313,15 @@ class LLMEngine:
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
 
-    def _fail_group(self, parent_id: str, exc: Exception) -> RequestOutput:
+    def _fail_group(self, parent_id: str, children: list[Request],
+                    exc: Exception) -> RequestOutput:
         """Finish every sample of a request that raised inside the step (finish_reason
         "error", blocks freed) and return its final output, which carries the error. Built
-        from the counters alone, since its text is what may have failed."""
+        from the counters alone, since its text is what may have failed (`_output` may have
+        dropped the group already)."""
         logger.error("request %s failed inside the step; it is stopped, the others go on",
                      parent_id, exc_info=exc)
-        children = self._groups.pop(parent_id)
+        self._groups.pop(parent_id, None)
         self._streaming.discard(parent_id)
         for c in children:
             self._detok.pop(c.request_id, None)
