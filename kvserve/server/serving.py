@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineQueueFullError,
                                          EngineStepError, RequestStream)
-from kvserve.validation import check_text_fits, shorten
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvserve.tokenizer import holdback
+from kvserve.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
 
