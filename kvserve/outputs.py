@@ -30,7 +30,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -47,3 +47,6 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Set when this request failed inside a step (its finish_reason is "error"); the other
+    # requests of that step went on.
+    error: str | None = None

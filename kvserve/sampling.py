@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.validation import check_utf8, shorten
+
 
 @dataclass
 class SamplingParams:
@@ -67,9 +69,12 @@ class SamplingParams:
         _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                  f"logprobs must be a non-negative integer, got {self.logprobs!r}")
         _require(all(isinstance(s, str) and s for s in self.stop_list),
-                 f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+                 f"stop must be a non-empty string or a list of them, got {shorten(self.stop)}")
+        for stop in self.stop_list:
+            check_utf8("a stop string", stop)
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+                 "stop_token_ids must be non-negative integers, got "
+                 f"{shorten(self.stop_token_ids)}")
 
 
 def _is_int(value: object) -> bool:

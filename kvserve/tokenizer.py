@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -111,8 +112,30 @@ def _int_ids(value: Any) -> list[int]:
     return []
 
 
+# tokenizer.json components that never delete input characters (what the length bound of
+# `Tokenizer.min_num_tokens` needs); the normalizers are the identity on ASCII text only.
+_SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                                  "UnicodeScripts", "Sequence"})
+_ASCII_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Sequence"})
+
+
+def _keeps_every_char(spec: Any, safe: frozenset[str]) -> bool:
+    """Whether a tokenizer.json normalizer/pre-tokenizer (None = absent) is built only of
+    `safe` parts (a Split that removes its matches is not)."""
+    if spec is None:
+        return True
+    if not isinstance(spec, dict) or spec.get("type") not in safe:
+        return False
+    if spec["type"] == "Split" and spec.get("behavior") == "Removed":
+        return False
+    parts = spec.get("pretokenizers", spec.get("normalizers"))
+    return spec["type"] != "Sequence" or all(_keeps_every_char(p, safe) for p in parts or ())
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the settings from the checkpoint's JSON files."""
+
+    _normalizes_non_ascii = False  # set by max_chars_per_token
 
     def __init__(self, backend: tokenizers.Tokenizer,
                  tokenizer_config: dict[str, Any] | None = None,
@@ -226,6 +249,34 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    # ---- length bound without encoding ---------------------------------------------------------
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of input text one token can stand for, when that is knowable
+        from the vocabulary: the longest vocabulary entry (a byte-level piece has one character
+        per byte, and a text character is at least one byte; a SentencePiece piece has one per
+        character). None when a normalizer or pre-tokenizer could delete text (then no bound
+        from the text's length holds)."""
+        spec = json.loads(self.backend.to_str())
+        if not _keeps_every_char(spec.get("pre_tokenizer"), _SAFE_PRE_TOKENIZERS):
+            return None
+        normalizer = spec.get("normalizer")
+        if normalizer is not None and not _keeps_every_char(normalizer, _ASCII_NORMALIZERS):
+            return None
+        self._normalizes_non_ascii = normalizer is not None
+        pieces = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(piece) for piece in pieces), default=0) or None
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, in O(1) for ASCII text: a token covers at
+        most `max_chars_per_token` characters. 0 when no bound is known (a normalizer that may
+        shorten non-ASCII text, such as NFC composing accents)."""
+        per_token = self.max_chars_per_token
+        if per_token is None or (self._normalizes_non_ascii and not text.isascii()):
+            return 0
+        return -(-len(text) // per_token)
 
     # ---- encode / decode ----------------------------------------------------------------------
 

@@ -13,9 +13,15 @@ else talks to the loop through a command queue:
   (outputs for many requests, the answers to the commands) is handed to the asyncio loop in ONE
   callback, which puts each output into the per-request `asyncio.Queue` of a `RequestStream`.
 
-A step that raises fails the requests it was running (their streams get an `EngineStepError`,
-their blocks are freed by aborting them) and the loop goes on; an error in the loop itself marks
-the engine dead and fails every stream (`EngineDeadError`).
+A request that fails inside a step on its own (`RequestOutput.error`) fails its stream alone
+(`EngineRequestError`); a step that raises as a whole fails the requests it was running (their
+streams get an `EngineStepError`, their blocks are freed by aborting them) and the loop goes on;
+an error in the loop itself marks the engine dead and fails every stream (`EngineDeadError`).
+
+Admission counts sequences (a request with n samples is n of them), not requests:
+`max_waiting_requests` bounds the sequences waiting, and a request larger than that, or than
+`max_seqs_per_request`, is refused as never fitting (ValueError, HTTP 400) rather than as
+"busy" (EngineQueueFullError, HTTP 429), which is kept for what could succeed later.
 
 Every `log_interval` seconds while busy the loop logs one line of throughput and cache figures on
 the "kvserve" logger; `stat_loggers` (e.g. the server's Prometheus metrics) are called on the loop
@@ -38,11 +44,12 @@ from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.validation import DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger("kvserve")
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineQueueFullError", "EngineStepError",
-           "RequestStream", "StatLogger"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineQueueFullError", "EngineRequestError",
+           "EngineStepError", "RequestStream", "StatLogger"]
 
 
 class EngineQueueFullError(RuntimeError):
@@ -51,6 +58,11 @@ class EngineQueueFullError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """The engine step running this request raised; the request was aborted (HTTP 500)."""
+
+
+class EngineRequestError(EngineStepError):
+    """This request alone raised inside a step (e.g. while detokenized); it was stopped and
+    its blocks freed, the other requests went on (HTTP 500 for this request only)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -144,15 +156,18 @@ class _IntervalStats:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
+    def __init__(self, engine: LLMEngine, *,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
                  log_stats: bool = True, log_interval: float = 10.0,
                  stat_loggers: Iterable[StatLogger] = ()) -> None:
-        if isinstance(max_waiting_requests, bool) or not isinstance(max_waiting_requests, int) \
-                or max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be a positive integer, "
-                             f"got {max_waiting_requests!r}")
+        for name, value in (("max_waiting_requests", max_waiting_requests),
+                            ("max_seqs_per_request", max_seqs_per_request)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_seqs_per_request = max_seqs_per_request
         self.log_stats = log_stats
         self.log_interval = log_interval
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
@@ -173,13 +188,28 @@ class AsyncLLMEngine:
         self.num_step_errors = 0
 
     @classmethod
-    def from_kwargs(cls, *, max_waiting_requests: int = 1024, log_stats: bool = True,
-                    log_interval: float = 10.0, stat_loggers: Iterable[StatLogger] = (),
+    def from_kwargs(cls, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+                    log_stats: bool = True, log_interval: float = 10.0,
+                    stat_loggers: Iterable[StatLogger] = (),
                     **engine_kwargs: Any) -> "AsyncLLMEngine":
         """Build the LLMEngine from LLM()-style keyword arguments (vLLM's names)."""
         engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
-        return cls(engine, max_waiting_requests=max_waiting_requests, log_stats=log_stats,
+        return cls(engine, max_waiting_requests=max_waiting_requests,
+                   max_seqs_per_request=max_seqs_per_request, log_stats=log_stats,
                    log_interval=log_interval, stat_loggers=stat_loggers)
+
+    def check_request_size(self, num_seqs: int, what: str = "this request") -> None:
+        """Refuse (ValueError) a request of `num_seqs` sequences that could never be admitted,
+        however idle the engine: telling its client to retry later would be a lie."""
+        if num_seqs > self.max_seqs_per_request:
+            raise ValueError(f"{what} asks for {num_seqs:,} sequences, but at most "
+                             f"{self.max_seqs_per_request:,} are allowed per request "
+                             "(--max-seqs-per-request)")
+        if num_seqs > self.max_waiting_requests:
+            raise ValueError(f"{what} asks for {num_seqs:,} sequences, but at most "
+                             f"{self.max_waiting_requests:,} may wait at once "
+                             "(--max-waiting-requests)")
 
     # -- read-only views, safe from any thread (set once at construction) -------------------
     @property
@@ -341,7 +371,7 @@ class AsyncLLMEngine:
 
     def _process_commands(self) -> None:
         engine = self.engine
-        waiting: set[str] | None = None
+        waiting = len(engine.scheduler.waiting)  # sequences: each sample waits on its own
         while self._commands:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Abort):
@@ -351,16 +381,20 @@ class AsyncLLMEngine:
                     except Exception:  # keep serving the others
                         logger.exception("aborting request %s failed", cmd.request_id)
                     self._forget(cmd.request_id)
-                    waiting = None
+                    waiting = len(engine.scheduler.waiting)
             elif isinstance(cmd, _Add):
                 if cmd.future.cancelled():
                     continue
-                if waiting is None:
-                    waiting = {r.parent_id or r.request_id for r in engine.scheduler.waiting}
-                if len(waiting) >= self.max_waiting_requests:
+                try:
+                    self.check_request_size(cmd.params.n)
+                except ValueError as exc:
+                    self._pending.append((cmd.future, exc))
+                    continue
+                if waiting + cmd.params.n > self.max_waiting_requests:
                     self._pending.append((cmd.future, EngineQueueFullError(
-                        f"the server is busy: {len(waiting)} requests are waiting "
-                        f"(--max-waiting-requests {self.max_waiting_requests}); retry later")))
+                        f"the server is busy: {waiting} sequences are waiting and this request "
+                        f"adds {cmd.params.n} (--max-waiting-requests "
+                        f"{self.max_waiting_requests}); retry later")))
                     continue
                 if cmd.request_id in self._streams:
                     self._pending.append((cmd.future, ValueError(
@@ -376,7 +410,7 @@ class AsyncLLMEngine:
                 self._streams[cmd.request_id] = cmd.stream
                 if cmd.streaming:
                     self._streaming.add(cmd.request_id)
-                waiting.add(cmd.request_id)
+                waiting += cmd.params.n
                 self._pending.append((cmd.future, cmd.request_id))
             elif isinstance(cmd, _Call):
                 try:
@@ -423,7 +457,8 @@ class AsyncLLMEngine:
         for out in outputs:
             rs = self._streams.get(out.request_id)
             if rs is not None:
-                self._pending.append((rs, out))
+                self._pending.append((rs, out if out.error is None else EngineRequestError(
+                    f"the request failed in the engine: {out.error}")))
         self._count(outputs)
         for sl in self.stat_loggers:
             try:

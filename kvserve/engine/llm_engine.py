@@ -2,7 +2,9 @@
 
 `LLMEngine` owns every piece (model, KV pool, scheduler, sampler, tokenizer) and is the single
 place where a request is validated, so that nothing malformed ever reaches a batched step: an
-invalid request raises before it is queued, and holds no blocks.
+invalid request raises before it is queued, and holds no blocks. Should one request still raise
+while it is sampled, detokenized or its output is built, it alone finishes with
+finish_reason "error" (`RequestOutput.error` says why) and the others of the step go on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from kvserve.validation import (check_cache_salt, check_text_fits, check_token_ids, check_utf8,
+                                shorten)
 
 logger = logging.getLogger("kvserve")
 
@@ -154,9 +158,10 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if cache_salt is None and isinstance(prompt, Mapping):
             cache_salt = prompt.get("cache_salt")  # vLLM's TextPrompt / TokensPrompt field
-        _check_cache_salt(cache_salt)
+        check_cache_salt(cache_salt)
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ValueError(f"priority must be an integer, got {shorten(priority)}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
@@ -193,17 +198,19 @@ class LLMEngine:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            check_utf8("the prompt", prompt)
+            check_text_fits(self.tokenizer, prompt, self.model_max_len)
             text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise ValueError("prompt_token_ids must be a list of integers")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+                check_utf8("the prompt", text)
             ids = list(ids)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            check_token_ids("token ids", ids, self.model_config.vocab_size)
         elif isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenize(prompt["prompt"])
         else:
@@ -253,16 +260,83 @@ class LLMEngine:
         if not sampled:
             return []
         rows = [batch.requests[i] for i in sampled]
-        result = self.sampler(logits, [SamplingRow(r.sampling_params, r.output_token_ids,
-                                                   r.prompt_token_ids, r.generator,
-                                                   r.eos_token_ids) for r in rows])
+        tokens, all_logprobs, failed = self._sample(logits, rows)
         now = time.time()
-        touched: dict[str, None] = {}
-        for request, token, logprobs in zip(rows, result.token_ids, result.logprobs):
-            self._append_token(request, token, logprobs, now)
-            touched[request.parent_id or request.request_id] = None
-        return [self._output(parent) for parent in touched
-                if parent in self._streaming or all(c.finished for c in self._groups[parent])]
+        touched: dict[str, list[Request]] = {}  # parent id -> its samples
+        for request, token, logprobs in zip(rows, tokens, all_logprobs):
+            parent = request.parent_id or request.request_id
+            if parent not in touched:
+                touched[parent] = self._groups[parent]
+            if parent in failed:
+                continue
+            try:
+                self._append_token(request, token, logprobs, now)
+            except Exception as exc:  # this request's own fault: it alone fails
+                failed[parent] = exc
+        outputs = []
+        for parent, children in touched.items():
+            if parent in failed or not (parent in self._streaming
+                                        or all(c.finished for c in children)):
+                continue
+            try:
+                outputs.append(self._output(parent))
+            except Exception as exc:
+                failed[parent] = exc
+        outputs.extend(self._fail_group(parent, touched[parent], exc)
+                       for parent, exc in failed.items())
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]
+                ) -> tuple[list[int | None], list[dict[int, float] | None],
+                           dict[str, Exception]]:
+        """Sample every row in one batch; should that raise, sample row by row, so that only
+        the requests whose own row raises fail (their token is None; errors by parent id).
+        The retry may draw again from generators the failed batch already advanced: greedy
+        neighbours are unaffected, random ones stay valid samples."""
+        try:
+            result = self.sampler(logits, [_sampling_row(r) for r in rows])
+            return result.token_ids, result.logprobs, {}
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row to isolate it")
+        tokens: list[int | None] = []
+        logprobs: list[dict[int, float] | None] = []
+        failed: dict[str, Exception] = {}
+        for i, request in enumerate(rows):
+            try:
+                one = self.sampler(logits[i:i + 1], [_sampling_row(request)])
+                tokens.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            except Exception as exc:
+                tokens.append(None)
+                logprobs.append(None)
+                failed[request.parent_id or request.request_id] = exc
+        return tokens, logprobs, failed
+
+    def _fail_group(self, parent_id: str, children: list[Request],
+                    exc: Exception) -> RequestOutput:
+        """Finish every sample of a request that raised inside the step (finish_reason
+        "error", blocks freed) and return its final output, which carries the error. Built
+        from the counters alone, since its text is what may have failed (`_output` may have
+        dropped the group already)."""
+        logger.error("request %s failed inside the step; it is stopped, the others go on",
+                     parent_id, exc_info=exc)
+        self._groups.pop(parent_id, None)
+        self._streaming.discard(parent_id)
+        for c in children:
+            self._detok.pop(c.request_id, None)
+            if not c.finished:
+                self._finish(c, RequestStatus.FINISHED_ERROR)
+            c.status = RequestStatus.FINISHED_ERROR  # a sibling that had ended fails with it
+        first = children[0]
+        return RequestOutput(
+            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[CompletionOutput(index=c.index, text="", token_ids=c.output_token_ids,
+                                      cumulative_logprob=None, logprobs=None,
+                                      finish_reason=RequestStatus.FINISHED_ERROR.value)
+                     for c in children],
+            finished=True, metrics=_group_metrics(children, True),
+            num_cached_tokens=first.num_cached_tokens,
+            error=shorten(f"{type(exc).__name__}: {exc}", 200))
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
                       now: float) -> None:
@@ -334,20 +408,9 @@ class LLMEngine:
                 finish_reason=c.status.value if c.finished else None,
                 stop_reason=c.stop_reason))
         first = children[0]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=min((c.first_token_time for c in children
-                                  if c.first_token_time is not None), default=None),
-            last_token_time=max((c.last_token_time for c in children
-                                 if c.last_token_time is not None), default=None),
-            finished_time=max((c.finished_time or 0.0 for c in children), default=None)
-            if finished else None,
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(c.num_preemptions for c in children))
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=metrics,
+                             finished=finished, metrics=_group_metrics(children, finished),
                              num_cached_tokens=first.num_cached_tokens)
 
     # -- checks -----------------------------------------------------------------------------
@@ -397,9 +460,22 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCache
                            KVStorage(kv_dtype_name(dtype)), block_size)
 
 
-def _check_cache_salt(salt: object) -> None:
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt or len(salt) > 256:
-        raise ValueError("cache_salt must be a non-empty string of at most 256 characters, "
-                         f"got {salt!r:.40}")
+def _sampling_row(r: Request) -> SamplingRow:
+    return SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
+                       r.eos_token_ids)
+
+
+def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:
+    """The metrics of a request from those of its samples."""
+    first = children[0]
+    return RequestMetrics(
+        arrival_time=first.arrival_time,
+        first_scheduled_time=first.first_scheduled_time,
+        first_token_time=min((c.first_token_time for c in children
+                              if c.first_token_time is not None), default=None),
+        last_token_time=max((c.last_token_time for c in children
+                             if c.last_token_time is not None), default=None),
+        finished_time=max((c.finished_time or 0.0 for c in children), default=None)
+        if finished else None,
+        num_cached_tokens=first.num_cached_tokens,
+        num_preemptions=sum(c.num_preemptions for c in children))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.validation import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST,
+                                DEFAULT_MAX_WAITING_REQUESTS)
+
 SUPPORTED_KV_CACHE_DTYPES = ("auto",)
 
 
@@ -26,9 +29,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "for the embedded default model); the first one is used in responses")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and "
-                        "/reset_prefix_cache")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="refuse new requests with 429 while this many wait (default 1024)")
+                        "/reset_prefix_cache (as vLLM; /health, /metrics, /version and the "
+                        "API docs stay open unless --api-key-protect-all)")
+    parser.add_argument("--api-key-protect-all", action="store_true",
+                        help="with --api-key, require the key on every route but /health: "
+                        "/metrics, /version, /docs, /redoc and /openapi.json too")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="sequences (prompts x n) that may wait for a slot; more get 429 "
+                        "(retry later), a request larger than this 400 (default 1024)")
+    parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="most sequences (prompts x n) one request may ask for; more "
+                        "get 400 (default 1024)")
+    parser.add_argument("--max-request-body-bytes", type=int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413 (default 32 MiB)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic throughput/cache log line")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -24,15 +24,20 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from kvserve.server.app import build_app
 
     init_logging()
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    for flag in ("max_waiting_requests", "max_seqs_per_request", "max_request_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, "
+                             f"got {getattr(args, flag)}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     engine = AsyncLLMEngine.from_kwargs(max_waiting_requests=args.max_waiting_requests,
+                                        max_seqs_per_request=args.max_seqs_per_request,
                                         log_stats=not args.disable_log_stats,
                                         log_interval=args.log_stats_interval, **engine_kwargs)
     names = served_names(args)
-    app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"))
+    app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
+                    api_key_protect_all=args.api_key_protect_all,
+                    max_request_body_bytes=args.max_request_body_bytes)
     logger.info("serving %s (%s) on http://%s:%d", names[0], engine.config.model, args.host,
                 args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -27,10 +27,12 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvserve.tokenizer import holdback
+from kvserve.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
 
-# Text longer than this is tokenized in a worker thread, keeping the event loop responsive.
+# Text longer than this is rendered and tokenized in a worker thread, keeping the event loop
+# (and /health) responsive; shorter text costs less than the thread hop.
 _TOKENIZE_INLINE_CHARS = 8192
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
@@ -106,7 +108,7 @@ class OpenAIServing:
         if model is None:
             return self.model_names[0]
         if model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+            raise APIError(404, f"The model `{shorten(model)}` does not exist.", param="model",
                            code="model_not_found")
         return model
 
@@ -137,10 +139,25 @@ class OpenAIServing:
                 self._token_strs[token_id] = info
         return info
 
-    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > _TOKENIZE_INLINE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+    def _encode(self, text: str, add_special_tokens: bool = True,
+                what: str = "the prompt") -> list[int]:
+        """Tokenize, unless the text's length alone proves it cannot fit (then a 400 without
+        tokenizing: see `check_text_fits`)."""
+        try:
+            check_text_fits(self.tokenizer, text, self.engine.max_model_len, what)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt" if what == "the prompt"
+                           else "messages") from None
         return self.tokenizer.encode(text, add_special_tokens)
+
+    def _check_size(self, num_prompts: int, n: int) -> None:
+        """400 for a request that could never be admitted (before any tokenizing)."""
+        what = f"this request ({num_prompts:,} prompts x n={n})" if num_prompts > 1 \
+            else f"this request (n={n})"
+        try:
+            self.engine.check_request_size(num_prompts * n, what)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt" if num_prompts > 1 else "n") from None
 
     @staticmethod
     def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -286,7 +303,8 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must be equal to n (or unset)", param="best_of")
-        prompts = await self._completion_prompts(req.prompt)
+        self._check_size(_num_prompts(req.prompt), req.n)
+        prompts = await _off_loop(_text_size(req.prompt), self._completion_prompts, req.prompt)
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
         prep = _Prepared(prompts, params, params.stop_list)
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -312,19 +330,11 @@ class OpenAIServing:
                              "model": model, "choices": choices,
                              "usage": self._usage(outputs)})
 
-    async def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        elif isinstance(prompt[0], int):
-            items = [prompt]
-        else:
-            items = list(prompt)
+    def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
         out = []
-        for item in items:
+        for item in _prompt_items(prompt):
             if isinstance(item, str):
-                out.append({"prompt": item, "prompt_token_ids": await self._encode(item)})
+                out.append({"prompt": item, "prompt_token_ids": self._encode(item)})
             else:
                 out.append({"prompt_token_ids": list(item)})
         return out
@@ -402,7 +412,9 @@ class OpenAIServing:
         if req.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported",
                            param="tool_choice")
-        prompt = await self._chat_prompt(req)
+        self._check_size(1, req.n)
+        prompt = await _off_loop(_text_size([m.content for m in req.messages]),
+                                 self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -429,7 +441,7 @@ class OpenAIServing:
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
                              "model": model, "choices": choices, "usage": self._usage(outputs)})
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         messages = []
         for i, m in enumerate(req.messages):
             if m.content is None:
@@ -453,7 +465,8 @@ class OpenAIServing:
         except Exception as exc:  # a template is user-supplied code: any failure is a 400
             raise APIError(400, f"chat template error: {type(exc).__name__}: {exc}",
                            param="messages") from exc
-        return {"prompt": text, "prompt_token_ids": await self._encode(text, False)}
+        return {"prompt": text,
+                "prompt_token_ids": self._encode(text, False, "the chat prompt")}
 
     def _chat_logprobs(self, token_ids: Sequence[int],
                        logprobs: Sequence[dict[int, float]] | None,
@@ -542,6 +555,41 @@ class _EventStreamResponse(StreamingResponse):
 def _event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
     return _EventStreamResponse(events, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _prompt_items(prompt) -> list:
+    """The prompts of a /v1/completions `prompt` field: a string, a list of strings, one token
+    id list or a list of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _num_prompts(prompt) -> int:
+    return len(_prompt_items(prompt))
+
+
+def _text_size(value) -> int:
+    """Characters of text in a prompt or message contents (token ids count one each)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        if value and isinstance(value[0], int):  # token ids: no walk over 100k items
+            return len(value)
+        return sum(map(_text_size, value)) + len(value)
+    return len(getattr(value, "text", "") or "")
+
+
+async def _off_loop(size: int, fn, *args):
+    """`fn(*args)` in a worker thread when the input is large (rendering and tokenizing 1 MB
+    holds the event loop for long), inline when it is small (the thread hop costs more)."""
+    if size > _TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
