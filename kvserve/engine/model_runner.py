@@ -28,8 +28,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Run the batch; return (logits [S, vocab] float32, indices into batch of those S rows)."""
-        self.kv.apply_pending_copies(self.backend.copy_blocks)
+        # Loads before copies: a block loaded from a tier enters the prefix index at admission,
+        # so a request admitted later in the same step may match it partially and queue a
+        # copy-on-write of it; copying first would copy the block before its KV is written.
         self.kv.apply_pending_loads(self.backend.write_blocks)
+        self.kv.apply_pending_copies(self.backend.copy_blocks)
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -85,7 +85,8 @@ class KVCacheManager:
         return self.tier_link is not None and self.tier_link.wait_for_prefetch(seconds)
 
     def apply_pending_loads(self, write_blocks: Callable[[list[int], torch.Tensor], None]) -> None:
-        """Write the KV of chunks loaded from the tiers into their blocks (before a forward)."""
+        """Write the KV of chunks loaded from the tiers into their blocks (before a forward, and
+        before the copy-on-write copies, which may read them)."""
         if self.tier_link is not None:
             self.tier_link.apply_pending_loads(write_blocks)
 
@@ -166,7 +167,10 @@ class KVCacheManager:
         return True
 
     def apply_pending_copies(self, copy_blocks: Callable[[list[int], list[int]], None]) -> None:
-        """Perform the copy-on-write copies queued by admissions, then unlock their sources."""
+        """Perform the copy-on-write copies queued by admissions, then unlock their sources.
+
+        Call it after `apply_pending_loads`: a source may be a block loaded from a tier in this
+        very step (it entered the index at its admission), whose KV is written by the load."""
         if not self._pending_copies:
             return
         src = [s for s, _ in self._pending_copies]
