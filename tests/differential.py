@@ -114,6 +114,21 @@ class Workload:
     def num_requests(self) -> int:
         return sum(len(p.adds) for p in self.phases)
 
+    def describe(self) -> str:
+        """A compact listing for failure messages (token ids shortened): what ran, in what
+        order, under which limits."""
+        lines = [f"block {self.block_size}, chunk {self.chunk_size}, pool {self.pool_blocks} "
+                 f"blocks, budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, "
+                 f"{self.write_policy}"]
+        for i, p in enumerate(self.phases):
+            reqs = ", ".join(f"{r.request_id}: {len(r.prompt)} tok {r.prompt[:3]}..., "
+                             f"max {r.max_tokens}, n {r.n}"
+                             + (f", abort +{r.abort_after}" if r.abort_after is not None else "")
+                             for r in p.adds)
+            lines.append(f"phase {i}{' (reset)' if p.reset_prefix_cache else ''}: [{reqs}] then "
+                         + ("drain" if p.steps is None else f"{p.steps} steps"))
+        return "\n".join(lines)
+
 
 def _tokens(c: Chooser, n: int) -> list[int]:
     return [c.integer(3, VOCAB - 1) for _ in range(n)]
