@@ -546,6 +546,31 @@ def test_a_prefix_longer_than_host_memory_loads_what_fits(workload, tmp_path):
     assert llm.engine.stats()["hit_tokens_disk"] == 2 * CHUNK
 
 
+def test_a_failed_step_does_not_leave_unloaded_blocks_in_the_cache(workload):
+    """A step fails after admitting a request whose chunks load from host memory, before the
+    runner wrote them: generate() aborts the request. Its loaded blocks are in the prefix index
+    already, so the load must still land (not be dropped with the request): the next request
+    for the same document hits them on the device and must decode transformers' tokens."""
+    path, pass_a, pass_b, want_a, want_b = workload
+    llm = tier_llm(path, {"local_cpu": True, "max_local_cpu_size": 0.01})
+    assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a  # documents 0 and 1 go to host
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def fail_once(batch):
+        runner.execute = execute
+        raise RuntimeError("injected step failure")
+
+    runner.execute = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([{"prompt_token_ids": pass_b[0]}], PARAMS, use_tqdm=False)
+    assert llm.engine.stats()["hit_tokens_host"] == 4 * CHUNK  # it was admitted with the loads
+    device_before = llm.engine.stats()["hit_tokens_device"]
+    assert tokens_of(generate(llm, pass_b[:1], PARAMS)) == want_b[:1]
+    assert llm.engine.stats()["hit_tokens_device"] - device_before == 4 * CHUNK  # those blocks
+    llm.engine.shutdown()
+
+
 def test_two_server_replicas_share_redis(tmp_path, redis_server):
     """Two `kvserve serve` processes (--kv-tier-config) behind one Redis, driven with the
     official openai client: the second replica answers a prompt the first one computed with

@@ -169,6 +169,12 @@ class TierLink:
         return False
 
     def forget(self, request: Request) -> None:
-        """The request let go of its blocks: drop its queued loads and its prefetch."""
-        self._pending_loads.pop(request.request_id, None)
+        """The request lets go of its blocks (called before they are released): drop its
+        prefetch, and write its loads if they are still queued. That happens only when a step
+        failed between the request's admission and the runner (the engine then aborts it);
+        its loaded blocks are in the prefix index already, and dropping the load would leave
+        them there, idle, holding whatever the blocks held before, for the next hit."""
+        pending = self._pending_loads.pop(request.request_id, None)
+        if pending is not None:
+            self.kv_io.write_blocks(*pending)
         self._prefetches.pop(request.request_id, None)
