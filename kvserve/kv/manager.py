@@ -240,7 +240,22 @@ class KVCacheManager:
             self.tier_link.forget(request)
         table = self.block_tables.pop(request.request_id, None)
         if table:
+            self._drop_pending_copies(table)
             self.pool.release(table)
+
+    def _drop_pending_copies(self, table: list[int]) -> None:
+        """Forget the queued copies into blocks being given back, and unlock their sources.
+        Copies are applied in the step that queued them, so one is still queued only when a
+        step failed before the runner (the engine then aborts its requests); left queued, it
+        would be applied in the next step into a block that may belong to someone else by
+        then (say, a block just loaded from a tier), and its source would stay locked."""
+        if not self._pending_copies:
+            return
+        freed = set(table)
+        dropped = [s for s, d in self._pending_copies if d in freed]
+        if dropped:
+            self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in freed]
+            self.pool.release(dropped)
 
     def block_table(self, request: Request) -> list[int]:
         return self.block_tables[request.request_id]
