@@ -546,6 +546,31 @@ def test_a_prefix_longer_than_host_memory_loads_what_fits(workload, tmp_path):
     assert llm.engine.stats().hit_tokens["disk"] == 2 * CHUNK
 
 
+def test_a_failed_step_does_not_leave_unloaded_blocks_in_the_cache(workload):
+    """A step fails after admitting a request whose chunks load from host memory, before the
+    runner wrote them: generate() aborts the request. Its loaded blocks are in the prefix index
+    already, so the load must still land (not be dropped with the request): the next request
+    for the same document hits them on the device and must decode transformers' tokens."""
+    path, pass_a, pass_b, want_a, want_b = workload
+    llm = tier_llm(path, {"local_cpu": True, "max_local_cpu_size": 0.01})
+    assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a  # documents 0 and 1 go to host
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def fail_once(batch):
+        runner.execute = execute
+        raise RuntimeError("injected step failure")
+
+    runner.execute = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([{"prompt_token_ids": pass_b[0]}], PARAMS, use_tqdm=False)
+    assert llm.engine.stats().hit_tokens["host"] == 4 * CHUNK  # it was admitted with the loads
+    device_before = llm.engine.stats().hit_tokens["device"]
+    assert tokens_of(generate(llm, pass_b[:1], PARAMS)) == want_b[:1]
+    assert llm.engine.stats().hit_tokens["device"] - device_before == 4 * CHUNK  # those blocks
+    llm.engine.shutdown()
+
+
 def test_two_server_replicas_share_redis(tmp_path, redis_server):
     """Two `kvserve serve` processes (--kv-tier-config) behind one Redis, driven with the
     official openai client: the second replica answers a prompt the first one computed with
@@ -586,3 +611,39 @@ def test_two_server_replicas_share_redis(tmp_path, redis_server):
     finally:
         codes = [r.stop() for r in replicas]
     assert codes == [None, None], replicas[1].log()[-3000:]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_failed_step_does_not_leave_a_copy_queued(hf_checkpoints, seed):
+    """A step fails after admitting a request with a partial-block hit, before the runner made
+    its copy-on-write copy; generate() aborts the request. The queued copy must go with it. Left
+    queued, it was applied in the next step into its freed destination, by then a block of
+    another request loaded from host memory (seed 1: wrong tokens), and it kept its source
+    locked under idle parents, which the pool counted as available but could not evict
+    (seed 2: NoFreeBlocksError at admission)."""
+    rng = random.Random(seed)
+    pool_blocks = rng.randint(14, 24)
+    doc_d = [rng.randrange(3, 512) for _ in range(40)]
+    doc_a = [rng.randrange(3, 512) for _ in range(40)]
+    cut = 4 * rng.randint(1, 8) + rng.randint(1, 3) + 1  # doc_a[:cut] ends inside a block
+    prompt = doc_d[:rng.randint(17, 39)] + [5, 6, 7]  # loads doc_d's evicted chunks
+    path = hf_checkpoints["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = hf_greedy(path, [prompt], 4)
+    llm = make_llm(path, pool_tokens=pool_blocks * 4, block_size=4, max_model_len=128,
+                   kv_tier_config={"chunk_size": 8, "local_cpu": True,
+                                   "max_local_cpu_size": 0.01})
+    generate(llm, [doc_d, doc_a], params)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def fail_once(batch):
+        runner.execute = execute
+        raise RuntimeError("injected step failure")
+
+    runner.execute = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([{"prompt_token_ids": doc_a[:cut]}], params, use_tqdm=False)
+    assert tokens_of(generate(llm, [prompt], params)) == want
+    assert llm.engine.stats().hit_tokens["host"] > 0
+    llm.engine.shutdown()

@@ -250,11 +250,14 @@ class LLMEngine:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
         batch = self.scheduler.schedule()
+        # The step's memory work lands even if the forward then fails: loaded blocks are in the
+        # prefix index already, and a later hit on them must find their KV.
+        self.runner.apply_plan(batch.plan)
         if not batch.requests:
-            self.runner.apply_plan(batch.plan)  # write-through saves of the last step
             if not self.kv.wait_for_prefetch(0.05):
                 return []
             batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
+            self.runner.apply_plan(batch.plan)
         logits, sampled = self.runner.execute(batch)
         self.scheduler.update(batch)
         if not sampled:

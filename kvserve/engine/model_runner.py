@@ -6,7 +6,8 @@ and returns logits only for the rows that sample this step (the last token of ea
 uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head.
 
 It is also the one place where KV memory is moved: the batch's step plan (saves to the storage
-tiers, loads from them, copy-on-write copies) runs here, in that order, before the forward.
+tiers, loads from them, copy-on-write copies) runs here (`apply_plan`), in that order, before the
+forward.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Apply the batch's plan and run it; return (logits [S, vocab] float32, indices into
-        batch of those S rows)."""
-        self.apply_plan(batch.plan)
+        """Run the batch (its plan applied already); return (logits [S, vocab] float32, indices
+        into batch of those S rows)."""
         if not batch.requests:
             return torch.empty(0), []
         bs = self.kv.block_size

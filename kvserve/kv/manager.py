@@ -255,6 +255,9 @@ class KVCacheManager:
         self.tiers.forget(seq.request_id)
         table = self.block_tables.pop(seq.request_id, None)
         if table:
+            if self._plan.copies:  # freed before its plan went out (a step that raised)
+                mine = set(table)
+                self._plan.copies = [(s, d) for s, d in self._plan.copies if d not in mine]
             self.index.mark_idle(self.pool.release(table))
 
     def block_table(self, seq: CachedSeq) -> list[int]:
