@@ -548,3 +548,26 @@ def test_eviction_policies_keep_tokens_equal(ref_model, policy):
             if policy == "priority":  # the high-priority prefix survived the pressure
                 assert outs[-2].num_cached_tokens >= 96
     assert results[True] == results[False]
+
+
+def test_a_request_needing_the_whole_pool_is_not_stuck_behind_its_partial_hit(ref_model):
+    """A prompt that needs every block, with an idle cached block that it partially matches:
+    copying from that block would need one block more than the pool has, and nothing running
+    will free one. It must be admitted by computing that block instead, not wait forever, and
+    decode transformers' tokens."""
+    llm = make_llm(ref_model, pool_tokens=8 * 4, block_size=4, max_model_len=32)
+    a = [random.Random(1).randrange(3, HF_VOCAB) for _ in range(8)]
+    generate(llm, [a], SamplingParams(temperature=0.0, max_tokens=1))  # a's 2 blocks cached
+    b = a[:6] + [random.Random(2).randrange(3, HF_VOCAB) for _ in range(25)]  # 31 + 1 = 32
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    match = llm.engine.kv.match(_probe(b))
+    assert match.partial is not None and match.partial_len == 2, "the test's premise"
+    (out,) = generate(llm, [b], params)
+    assert out.outputs[0].token_ids == hf_greedy(ref_model, [b], 1)[0]
+    assert out.num_cached_tokens == 4  # the full block; the partial one was computed
+
+
+def _probe(tokens: list[int]):
+    from kvserve.request import Request
+
+    return Request("probe", tokens, SamplingParams(), 1)

@@ -20,6 +20,7 @@ turned idle; nothing calls back up.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -69,6 +70,10 @@ class PrefixMatch:
     def num_full_blocks(self) -> int:
         """Leading full blocks the request need not compute."""
         return len(self.nodes) + self.num_loaded_blocks
+
+    def without_partial(self) -> "PrefixMatch":
+        """The same match less its partially matched block (which is then computed)."""
+        return dataclasses.replace(self, partial=None, partial_len=0)
 
     @property
     def blocks(self) -> list[int]:
