@@ -33,6 +33,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                         log_interval=args.log_stats_interval, **engine_kwargs)
     names = served_names(args)
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"))
+    from kvserve.server import debug_memory
+
+    if debug_memory.enabled():  # opt-in diagnostics: tracemalloc + GET /debug/memory
+        debug_memory.install(app, engine)
+        logger.warning("%s is set: /debug/memory is served (diagnostics only)",
+                       debug_memory.ENV_VAR)
     logger.info("serving %s (%s) on http://%s:%d", names[0], engine.config.model, args.host,
                 args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
