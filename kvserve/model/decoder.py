@@ -96,12 +96,45 @@ def _dense_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     return residual if b is None else residual.add_(b)
 
 
+def gemm_rows(t: int) -> int:
+    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16, else `t` rounded up to
+    one of 8 sizes per doubling (at most 12.5% padding).
+
+    Why: oneDNN JIT-compiles a primitive for every distinct input shape and keeps it in two LRU
+    caches of 1,024 entries each (its primitive cache and ideep's), at ~100 kB or more apiece.
+    A server's steps carry every token count from 1 to max_num_batched_tokens, so with exact
+    shapes every step compiled new kernels and RSS grew by tens of MB per round of concurrent
+    requests until both caches filled (see docs/soak.md). With these sizes a step has one of
+    about 90 shapes (6 GEMMs each), which stay cached: RSS levels off after warm-up."""
+    if t <= 16:
+        return t
+    step = 1 << (t.bit_length() - 4)
+    return -(-t // step) * step
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (a copy)."""
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    out[x.shape[0]:].zero_()
+    return out
+
+
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows != t:
+        return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, rows), w, b, "none", [], "")[:t]
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                        b: torch.Tensor | None) -> torch.Tensor:
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows != t:
+        return torch.ops.mkldnn._linear_pointwise.binary(
+            _pad_rows(x, rows), _pad_rows(residual, rows), w, b, "add")[:t]
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
 
 
@@ -225,10 +258,14 @@ class DecoderLayer(nn.Module):
         return act.mul_(gate_up[:, self.intermediate_size:])
 
     def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
+        if rows != t:
+            x = _pad_rows(x, rows)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_proj, self.gate_bias, "swish",
                                                   [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_proj, self.up_bias,
-                                                         "mul")
+                                                         "mul")[:t]
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
