@@ -180,6 +180,19 @@ async def run_round(url: str, rng: random.Random, args: argparse.Namespace) -> d
     return {k: results.count(k) for k in ("completed", "aborted", "error")}
 
 
+def one_round(url: str, rng: random.Random, args: argparse.Namespace, proc: subprocess.Popen,
+              t0: float) -> "Round":
+    """Run one round, let the server settle, and read its memory."""
+    r0 = time.monotonic()
+    counts = asyncio.run(run_round(url, rng, args))
+    took = time.monotonic() - r0
+    settle(url, args.settle)
+    st = proc_status(proc.pid)
+    return Round(0, round(time.monotonic() - t0, 1), round(took, 2), counts["completed"],
+                 counts["aborted"], counts["error"], st["VmRSS"], st.get("RssAnon", 0),
+                 st["VmHWM"], st["Threads"])
+
+
 def settle(url: str, seconds: float) -> None:
     """Wait until the engine has nothing running or waiting, then `seconds` more, so that
     aborts have been processed and short-lived buffers freed before RSS is read."""
@@ -312,26 +325,21 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.minutes * 60
         bar = tqdm(total=int(budget), unit="s", desc="soak", mininterval=5)
         while time.monotonic() - t0 < budget:
-            r0 = time.monotonic()
             try:
-                counts = asyncio.run(run_round(url, rng, args))
+                rounds.append(one_round(url, rng, args, proc, t0))
+                rounds[-1].round = len(rounds)
             except KeyboardInterrupt:
                 print("\ninterrupted: summarising the rounds so far", flush=True)
                 break
-            took = time.monotonic() - r0
-            settle(url, args.settle)
-            st = proc_status(proc.pid)
-            rounds.append(Round(len(rounds) + 1, round(time.monotonic() - t0, 1), round(took, 2),
-                                counts["completed"], counts["aborted"], counts["error"],
-                                st["VmRSS"], st.get("RssAnon", 0), st["VmHWM"], st["Threads"]))
+            last = rounds[-1]
             bar.update(min(int(time.monotonic() - t0), int(budget)) - bar.n)
-            bar.set_postfix(round=len(rounds), rss_mib=f"{st['VmRSS'] / 1024:.1f}",
-                            err=counts["error"])
+            bar.set_postfix(round=last.round, rss_mib=f"{last.rss_kb / 1024:.1f}",
+                            err=last.errors)
             write_rounds(rounds, out / "rounds.csv")
             if args.debug_memory:
                 with open(out / "debug_memory.jsonl", "a") as f:
                     report = httpx.get(f"{url}/debug/memory", timeout=120).json()
-                    f.write(json.dumps({"round": len(rounds), **report}) + "\n")
+                    f.write(json.dumps({"round": last.round, **report}) + "\n")
             if proc.poll() is not None:
                 raise SystemExit(f"the server died (exit {proc.returncode})")
         bar.close()

@@ -70,3 +70,47 @@ def test_varied_prompt_lengths_compile_only_rounded_gemm_shapes(tmp_path):
     # 64 prompt lengths (17..80) make 20 rounded sizes; unrounded they made 64.
     assert prefill_rows <= {gemm_rows(t) for t in range(17, 81)}, sorted(prefill_rows)
     assert len(prefill_rows) <= 20, sorted(prefill_rows)
+
+
+_WARMED_WORKLOAD = """
+import ctypes, os
+from kvserve import LLM, SamplingParams
+llm = LLM(max_model_len=256, num_threads=1, enable_prefix_caching=False, max_num_seqs=8,
+          max_num_batched_tokens=256)
+model = llm.engine.model
+print("WARMED", model.warm_up_gemms(256, 8), flush=True)
+ctypes.CDLL(None).fflush(None)  # oneDNN logs through C stdio: keep the order
+os.write(1, b"SERVING\\n")
+prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in range(17, 81)]
+llm.generate(prompts[:5], SamplingParams(max_tokens=3))
+for p in prompts:
+    llm.generate([p], SamplingParams(max_tokens=2))
+ctypes.CDLL(None).fflush(None)
+"""
+
+
+def test_after_the_warm_up_serving_compiles_no_gemm(tmp_path):
+    """`kvserve serve` warms every GEMM shape up front (`CausalLM.warm_up_gemms`): afterwards a
+    workload with 64 prompt lengths and mixed batches finds every GEMM compiled already."""
+    env = dict(os.environ, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    env.setdefault("KVSERVE_CACHE_DIR", str(ROOT / ".kvserve-cache"))
+    out = subprocess.run([sys.executable, "-c", _WARMED_WORKLOAD], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, _, after = out.stdout.partition("SERVING\n")
+    warmed = int(re.search(r"WARMED (\d+)", before).group(1))
+    assert warmed == len({gemm_rows(t) for t in range(1, 257)})
+    assert "inner_product" in before and "inner_product" in after  # the log works
+    misses = [line for line in after.splitlines()
+              if "create:cache_miss" in line and ",inner_product," in line]
+    assert not misses, misses[:5]
+
+
+def test_warm_up_stays_within_its_flop_budget():
+    from kvserve import LLM
+
+    model = LLM(max_model_len=256, num_threads=1).engine.model
+    assert model.warm_up_gemms(8192, 256, max_flops=0) == 0
+    some = model.warm_up_gemms(8192, 256, max_flops=5e7)
+    assert 0 < some < len({gemm_rows(t) for t in range(1, 8193)})
