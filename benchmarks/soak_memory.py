@@ -239,7 +239,10 @@ def verdict(rounds: list[Round], warmup: int, tolerance: float) -> dict:
             "tolerance_pct": 100.0 * tolerance, "flat": worst <= tolerance}
 
 
-def plot(rounds: list[Round], summary: dict, path: Path, title: str) -> None:
+def plot(rounds: list[Round], summary: dict, path: Path, title: str,
+         compare: list[tuple[str, list[Round]]] = ()) -> None:
+    """RSS per round with the warm-up and the tolerance band; `compare` overlays the VmRSS of
+    other runs (e.g. the same soak before a fix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,8 +250,11 @@ def plot(rounds: list[Round], summary: dict, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = [r.round for r in rounds]
-    ax.plot(xs, [r.rss_kb / 1024 for r in rounds], marker=".", label="VmRSS")
-    ax.plot(xs, [r.rss_anon_kb / 1024 for r in rounds], marker=".", alpha=0.6, label="RssAnon")
+    ax.plot(xs, [r.rss_kb / 1024 for r in rounds], marker=".", markersize=3, label="VmRSS")
+    ax.plot(xs, [r.rss_anon_kb / 1024 for r in rounds], alpha=0.6, label="RssAnon")
+    for label, other in compare:
+        ax.plot([r.round for r in other], [r.rss_kb / 1024 for r in other], linestyle="--",
+                alpha=0.8, label=f"VmRSS, {label}")
     base = summary["rss_warmup_end_kb"] / 1024
     tol = summary["tolerance_pct"] / 100
     w = summary["warmup_rounds"]
@@ -259,7 +265,7 @@ def plot(rounds: list[Round], summary: dict, path: Path, title: str) -> None:
     ax.set_xlabel("round")
     ax.set_ylabel("server memory (MiB)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right" if not compare else "upper left", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,41 +283,16 @@ def write_rounds(rounds: list[Round], path: Path) -> None:
             w.writerow(asdict(r))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=30.0, help="run rounds for this long")
-    p.add_argument("--concurrency", type=int, default=256, help="requests per round, all at once")
-    p.add_argument("--abort-fraction", type=float, default=0.25,
-                   help="fraction of requests that disconnect mid-stream")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--min-words", type=int, default=8)
-    p.add_argument("--max-words", type=int, default=48)
-    p.add_argument("--warmup-rounds", type=int, default=None,
-                   help="rounds before the RSS baseline (default: 10%% of the rounds, >= 3)")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds idle before reading RSS")
-    p.add_argument("--tolerance", type=float, default=0.05)
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--server-args", default="", help="extra `kvserve serve` flags, one string")
-    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment of the server (e.g. MALLOC_ARENA_MAX=2); repeatable")
-    p.add_argument("--debug-memory", nargs="?", const="1", default=None,
-                   choices=["1", "tracemalloc"],
-                   help="run the server with KVSERVE_DEBUG_MEMORY=1 (or =tracemalloc: slow) and "
-                   "save its /debug/memory report after every round to debug_memory.jsonl")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="soak-out")
-    p.add_argument("--plot", default="docs/soak_rss.png")
-    p.add_argument("--title", default=None)
-    args = p.parse_args(argv)
-    if not 0.0 <= args.abort_fraction <= 1.0:
-        p.error("--abort-fraction must be in [0, 1]")
+def read_rounds(path: Path) -> list[Round]:
+    with open(path, newline="") as f:
+        return [Round(**{k: (float(v) if k in ("t_s", "duration_s") else int(v))
+                         for k, v in row.items()}) for row in csv.DictReader(f)]
 
+
+def run_soak(args: argparse.Namespace, out: Path) -> tuple[list[Round], int]:
+    """Start the server, run rounds for `--minutes`; the rounds and the RSS at start (kB)."""
     from tqdm import tqdm
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     proc, url = start_server(args, out / "server.log")
     rng = random.Random(args.seed)
     rounds: list[Round] = []
@@ -345,6 +326,50 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     finally:
         stop_server(proc)
+    return rounds, start["VmRSS"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=30.0, help="run rounds for this long")
+    p.add_argument("--concurrency", type=int, default=256, help="requests per round, all at once")
+    p.add_argument("--abort-fraction", type=float, default=0.25,
+                   help="fraction of requests that disconnect mid-stream")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--min-words", type=int, default=8)
+    p.add_argument("--max-words", type=int, default=48)
+    p.add_argument("--warmup-rounds", type=int, default=None,
+                   help="rounds before the RSS baseline (default: 10%% of the rounds, >= 3)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds idle before reading RSS")
+    p.add_argument("--tolerance", type=float, default=0.05)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--server-args", default="", help="extra `kvserve serve` flags, one string")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the server (e.g. MALLOC_ARENA_MAX=2); repeatable")
+    p.add_argument("--debug-memory", nargs="?", const="1", default=None,
+                   choices=["1", "tracemalloc"],
+                   help="run the server with KVSERVE_DEBUG_MEMORY=1 (or =tracemalloc: slow) and "
+                   "save its /debug/memory report after every round to debug_memory.jsonl")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="soak-out")
+    p.add_argument("--plot", default="docs/soak_rss.png")
+    p.add_argument("--title", default=None)
+    p.add_argument("--compare", action="append", default=[], metavar="CSV=LABEL",
+                   help="overlay the RSS of another run's rounds.csv on the plot; repeatable")
+    p.add_argument("--from-csv", default=None, metavar="CSV",
+                   help="start no server: summarise and plot this rounds.csv again")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.abort_fraction <= 1.0:
+        p.error("--abort-fraction must be in [0, 1]")
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_csv:
+        rounds, start_kb = read_rounds(Path(args.from_csv)), None
+    else:
+        rounds, start_kb = run_soak(args, out)
     if len(rounds) < 2:
         raise SystemExit("fewer than two rounds: run longer")
     warmup = args.warmup_rounds if args.warmup_rounds is not None \
@@ -352,18 +377,23 @@ def main(argv: list[str] | None = None) -> int:
     summary = verdict(rounds, warmup, args.tolerance)
     summary.update(concurrency=args.concurrency, abort_fraction=args.abort_fraction,
                    max_tokens=args.max_tokens, server_args=args.server_args,
-                   server_env=args.server_env, rss_start_kb=start["VmRSS"],
+                   server_env=args.server_env, rss_start_kb=start_kb,
                    requests=sum(r.completed + r.aborted + r.errors for r in rounds),
                    errors=sum(r.errors for r in rounds))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     title = args.title or (f"kvserve serve RSS per round: {len(rounds)} rounds x "
                            f"{args.concurrency} streams ({100 * args.abort_fraction:.0f}% aborted),"
                            f" {summary['duration_s'] / 60:.0f} min")
-    plot(rounds, summary, Path(args.plot), title)
+    compare = []
+    for item in args.compare:
+        path, _, label = item.partition("=")
+        compare.append((label or path, read_rounds(Path(path))))
+    plot(rounds, summary, Path(args.plot), title, compare)
     mib = 1 / 1024
     print(f"rounds {len(rounds)} in {summary['duration_s'] / 60:.1f} min, "
           f"{summary['requests']} requests ({summary['errors']} errors)")
-    print(f"RSS start {start['VmRSS'] * mib:.1f} MiB, after warm-up ({warmup} rounds) "
+    at_start = f"{start_kb * mib:.1f} MiB" if start_kb is not None else "n/a"
+    print(f"RSS start {at_start}, after warm-up ({warmup} rounds) "
           f"{summary['rss_warmup_end_kb'] * mib:.1f} MiB, end {summary['rss_end_kb'] * mib:.1f} "
           f"MiB: growth {summary['growth_pct']:+.2f}%, max deviation "
           f"{summary['max_deviation_pct']:.2f}%, slope {summary['slope_kb_per_round']:+.1f} "
