@@ -101,11 +101,11 @@ def gemm_rows(t: int) -> int:
     one of 8 sizes per doubling (at most 12.5% padding).
 
     Why: oneDNN JIT-compiles a primitive for every distinct input shape and keeps it in two LRU
-    caches of 1,024 entries each (its primitive cache and ideep's), at ~100 kB or more apiece.
-    A server's steps carry every token count from 1 to max_num_batched_tokens, so with exact
-    shapes every step compiled new kernels and RSS grew by tens of MB per round of concurrent
-    requests until both caches filled (see docs/soak.md). With these sizes a step has one of
-    about 90 shapes (6 GEMMs each), which stay cached: RSS levels off after warm-up."""
+    caches of 1,024 entries each (its primitive cache and ideep's), at ~0.7 MB apiece on this
+    project's CPU. A server's steps carry every token count from 1 to max_num_batched_tokens,
+    so with exact shapes most steps compiled new kernels and RSS grew by ~12 MB per round of
+    256 concurrent requests (see docs/soak.md). With these sizes there are 88 row counts up to
+    8,192 (5 GEMMs each, plus the LM head's), which all stay cached."""
     if t <= 16:
         return t
     step = 1 << (t.bit_length() - 4)
@@ -335,7 +335,7 @@ class CausalLM(nn.Module):
         `max_flops`; returns how many row counts were warmed (0 without packed weights).
 
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
-        of the process (about 0.6 MB each on this project's CPU). Compiling them all before
+        of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
         hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
         the same shapes, so one layer is enough."""
@@ -345,13 +345,13 @@ class CausalLM(nn.Module):
         h, inter = c.hidden_size, c.intermediate_size
         qkv = c.q_size + 2 * c.kv_size
         per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
             for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
                 cost = rows * (per_row + (2 * h * c.vocab_size if rows <= max_logit_rows else 0))
                 if spent + cost > max_flops:
                     break
-                zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
                 x = torch.zeros(rows, h, **zeros)
                 layer._linear(x, layer.qkv_proj, layer.qkv_bias)
                 layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,

@@ -52,7 +52,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"))
     from kvserve.server import debug_memory
 
-    if debug_memory.enabled():  # opt-in diagnostics: tracemalloc + GET /debug/memory
+    if debug_memory.enabled():  # opt-in diagnostics: GET /debug/memory (docs/soak.md)
         debug_memory.install(app, engine)
         logger.warning("%s is set: /debug/memory is served (diagnostics only)",
                        debug_memory.ENV_VAR)
