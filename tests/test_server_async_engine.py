@@ -221,3 +221,39 @@ def test_requests_after_shutdown_are_refused(llm):
         return ae.is_running
 
     assert _run(main()) is False
+
+
+def test_no_per_request_state_outlives_its_request(llm):
+    """Issue 11, defect 6 (memory soak): after many requests, half of them left mid-stream, the
+    async engine, the engine, the scheduler, the KV manager and the Prometheus logger hold no
+    entry for any of them (the maps `/debug/memory` reports must be empty when idle)."""
+    from kvserve.server.debug_memory import engine_maps
+    from kvserve.server.metrics import PrometheusStatLogger
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def one(ae, i):
+        async for out in ae.generate(f"soak request {i} " * (1 + i % 5), params, f"s{i}"):
+            if i % 2 and len(out.outputs[0].token_ids) >= 1 + i % 4:
+                return "left"  # leaving the generator aborts the request
+        return "done"
+
+    async def main():
+        ae = _fresh(llm.engine, stat_loggers=[PrometheusStatLogger("tiny")])
+        ae.start()
+        try:
+            results = await asyncio.gather(*(one(ae, i) for i in range(64)))
+            deadline = time.monotonic() + 10
+            while ae.engine.has_unfinished_requests() or ae._commands:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            await ae.call(lambda e: None)  # the loop has handled every abort
+            return results, engine_maps(ae)
+        finally:
+            ae.shutdown()
+
+    results, maps = _run(main())
+    assert results.count("left") == 32 and results.count("done") == 32
+    per_request = {k: v for k, v in maps.items() if not k.startswith("prefix.")}
+    assert per_request and not any(per_request.values()), per_request
+    assert llm.engine.kv.usage == 0.0

@@ -96,12 +96,45 @@ def _dense_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     return residual if b is None else residual.add_(b)
 
 
+def gemm_rows(t: int) -> int:
+    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16, else `t` rounded up to
+    one of 8 sizes per doubling (at most 12.5% padding).
+
+    Why: oneDNN JIT-compiles a primitive for every distinct input shape and keeps it in two LRU
+    caches of 1,024 entries each (its primitive cache and ideep's), at ~0.7 MB apiece on this
+    project's CPU. A server's steps carry every token count from 1 to max_num_batched_tokens,
+    so with exact shapes most steps compiled new kernels and RSS grew by ~12 MB per round of
+    256 concurrent requests (see docs/soak.md). With these sizes there are 88 row counts up to
+    8,192 (5 GEMMs each, plus the LM head's), which all stay cached."""
+    if t <= 16:
+        return t
+    step = 1 << (t.bit_length() - 4)
+    return -(-t // step) * step
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (a copy)."""
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    out[x.shape[0]:].zero_()
+    return out
+
+
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows != t:
+        return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, rows), w, b, "none", [], "")[:t]
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                        b: torch.Tensor | None) -> torch.Tensor:
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows != t:
+        return torch.ops.mkldnn._linear_pointwise.binary(
+            _pad_rows(x, rows), _pad_rows(residual, rows), w, b, "add")[:t]
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
 
 
@@ -225,10 +258,14 @@ class DecoderLayer(nn.Module):
         return act.mul_(gate_up[:, self.intermediate_size:])
 
     def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
+        if rows != t:
+            x = _pad_rows(x, rows)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_proj, self.gate_bias, "swish",
                                                   [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_proj, self.up_bias,
-                                                         "mul")
+                                                         "mul")[:t]
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -291,6 +328,40 @@ class CausalLM(nn.Module):
         self._logits_linear = _onednn_linear
         self.packed = True
         return True
+
+    def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
+        """Run each packed GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
+        LM head up to max_logit_rows), smallest first, while the FLOPs spent stay under
+        `max_flops`; returns how many row counts were warmed (0 without packed weights).
+
+        Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
+        of the process (about 0.7 MB each on this project's CPU). Compiling them all before
+        serving makes a server reach its steady memory at start-up, instead of creeping up for
+        hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
+        the same shapes, so one layer is enough."""
+        if not self.packed or not self.layers:
+            return 0
+        c, layer = self.config, self.layers[0]
+        h, inter = c.hidden_size, c.intermediate_size
+        qkv = c.q_size + 2 * c.kv_size
+        per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
+        spent, warmed = 0.0, 0
+        with torch.inference_mode():
+            for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
+                cost = rows * (per_row + (2 * h * c.vocab_size if rows <= max_logit_rows else 0))
+                if spent + cost > max_flops:
+                    break
+                x = torch.zeros(rows, h, **zeros)
+                layer._linear(x, layer.qkv_proj, layer.qkv_bias)
+                layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,
+                                  layer.o_bias)
+                layer._linear_add(layer._swiglu(x), x, layer.down_proj, layer.down_bias)
+                if rows <= max_logit_rows:
+                    self.compute_logits(x)
+                spent += cost
+                warmed += 1
+        return warmed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:

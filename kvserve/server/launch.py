@@ -17,6 +17,22 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [args.model if args.model is not None else "default"]
 
 
+def warm_up_gemms(engine) -> None:
+    """Compile every oneDNN GEMM shape the engine can use before serving (CPU, packed weights).
+
+    Why: a server under concurrent load meets a new batch size on many steps, and oneDNN keeps
+    a compiled kernel per shape; warmed up front, the server's memory is at its steady level
+    from the first request (docs/soak.md) and no request waits on a compile."""
+    import time
+
+    cfg = engine.config
+    start = time.monotonic()
+    warmed = engine.engine.model.warm_up_gemms(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    if warmed:
+        logger.info("compiled the GEMMs for %d batch sizes in %.1f s", warmed,
+                    time.monotonic() - start)
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     import uvicorn
 
@@ -34,10 +50,17 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                         max_seqs_per_request=args.max_seqs_per_request,
                                         log_stats=not args.disable_log_stats,
                                         log_interval=args.log_stats_interval, **engine_kwargs)
+    warm_up_gemms(engine)
     names = served_names(args)
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                     api_key_protect_all=args.api_key_protect_all,
                     max_request_body_bytes=args.max_request_body_bytes)
+    from kvserve.server import debug_memory
+
+    if debug_memory.enabled():  # opt-in diagnostics: GET /debug/memory (docs/soak.md)
+        debug_memory.install(app, engine)
+        logger.warning("%s is set: /debug/memory is served (diagnostics only)",
+                       debug_memory.ENV_VAR)
     logger.info("serving %s (%s) on http://%s:%d", names[0], engine.config.model, args.host,
                 args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
