@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.eviction import Belady, FutureUses, make_eviction_policy
 from kvserve.kv.hashing import block_hash, chain_hashes, extra_keys
 from kvserve.kv.manager import KVCacheManager, matchable_tokens
-from kvserve.sim.routing import ROUTING_POLICIES, make_policy
+from kvserve.router.policies import ALL_POLICIES, make_policy
 from kvserve.sim.trace import Trace, TraceRequest
 
 
@@ -75,8 +75,8 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         make_eviction_policy(self.policy, online_only=False)  # a clear error for a bad name
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, "
+        if self.routing not in ALL_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ALL_POLICIES)}, "
                              f"got {self.routing!r}")
         if self.lifetime not in ("timed", "immediate"):
             raise ValueError(f"lifetime must be timed or immediate, got {self.lifetime!r}")
@@ -129,6 +129,8 @@ class PromptHasher:
 
 class Replica:
     """One engine's KV cache: a `KVCacheManager` and the requests holding blocks in it."""
+
+    available = True  # a simulated replica never fails (routing's ReplicaView)
 
     def __init__(self, config: SimConfig, future: FutureUses | None = None) -> None:
         self.config = config

@@ -1,11 +1,16 @@
 """Routing policies: which of N replicas serves a request.
 
-A policy sees the request's chained block hashes (kvserve/kv/hashing.py, the names blocks go by in
-every process) and, per replica, its load and how many of the request's tokens its prefix cache
-holds. The simulator drives these with replicas that are real `KVCacheManager`s; they live here,
-with their one user, until a gateway in front of engine processes gives them a second.
+One implementation with two users: the simulator (kvserve/sim/replay.py) drives these with
+replicas that are real `KVCacheManager`s, and the gateway (kvserve/router/app.py) with real
+`kvserve serve` processes, whose caches it knows approximately (kvserve/router/prefix_view.py).
+
+A policy sees the request's chained block hashes (kvserve/kv/hashing.py, the names blocks go by
+in every process) and, per replica, whether it is available, its load and how many of the
+request's tokens its prefix cache holds. Unavailable replicas (the gateway's failed ones) are
+skipped; the simulator's are always available.
 
 - random, round_robin: cache-blind baselines.
+- least_loaded: the replica with the fewest requests in flight (cache-blind, load-aware).
 - consistent_hash: the request's prefix (the chained hash of its first `key_tokens` tokens, in
   whole blocks) picks a point on a ring of virtual nodes; the request goes to the first replica
   clockwise whose load stays within the bound ceil(c x (total load + 1) / N) (Mirrokni, Thorup and
@@ -15,6 +20,9 @@ with their one user, until a gateway in front of engine processes gives them a s
   holds any of it, most often) go to the least loaded. When the best-matching replica's load is
   above the same bound, it falls back to the least loaded replica: affinity wins while loads
   are balanced, balance wins once they are not.
+
+Every `choose` also leaves `last_reason` ("affinity", "spill", "least_loaded", "blind"), which the
+gateway counts per replica in its metrics.
 """
 
 from __future__ import annotations
@@ -28,9 +36,25 @@ from typing import Protocol
 import xxhash
 
 ROUTING_POLICIES = ("random", "round_robin", "consistent_hash", "cache_aware")
+GATEWAY_POLICIES = ("round_robin", "least_loaded", "consistent_hash", "cache_aware")
+ALL_POLICIES = ("random", "round_robin", "least_loaded", "consistent_hash", "cache_aware")
+
+
+class NoReplicaAvailable(RuntimeError):
+    """Every replica is out (the gateway answers 503)."""
+
+
+class RoutedRequest(Protocol):
+    """What a policy reads of a request."""
+
+    block_hashes: list[int]
 
 
 class ReplicaView(Protocol):
+    @property
+    def available(self) -> bool:
+        """Whether the replica may take requests (healthy)."""
+
     @property
     def load(self) -> int:
         """Requests the replica is serving now (or has served, in a model without time)."""
@@ -44,12 +68,24 @@ def load_bound(loads: Sequence[int], factor: float) -> int:
     return max(1, math.ceil(factor * (sum(loads) + 1) / len(loads)))
 
 
-def least_loaded(loads: Sequence[int]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i], i))
+def least_loaded(loads: Sequence[int], candidates: Sequence[int] | None = None) -> int:
+    """Index of the least loaded replica among `candidates` (all by default); ties go to the
+    lowest index, so the choice is deterministic."""
+    pool = range(len(loads)) if candidates is None else candidates
+    return min(pool, key=lambda i: (loads[i], i))
+
+
+def available_indices(replicas: Sequence[ReplicaView]) -> list[int]:
+    """Indices of the replicas that may take a request; raises when there are none."""
+    out = [i for i, r in enumerate(replicas) if r.available]
+    if not out:
+        raise NoReplicaAvailable("no replica is available")
+    return out
 
 
 class RoutingPolicy:
     name = ""
+    last_reason = ""
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
         raise NotImplementedError
@@ -62,7 +98,11 @@ class RandomPolicy(RoutingPolicy):
         self._rng = random.Random(seed)
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
-        return self._rng.randrange(len(replicas))
+        candidates = available_indices(replicas)
+        self.last_reason = "blind"
+        if len(candidates) == len(replicas):
+            return self._rng.randrange(len(replicas))
+        return self._rng.choice(candidates)
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -72,9 +112,22 @@ class RoundRobinPolicy(RoutingPolicy):
         self._next = 0
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
-        i = self._next % len(replicas)
-        self._next += 1
-        return i
+        available_indices(replicas)
+        self.last_reason = "blind"
+        while True:
+            i = self._next % len(replicas)
+            self._next += 1
+            if replicas[i].available:
+                return i
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    name = "least_loaded"
+
+    def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        candidates = available_indices(replicas)
+        self.last_reason = "least_loaded"
+        return least_loaded([r.load for r in replicas], candidates)
 
 
 class ConsistentHashPolicy(RoutingPolicy):
@@ -98,18 +151,26 @@ class ConsistentHashPolicy(RoutingPolicy):
         return hashes[min(len(hashes), self.key_blocks) - 1] & (2**64 - 1)
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        candidates = available_indices(replicas)
         loads = [r.load for r in replicas]
         key = self.key(request)
         if key is None:  # shorter than a block: nothing to be affine to
-            return least_loaded(loads)
-        bound = load_bound(loads, self.balance_factor)
+            self.last_reason = "least_loaded"
+            return least_loaded(loads, candidates)
+        bound = load_bound([loads[i] for i in candidates], self.balance_factor)
         start = bisect.bisect_left(self._points, key)
         n = len(self._points)
+        first = True
         for step in range(n):
             r = self._owners[(start + step) % n]
+            if not replicas[r].available:
+                continue
             if loads[r] + 1 <= bound:
+                self.last_reason = "affinity" if first else "spill"
                 return r
-        return least_loaded(loads)
+            first = False
+        self.last_reason = "least_loaded"
+        return least_loaded(loads, candidates)
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -121,11 +182,17 @@ class CacheAwarePolicy(RoutingPolicy):
         self.balance_factor = balance_factor
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
+        candidates = available_indices(replicas)
         loads = [r.load for r in replicas]
-        matches = [r.match_tokens(request) for r in replicas]
-        best = max(range(len(replicas)), key=lambda i: (matches[i], -loads[i], -i))
-        if matches[best] == 0 or loads[best] + 1 > load_bound(loads, self.balance_factor):
-            return least_loaded(loads)
+        matches = {i: replicas[i].match_tokens(request) for i in candidates}
+        best = max(candidates, key=lambda i: (matches[i], -loads[i], -i))
+        if matches[best] == 0:
+            self.last_reason = "least_loaded"
+            return least_loaded(loads, candidates)
+        if loads[best] + 1 > load_bound([loads[i] for i in candidates], self.balance_factor):
+            self.last_reason = "spill"
+            return least_loaded(loads, candidates)
+        self.last_reason = "affinity"
         return best
 
 
@@ -135,8 +202,10 @@ def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
         return RandomPolicy(seed)
     if name == "round_robin":
         return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
     if name == "consistent_hash":
         return ConsistentHashPolicy(num_replicas, block_size, key_tokens, balance_factor)
     if name == "cache_aware":
         return CacheAwarePolicy(balance_factor)
-    raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
+    raise ValueError(f"routing policy must be one of {', '.join(ALL_POLICIES)}, got {name!r}")
