@@ -1,4 +1,5 @@
-"""`kvserve make-model | generate | serve`: the command line, with vLLM's flag names."""
+"""`kvserve make-model | generate | serve | route | plan | simulate`: the command line, with
+vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvserve.router.launch import run_router
+
+    return run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     add_server_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    from kvserve.router.launch import add_route_args
+
+    route = sub.add_parser("route", help="a prefix-aware OpenAI-compatible gateway in front of "
+                           "several `kvserve serve` replicas")
+    add_route_args(route)
+    route.set_defaults(func=cmd_route)
 
     from kvserve.planner.cli import EPILOG as PLAN_EPILOG, add_plan_args, cmd_plan
     from kvserve.sim.cli import EPILOG as SIM_EPILOG, add_simulate_args, cmd_simulate
