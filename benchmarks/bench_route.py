@@ -10,7 +10,8 @@ Runs, in order, on the same replica processes (prefix caches reset between runs)
 1. `alone`: replica 0 without the gateway (the single-replica hit rate; overhead baseline);
 2. `gw+1`: the gateway in front of replica 0 alone (the gateway's own overhead);
 3. one run per policy over all replicas;
-4. `failover`: cache_aware with the last replica killed halfway through the trace.
+4. `failover`: cache_aware with the busiest replica (most requests in flight) killed halfway
+   through the trace.
 
 Per run: prefix-cache hit rate (the replicas' own /metrics counters, tokens), TTFT p50/p99,
 throughput, failed requests split into those that had not started streaming (must be 0) and
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-per-group", type=int, default=8)
     ap.add_argument("--system-prompt-len", type=int, default=256)
     ap.add_argument("--question-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--rate", type=float, default=6.0, help="requests/s of the generated trace")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests/s of the generated trace")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--balance-factor", type=float, default=1.25)
@@ -329,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
             g.stop()
         if not args.no_failover:
             g = gateway("gw-failover", "cache_aware", urls)
-            run("failover", g.url, urls, on_half=lambda: reps[-1].stop(kill=True))
+
+            def kill_busiest() -> None:
+                state = httpx.get(g.url + "/replicas", timeout=10).json()["replicas"]
+                victim = max(state, key=lambda r: (r["in_flight"], -r["index"]))["index"]
+                print(f"killing replica {victim} with {state[victim]['in_flight']} requests "
+                      "in flight", flush=True)
+                reps[victim].stop(kill=True)
+
+            run("failover", g.url, urls, on_half=kill_busiest)
             g.stop()
     finally:
         for p in procs:

@@ -147,8 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def route_parser() -> argparse.ArgumentParser:
+    """`kvserve route` alone: the gateway never builds the other commands' parsers, whose
+    imports (the planner's) bring torch into a process that has no use for it."""
+    from kvserve.router.launch import add_route_args
+
+    parser = argparse.ArgumentParser(prog="kvserve route")
+    add_route_args(parser)
+    parser.set_defaults(func=cmd_route)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["route"] and not {"-h", "--help"} & set(argv[1:]):
+        args = route_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

@@ -107,13 +107,13 @@ class _Attempt:
         self.metrics = metrics
         self.closed = False
         replica.in_flight += 1
-        metrics.in_flight.labels(replica=replica.name).inc()
+        metrics.child(metrics.in_flight, replica=replica.name).inc()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.replica.in_flight -= 1
-            self.metrics.in_flight.labels(replica=self.replica.name).dec()
+            self.metrics.child(self.metrics.in_flight, replica=self.replica.name).dec()
 
 
 class Gateway:
@@ -129,8 +129,8 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         for r in self.replicas:
-            self.metrics.healthy.labels(replica=r.name).set(0)
-            self.metrics.in_flight.labels(replica=r.name).set(0)
+            self.metrics.child(self.metrics.healthy, replica=r.name).set(0)
+            self.metrics.child(self.metrics.in_flight, replica=r.name).set(0)
 
     # -- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,18 +180,18 @@ class Gateway:
             return None
         replica = self.replicas[i]
         m = self.metrics
-        m.decisions.labels(replica=replica.name, policy=self.policy.name,
+        m.child(m.decisions, replica=replica.name, policy=self.policy.name,
                            reason=self.policy.last_reason or "blind").inc()
-        m.predicted_hit_tokens.labels(replica=replica.name).inc(replica.match_tokens(keyed))
-        m.prompt_tokens.labels(replica=replica.name).inc(
+        m.child(m.predicted_hit_tokens, replica=replica.name).inc(replica.match_tokens(keyed))
+        m.child(m.prompt_tokens, replica=replica.name).inc(
             len(keyed.block_hashes) * self.keyer.block_size)
         return replica
 
     def _failed(self, replica: ReplicaState, kind: str, why: str, take_out: bool) -> None:
-        self.metrics.errors.labels(replica=replica.name, kind=kind).inc()
+        self.metrics.child(self.metrics.errors, replica=replica.name, kind=kind).inc()
         if take_out:
             replica.mark_failed(why)
-            self.metrics.healthy.labels(replica=replica.name).set(0)
+            self.metrics.child(self.metrics.healthy, replica=replica.name).set(0)
 
     async def keys(self, path: str, raw: bytes) -> tuple[dict[str, Any] | None, list[int]]:
         """The parsed body (None if it is not a JSON object: the replica will say why) and its
@@ -259,7 +259,7 @@ class Gateway:
                     f"{type(exc).__name__}"
                 self._failed(replica, "connect", last_error, take_out=True)
                 continue
-            self.metrics.requests.labels(replica=replica.name).inc()
+            self.metrics.child(self.metrics.requests, replica=replica.name).inc()
             out_headers = {"x-kvserve-replica": replica.name}
             if not (stream and upstream.status_code == 200):
                 await upstream.aclose()

@@ -34,7 +34,9 @@ def apply_events(replica: ReplicaState, answer: dict[str, Any], metrics: RouterM
             view.remove(ev.get("block_hashes", ()))
         elif kind == "AllBlocksCleared":
             view.clear()
-        metrics.kv_events.labels(replica=replica.name, type=str(kind)).inc()
+        known = kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+        metrics.child(metrics.kv_events, replica=replica.name,
+                      type=kind if known else "other").inc()
 
 
 async def subscribe(client: httpx.AsyncClient, replica: ReplicaState, metrics: RouterMetrics,

@@ -11,6 +11,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class RouterMetrics:
     def __init__(self, policy: str) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}
         r = self.registry
         self.policy = policy
         self.requests = Counter("kvserve:router_requests", "Requests a replica answered "
@@ -37,6 +38,15 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvserve:router_keyed_tokens", "Prompt tokens covered by "
                                      "the requests' prefix keys (whole blocks)", ["replica"],
                                      registry=r)
+
+    def child(self, metric, **labels):
+        """`metric.labels(**labels)`, cached: prometheus_client's labels() costs tens of
+        microseconds, and the gateway asks for the same few children on every request."""
+        key = (id(metric), tuple(sorted(labels.items())))
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(**labels)
+        return got
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

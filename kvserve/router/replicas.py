@@ -79,5 +79,5 @@ async def health_loop(client: httpx.AsyncClient, replicas: list[ReplicaState],
     while True:
         await asyncio.gather(*(check_once(client, r, timeout) for r in replicas))
         for r in replicas:
-            metrics.healthy.labels(replica=r.name).set(1 if r.healthy else 0)
+            metrics.child(metrics.healthy, replica=r.name).set(1 if r.healthy else 0)
         await asyncio.sleep(interval)
