@@ -440,3 +440,40 @@ def test_a_replica_killed_mid_run_loses_no_request_that_had_not_started(tmp_path
         for p in [gw, *reps]:
             if p is not None:
                 p.stop()
+
+
+@pytest.mark.timeout(400)
+def test_with_a_shared_redis_tier_a_prefix_computed_on_one_replica_hits_on_another(
+        tmp_path, redis_server):
+    """The scale-out story: replicas share a Redis tier (write-through), so a prefix computed
+    on one replica is a remote hit on another, even when the gateway routes blindly."""
+    tiers = json.dumps({"chunk_size": 64, "local_cpu": False, "remote_url": redis_server.url,
+                        "write_policy": "write_through", "model_name": "tiny"})
+    reps = [replica(f"redis{i}", tmp_path, extra=["--kv-tier-config", tiers]) for i in range(2)]
+    gw = None
+    try:
+        for r in reps:
+            r.wait_ready()
+        gw = gateway(reps, tmp_path, "--policy", "round_robin")
+        gw.wait_ready()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        prefix = [11 + (i * 7) % 1500 for i in range(256)]
+        first = client.completions.with_raw_response.create(
+            model="default", prompt=prefix + [3, 4, 5], max_tokens=2)
+        assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
+        time.sleep(1.0)  # the write-through saves run on a background thread
+        second = client.completions.with_raw_response.create(
+            model="default", prompt=prefix + [6, 7, 8], max_tokens=2)
+        assert second.headers["x-kvserve-replica"] != first.headers["x-kvserve-replica"]
+        assert second.parse().usage.prompt_tokens_details.cached_tokens >= 192
+        other = reps[int(second.headers["x-kvserve-replica"])]
+        metrics = httpx.get(other.url + "/metrics").text
+        remote = [line for line in metrics.splitlines()
+                  if line.startswith("kvserve:prefix_cache_hits_by_source_total")
+                  and 'source="remote"' in line]
+        assert remote and float(remote[0].rsplit(" ", 1)[1]) >= 192, remote
+    finally:
+        for p in [gw, *reps]:
+            if p is not None:
+                p.stop()
