@@ -225,12 +225,13 @@ def prefill_rate(results: list[Result]) -> float:
 
 
 def simulate(trace: Trace, replicas: int, routing: str, capacity: int, decode_ms: float,
-             prefill_tps: float, balance: float, key_tokens: int) -> float:
+             prefill_tps: float, balance: float, slack: int, key_tokens: int) -> float:
     from kvserve.sim.replay import SimConfig, replay as sim_replay
 
     cfg = SimConfig(capacity_tokens=capacity, block_size=16, replicas=replicas,
                     routing=routing, lifetime="timed", decode_ms_per_token=decode_ms,
                     prefill_tokens_per_s=prefill_tps, balance_factor=balance,
+                    balance_slack=slack,
                     hash_key_tokens=key_tokens)
     return sim_replay(trace, cfg)["hit_rate"]
 
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--balance-factor", type=float, default=1.25)
+    ap.add_argument("--balance-slack", type=int, default=4)
     ap.add_argument("--hash-key-tokens", type=int, default=256)
     ap.add_argument("--no-failover", action="store_true")
     ap.add_argument("--out-dir", default="out/bench_route")
@@ -306,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def gateway(name: str, policy: str, rep_urls: list[str]) -> Proc:
             argv = ["route", "--policy", policy, "--balance-factor", str(args.balance_factor),
+                    "--balance-slack", str(args.balance_slack),
                     "--hash-key-tokens", str(args.hash_key_tokens), "--health-interval", "0.5"]
             for u in rep_urls:
                 argv += ["--replica", u]
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                      "failover": (args.replicas, "cache_aware")}.get(
             s["run"], (args.replicas, s["run"]))
         s["simulated_hit_rate"] = simulate(trace, n, policy, capacity, decode_ms, prefill_tps,
-                                           args.balance_factor, args.hash_key_tokens)
+                                           args.balance_factor, args.balance_slack,
+                                           args.hash_key_tokens)
     single = alone["hit_rate"]
     print(f"\n{'run':<16}{'hit rate':>9}{'sim':>8}{'Δ pts':>7}{'vs 1':>7}{'TTFT p50':>10}"
           f"{'p99':>9}{'req/s':>7}{'tok/s':>8}{'fail*':>6}{'cut':>5}  per replica")

@@ -72,6 +72,19 @@ def test_cache_aware_follows_the_prefix_and_spills_when_hot():
     assert policy.choose(Req([1]), reps) == 2 and policy.last_reason == "least_loaded"
 
 
+def test_a_balance_slack_keeps_affinity_at_low_load_and_zero_changes_nothing():
+    from kvserve.router.policies import load_bound
+
+    for loads in ([0, 0, 0, 0], [1, 0, 0, 0], [5, 9, 2, 7], [40, 3, 3, 3]):
+        mean_bound = max(1, -(-5 * (sum(loads) + 1) // (4 * len(loads))))
+        assert load_bound(loads, 1.25) == load_bound(loads, 1.25, 0) == mean_bound
+    reps = [FakeReplica(load=1, match=64), FakeReplica(), FakeReplica(), FakeReplica()]
+    assert CacheAwarePolicy(1.25).choose(Req([1]), reps) == 1  # 2 > ceil(1.25 * 2 / 4)
+    assert CacheAwarePolicy(1.25, balance_slack=4).choose(Req([1]), reps) == 0
+    reps[0].load = 4
+    assert CacheAwarePolicy(1.25, balance_slack=4).choose(Req([1]), reps) == 1
+
+
 def test_least_loaded_prefers_fewest_in_flight():
     reps = [FakeReplica(load=3), FakeReplica(load=1), FakeReplica(load=1)]
     assert LeastLoadedPolicy().choose(Req([]), reps) == 1

@@ -63,9 +63,13 @@ class ReplicaView(Protocol):
         """Tokens of `request` this replica's prefix cache holds."""
 
 
-def load_bound(loads: Sequence[int], factor: float) -> int:
-    """The most load one replica may carry after taking one more request."""
-    return max(1, math.ceil(factor * (sum(loads) + 1) / len(loads)))
+def load_bound(loads: Sequence[int], factor: float, slack: int = 0) -> int:
+    """The most load one replica may carry after taking one more request: within `factor`
+    of the mean (bounded loads), or within `slack` of the least loaded replica, whichever is
+    larger. With `slack` 0 the mean bound is the whole rule (the least loaded replica is
+    always below it); a slack keeps affinity at low loads, where one request in flight is
+    already above `factor` x the mean but nobody is hot."""
+    return max(1, math.ceil(factor * (sum(loads) + 1) / len(loads)), min(loads) + slack)
 
 
 def least_loaded(loads: Sequence[int], candidates: Sequence[int] | None = None) -> int:
@@ -134,11 +138,14 @@ class ConsistentHashPolicy(RoutingPolicy):
     name = "consistent_hash"
 
     def __init__(self, num_replicas: int, block_size: int, key_tokens: int = 256,
-                 balance_factor: float = 1.25, vnodes: int = 160) -> None:
-        if num_replicas < 1 or balance_factor < 1:
-            raise ValueError("need at least one replica and a balance factor >= 1")
+                 balance_factor: float = 1.25, vnodes: int = 160, balance_slack: int = 0
+                 ) -> None:
+        if num_replicas < 1 or balance_factor < 1 or balance_slack < 0:
+            raise ValueError("need at least one replica, a balance factor >= 1 and a slack "
+                             ">= 0")
         self.key_blocks = max(1, key_tokens // block_size)
         self.balance_factor = balance_factor
+        self.balance_slack = balance_slack
         ring = sorted((xxhash.xxh3_64_intdigest(f"replica-{r}-vnode-{v}".encode()), r)
                       for r in range(num_replicas) for v in range(vnodes))
         self._points = [p for p, _ in ring]
@@ -157,7 +164,8 @@ class ConsistentHashPolicy(RoutingPolicy):
         if key is None:  # shorter than a block: nothing to be affine to
             self.last_reason = "least_loaded"
             return least_loaded(loads, candidates)
-        bound = load_bound([loads[i] for i in candidates], self.balance_factor)
+        bound = load_bound([loads[i] for i in candidates], self.balance_factor,
+                           self.balance_slack)
         start = bisect.bisect_left(self._points, key)
         n = len(self._points)
         first = True
@@ -176,10 +184,11 @@ class ConsistentHashPolicy(RoutingPolicy):
 class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, balance_factor: float = 1.25) -> None:
-        if balance_factor < 1:
-            raise ValueError("balance factor must be >= 1")
+    def __init__(self, balance_factor: float = 1.25, balance_slack: int = 0) -> None:
+        if balance_factor < 1 or balance_slack < 0:
+            raise ValueError("balance factor must be >= 1 and slack >= 0")
         self.balance_factor = balance_factor
+        self.balance_slack = balance_slack
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
         candidates = available_indices(replicas)
@@ -189,7 +198,8 @@ class CacheAwarePolicy(RoutingPolicy):
         if matches[best] == 0:
             self.last_reason = "least_loaded"
             return least_loaded(loads, candidates)
-        if loads[best] + 1 > load_bound([loads[i] for i in candidates], self.balance_factor):
+        if loads[best] + 1 > load_bound([loads[i] for i in candidates], self.balance_factor,
+                                        self.balance_slack):
             self.last_reason = "spill"
             return least_loaded(loads, candidates)
         self.last_reason = "affinity"
@@ -197,7 +207,8 @@ class CacheAwarePolicy(RoutingPolicy):
 
 
 def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
-                balance_factor: float = 1.25, key_tokens: int = 256) -> RoutingPolicy:
+                balance_factor: float = 1.25, key_tokens: int = 256,
+                balance_slack: int = 0) -> RoutingPolicy:
     if name == "random":
         return RandomPolicy(seed)
     if name == "round_robin":
@@ -205,7 +216,8 @@ def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
     if name == "least_loaded":
         return LeastLoadedPolicy()
     if name == "consistent_hash":
-        return ConsistentHashPolicy(num_replicas, block_size, key_tokens, balance_factor)
+        return ConsistentHashPolicy(num_replicas, block_size, key_tokens, balance_factor,
+                                    balance_slack=balance_slack)
     if name == "cache_aware":
-        return CacheAwarePolicy(balance_factor)
+        return CacheAwarePolicy(balance_factor, balance_slack)
     raise ValueError(f"routing policy must be one of {', '.join(ALL_POLICIES)}, got {name!r}")

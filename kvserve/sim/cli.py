@@ -59,6 +59,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0)
     p.add_argument("--balance-factor", type=float, default=1.25,
                    help="bounded loads: a replica takes at most this x the mean load")
+    p.add_argument("--balance-slack", type=int, default=0,
+                   help="bounded loads also allow a replica within this many requests of the "
+                        "least loaded (kvserve route's --balance-slack; default 0 here)")
     p.add_argument("--hash-key-tokens", type=int, default=256,
                    help="consistent_hash: prefix tokens that pick the replica")
     p.add_argument("--alloc", action="store_true",
@@ -113,7 +116,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          routing=routing, lifetime=lifetime,
                          decode_ms_per_token=args.decode_ms_per_token,
                          prefill_tokens_per_s=args.prefill_tokens_per_s,
-                         balance_factor=args.balance_factor,
+                         balance_factor=args.balance_factor, balance_slack=args.balance_slack,
                          hash_key_tokens=args.hash_key_tokens, seed=args.seed)
 
     runs = []

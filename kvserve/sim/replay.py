@@ -70,6 +70,7 @@ class SimConfig:
     decode_ms_per_token: float = 20.0
     prefill_tokens_per_s: float = 10_000.0
     balance_factor: float = 1.25  # bounded loads (consistent_hash, cache_aware)
+    balance_slack: int = 0  # ... or within this many requests of the least loaded replica
     hash_key_tokens: int = 256  # consistent_hash: the prefix that picks the replica
     seed: int = 0
 
@@ -271,7 +272,8 @@ def replay(trace: Trace, config: SimConfig,
         future, precomputed = future_uses(trace, bs, hasher)
     replicas = [Replica(config, future) for _ in range(config.replicas)]
     router = make_policy(config.routing, config.replicas, bs, config.seed,
-                         config.balance_factor, config.hash_key_tokens) \
+                         config.balance_factor, config.hash_key_tokens,
+                         config.balance_slack) \
         if config.replicas > 1 else None
     timed = config.lifetime == "timed"
     if timed and not trace.has_timestamps:
