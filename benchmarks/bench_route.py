@@ -231,7 +231,7 @@ def simulate(trace: Trace, replicas: int, routing: str, capacity: int, decode_ms
     cfg = SimConfig(capacity_tokens=capacity, block_size=16, replicas=replicas,
                     routing=routing, lifetime="timed", decode_ms_per_token=decode_ms,
                     prefill_tokens_per_s=prefill_tps, balance_factor=balance,
-                    balance_slack=slack,
+                    balance_slack=slack, spread=True,
                     hash_key_tokens=key_tokens)
     return sim_replay(trace, cfg)["hit_rate"]
 
@@ -334,14 +334,24 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_failover:
             g = gateway("gw-failover", "cache_aware", urls)
 
+            killed: dict = {}
+
             def kill_busiest() -> None:
                 state = httpx.get(g.url + "/replicas", timeout=10).json()["replicas"]
                 victim = max(state, key=lambda r: (r["in_flight"], -r["index"]))["index"]
+                killed.update(replica=victim, in_flight=state[victim]["in_flight"])
                 print(f"killing replica {victim} with {state[victim]['in_flight']} requests "
                       "in flight", flush=True)
                 reps[victim].stop(kill=True)
 
-            run("failover", g.url, urls, on_half=kill_busiest)
+            s = run("failover", g.url, urls, on_half=kill_busiest)
+            metrics = httpx.get(g.url + "/metrics", timeout=10).text
+            s["killed"] = killed
+            s["gateway_retries"] = sum(float(line.rsplit(" ", 1)[1])
+                                       for line in metrics.splitlines()
+                                       if line.startswith("kvserve:router_retries_total"))
+            s["gateway_errors"] = [line for line in metrics.splitlines()
+                                   if line.startswith("kvserve:router_errors_total")]
             g.stop()
     finally:
         for p in procs:
@@ -369,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['out_tok_per_s']:>8.1f}{s['failed_not_started']:>6}{s['cut_mid_stream']:>5}"
               f"  {s['per_replica']}")
     print("fail*: failed requests that had not started streaming; cut: streams cut mid-way")
+    for s in runs:
+        if s.get("killed"):
+            print(f"failover: replica {s['killed']['replica']} killed (SIGKILL) halfway with "
+                  f"{s['killed']['in_flight']} requests in flight; {s['cut_mid_stream']} streams "
+                  f"cut mid-way (ended by an error event), {s['failed_not_started']} failed "
+                  f"before streaming, {s['gateway_retries']:.0f} retried on another replica; "
+                  f"sim = the same trace without the kill; gateway errors: "
+                  f"{'; '.join(s['gateway_errors'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(runs=runs, capacity_tokens=capacity,
                                                    decode_ms=decode_ms,

@@ -35,8 +35,9 @@ MAX_MODEL_LEN = 512
 # ------------------------------------------------------------------------------------------
 
 class FakeReplica:
-    def __init__(self, load=0, match=0, available=True):
+    def __init__(self, load=0, match=0, available=True, cached_blocks=0):
         self.load, self.match, self.available = load, match, available
+        self.cached_blocks = cached_blocks
 
     def match_tokens(self, request):
         return self.match
@@ -83,6 +84,13 @@ def test_a_balance_slack_keeps_affinity_at_low_load_and_zero_changes_nothing():
     assert CacheAwarePolicy(1.25, balance_slack=4).choose(Req([1]), reps) == 0
     reps[0].load = 4
     assert CacheAwarePolicy(1.25, balance_slack=4).choose(Req([1]), reps) == 1
+
+
+def test_spread_sends_new_prefixes_to_the_emptiest_of_the_least_loaded():
+    reps = [FakeReplica(cached_blocks=30), FakeReplica(cached_blocks=10),
+            FakeReplica(cached_blocks=20), FakeReplica(load=1)]
+    assert CacheAwarePolicy().choose(Req([1]), reps) == 0  # the simulator's rule: lowest index
+    assert CacheAwarePolicy(spread=True).choose(Req([1]), reps) == 1
 
 
 def test_least_loaded_prefers_fewest_in_flight():

@@ -98,6 +98,10 @@ class _Candidate:
     def match_tokens(self, request) -> int:
         return self.replica.match_tokens(request)
 
+    @property
+    def cached_blocks(self) -> int:
+        return self.replica.cached_blocks
+
 
 class _Attempt:
     """A request in flight on one replica: counts it in the replica's load until closed."""

@@ -31,6 +31,10 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-slack", type=int, default=4,
                    help="... or while it stays within this many requests of the least loaded "
                    "replica (default 4: at low load, one busy request is not a hot replica)")
+    p.add_argument("--no-spread", dest="spread", action="store_false",
+                   help="cache_aware: send a request nobody caches to the lowest-numbered of "
+                   "the least loaded replicas (default: the one caching the fewest blocks, so "
+                   "new prefixes spread out)")
     p.add_argument("--hash-key-tokens", type=int, default=256,
                    help="consistent_hash: the prefix (in tokens, whole blocks) that picks the "
                    "replica (default 256)")
@@ -72,7 +76,7 @@ def build_gateway(args: argparse.Namespace):
     replicas = [ReplicaState(i, url, args.block_size) for i, url in enumerate(urls)]
     policy = make_policy(args.policy, len(replicas), args.block_size,
                          balance_factor=args.balance_factor, key_tokens=args.hash_key_tokens,
-                         balance_slack=args.balance_slack)
+                         balance_slack=args.balance_slack, spread=args.spread)
     keyer = PrefixKeyer(args.block_size, load_tokenizer(args.tokenizer))
     config = RouterConfig(api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                           health_interval_s=args.health_interval,

@@ -62,6 +62,11 @@ class ReplicaView(Protocol):
     def match_tokens(self, request) -> int:
         """Tokens of `request` this replica's prefix cache holds."""
 
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks its prefix cache holds (or is believed to hold): a tie-break for new
+        prefixes."""
+
 
 def load_bound(loads: Sequence[int], factor: float, slack: int = 0) -> int:
     """The most load one replica may carry after taking one more request: within `factor`
@@ -182,13 +187,26 @@ class ConsistentHashPolicy(RoutingPolicy):
 
 
 class CacheAwarePolicy(RoutingPolicy):
+    """`spread`: a request nobody holds any of goes to the least loaded replica and, among
+    equally loaded ones, to the one caching the fewest blocks (SGLang's "smallest tree"), so
+    distinct prefixes spread over the replicas even when they are all idle; without it the
+    lowest index wins ties (the simulator's rule in docs/planner.md)."""
+
     name = "cache_aware"
 
-    def __init__(self, balance_factor: float = 1.25, balance_slack: int = 0) -> None:
+    def __init__(self, balance_factor: float = 1.25, balance_slack: int = 0,
+                 spread: bool = False) -> None:
         if balance_factor < 1 or balance_slack < 0:
             raise ValueError("balance factor must be >= 1 and slack >= 0")
         self.balance_factor = balance_factor
         self.balance_slack = balance_slack
+        self.spread = spread
+
+    def _least_loaded(self, replicas: Sequence[ReplicaView], loads: Sequence[int],
+                      candidates: Sequence[int]) -> int:
+        if not self.spread:
+            return least_loaded(loads, candidates)
+        return min(candidates, key=lambda i: (loads[i], replicas[i].cached_blocks, i))
 
     def choose(self, request, replicas: Sequence[ReplicaView]) -> int:
         candidates = available_indices(replicas)
@@ -197,18 +215,18 @@ class CacheAwarePolicy(RoutingPolicy):
         best = max(candidates, key=lambda i: (matches[i], -loads[i], -i))
         if matches[best] == 0:
             self.last_reason = "least_loaded"
-            return least_loaded(loads, candidates)
+            return self._least_loaded(replicas, loads, candidates)
         if loads[best] + 1 > load_bound([loads[i] for i in candidates], self.balance_factor,
                                         self.balance_slack):
             self.last_reason = "spill"
-            return least_loaded(loads, candidates)
+            return self._least_loaded(replicas, loads, candidates)
         self.last_reason = "affinity"
         return best
 
 
 def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
                 balance_factor: float = 1.25, key_tokens: int = 256,
-                balance_slack: int = 0) -> RoutingPolicy:
+                balance_slack: int = 0, spread: bool = False) -> RoutingPolicy:
     if name == "random":
         return RandomPolicy(seed)
     if name == "round_robin":
@@ -219,5 +237,5 @@ def make_policy(name: str, num_replicas: int, block_size: int, seed: int = 0,
         return ConsistentHashPolicy(num_replicas, block_size, key_tokens, balance_factor,
                                     balance_slack=balance_slack)
     if name == "cache_aware":
-        return CacheAwarePolicy(balance_factor, balance_slack)
+        return CacheAwarePolicy(balance_factor, balance_slack, spread)
     raise ValueError(f"routing policy must be one of {', '.join(ALL_POLICIES)}, got {name!r}")

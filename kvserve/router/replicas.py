@@ -45,6 +45,10 @@ class ReplicaState:
     def match_tokens(self, request) -> int:
         return self.view.match_blocks(request.block_hashes) * self.block_size
 
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.view)
+
     # -- health -----------------------------------------------------------------------------
     def mark_failed(self, why: str) -> None:
         if self.healthy:

@@ -71,6 +71,7 @@ class SimConfig:
     prefill_tokens_per_s: float = 10_000.0
     balance_factor: float = 1.25  # bounded loads (consistent_hash, cache_aware)
     balance_slack: int = 0  # ... or within this many requests of the least loaded replica
+    spread: bool = False  # cache_aware: new prefixes to the emptiest of the least loaded
     hash_key_tokens: int = 256  # consistent_hash: the prefix that picks the replica
     seed: int = 0
 
@@ -161,6 +162,10 @@ class Replica:
 
     def match_tokens(self, request: SimSeq) -> int:
         return self.kv.match(request).num_tokens
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.kv.index.num_cached_blocks
 
     def running_requests(self) -> list[SimSeq]:
         """Requests holding blocks now (for invariant checks)."""
@@ -273,7 +278,7 @@ def replay(trace: Trace, config: SimConfig,
     replicas = [Replica(config, future) for _ in range(config.replicas)]
     router = make_policy(config.routing, config.replicas, bs, config.seed,
                          config.balance_factor, config.hash_key_tokens,
-                         config.balance_slack) \
+                         config.balance_slack, config.spread) \
         if config.replicas > 1 else None
     timed = config.lifetime == "timed"
     if timed and not trace.has_timestamps:
