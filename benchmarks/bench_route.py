@@ -173,7 +173,8 @@ def pct(values: list[float], q: float) -> float:
     return v[f] + (v[c] - v[f]) * (k - f)
 
 
-async def replay(trace: Trace, url: str, on_half=None) -> tuple[list[Result], float]:
+async def replay(trace: Trace, url: str, on_half=None, burst: bool = False
+                 ) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300), limits=limits) as http:
         t0 = time.perf_counter()
@@ -182,7 +183,7 @@ async def replay(trace: Trace, url: str, on_half=None) -> tuple[list[Result], fl
         base = trace.requests[0].timestamp or 0.0
         for i, rec in enumerate(trace.requests):
             delay = (rec.timestamp or 0.0) - base - (time.perf_counter() - t0)
-            if delay > 0:
+            if delay > 0 and not burst:
                 await asyncio.sleep(delay)
             if i == half and on_half is not None:
                 on_half()
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balance-slack", type=int, default=4)
     ap.add_argument("--hash-key-tokens", type=int, default=256)
     ap.add_argument("--no-failover", action="store_true")
+    ap.add_argument("--burst", action="store_true",
+                    help="also send the trace all at once to replica 0 alone and through the "
+                    "gateway (the gateway's effect on peak throughput)")
     ap.add_argument("--out-dir", default="out/bench_route")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -294,12 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                                        for i in range(3)))
         asyncio.run(warm())
 
-        def run(name: str, url: str, rep_urls: list[str], on_half=None) -> dict:
+        def run(name: str, url: str, rep_urls: list[str], on_half=None,
+                burst: bool = False) -> dict:
             reset()
             before = scrape(rep_urls)
-            results, duration = asyncio.run(replay(trace, url, on_half))
+            results, duration = asyncio.run(replay(trace, url, on_half, burst))
             after = scrape(rep_urls)
             s = summarize(name, results, duration, before, after, lost_counts=on_half is not None)
+            s["prefill_tps"] = prefill_rate(results)
             if on_half is not None:  # the killed replica's counters died with it
                 s["hit_rate"] = s["usage_hit_rate"]
             runs.append(s)
@@ -322,10 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         before = scrape(urls[:1])
         alone_results, duration = asyncio.run(replay(trace, urls[0]))
         alone = summarize("alone", alone_results, duration, before, scrape(urls[:1]))
+        alone["prefill_tps"] = prefill_rate(alone_results)
         runs.append(alone)
         print(json.dumps(alone), flush=True)
         g = gateway("gw1", "round_robin", urls[:1])
         run("gw+1", g.url, urls[:1])
+        if args.burst:  # the same requests all at once: the most each setup can serve
+            run("gw+1 burst", g.url, urls[:1], burst=True)
+            run("alone burst", urls[0], urls[:1], burst=True)
         g.stop()
         for policy in args.policies.split(","):
             g = gateway(f"gw-{policy}", policy, urls)
@@ -362,23 +372,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsimulator calibration: pool {capacity:,} tokens per replica, decode "
           f"{decode_ms:.1f} ms/token, prefill {prefill_tps:,.0f} tokens/s (from the alone run)")
     for s in runs:
+        if s["run"].endswith("burst"):
+            s["simulated_hit_rate"] = s["simulated_hit_rate_run_cal"] = float("nan")
+            continue  # no timing model for a burst
         n, policy = {"alone": (1, "round_robin"), "gw+1": (1, "round_robin"),
                      "failover": (args.replicas, "cache_aware")}.get(
             s["run"], (args.replicas, s["run"]))
         s["simulated_hit_rate"] = simulate(trace, n, policy, capacity, decode_ms, prefill_tps,
                                            args.balance_factor, args.balance_slack,
                                            args.hash_key_tokens)
+        # The same with the decode and prefill speeds this run itself saw: four replicas on a
+        # shared machine run slower than one, and the speed decides how many requests overlap,
+        # which the load bounds react to.
+        s["simulated_hit_rate_run_cal"] = simulate(
+            trace, n, policy, capacity, s["tpot_p50_ms"], s.get("prefill_tps", prefill_tps),
+            args.balance_factor, args.balance_slack, args.hash_key_tokens)
     single = alone["hit_rate"]
-    print(f"\n{'run':<16}{'hit rate':>9}{'sim':>8}{'Δ pts':>7}{'vs 1':>7}{'TTFT p50':>10}"
-          f"{'p99':>9}{'req/s':>7}{'tok/s':>8}{'fail*':>6}{'cut':>5}  per replica")
+    print(f"\n{'run':<16}{'hit rate':>9}{'sim':>8}{'Δ pts':>7}{'sim/run':>8}{'Δ pts':>7}"
+          f"{'vs 1':>7}{'TTFT p50':>10}{'p99':>9}{'req/s':>7}{'tok/s':>8}{'fail*':>6}{'cut':>5}"
+          "  per replica")
     for s in runs:
         print(f"{s['run']:<16}{100 * s['hit_rate']:>8.1f}%{100 * s['simulated_hit_rate']:>7.1f}%"
               f"{100 * (s['simulated_hit_rate'] - s['hit_rate']):>+7.1f}"
+              f"{100 * s['simulated_hit_rate_run_cal']:>7.1f}%"
+              f"{100 * (s['simulated_hit_rate_run_cal'] - s['hit_rate']):>+7.1f}"
               f"{100 * s['hit_rate'] / single if single else 0:>6.0f}%"
               f"{s['ttft_p50_ms']:>8.1f}ms{s['ttft_p99_ms']:>7.1f}ms{s['req_per_s']:>7.2f}"
               f"{s['out_tok_per_s']:>8.1f}{s['failed_not_started']:>6}{s['cut_mid_stream']:>5}"
               f"  {s['per_replica']}")
-    print("fail*: failed requests that had not started streaming; cut: streams cut mid-way")
+    print("sim: the simulator with the alone run's speeds; sim/run: with the run's own; "
+          "fail*: failed requests that had not started streaming; cut: streams cut mid-way")
     for s in runs:
         if s.get("killed"):
             print(f"failover: replica {s['killed']['replica']} killed (SIGKILL) halfway with "
