@@ -3,8 +3,8 @@ shared-prefix trace (the simulator's gsp generator) replayed at its timestamps t
 routing policy, next to the simulator's prediction for the same trace.
 
     python benchmarks/bench_route.py                       # 4 replicas, a small gsp trace
-    python benchmarks/bench_route.py --trace t.jsonl       # a trace from `kvserve simulate
-                                                           #   --generator gsp --write-trace t.jsonl`
+    python benchmarks/bench_route.py --trace t.jsonl   # a trace written by `kvserve simulate
+                                                       #   --generator gsp --write-trace t.jsonl`
 
 Runs, in order, on the same replica processes (prefix caches reset between runs):
 1. `alone`: replica 0 without the gateway (the single-replica hit rate; overhead baseline);

@@ -192,6 +192,97 @@ def test_event_publisher_flags_lost_events():
 
 
 # ------------------------------------------------------------------------------------------
+# the gateway in-process, over fake replicas (httpx.MockTransport)
+# ------------------------------------------------------------------------------------------
+
+def _fake_gateway(handler, n: int = 2, policy: str = "round_robin"):
+    from kvserve.router.app import Gateway, RouterConfig, build_router_app
+    from kvserve.router.policies import make_policy
+    from kvserve.router.replicas import ReplicaState
+
+    replicas = [ReplicaState(i, f"http://replica{i}", 16) for i in range(n)]
+    gw = Gateway(replicas, make_policy(policy, n, 16), PrefixKeyer(16),
+                 RouterConfig(health_interval_s=60, kv_events=False),
+                 transport=httpx.MockTransport(handler))
+    return gw, build_router_app(gw)
+
+
+async def _call(app, method: str, path: str, **kw) -> httpx.Response:
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as c:
+            return await c.request(method, path, **kw)
+
+
+def test_a_503_or_refused_connection_is_retried_on_another_replica():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        calls.append(request.url.host)
+        if request.url.host == "replica0":
+            return httpx.Response(503, json={"error": {"message": "engine dead"}})
+        if request.url.host == "replica1":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"ok": request.url.host})
+
+    gw, app = _fake_gateway(handler, n=3)
+    r = asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": [1, 2, 3]}))
+    assert r.status_code == 200 and r.json() == {"ok": "replica2"}
+    assert calls == ["replica0", "replica1", "replica2"] and r.headers["x-kvserve-replica"] == "2"
+    assert not gw.replicas[1].healthy and gw.replicas[0].healthy  # refused: out; 503: kept
+    assert all(rep.in_flight == 0 for rep in gw.replicas)
+    text = gw.metrics.render().decode()
+    assert "kvserve:router_retries_total 2.0" in text
+    assert 'kvserve:router_errors_total{kind="status",replica="0"} 1.0' in text
+
+
+def test_no_replica_left_is_a_503_and_a_request_error_is_not_retried():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.host == "replica0":
+            return httpx.Response(400, json={"error": {"message": "bad"}})
+        return httpx.Response(502)
+
+    gw, app = _fake_gateway(handler)
+    r = asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": "x"}))
+    assert r.status_code == 400 and r.json()["error"]["message"] == "bad"  # replica 0's answer
+    assert "kvserve:router_retries_total 0.0" in gw.metrics.render().decode()
+
+    def all_down(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200) if request.url.path == "/health" else httpx.Response(502)
+
+    gw, app = _fake_gateway(all_down)
+    r = asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": "x"}))
+    assert r.status_code == 503 and "no replica could take" in r.json()["error"]["message"]
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event():
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            raise httpx.ReadError("connection reset")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, stream=Broken(),
+                              headers={"content-type": "text/event-stream"})
+
+    gw, app = _fake_gateway(handler, n=1)
+    r = asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": "x", "stream": True}))
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    err = json.loads(events[1])["error"]
+    assert err["code"] == 502 and "broke" in err["message"] and events[2] == "[DONE]"
+    assert gw.replicas[0].in_flight == 0
+    assert 'kvserve:router_errors_total{kind="stream_cut",replica="0"} 1.0' in \
+        gw.metrics.render().decode()
+
+
+# ------------------------------------------------------------------------------------------
 # real processes
 # ------------------------------------------------------------------------------------------
 

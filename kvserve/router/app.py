@@ -124,7 +124,9 @@ class Gateway:
     """The proxying logic, apart from the FastAPI wiring."""
 
     def __init__(self, replicas: Sequence[ReplicaState], policy: RoutingPolicy,
-                 keyer: PrefixKeyer, config: RouterConfig) -> None:
+                 keyer: PrefixKeyer, config: RouterConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.transport = transport  # tests put fake replicas here
         self.replicas = list(replicas)
         self.policy = policy
         self.keyer = keyer
@@ -143,7 +145,7 @@ class Gateway:
             timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=cfg.max_connections,
                                 max_keepalive_connections=cfg.max_connections),
-            http1=True)
+            http1=True, transport=self.transport)
         await asyncio.gather(*(check_once(self.client, r, cfg.health_timeout_s)
                                for r in self.replicas))
         self._tasks.append(asyncio.create_task(health_loop(
@@ -233,48 +235,55 @@ class Gateway:
                 self.metrics.retries.inc()
             tried.add(replica.index)
             attempt = _Attempt(replica, self.metrics)
-            try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", replica.url + path, content=raw,
-                                              headers=headers), stream=True)
-            except httpx.HTTPError as exc:
+            upstream: httpx.Response | None = None
+            try:  # until the response is handed out, a cancellation must not leak the load
+                try:
+                    upstream = await self.client.send(
+                        self.client.build_request("POST", replica.url + path, content=raw,
+                                                  headers=headers), stream=True)
+                except httpx.HTTPError as exc:
+                    attempt.close()
+                    last_error = f"replica {replica.name}: {type(exc).__name__}"
+                    self._failed(replica, "connect", last_error, take_out=True)
+                    continue
+                if upstream.status_code in RETRY_STATUSES:
+                    await upstream.aclose()
+                    attempt.close()
+                    last_error = f"replica {replica.name} answered {upstream.status_code}"
+                    self._failed(replica, "status", last_error, take_out=False)
+                    continue
+                # The replica took it: its prompt's blocks will be computed there (history).
+                replica.view.add(hashes)
+                try:
+                    if stream and upstream.status_code == 200:
+                        chunks = upstream.aiter_raw()
+                        first = await chunks.__anext__()
+                    else:
+                        content = await upstream.aread()
+                except (httpx.HTTPError, StopAsyncIteration) as exc:
+                    await upstream.aclose()
+                    attempt.close()
+                    last_error = f"replica {replica.name} failed before its first byte: " \
+                        f"{type(exc).__name__}"
+                    self._failed(replica, "connect", last_error, take_out=True)
+                    continue
+                self.metrics.child(self.metrics.requests, replica=replica.name).inc()
+                out_headers = {"x-kvserve-replica": replica.name}
+                if not (stream and upstream.status_code == 200):
+                    await upstream.aclose()
+                    attempt.close()
+                    return Response(content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type"),
+                                    headers=out_headers)
+                return StreamingResponse(self._relay(upstream, chunks, first, attempt),
+                                         status_code=200, headers=out_headers,
+                                         media_type=upstream.headers.get("content-type",
+                                                                         "text/event-stream"))
+            except BaseException:
                 attempt.close()
-                last_error = f"replica {replica.name}: {type(exc).__name__}"
-                self._failed(replica, "connect", last_error, take_out=True)
-                continue
-            if upstream.status_code in RETRY_STATUSES:
-                await upstream.aclose()
-                attempt.close()
-                last_error = f"replica {replica.name} answered {upstream.status_code}"
-                self._failed(replica, "status", last_error, take_out=False)
-                continue
-            # The replica took it: its prompt's blocks will be computed there (routing history).
-            replica.view.add(hashes)
-            try:
-                if stream and upstream.status_code == 200:
-                    chunks = upstream.aiter_raw()
-                    first = await chunks.__anext__()
-                else:
-                    content = await upstream.aread()
-            except (httpx.HTTPError, StopAsyncIteration) as exc:
-                await upstream.aclose()
-                attempt.close()
-                last_error = f"replica {replica.name} failed before its first byte: " \
-                    f"{type(exc).__name__}"
-                self._failed(replica, "connect", last_error, take_out=True)
-                continue
-            self.metrics.child(self.metrics.requests, replica=replica.name).inc()
-            out_headers = {"x-kvserve-replica": replica.name}
-            if not (stream and upstream.status_code == 200):
-                await upstream.aclose()
-                attempt.close()
-                return Response(content, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type"),
-                                headers=out_headers)
-            return StreamingResponse(self._relay(upstream, chunks, first, attempt),
-                                     status_code=200, headers=out_headers,
-                                     media_type=upstream.headers.get("content-type",
-                                                                     "text/event-stream"))
+                if upstream is not None:
+                    await upstream.aclose()
+                raise
         self.metrics.unroutable.inc()
         return JSONResponse(error_body(503, f"no replica could take the request ({last_error})"),
                             status_code=503)
