@@ -259,6 +259,29 @@ def test_no_replica_left_is_a_503_and_a_request_error_is_not_retried():
     assert r.status_code == 503 and "no replica could take" in r.json()["error"]["message"]
 
 
+def test_a_body_over_the_limit_is_a_413_at_the_gateway():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/health":
+            seen.append(request)
+        return httpx.Response(200, json={})
+
+    gw, app = _fake_gateway(handler)
+    gw.config.max_request_body_bytes = 1000
+    r = asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": "x" * 2000}))
+    assert r.status_code == 413 and "larger than 1,000 bytes" in r.json()["error"]["message"]
+
+    async def chunked():  # no Content-Length: counted while read
+        for _ in range(5):
+            yield b"x" * 300
+
+    r = asyncio.run(_call(app, "POST", "/v1/completions", content=chunked()))
+    assert r.status_code == 413 and not seen
+    assert asyncio.run(_call(app, "POST", "/v1/completions", json={"prompt": "ok"})
+                       ).status_code == 200
+
+
 def test_a_stream_cut_mid_way_ends_with_an_error_event():
     class Broken(httpx.AsyncByteStream):
         async def __aiter__(self):

@@ -69,6 +69,7 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0  # the longest wait for any upstream read
     kv_events: bool = True
     max_connections: int = 1024
+    max_request_body_bytes: int = 32 * 1024**2  # kvserve serve's default: 413 beyond
 
 
 @dataclass
@@ -215,11 +216,33 @@ class Gateway:
             return await asyncio.to_thread(parse_and_key)
         return parse_and_key()
 
+    async def read_body(self, request: Request) -> bytes | None:
+        """The whole body, or None once it passes the limit (by Content-Length before reading
+        anything, or while reading a chunked upload): the gateway holds a body in memory while
+        it tries replicas, so it bounds what one request may make it hold."""
+        limit = self.config.max_request_body_bytes
+        try:
+            if int(request.headers.get("content-length", "0")) > limit:
+                return None
+        except ValueError:
+            pass
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            parts.append(chunk)
+        return b"".join(parts)
+
     async def forward(self, request: Request, path: str) -> Response:
         """Send a POST to a replica chosen by the policy; retry elsewhere while nothing has
         reached the client."""
         assert self.client is not None
-        raw = await request.body()
+        raw = await self.read_body(request)
+        if raw is None:
+            limit = self.config.max_request_body_bytes
+            return JSONResponse(error_body(413, f"the request body is larger than {limit:,} "
+                                           "bytes (--max-request-body-bytes)"), status_code=413)
         body, hashes = await self.keys(path, raw)
         keyed = _Keyed(hashes)
         stream = bool(body.get("stream")) if body is not None else False

@@ -46,6 +46,9 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between health checks of each replica (default 1)")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="the longest wait in seconds for any read from a replica (default 600)")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024**2,
+                   help="larger request bodies get 413 at the gateway (default 32 MiB, as "
+                   "kvserve serve)")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not subscribe to the replicas' /v1/kv_events (routing history only)")
     p.add_argument("--uvicorn-log-level", default="warning",
@@ -72,6 +75,9 @@ def build_gateway(args: argparse.Namespace):
 
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got "
+                         f"{args.max_request_body_bytes}")
     urls = list(dict.fromkeys(args.replica))
     replicas = [ReplicaState(i, url, args.block_size) for i, url in enumerate(urls)]
     policy = make_policy(args.policy, len(replicas), args.block_size,
@@ -80,7 +86,8 @@ def build_gateway(args: argparse.Namespace):
     keyer = PrefixKeyer(args.block_size, load_tokenizer(args.tokenizer))
     config = RouterConfig(api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                           health_interval_s=args.health_interval,
-                          upstream_timeout_s=args.upstream_timeout, kv_events=args.kv_events)
+                          upstream_timeout_s=args.upstream_timeout, kv_events=args.kv_events,
+                          max_request_body_bytes=args.max_request_body_bytes)
     return Gateway(replicas, policy, keyer, config)
 
 
