@@ -1,4 +1,5 @@
-"""`kvserve make-model | generate | serve`: the command line, with vLLM's flag names."""
+"""`kvserve make-model | generate | serve | route | plan | simulate`: the command line, with
+vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvserve.router.launch import run_router
+
+    return run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from kvserve.router.launch import add_route_args
+
+    route = sub.add_parser("route", help="a prefix-aware OpenAI-compatible gateway in front of "
+                           "several `kvserve serve` replicas")
+    add_route_args(route)
+    route.set_defaults(func=cmd_route)
+
     from kvserve.planner.cli import EPILOG as PLAN_EPILOG, add_plan_args, cmd_plan
     from kvserve.sim.cli import EPILOG as SIM_EPILOG, add_simulate_args, cmd_simulate
 
@@ -133,8 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def route_parser() -> argparse.ArgumentParser:
+    """`kvserve route` alone: the gateway never builds the other commands' parsers, whose
+    imports (the planner's) bring torch into a process that has no use for it."""
+    from kvserve.router.launch import add_route_args
+
+    parser = argparse.ArgumentParser(prog="kvserve route")
+    add_route_args(parser)
+    parser.set_defaults(func=cmd_route)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["route"] and not {"-h", "--help"} & set(argv[1:]):
+        args = route_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

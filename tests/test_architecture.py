@@ -95,3 +95,18 @@ def test_kv_imports_nothing_above_it():
     upward = {(mod, dep) for mod, deps in graph.items() if mod.startswith("kvserve.kv")
               for dep in deps if not dep.startswith("kvserve.kv") and dep not in leaves}
     assert not upward, f"kvserve.kv imports from above it: {sorted(upward)}"
+
+
+def test_the_gateway_imports_no_engine_model_or_server():
+    """`kvserve route` is a small process: it names blocks with kv.hashing and may load a
+    tokenizer, but the engine, the model (torch), the server and the simulator stay out; the
+    simulator, for its part, may use the gateway's policies (one implementation)."""
+    graph = import_graph()
+    heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",
+             "kvserve.planner")
+    # `--tokenizer default` makes the embedded model's directory, lazily, only then
+    lazy_ok = {("kvserve.router.launch", "kvserve.model.make_model")}
+    bad = {(mod, dep) for mod, deps in graph.items() if mod.startswith("kvserve.router")
+           for dep in deps if dep.startswith(heavy) and (mod, dep) not in lazy_ok}
+    assert not bad, f"the gateway imports heavy modules: {sorted(bad)}"
+    assert "kvserve.router.policies" in graph["kvserve.sim.replay"]

@@ -22,6 +22,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
+from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
 from kvserve.kv.tensors import KVTensorPool
@@ -38,6 +39,10 @@ from kvserve.validation import (check_cache_salt, check_text_fits, check_token_i
                                 shorten)
 
 logger = logging.getLogger("kvserve")
+
+# KV events (kv/events.py) kept between drains: the server drains after every step, so this only
+# bounds an engine nobody drains (the offline LLM), at a few MB.
+KV_EVENTS_CAPACITY = 65_536
 
 # A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
 PromptType = Union[str, Mapping[str, Any]]
@@ -77,7 +82,8 @@ class LLMEngine:
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
-                                 TierLink(self.tiers, config.block_size) if self.tiers else None)
+                                 TierLink(self.tiers, config.block_size) if self.tiers else None,
+                                 kv_events_capacity=KV_EVENTS_CAPACITY)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
@@ -428,6 +434,11 @@ class LLMEngine:
             assert r.request_id not in self.kv.block_tables, "a waiting request holds blocks"
         assert len(self.scheduler.running) <= self.config.max_num_seqs
         self.kv.check_invariants(live)
+
+    def drain_kv_events(self) -> tuple[list[KVEvent], int]:
+        """Blocks stored in / removed from the prefix index since the last drain, and how many
+        records were dropped for want of room (kv/events.py)."""
+        return self.kv.drain_events()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache); running requests go on."""

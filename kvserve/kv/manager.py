@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
@@ -64,11 +65,12 @@ class _Cursor:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None
-                 ) -> None:
+                 eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
+                 kv_events_capacity: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.index: PrefixCache = PrefixIndex(self.pool, block_size, eviction_policy) \
+        self.index: PrefixCache = PrefixIndex(self.pool, block_size, eviction_policy,
+                                              KVEventLog(kv_events_capacity)) \
             if enable_prefix_caching else NoPrefixCache(block_size)
         self.tiers: Tiers = tiers if tiers is not None else NoTiers()
         self.block_tables: dict[str, list[int]] = {}
@@ -312,6 +314,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.index.reset()
+
+    def drain_events(self) -> tuple[list[KVEvent], int]:
+        """Blocks stored in and removed from the prefix index since the last drain (recorded
+        when the manager was built with `kv_events_capacity`), and how many were dropped."""
+        return self.index.events.drain()
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self, seqs: Sequence[CachedSeq]) -> None:

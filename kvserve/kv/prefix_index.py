@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
+from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
 
 if TYPE_CHECKING:
     from kvserve.kv.tiers.tiered import FoundChunk
@@ -88,8 +89,9 @@ class PrefixIndex:
     enabled = True
 
     def __init__(self, pool: BlockPool, block_size: int,
-                 policy: str | EvictionPolicy = "lru") -> None:
+                 policy: str | EvictionPolicy = "lru", events: KVEventLog | None = None) -> None:
         self.pool = pool
+        self.events = events if events is not None else KVEventLog(0)  # off unless given
         self.block_size = block_size
         self.policy = make_eviction_policy(policy) if isinstance(policy, str) else policy
         self._roots: dict[bytes, Node] = {}
@@ -151,6 +153,7 @@ class PrefixIndex:
         self._node_of_block[block] = node
         self.pool.mark_cached(block)
         self.touch([node], priority)
+        self.events.record(BLOCK_STORED, block_hash, parent.block_hash)
         return node
 
     # -- eviction ---------------------------------------------------------------------------
@@ -206,6 +209,7 @@ class PrefixIndex:
             del parent.by_first_token[node.tokens[0]]
         del self._node_of_block[node.block]
         self.pool.uncache(node.block)
+        self.events.record(BLOCK_REMOVED, node.block_hash, parent.block_hash)
 
     def reset(self) -> None:
         """Forget every cached block: idle ones return to the free list at once, held ones when
@@ -216,6 +220,7 @@ class PrefixIndex:
         self._roots.clear()
         self._heap.clear()
         self.generation += 1
+        self.events.record(ALL_BLOCKS_CLEARED, 0, 0)
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -239,6 +244,7 @@ class NoPrefixCache:
     """Prefix caching off: the index's interface, matching nothing and keeping nothing."""
 
     enabled = False
+    events = KVEventLog(0)  # nothing is ever stored
     generation = 0
     num_cached_blocks = 0
     num_evicted_blocks = 0

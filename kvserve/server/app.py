@@ -29,6 +29,7 @@ from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
@@ -241,6 +242,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         metrics = PrometheusStatLogger(served_model_names[0])
     if metrics not in engine.stat_loggers:
         engine.stat_loggers.append(metrics)
+    kv_events = next((sl for sl in engine.stat_loggers if isinstance(sl, KVEventPublisher)),
+                     None)
+    if kv_events is None:
+        kv_events = KVEventPublisher()
+        engine.stat_loggers.append(kv_events)
     serving = OpenAIServing(engine, served_model_names)
     created = int(time.time())
 
@@ -313,6 +319,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
             {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
              "root": engine.config.model, "parent": None,
              "max_model_len": engine.max_model_len} for name in served_model_names]}
+
+    @app.get("/v1/kv_events")
+    async def get_kv_events(since: int = -1, timeout: float = 0.0) -> dict[str, Any]:
+        """Blocks stored in / removed from this replica's prefix cache after event `since`
+        (vLLM's BlockStored / BlockRemoved / AllBlocksCleared), waiting up to `timeout`
+        seconds (at most 30) for one: what `kvserve route` subscribes to."""
+        return await kv_events.poll(since, min(max(timeout, 0.0), 30.0))
 
     @app.post("/reset_prefix_cache", responses=_ERROR_RESPONSES)
     async def reset_prefix_cache() -> Response:

@@ -16,9 +16,10 @@ generators: system_prompt, few_shot, rag, multi_turn, gsp, hash_mix (options wit
 token counts: 8k = 8,192."""
 
 
-def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+def _names(text: str, allowed: tuple[str, ...], what: str,
+           all_means: tuple[str, ...] | None = None) -> list[str]:
     if text == "all":
-        return list(allowed)
+        return list(allowed if all_means is None else all_means)
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed]
     if bad or not names:
@@ -47,7 +48,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="eviction policies: lru, lfu, priority, belady (offline) or all")
     p.add_argument("--replicas", default="1", help="replica counts, e.g. 1,2,4,8")
     p.add_argument("--routing", default="cache_aware",
-                   help="random, round_robin, consistent_hash, cache_aware or all")
+                   help="random, round_robin, least_loaded, consistent_hash, cache_aware, or all "
+                        "(the four of docs/planner.md: all but least_loaded)")
     p.add_argument("--lifetime", choices=["auto", "timed", "immediate"], default="auto",
                    help="timed: hold blocks from arrival to finish; immediate: one request at a "
                         "time (auto: timed when the trace has timestamps)")
@@ -57,6 +59,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0)
     p.add_argument("--balance-factor", type=float, default=1.25,
                    help="bounded loads: a replica takes at most this x the mean load")
+    p.add_argument("--balance-slack", type=int, default=0,
+                   help="bounded loads also allow a replica within this many requests of the "
+                        "least loaded (kvserve route's --balance-slack; default 0 here)")
     p.add_argument("--hash-key-tokens", type=int, default=256,
                    help="consistent_hash: prefix tokens that pick the replica")
     p.add_argument("--alloc", action="store_true",
@@ -73,7 +78,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvserve.planner.units import parse_token_list, parse_tokens
-    from kvserve.sim.routing import ROUTING_POLICIES
+    from kvserve.router.policies import ALL_POLICIES, ROUTING_POLICIES
     from kvserve.sim.alloc import allocation_modes
     from kvserve.sim.generators import generate, parse_gen_options
     from kvserve.kv.eviction import EVICTION_POLICIES
@@ -101,7 +106,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     block_size = args.block_size or (trace.block_size if trace.is_hash_trace else 16)
     capacities = parse_token_list(args.capacity)
     policies = _names(args.policy, tuple(EVICTION_POLICIES), "--policy")
-    routings = _names(args.routing, ROUTING_POLICIES, "--routing")
+    routings = _names(args.routing, ALL_POLICIES, "--routing", all_means=ROUTING_POLICIES)
     replica_counts = [int(x) for x in args.replicas.split(",") if x.strip()]
     if not replica_counts or min(replica_counts) < 1:
         raise ValueError(f"--replicas must list positive counts, got {args.replicas!r}")
@@ -111,7 +116,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          routing=routing, lifetime=lifetime,
                          decode_ms_per_token=args.decode_ms_per_token,
                          prefill_tokens_per_s=args.prefill_tokens_per_s,
-                         balance_factor=args.balance_factor,
+                         balance_factor=args.balance_factor, balance_slack=args.balance_slack,
                          hash_key_tokens=args.hash_key_tokens, seed=args.seed)
 
     runs = []

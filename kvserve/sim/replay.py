@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.eviction import Belady, FutureUses, make_eviction_policy
 from kvserve.kv.hashing import block_hash, chain_hashes, extra_keys
 from kvserve.kv.manager import KVCacheManager, matchable_tokens
-from kvserve.sim.routing import ROUTING_POLICIES, make_policy
+from kvserve.router.policies import ALL_POLICIES, make_policy
 from kvserve.sim.trace import Trace, TraceRequest
 
 
@@ -70,13 +70,15 @@ class SimConfig:
     decode_ms_per_token: float = 20.0
     prefill_tokens_per_s: float = 10_000.0
     balance_factor: float = 1.25  # bounded loads (consistent_hash, cache_aware)
+    balance_slack: int = 0  # ... or within this many requests of the least loaded replica
+    spread: bool = False  # cache_aware: new prefixes to the emptiest of the least loaded
     hash_key_tokens: int = 256  # consistent_hash: the prefix that picks the replica
     seed: int = 0
 
     def __post_init__(self) -> None:
         make_eviction_policy(self.policy, online_only=False)  # a clear error for a bad name
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, "
+        if self.routing not in ALL_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ALL_POLICIES)}, "
                              f"got {self.routing!r}")
         if self.lifetime not in ("timed", "immediate"):
             raise ValueError(f"lifetime must be timed or immediate, got {self.lifetime!r}")
@@ -130,6 +132,8 @@ class PromptHasher:
 class Replica:
     """One engine's KV cache: a `KVCacheManager` and the requests holding blocks in it."""
 
+    available = True  # a simulated replica never fails (routing's ReplicaView)
+
     def __init__(self, config: SimConfig, future: FutureUses | None = None) -> None:
         self.config = config
         policy = make_eviction_policy(config.policy, online_only=False)
@@ -158,6 +162,10 @@ class Replica:
 
     def match_tokens(self, request: SimSeq) -> int:
         return self.kv.match(request).num_tokens
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.kv.index.num_cached_blocks
 
     def running_requests(self) -> list[SimSeq]:
         """Requests holding blocks now (for invariant checks)."""
@@ -269,7 +277,8 @@ def replay(trace: Trace, config: SimConfig,
         future, precomputed = future_uses(trace, bs, hasher)
     replicas = [Replica(config, future) for _ in range(config.replicas)]
     router = make_policy(config.routing, config.replicas, bs, config.seed,
-                         config.balance_factor, config.hash_key_tokens) \
+                         config.balance_factor, config.hash_key_tokens,
+                         config.balance_slack, config.spread) \
         if config.replicas > 1 else None
     timed = config.lifetime == "timed"
     if timed and not trace.has_timestamps:

@@ -1,0 +1,408 @@
+"""The gateway: an OpenAI-compatible FastAPI app that sends each request to one replica.
+
+Per request: parse the body, compute its prefix key (keys.py), let the policy pick among the
+available replicas (policies.py), forward the body unchanged over a pooled connection, and
+pass the answer back — status code and body as the replica gave them, a stream chunk by chunk.
+
+Failures, by when they happen:
+- before the replica's first body byte (connection refused or reset, a 502/503/504, a stream
+  that breaks before its first chunk, a non-streaming body cut short): nothing has reached the
+  client, so the request is sent to another replica, each replica tried at most once; a replica
+  that did not answer is taken out of the rotation until its health check passes again.
+- after the first byte of a stream: the stream is ended with an OpenAI-shaped error event and
+  `data: [DONE]`, so a client never hangs on a dead replica.
+
+Backpressure: a stream is relayed by an async generator that reads the next upstream chunk only
+when the previous one has been handed to the client, so a slow client slows the read from the
+replica (and, through TCP, the replica) instead of filling the gateway's memory.
+
+`--api-key`: terminated at the gateway (a missing or wrong key is a 401 there) and sent on to
+the replicas, which run with the same key. Without it the client's Authorization header is
+forwarded unchanged and the replicas decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.router.events import subscribe
+from kvserve.router.keys import PrefixKeyer
+from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvserve.router.policies import NoReplicaAvailable, RoutingPolicy
+from kvserve.router.replicas import ReplicaState, check_once, health_loop
+
+logger = logging.getLogger("kvserve.router")
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+_KEY_INLINE_BYTES = 64 * 1024  # larger bodies are keyed (parsed, tokenized) in a worker thread
+
+
+def error_body(status: int, message: str, code: str | int | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None,
+                      "code": code if code is not None else status}}
+
+
+def error_event(message: str) -> bytes:
+    """What ends a stream that broke mid-way: an OpenAI error object, then [DONE]."""
+    return (f"data: {json.dumps(error_body(502, message))}\n\n" "data: [DONE]\n\n").encode()
+
+
+@dataclass
+class RouterConfig:
+    api_key: str | None = None
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 2.0
+    upstream_timeout_s: float = 600.0  # the longest wait for any upstream read
+    kv_events: bool = True
+    max_connections: int = 1024
+    max_request_body_bytes: int = 32 * 1024**2  # kvserve serve's default: 413 beyond
+
+
+@dataclass
+class _Keyed:
+    """A request as a policy reads it."""
+
+    block_hashes: list[int]
+
+
+class _Candidate:
+    """A replica as the policy sees it for one request: out if it failed this request."""
+
+    __slots__ = ("replica", "tried")
+
+    def __init__(self, replica: ReplicaState, tried: set[int]) -> None:
+        self.replica = replica
+        self.tried = tried
+
+    @property
+    def available(self) -> bool:
+        return self.replica.healthy and self.replica.index not in self.tried
+
+    @property
+    def load(self) -> int:
+        return self.replica.in_flight
+
+    def match_tokens(self, request) -> int:
+        return self.replica.match_tokens(request)
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.replica.cached_blocks
+
+
+class _Attempt:
+    """A request in flight on one replica: counts it in the replica's load until closed."""
+
+    def __init__(self, replica: ReplicaState, metrics: RouterMetrics) -> None:
+        self.replica = replica
+        self.metrics = metrics
+        self.closed = False
+        replica.in_flight += 1
+        metrics.child(metrics.in_flight, replica=replica.name).inc()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.replica.in_flight -= 1
+            self.metrics.child(self.metrics.in_flight, replica=self.replica.name).dec()
+
+
+class Gateway:
+    """The proxying logic, apart from the FastAPI wiring."""
+
+    def __init__(self, replicas: Sequence[ReplicaState], policy: RoutingPolicy,
+                 keyer: PrefixKeyer, config: RouterConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.transport = transport  # tests put fake replicas here
+        self.replicas = list(replicas)
+        self.policy = policy
+        self.keyer = keyer
+        self.config = config
+        self.metrics = RouterMetrics(policy.name)
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+        for r in self.replicas:
+            self.metrics.child(self.metrics.healthy, replica=r.name).set(0)
+            self.metrics.child(self.metrics.in_flight, replica=r.name).set(0)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=cfg.max_connections,
+                                max_keepalive_connections=cfg.max_connections),
+            http1=True, transport=self.transport)
+        await asyncio.gather(*(check_once(self.client, r, cfg.health_timeout_s)
+                               for r in self.replicas))
+        self._tasks.append(asyncio.create_task(health_loop(
+            self.client, self.replicas, self.metrics, cfg.health_interval_s,
+            cfg.health_timeout_s)))
+        if cfg.kv_events:
+            for r in self.replicas:
+                self._tasks.append(asyncio.create_task(subscribe(
+                    self.client, r, self.metrics, self.upstream_auth({}))))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- auth -------------------------------------------------------------------------------
+    def authorized(self, request: Request) -> bool:
+        if not self.config.api_key:
+            return True
+        given = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode())
+
+    def upstream_auth(self, client_headers) -> dict[str, str]:
+        if self.config.api_key:
+            return {"authorization": f"Bearer {self.config.api_key}"}
+        auth = client_headers.get("authorization") if client_headers else None
+        return {"authorization": auth} if auth else {}
+
+    # -- routing ----------------------------------------------------------------------------
+    def choose(self, keyed: _Keyed, tried: set[int]) -> ReplicaState | None:
+        candidates = [_Candidate(r, tried) for r in self.replicas]
+        try:
+            i = self.policy.choose(keyed, candidates)
+        except NoReplicaAvailable:
+            return None
+        replica = self.replicas[i]
+        m = self.metrics
+        m.child(m.decisions, replica=replica.name, policy=self.policy.name,
+                           reason=self.policy.last_reason or "blind").inc()
+        m.child(m.predicted_hit_tokens, replica=replica.name).inc(replica.match_tokens(keyed))
+        m.child(m.prompt_tokens, replica=replica.name).inc(
+            len(keyed.block_hashes) * self.keyer.block_size)
+        return replica
+
+    def _failed(self, replica: ReplicaState, kind: str, why: str, take_out: bool) -> None:
+        self.metrics.child(self.metrics.errors, replica=replica.name, kind=kind).inc()
+        if take_out:
+            replica.mark_failed(why)
+            self.metrics.child(self.metrics.healthy, replica=replica.name).set(0)
+
+    async def keys(self, path: str, raw: bytes) -> tuple[dict[str, Any] | None, list[int]]:
+        """The parsed body (None if it is not a JSON object: the replica will say why) and its
+        prefix key."""
+        def parse_and_key() -> tuple[dict[str, Any] | None, list[int]]:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                return None, []
+            if not isinstance(body, dict):
+                return None, []
+            return body, self.keyer.keys(path, body)
+
+        if len(raw) > _KEY_INLINE_BYTES:
+            return await asyncio.to_thread(parse_and_key)
+        return parse_and_key()
+
+    async def read_body(self, request: Request) -> bytes | None:
+        """The whole body, or None once it passes the limit (by Content-Length before reading
+        anything, or while reading a chunked upload): the gateway holds a body in memory while
+        it tries replicas, so it bounds what one request may make it hold."""
+        limit = self.config.max_request_body_bytes
+        try:
+            if int(request.headers.get("content-length", "0")) > limit:
+                return None
+        except ValueError:
+            pass
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send a POST to a replica chosen by the policy; retry elsewhere while nothing has
+        reached the client."""
+        assert self.client is not None
+        raw = await self.read_body(request)
+        if raw is None:
+            limit = self.config.max_request_body_bytes
+            return JSONResponse(error_body(413, f"the request body is larger than {limit:,} "
+                                           "bytes (--max-request-body-bytes)"), status_code=413)
+        body, hashes = await self.keys(path, raw)
+        keyed = _Keyed(hashes)
+        stream = bool(body.get("stream")) if body is not None else False
+        headers = {"content-type": request.headers.get("content-type", "application/json"),
+                   **self.upstream_auth(request.headers)}
+        tried: set[int] = set()
+        last_error = "no replica is available"
+        while True:
+            replica = self.choose(keyed, tried)
+            if replica is None:
+                break
+            if tried:
+                self.metrics.retries.inc()
+            tried.add(replica.index)
+            attempt = _Attempt(replica, self.metrics)
+            upstream: httpx.Response | None = None
+            try:  # until the response is handed out, a cancellation must not leak the load
+                try:
+                    upstream = await self.client.send(
+                        self.client.build_request("POST", replica.url + path, content=raw,
+                                                  headers=headers), stream=True)
+                except httpx.HTTPError as exc:
+                    attempt.close()
+                    last_error = f"replica {replica.name}: {type(exc).__name__}"
+                    self._failed(replica, "connect", last_error, take_out=True)
+                    continue
+                if upstream.status_code in RETRY_STATUSES:
+                    await upstream.aclose()
+                    attempt.close()
+                    last_error = f"replica {replica.name} answered {upstream.status_code}"
+                    self._failed(replica, "status", last_error, take_out=False)
+                    continue
+                # The replica took it: its prompt's blocks will be computed there (history).
+                replica.view.add(hashes)
+                try:
+                    if stream and upstream.status_code == 200:
+                        chunks = upstream.aiter_raw()
+                        first = await chunks.__anext__()
+                    else:
+                        content = await upstream.aread()
+                except (httpx.HTTPError, StopAsyncIteration) as exc:
+                    await upstream.aclose()
+                    attempt.close()
+                    last_error = f"replica {replica.name} failed before its first byte: " \
+                        f"{type(exc).__name__}"
+                    self._failed(replica, "connect", last_error, take_out=True)
+                    continue
+                self.metrics.child(self.metrics.requests, replica=replica.name).inc()
+                out_headers = {"x-kvserve-replica": replica.name}
+                if not (stream and upstream.status_code == 200):
+                    await upstream.aclose()
+                    attempt.close()
+                    return Response(content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type"),
+                                    headers=out_headers)
+                return StreamingResponse(self._relay(upstream, chunks, first, attempt),
+                                         status_code=200, headers=out_headers,
+                                         media_type=upstream.headers.get("content-type",
+                                                                         "text/event-stream"))
+            except BaseException:
+                attempt.close()
+                if upstream is not None:
+                    await upstream.aclose()
+                raise
+        self.metrics.unroutable.inc()
+        return JSONResponse(error_body(503, f"no replica could take the request ({last_error})"),
+                            status_code=503)
+
+    async def _relay(self, upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
+                     attempt: _Attempt) -> AsyncIterator[bytes]:
+        """The stream, chunk by chunk as the replica sends it; a break ends it with an error
+        event. Closing (also when the client goes away) closes the upstream stream, which the
+        replica sees as a disconnect and aborts the request."""
+        replica = attempt.replica
+        try:
+            yield first
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as exc:
+                why = f"the stream from replica {replica.name} broke: {type(exc).__name__}"
+                self._failed(replica, "stream_cut", why, take_out=True)
+                yield error_event(why)
+        finally:
+            attempt.close()
+            await upstream.aclose()
+
+    async def get_from_any(self, path: str, request: Request) -> Response:
+        """A GET answered by the first available replica (/v1/models)."""
+        assert self.client is not None
+        headers = self.upstream_auth(request.headers)
+        for replica in self.replicas:
+            if not replica.healthy:
+                continue
+            try:
+                r = await self.client.get(replica.url + path, headers=headers)
+            except httpx.HTTPError as exc:
+                self._failed(replica, "connect", f"{path}: {type(exc).__name__}", True)
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        return JSONResponse(error_body(503, "no replica is available"), status_code=503)
+
+
+def build_router_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="kvserve route", version="0.1.0", lifespan=lifespan,
+                  description="Prefix-aware OpenAI-compatible gateway over kvserve replicas")
+    app.state.gateway = gateway
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code)
+
+    def unauthorized() -> JSONResponse:
+        return JSONResponse(error_body(401, "Invalid API key: pass it as 'Authorization: Bearer "
+                                       "<key>'", code="invalid_api_key"), status_code=401)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        if not gateway.authorized(request):
+            return unauthorized()
+        return await gateway.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        if not gateway.authorized(request):
+            return unauthorized()
+        return await gateway.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not gateway.authorized(request):
+            return unauthorized()
+        return await gateway.get_from_any("/v1/models", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = sum(r.healthy for r in gateway.replicas)
+        if not up:
+            return JSONResponse(error_body(503, "no replica is healthy"), status_code=503)
+        return JSONResponse({"healthy_replicas": up, "replicas": len(gateway.replicas)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/replicas")
+    async def replicas() -> dict[str, Any]:
+        """Each replica's state as the gateway sees it (for operators and tests)."""
+        return {"policy": gateway.policy.name, "replicas": [
+            {"index": r.index, "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+             "known_blocks": len(r.view)} for r in gateway.replicas]}
+
+    return app

@@ -1,0 +1,109 @@
+"""`kvserve route`: the gateway's flags and entry point (argparse only at import, so building
+the CLI parser stays cheap)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvserve.router.policies import GATEWAY_POLICIES
+
+logger = logging.getLogger("kvserve.router")
+
+
+def add_route_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a `kvserve serve` base URL, e.g. http://10.0.0.5:8000; repeat per replica")
+    p.add_argument("--policy", choices=GATEWAY_POLICIES, default="cache_aware")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the served model's checkpoint directory ('default': the embedded "
+                   "default model): text prompts and chat messages are tokenized with its "
+                   "tokenizer and chat template, so prefix keys are the replicas' block hashes; "
+                   "without it text is keyed by its bytes (token-id prompts always match)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="the replicas' --block-size (default 16, kvserve serve's default)")
+    p.add_argument("--balance-factor", type=float, default=1.25,
+                   help="bounded loads: a replica may take a request while its in-flight load "
+                   "stays within ceil(factor x (total + 1) / replicas) (default 1.25)")
+    p.add_argument("--balance-slack", type=int, default=4,
+                   help="... or while it stays within this many requests of the least loaded "
+                   "replica (default 4: at low load, one busy request is not a hot replica)")
+    p.add_argument("--no-spread", dest="spread", action="store_false",
+                   help="cache_aware: send a request nobody caches to the lowest-numbered of "
+                   "the least loaded replicas (default: the one caching the fewest blocks, so "
+                   "new prefixes spread out)")
+    p.add_argument("--hash-key-tokens", type=int, default=256,
+                   help="consistent_hash: the prefix (in tokens, whole blocks) that picks the "
+                   "replica (default 256)")
+    p.add_argument("--api-key", default=None,
+                   help="checked at the gateway (401 there) and sent on to the replicas, which "
+                   "run with the same key; without it the client's Authorization header is "
+                   "forwarded unchanged (also KVSERVE_API_KEY)")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between health checks of each replica (default 1)")
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="the longest wait in seconds for any read from a replica (default 600)")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024**2,
+                   help="larger request bodies get 413 at the gateway (default 32 MiB, as "
+                   "kvserve serve)")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not subscribe to the replicas' /v1/kv_events (routing history only)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def load_tokenizer(path: str | None):
+    if path is None:
+        return None
+    from kvserve.tokenizer import Tokenizer
+
+    if path == "default":
+        from kvserve.model.make_model import ensure_default_model
+
+        path = str(ensure_default_model())
+    return Tokenizer.from_dir(path)
+
+
+def build_gateway(args: argparse.Namespace):
+    from kvserve.router.app import Gateway, RouterConfig
+    from kvserve.router.keys import PrefixKeyer
+    from kvserve.router.policies import make_policy
+    from kvserve.router.replicas import ReplicaState
+
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got "
+                         f"{args.max_request_body_bytes}")
+    urls = list(dict.fromkeys(args.replica))
+    replicas = [ReplicaState(i, url, args.block_size) for i, url in enumerate(urls)]
+    policy = make_policy(args.policy, len(replicas), args.block_size,
+                         balance_factor=args.balance_factor, key_tokens=args.hash_key_tokens,
+                         balance_slack=args.balance_slack, spread=args.spread)
+    keyer = PrefixKeyer(args.block_size, load_tokenizer(args.tokenizer))
+    config = RouterConfig(api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
+                          health_interval_s=args.health_interval,
+                          upstream_timeout_s=args.upstream_timeout, kv_events=args.kv_events,
+                          max_request_body_bytes=args.max_request_body_bytes)
+    return Gateway(replicas, policy, keyer, config)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.logging_setup import init_logging
+    from kvserve.router.app import build_router_app
+
+    init_logging()
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    gateway = build_gateway(args)
+    app = build_router_app(gateway)
+    logger.info("routing %s over %d replicas on http://%s:%d", args.policy,
+                len(gateway.replicas), args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
+    return 0
