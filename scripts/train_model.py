@@ -550,9 +550,11 @@ def write_model_card(out: Path, summary: dict[str, Any]) -> None:
 
 kvserve's embedded default model: a {summary['parameters'] / 1e6:.1f}M-parameter Qwen2-architecture
 decoder trained from scratch, on two shared CPU cores, on the source of the Python standard
-library. It exists so that `LLM()` and `make demo` complete real Python instead of printing
-random-weight gibberish, with no download. It is a demonstration model: it has learnt Python's
-surface (indentation, keywords, docstrings, common identifiers), not to program.
+library. It exists so that `LLM()` and `make demo` run weights that were trained rather than
+drawn at random, with no download. It is a demonstration model and a very undertrained one (the
+whole run fits in well under an hour of two shared CPU cores): it has learnt the commonest
+tokens of Python and some local structure, so its completions look like Python but are seldom
+valid code. Its held-out perplexity is the figure to compare, not its prose.
 
 | | |
 | --- | --- |
