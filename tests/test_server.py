@@ -88,7 +88,8 @@ def servers(tmp_path_factory):
     tiny = str(ensure_default_model())
     main = ServerProcess("main", [tiny, "--served-model-name", "tiny", "kvserve-tiny",
                                   "--log-stats-interval", "1"], log_dir)
-    limited = ServerProcess("limited", [tiny, "--api-key", API_KEY, "--max-num-seqs", "1",
+    limited = ServerProcess("limited", [tiny, "--served-model-name", "default",
+                                        "--api-key", API_KEY, "--max-num-seqs", "1",
                                         "--max-waiting-requests", "2"], log_dir)
     try:
         main.wait_ready()
