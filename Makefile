@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test setup clean
 
 demo: $(STAMP)
-	$(VENV)/bin/kvserve generate
+	$(VENV)/bin/kvserve demo
 
 test: $(STAMP)
 	bash scripts/run_tests.sh

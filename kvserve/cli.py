@@ -1,4 +1,4 @@
-"""`kvserve make-model | generate | serve | route | plan | simulate`: the command line, with
+"""`kvserve make-model | generate | demo | serve | route | plan | simulate`: the command line, with
 vLLM's flag names."""
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvserve import LLM
+    from kvserve.demo import DemoOptions, run_demo
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    print(f"loaded {llm.engine.config.model} in {time.perf_counter() - t0:.2f} s\n")
+    run_demo(llm, DemoOptions(max_tokens=args.max_tokens, seed=args.sampling_seed))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.launch import run_server
 
@@ -117,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="what kvserve is for, in one screen: code completions "
+                          "on the embedded model, then requests sharing a cached prefix")
+    demo.add_argument("--max-tokens", type=int, default=40)
+    demo.add_argument("--sampling-seed", type=int, default=0)
+    add_engine_args(demo)
+    # A 64 MiB pool (about 21k tokens of stdlib-coder's KV) starts in a blink; the engine's
+    # default pool is sized for serving and takes seconds to allocate on a small machine.
+    demo.set_defaults(func=cmd_demo, kv_cache_memory_bytes=64 << 20)
 
     from kvserve.server.args import add_server_args
 

@@ -19,7 +19,8 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-__all__ = ["BOS_TOKEN_ID", "CHATML_TEMPLATE", "EOS_TOKEN_ID", "SPECIAL_TOKENS", "train_tokenizer"]
+__all__ = ["BOS_TOKEN_ID", "CHATML_TEMPLATE", "EOS_TOKEN_ID", "SPECIAL_TOKENS", "train_tokenizer",
+           "write_tokenizer_config"]
 
 # Special tokens of the tokenizers we train, at fixed ids (the trainer places them first).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -322,6 +323,13 @@ def train_tokenizer(out_dir: Path | str, vocab_size: int, *, model_max_length: i
             raise RuntimeError(f"special token {token} got id {backend.token_to_id(token)}")
     backend.save(str(out_dir / "tokenizer.json"))
 
+    write_tokenizer_config(out_dir, model_max_length)
+
+
+def write_tokenizer_config(out_dir: Path | str, model_max_length: int) -> None:
+    """tokenizer_config.json for a tokenizer with `SPECIAL_TOKENS` at ids 0..2 and the ChatML
+    template: shared by the test tokenizers and the trained `stdlib-coder` model."""
+    out_dir = Path(out_dir)
     added_tokens_decoder = {
         str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}

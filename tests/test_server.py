@@ -1,5 +1,5 @@
 """The OpenAI-compatible server, driven as a real process (`python -m kvserve.cli serve`) on the
-embedded default model, with the official `openai` client, raw HTTP for hostile input,
+tiny random-weight model (`ensure_default_model`), with the official `openai` client, raw HTTP for hostile input,
 schemathesis against the server's own OpenAPI schema, and a 256-client streaming load."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.model.make_model import ensure_default_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,9 +85,11 @@ class ServerProcess:
 def servers(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server-logs")
     # Both start at once, so their start-ups overlap.
-    main = ServerProcess("main", ["--served-model-name", "tiny", "kvserve-tiny",
+    tiny = str(ensure_default_model())
+    main = ServerProcess("main", [tiny, "--served-model-name", "tiny", "kvserve-tiny",
                                   "--log-stats-interval", "1"], log_dir)
-    limited = ServerProcess("limited", ["--api-key", API_KEY, "--max-num-seqs", "1",
+    limited = ServerProcess("limited", [tiny, "--served-model-name", "default",
+                                        "--api-key", API_KEY, "--max-num-seqs", "1",
                                         "--max-waiting-requests", "2"], log_dir)
     try:
         main.wait_ready()
@@ -110,7 +114,6 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvserve.model.make_model import ensure_default_model
     from kvserve.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(ensure_default_model())
@@ -120,7 +123,7 @@ def tokenizer():
 def offline_llm():
     from kvserve import LLM
 
-    return LLM(max_model_len=MAX_MODEL_LEN)
+    return LLM(model=str(ensure_default_model()), max_model_len=MAX_MODEL_LEN)
 
 
 def _unique_text(rng: random.Random, words: int) -> str:

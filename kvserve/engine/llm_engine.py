@@ -63,9 +63,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_dir = config.model
         if model_dir is None:
-            from kvserve.model.make_model import ensure_default_model
+            from kvserve.model.make_model import default_model_dir
 
-            model_dir = str(ensure_default_model())
+            model_dir = str(default_model_dir())
             config.model = model_dir
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         if config.attention_backend == "triton":
