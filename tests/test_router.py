@@ -466,10 +466,10 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(c
     assert all(c > 100 for c in cached[1:]), cached
     # The gateway's keys (its own tokenizer and chat template) are the replica's block hashes:
     # every full block of the prompt but the last token was published as BlockStored.
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model.make_model import default_model_dir
     from kvserve.tokenizer import Tokenizer
 
-    keyer = PrefixKeyer(16, Tokenizer.from_dir(ensure_default_model()))
+    keyer = PrefixKeyer(16, Tokenizer.from_dir(default_model_dir()))
     body = {"messages": [{"role": "system", "content": SYSTEM},
                          {"role": "user", "content": "question number 0"}]}
     keys = keyer.keys("/v1/chat/completions", body)

@@ -60,10 +60,10 @@ def load_tokenizer(path: str | None):
         return None
     from kvserve.tokenizer import Tokenizer
 
-    if path == "default":
-        from kvserve.model.make_model import ensure_default_model
+    if path == "default":  # the model `kvserve serve` runs when given none
+        from kvserve.model.make_model import default_model_dir
 
-        path = str(ensure_default_model())
+        path = str(default_model_dir())
     return Tokenizer.from_dir(path)
 
 
