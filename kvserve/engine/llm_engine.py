@@ -18,9 +18,9 @@ from typing import Any, Union
 import torch
 
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
@@ -255,12 +255,14 @@ class LLMEngine:
             if not self.kv.wait_for_prefetch(0.05):
                 return []
             batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
-        logits, sampled = self.runner.execute(batch)
+        out = self.runner.execute(batch)
         self.scheduler.update(batch)
-        if not sampled:
+        if out.prompt_spans:
+            self._record_prompt_logprobs(batch, out)
+        if not out.sampled:
             return []
-        rows = [batch.requests[i] for i in sampled]
-        tokens, all_logprobs, failed = self._sample(logits, rows)
+        rows = [batch.requests[i] for i in out.sampled]
+        tokens, all_logprobs, failed = self._sample(out.logits, rows)
         now = time.time()
         touched: dict[str, list[Request]] = {}  # parent id -> its samples
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
@@ -311,6 +313,25 @@ class LLMEngine:
                 logprobs.append(None)
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput) -> None:
+        """Append the logprobs of the prompt tokens this step's logits predicted to their
+        requests (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
+        after a preemption neither repeats nor loses an entry)."""
+        token_ids: list[int] = []
+        num_top: list[int | None] = []
+        for span in out.prompt_spans:
+            request = batch.requests[span.batch_index]
+            token_ids.extend(request.prompt_token_ids[span.first_token:
+                                                      span.first_token + span.count])
+            num_top.extend([request.sampling_params.prompt_logprobs] * span.count)
+        logprobs, _ = self.sampler.token_logprobs(out.prompt_logits, token_ids, num_top)
+        at = 0
+        for span in out.prompt_spans:
+            request = batch.requests[span.batch_index]
+            assert len(request.prompt_logprobs) == span.first_token, "prompt logprobs out of step"
+            request.prompt_logprobs.extend(logprobs[at:at + span.count])
+            at += span.count
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
@@ -411,7 +432,8 @@ class LLMEngine:
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=_group_metrics(children, finished),
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=_prompt_logprobs(first))
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -458,6 +480,14 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCache
     mc = model_config
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                            KVStorage(kv_dtype_name(dtype)), block_size)
+
+
+def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
+    """vLLM's RequestOutput.prompt_logprobs, once every prompt token has its entry (a streamed
+    output of a sibling sample can come before the first sample's prefill ends)."""
+    if len(first.prompt_logprobs) < len(first.prompt_token_ids):
+        return None
+    return list(first.prompt_logprobs)
 
 
 def _sampling_row(r: Request) -> SamplingRow:
