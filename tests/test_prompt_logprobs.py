@@ -180,3 +180,32 @@ def test_invalid_prompt_logprobs_are_refused(value):
 
 def test_max_logprobs_is_allowed():
     assert SamplingParams(prompt_logprobs=MAX_LOGPROBS).prompt_logprobs == MAX_LOGPROBS
+
+
+def test_a_request_whose_prompt_logprobs_raise_fails_alone(hf_checkpoints, references):
+    """Should computing one request's prompt logprobs raise, that request alone finishes with
+    "error"; its neighbours (with and without prompt logprobs) go on."""
+    prompts, refs = references["llama"]
+    llm = _llm(hf_checkpoints["llama"])
+    engine = llm.engine
+    bad = [9, 9, 9, 9, 9, 9]
+    original = engine.sampler.token_logprobs
+
+    def flaky(logits, token_ids, num_top):
+        if list(token_ids[:3]) == bad[1:4]:
+            raise RuntimeError("injected")
+        return original(logits, token_ids, num_top)
+
+    engine.sampler.token_logprobs = flaky
+    ids = [engine.add_request({"prompt_token_ids": p}, PARAMS) for p in (bad, prompts[3])]
+    plain = engine.add_request({"prompt_token_ids": prompts[4]},
+                               SamplingParams(temperature=0.0, max_tokens=2))
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done[ids[0]].outputs[0].finish_reason == "error"
+    assert "injected" in done[ids[0]].error
+    assert max_diff(done[ids[1]], prompts[3], refs[3], TOP) <= TOL
+    assert done[plain].outputs[0].finish_reason == "length" and done[plain].error is None
+    assert engine.kv.num_available_blocks == engine.kv.num_blocks

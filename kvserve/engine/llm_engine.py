@@ -257,14 +257,15 @@ class LLMEngine:
             batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
         out = self.runner.execute(batch)
         self.scheduler.update(batch)
-        if out.prompt_spans:
-            self._record_prompt_logprobs(batch, out)
-        if not out.sampled:
+        failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
+        if not out.sampled and not failed:
             return []
         rows = [batch.requests[i] for i in out.sampled]
-        tokens, all_logprobs, failed = self._sample(out.logits, rows)
+        tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
+        failed = {**sample_failed, **failed}
         now = time.time()
-        touched: dict[str, list[Request]] = {}  # parent id -> its samples
+        # parent id -> its samples
+        touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
             if parent not in touched:
@@ -295,6 +296,8 @@ class LLMEngine:
         the requests whose own row raises fail (their token is None; errors by parent id).
         The retry may draw again from generators the failed batch already advanced: greedy
         neighbours are unaffected, random ones stay valid samples."""
+        if not rows:
+            return [], [], {}
         try:
             result = self.sampler(logits, [_sampling_row(r) for r in rows])
             return result.token_ids, result.logprobs, {}
@@ -314,24 +317,28 @@ class LLMEngine:
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput) -> None:
-        """Append the logprobs of the prompt tokens this step's logits predicted to their
-        requests (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
-        after a preemption neither repeats nor loses an entry)."""
-        token_ids: list[int] = []
-        num_top: list[int | None] = []
-        for span in out.prompt_spans:
-            request = batch.requests[span.batch_index]
-            token_ids.extend(request.prompt_token_ids[span.first_token:
-                                                      span.first_token + span.count])
-            num_top.extend([request.sampling_params.prompt_logprobs] * span.count)
-        logprobs, _ = self.sampler.token_logprobs(out.prompt_logits, token_ids, num_top)
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput
+                                ) -> dict[str, Exception]:
+        """Append to each request the logprobs of the prompt tokens this step's logits
+        predicted (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
+        after a preemption neither repeats nor loses an entry). Request by request, so that one
+        that raises fails alone: returns what raised, by parent id."""
+        failed: dict[str, Exception] = {}
         at = 0
         for span in out.prompt_spans:
             request = batch.requests[span.batch_index]
-            assert len(request.prompt_logprobs) == span.first_token, "prompt logprobs out of step"
-            request.prompt_logprobs.extend(logprobs[at:at + span.count])
+            logits = out.prompt_logits[at:at + span.count]
             at += span.count
+            try:
+                assert len(request.prompt_logprobs) == span.first_token, \
+                    "prompt logprobs out of step"
+                tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
+                entries, _ = self.sampler.token_logprobs(
+                    logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
+                request.prompt_logprobs.extend(entries)
+            except Exception as exc:
+                failed[request.parent_id or request.request_id] = exc
+        return failed
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
