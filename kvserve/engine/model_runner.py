@@ -41,7 +41,7 @@ class PromptSpan:
 class RunnerOutput:
     logits: torch.Tensor  # [len(sampled), vocab] float32, the rows that sample
     sampled: list[int]  # index into batch.requests of each row of `logits`
-    # Rows for prompt logprobs ([sum of span counts, vocab] float32), in the order of `spans`.
+    # Rows for prompt logprobs ([sum of span counts, vocab] float32), span after span.
     prompt_logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
