@@ -52,7 +52,7 @@ def _run_all(engine, requests: list[tuple[str, SamplingParams]]) -> dict[str, ob
         for out in engine.step():
             if out.finished:
                 done[ids[out.request_id]] = out
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    assert engine.kv.num_available_blocks == engine.kv.num_blocks, "KV blocks leaked"
     return done
 
 
@@ -153,7 +153,7 @@ def test_async_engine_delivers_a_request_error_to_that_request_only(llm, alone, 
     results = asyncio.run(asyncio.wait_for(main(), 60))
     assert isinstance(results[-1], EngineRequestError) and "sampler fault" in str(results[-1])
     assert [r.outputs[0].text for r in results[:-1]] == [alone[p] for p in PROMPTS]
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.num_available_blocks == engine.kv.num_blocks
 
 
 # ------------------------------------------------------------------------------------------
