@@ -50,3 +50,7 @@ class RequestOutput:
     # Set when this request failed inside a step (its finish_reason is "error"); the other
     # requests of that step went on.
     error: str | None = None
+    # vLLM's prompt_logprobs when SamplingParams.prompt_logprobs was set: one entry per prompt
+    # token, None for the first, else {token id: logprob} of the actual token and the top-k of
+    # the distribution that predicted it (the shape of CompletionOutput.logprobs' entries).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

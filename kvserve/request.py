@@ -51,6 +51,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # vLLM's prompt_logprobs, one entry per prompt token computed so far (entry 0 is None: no
+    # distribution predicts the first token); empty unless this request records them.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
@@ -61,9 +64,23 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.records_prompt_logprobs:
+            self.prompt_logprobs = [None]
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(
                 (self.sampling_params.seed + self.index) % 2**64)
+
+    @property
+    def records_prompt_logprobs(self) -> bool:
+        """Whether this sample computes its prompt's logprobs: only the first of n samples
+        does (they share the prompt, and the output reports them once)."""
+        return self.sampling_params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request recording prompt logprobs needs the logits of every prompt position, so
+        it computes its whole prompt (`kvserve.kv.manager.matchable_tokens` honours this)."""
+        return self.records_prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -113,7 +113,8 @@ class Sampler:
                 tokens = self._sample(logits, rows, plan, want_probs=False)
             token_ids = tokens.tolist()
             if any(r.params.logprobs is not None for r in rows):
-                logprobs, ranks = self._raw_logprobs(logits, rows, token_ids)
+                logprobs, ranks = self.token_logprobs(logits, token_ids,
+                                                      [r.params.logprobs for r in rows])
             else:
                 logprobs, ranks = [None] * len(rows), [None] * len(rows)
         return SampleResult(token_ids, logprobs, ranks)
@@ -245,16 +246,20 @@ class Sampler:
         offset, _ = _invert(inside.double().cumsum(dim=-1), frac)
         return block * blk + offset
 
-    def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                      token_ids: list[int]) -> tuple[list[dict[int, float] | None],
-                                                     list[int | None]]:
-        """log_softmax of the raw logits for the rows that want logprobs: the top-N and the
-        sampled token, and the sampled token's rank; chunked through the workspace."""
+    def token_logprobs(self, logits: torch.Tensor, token_ids: Sequence[int],
+                       num_top: Sequence[int | None]) -> tuple[list[dict[int, float] | None],
+                                                               list[int | None]]:
+        """log_softmax of raw float32 logits ([rows, vocab]) for the rows whose `num_top` is
+        not None: {token id: logprob} of the row's top-N and of its token in `token_ids`
+        (inserted first), and that token's 1-based rank; chunked through the workspace.
+
+        One function for both kinds of logprobs, so that a sampled token's and a prompt
+        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ."""
         batch, vocab = logits.shape
         device = logits.device
         logprobs: list[dict[int, float] | None] = [None] * batch
         ranks: list[int | None] = [None] * batch
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        wanted = [i for i, k in enumerate(num_top) if k is not None]
         chunk = _chunk_rows(vocab)
         for start in range(0, len(wanted), chunk):
             index = wanted[start:start + chunk]
@@ -269,14 +274,14 @@ class Sampler:
             chosen_lp = lp.gather(1, chosen)
             rank_list = ((lp > chosen_lp).sum(dim=1) + 1).tolist()
             chosen_lps = chosen_lp.squeeze(1).tolist()
-            n_top = min(max(rows[i].params.logprobs for i in index), vocab)
+            n_top = min(max(num_top[i] for i in index), vocab)
             top_ids: list[list[int]] = [[] for _ in index]
             top_lps: list[list[float]] = [[] for _ in index]
             if n_top > 0:
                 values, ids = lp.topk(n_top, dim=-1)
                 top_lps, top_ids = values.tolist(), ids.tolist()
             for j, i in enumerate(index):
-                top_n = rows[i].params.logprobs
+                top_n = num_top[i]
                 d = {token_ids[i]: chosen_lps[j]}
                 for t, v in zip(top_ids[j][:top_n], top_lps[j][:top_n]):
                     d.setdefault(t, v)

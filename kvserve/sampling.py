@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from kvserve.validation import check_utf8, shorten
 
+# vLLM's default max_logprobs: the most top-k alternatives a request may ask for per prompt
+# token (the server applies it to logprobs/top_logprobs too).
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +33,10 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen one is added)
+    # Per prompt token: its logprob and the top-k of the distribution that predicted it (vLLM's
+    # prompt_logprobs; 0 = the actual token only). Such a request computes its whole prompt
+    # (it takes no prefix-cache hits: a cached block has no hidden states to give logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # filled by the engine, not the user
@@ -68,6 +76,10 @@ class SamplingParams:
                  f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                  f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None
+                 or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                 f"got {shorten(self.prompt_logprobs)}")
         _require(all(isinstance(s, str) and s for s in self.stop_list),
                  f"stop must be a non-empty string or a list of them, got {shorten(self.stop)}")
         for stop in self.stop_list:

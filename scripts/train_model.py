@@ -47,9 +47,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvserve import tokenizer_train as tt
+from kvserve.eval.heldout import EXCLUDED_DIRS, HELD_OUT_PER_MILLE, corpus_files, stdlib_root
+from kvserve.eval.heldout import is_heldout as is_held_out
 
-EXCLUDED_DIRS = ("site-packages", "test", "tests")
-HELD_OUT_PER_MILLE = 50  # 5% of files, chosen by a hash of their path
 CURVE_FILE = "loss_curve.json"
 CHECKPOINT_FILE = "train_state.pt"
 _HF_VERSION = "5.24.0"
@@ -99,28 +99,6 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------
 # Corpus
 # ------------------------------------------------------------------------------------------
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def is_held_out(rel_path: str) -> bool:
-    """Held out iff sha256(path) mod 1000 < HELD_OUT_PER_MILLE: stable across machines."""
-    digest = hashlib.sha256(rel_path.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % 1000 < HELD_OUT_PER_MILLE
-
-
-def corpus_files(root: Path | None = None) -> list[str]:
-    """Relative paths (POSIX) of the corpus' .py files, sorted, excluded directories skipped."""
-    root = root or stdlib_root()
-    out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).as_posix()
-        if any(part in EXCLUDED_DIRS for part in rel.split("/")[:-1]):
-            continue
-        out.append(rel)
-    return sorted(out)
-
 
 def read_source(root: Path, rel: str) -> str:
     """Decoded as UTF-8 with replacement, so a stray Latin-1 byte cannot stop the run."""
@@ -489,7 +467,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None,
     summary: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "config": asdict(cfg), "parameters": n_params,
-        "corpus": {"root": corpus.root, "excluded_dirs": list(EXCLUDED_DIRS),
+        "corpus": {"root": corpus.root, "excluded_dirs": sorted(EXCLUDED_DIRS),
                    "train_files": len(corpus.train_files),
                    "held_out_files": len(corpus.held_out_files),
                    "train_bytes": corpus.train_bytes, "held_out_bytes": corpus.held_out_bytes,

@@ -78,10 +78,10 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
     original = runner.execute
 
     def spy(batch):
-        logits, rows = original(batch)
-        for j, i in enumerate(rows):
-            captured[tuple(batch.requests[i].prompt_token_ids)] = logits[j].clone()
-        return logits, rows
+        out = original(batch)
+        for j, i in enumerate(out.sampled):
+            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
+        return out
 
     runner.execute = spy
     generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],

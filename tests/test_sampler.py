@@ -117,7 +117,7 @@ def test_all_greedy_is_one_argmax_on_the_fast_path(monkeypatch):
 
     for name in ("_apply_logit_changes", "_topk_topp_threshold", "_rows"):
         monkeypatch.setattr(sampler_module, name, forbidden)
-    for name in ("_sample", "_probs", "_draw", "_raw_logprobs"):
+    for name in ("_sample", "_probs", "_draw", "token_logprobs"):
         monkeypatch.setattr(Sampler, name, forbidden)
     logits = torch.randn(64, 3000, generator=torch.Generator().manual_seed(0))
     # Sampling knobs other than temperature mean nothing for a greedy row.

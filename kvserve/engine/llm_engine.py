@@ -18,9 +18,9 @@ from typing import Any, Union
 import torch
 
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
@@ -264,14 +264,17 @@ class LLMEngine:
                 return []
             batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
             self.runner.apply_plan(batch.plan)
-        logits, sampled = self.runner.execute(batch)
+        out = self.runner.execute(batch)
         self.scheduler.update(batch)
-        if not sampled:
+        failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
+        if not out.sampled and not failed:
             return []
-        rows = [batch.requests[i] for i in sampled]
-        tokens, all_logprobs, failed = self._sample(logits, rows)
+        rows = [batch.requests[i] for i in out.sampled]
+        tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
+        failed = {**sample_failed, **failed}
         now = time.time()
-        touched: dict[str, list[Request]] = {}  # parent id -> its samples
+        # parent id -> its samples
+        touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
             if parent not in touched:
@@ -302,6 +305,8 @@ class LLMEngine:
         the requests whose own row raises fail (their token is None; errors by parent id).
         The retry may draw again from generators the failed batch already advanced: greedy
         neighbours are unaffected, random ones stay valid samples."""
+        if not rows:
+            return [], [], {}
         try:
             result = self.sampler(logits, [_sampling_row(r) for r in rows])
             return result.token_ids, result.logprobs, {}
@@ -320,6 +325,29 @@ class LLMEngine:
                 logprobs.append(None)
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput
+                                ) -> dict[str, Exception]:
+        """Append to each request the logprobs of the prompt tokens this step's logits
+        predicted (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
+        after a preemption neither repeats nor loses an entry). Request by request, so that one
+        that raises fails alone: returns what raised, by parent id."""
+        failed: dict[str, Exception] = {}
+        at = 0
+        for span in out.prompt_spans:
+            request = batch.requests[span.batch_index]
+            logits = out.prompt_logits[at:at + span.count]
+            at += span.count
+            try:
+                assert len(request.prompt_logprobs) == span.first_token, \
+                    "prompt logprobs out of step"
+                tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
+                entries, _ = self.sampler.token_logprobs(
+                    logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
+                request.prompt_logprobs.extend(entries)
+            except Exception as exc:
+                failed[request.parent_id or request.request_id] = exc
+        return failed
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
@@ -420,7 +448,8 @@ class LLMEngine:
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=_group_metrics(children, finished),
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=_prompt_logprobs(first))
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -472,6 +501,14 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCache
     mc = model_config
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                            KVStorage(kv_dtype_name(dtype)), block_size)
+
+
+def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
+    """vLLM's RequestOutput.prompt_logprobs, once every prompt token has its entry (a streamed
+    output of a sibling sample can come before the first sample's prefill ends)."""
+    if len(first.prompt_logprobs) < len(first.prompt_token_ids):
+        return None
+    return list(first.prompt_logprobs)
 
 
 def _sampling_row(r: Request) -> SamplingRow:

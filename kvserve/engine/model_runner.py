@@ -3,7 +3,9 @@
 The runner is the only piece that reads both the scheduler's view (requests, new-token counts)
 and the cache's (block tables); it translates them into the flat tensors of `AttentionMetadata`
 and returns logits only for the rows that sample this step (the last token of each request whose
-uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head.
+uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head — except
+for a request that records prompt logprobs: every prompt position of its chunk whose logprobs
+are not recorded yet gets logits too (`PromptSpan`), in the same LM-head call.
 
 It is also the one place where KV memory is moved: the batch's step plan (saves to the storage
 tiers, loads from them, copy-on-write copies) runs here (`apply_plan`), in that order, before the
@@ -11,6 +13,8 @@ forward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +24,41 @@ from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 from kvserve.model.decoder import CausalLM
+from kvserve.request import Request
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """`count` consecutive rows of `RunnerOutput.prompt_logits` that belong to
+    `batch.requests[batch_index]`: row j is the distribution that predicts its prompt token
+    `first_token + j` (computed at position `first_token + j - 1`)."""
+
+    batch_index: int
+    first_token: int
+    count: int
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [len(sampled), vocab] float32, the rows that sample
+    sampled: list[int]  # index into batch.requests of each row of `logits`
+    # Rows for prompt logprobs ([sum of span counts, vocab] float32), span after span.
+    prompt_logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+
+
+def prompt_span(request: Request, batch_index: int, start: int, end: int) -> PromptSpan | None:
+    """The prompt tokens whose logprobs computing positions [start, end) of `request` yields
+    and that it has not recorded yet (a request recomputing its prompt after a preemption
+    recorded them the first time), or None.
+
+    Position p predicts token p + 1, so the last prompt position (which samples) yields no
+    prompt logprob, and neither does any output position."""
+    if not request.records_prompt_logprobs:
+        return None
+    first = max(start, len(request.prompt_logprobs) - 1)
+    last = min(end, len(request.prompt_token_ids) - 1)
+    return PromptSpan(batch_index, first + 1, last - first) if last > first else None
 
 
 class ModelRunner:
@@ -44,11 +83,11 @@ class ModelRunner:
             self.backend.copy_blocks([s for s, _ in plan.copies], [d for _, d in plan.copies])
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch (its plan applied already); return (logits [S, vocab] float32, indices
-        into batch of those S rows)."""
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run the batch (its plan applied already); return the logits of the rows that sample
+        and of the prompt positions whose logprobs are wanted."""
         if not batch.requests:
-            return torch.empty(0), []
+            return RunnerOutput(torch.empty(0), [])
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -57,6 +96,8 @@ class ModelRunner:
         decodes: list[SequenceSlice] = []
         sample_rows: list[int] = []  # flat token index of each sampled row
         sampled: list[int] = []  # index into batch.requests
+        prompt_rows: list[int] = []  # flat token index of each prompt-logprob row
+        spans: list[PromptSpan] = []
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             end = start + n
@@ -71,6 +112,11 @@ class ModelRunner:
             if end == request.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(i)
+            span = prompt_span(request, i, start, end)
+            if span is not None:
+                spans.append(span)
+                first_row = flat_start + span.first_token - 1 - start
+                prompt_rows.extend(range(first_row, first_row + span.count))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefills=prefills,
@@ -86,8 +132,13 @@ class ModelRunner:
                 ids = ids.to(self.device, non_blocking=True)
                 pos_t = pos_t.to(self.device, non_blocking=True)
             hidden = self.model(ids, pos_t, self.backend.bind(meta))
-        if not sample_rows:
-            return torch.empty(0), []
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)]
-        return self.model.compute_logits(hidden), sampled
+        rows = sample_rows + prompt_rows
+        if not rows:
+            return RunnerOutput(torch.empty(0), [])
+        if prompt_rows or len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)
+        if not prompt_rows:
+            return RunnerOutput(logits, sampled)
+        n = len(sample_rows)
+        return RunnerOutput(logits[:n], sampled, logits[n:], spans)

@@ -37,11 +37,18 @@ class CachedSeq(Protocol):
     cache_salt: str | None
     priority: int
     block_hashes: list[int]  # chained hashes of full blocks, extended on demand by the manager
+    # True for a sequence that needs every prompt position's logits (vLLM's name): it reads
+    # nothing from the cache, though its computed blocks are still published for others.
+    skip_reading_prefix_cache: bool
 
 
 def matchable_tokens(seq: CachedSeq) -> int:
     """How much of a sequence the cache may serve: all but its last token, whose logits are
-    needed, so at least one token is always computed."""
+    needed, so at least one token is always computed; nothing for a sequence that needs the
+    logits of every position (a cached block holds KV, not the hidden states logits come
+    from)."""
+    if seq.skip_reading_prefix_cache:
+        return 0
     return max(len(seq.token_ids) - 1, 0)
 
 

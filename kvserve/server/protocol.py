@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Limits of this server (vLLM's max_logprobs default is 20; OpenAI caps n at 128).
+from kvserve.sampling import MAX_LOGPROBS
+
+# Limits of this server (MAX_LOGPROBS is vLLM's max_logprobs default; OpenAI caps n at 128).
 MAX_N = 128
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

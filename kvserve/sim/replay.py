@@ -53,6 +53,7 @@ class SimSeq:
     priority: int = 0
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    skip_reading_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:

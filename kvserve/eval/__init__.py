@@ -1,0 +1,1 @@
+"""Offline evaluation (held-out perplexity); nothing here is imported by serving."""
