@@ -145,6 +145,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
         if self.tiers is not None:
+            self.runner.apply_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
             self.tiers.close()
             self.tiers = None
@@ -255,17 +256,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
-        batch = self.scheduler.schedule()
-        # The step's memory work lands even if the forward then fails: loaded blocks are in the
-        # prefix index already, and a later hit on them must find their KV.
-        self.runner.apply_plan(batch.plan)
+        batch = self._schedule()
         if not batch.requests:
             if not self.kv.wait_for_prefetch(0.05):
                 return []
-            batch = self.scheduler.schedule()  # only loads from disk/Redis were in the way
-            self.runner.apply_plan(batch.plan)
+            batch = self._schedule()  # only loads from disk/Redis were in the way
         out = self.runner.execute(batch)
         self.scheduler.update(batch)
+        # Write-through: the chunks this forward completed are saved now, not a step later (an
+        # engine that goes idle or shuts down next would never save them).
+        self.runner.apply_plan(self.kv.end_step())
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
         if not out.sampled and not failed:
             return []
@@ -297,6 +297,19 @@ class LLMEngine:
         outputs.extend(self._fail_group(parent, touched[parent], exc)
                        for parent, exc in failed.items())
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """Schedule a batch and apply its step plan at once. The memory work lands even if the
+        forward then fails (loaded blocks are in the prefix index already, and a later hit on
+        them must find their KV), and a schedule that raises part-way still hands out what its
+        admissions planned, so that nothing stale is left for the next step."""
+        try:
+            batch = self.scheduler.schedule()
+        except Exception:
+            self.runner.apply_plan(self.kv.end_step())
+            raise
+        self.runner.apply_plan(batch.plan)
+        return batch
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]
                 ) -> tuple[list[int | None], list[dict[int, float] | None],

@@ -14,6 +14,7 @@ forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,8 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 from kvserve.model.decoder import CausalLM
 from kvserve.request import Request
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_plan(self, plan: StepPlan) -> None:
-        """Saves, then loads, then copies (kv/plan.py says why this order)."""
+        """Saves, then loads, then copies (kv/plan.py says why this order).
+
+        A save is best-effort (a chunk that is not saved is recomputed later), so one that fails
+        is logged and the rest of the plan still runs. A load that fails leaves blocks the prefix
+        index names without their KV: the prefix cache is dropped before the error goes on, so
+        no later request can hit them."""
         for save in plan.saves:
-            self.kv.tiers.save(save.chunk_hash, self.tensors.read_blocks(list(save.blocks)))
+            try:
+                self.kv.tiers.save(save.chunk_hash, self.tensors.read_blocks(list(save.blocks)))
+            except Exception:
+                logger.exception("saving chunk %x to the tiers failed; it is skipped",
+                                 save.chunk_hash)
         for load in plan.loads:
-            self.tensors.write_blocks(list(load.blocks), load.data)
+            try:
+                self.tensors.write_blocks(list(load.blocks), load.data)
+            except Exception:
+                self.kv.reset_prefix_cache()
+                raise
         if plan.copies:
             self.backend.copy_blocks([s for s, _ in plan.copies], [d for _, d in plan.copies])
 

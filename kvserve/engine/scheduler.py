@@ -123,11 +123,8 @@ class Scheduler:
             if self._waits_for(request, match, inflight):
                 deferred.append(self.waiting.popleft())
                 continue
-            if not self.running and match.partial is not None and \
-                    not self.kv.can_admit(match, request.num_tokens):
-                # Nothing running will ever free a block, and the idle block a partial hit would
-                # copy from is the one the pool lacks: compute that block instead of waiting.
-                match = match.without_partial()
+            if not self.running:  # nothing will free a block: a partial hit must not block it
+                match = self.kv.unblock(match, request.num_tokens) or match
             remaining = request.num_tokens - match.num_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:

@@ -8,8 +8,8 @@ drains after each step and hands to whoever publishes it (the server's /v1/kv_ev
 
 The log is bounded so that an engine nobody drains cannot grow without limit: past `capacity`
 records the oldest are dropped and counted, and the next drain reports the loss, so a consumer
-knows its picture has a gap and starts over. `capacity=0` turns recording off (the simulator and
-the offline LLM pay nothing).
+knows its picture has a gap and starts over. `capacity=0` turns recording off (the simulator pays
+nothing); an engine records into a bounded log whether or not a server drains it.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ class KVCacheManager:
     def can_admit(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
                   ) -> bool:
         """Whether the pool can hold `num_tokens` of a sequence (with a partially matched block
-        locked until its copy is made) and, if given, `total_tokens` once the copy is done."""
+        locked until the plan that copies it is handed out) and, if given, `total_tokens` once
+        the copy is done."""
         pool = self.pool
         taken = sum(1 for b in match.blocks if pool.ref_counts[b] == 0)  # stop being evictable
         source = int(match.partial is not None and pool.ref_counts[match.partial.block] == 0)
@@ -178,10 +179,21 @@ class KVCacheManager:
         return total_tokens is None or \
             self.blocks_for_tokens(total_tokens) - len(match.nodes) <= room
 
+    def unblock(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
+                ) -> PrefixMatch | None:
+        """For a pool that nothing running will free: the match less its partial hit, when the
+        idle block that hit would copy from is the one block the pool lacks (computing that
+        block instead fits); None if that does not help either. Without it such a sequence
+        would wait forever."""
+        if match.partial is None or self.can_admit(match, num_tokens, total_tokens):
+            return None
+        plain = match.without_partial()
+        return plain if self.can_admit(plain, num_tokens, total_tokens) else None
+
     def admit(self, seq: CachedSeq, match: PrefixMatch, num_new_tokens: int,
               total_tokens: int | None = None) -> Admission | None:
         """Give a waiting sequence its cached prefix and room for `num_new_tokens` more, if the
-        pool can also hold the rest of its tokens (or `total_tokens`, when the caller reserves
+        pool can also hold the rest of its tokens (and `total_tokens`, when the caller reserves
         more); otherwise change nothing and return None."""
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
@@ -202,7 +214,8 @@ class KVCacheManager:
         self.index.touch(match.nodes, seq.priority)
         self._cursors[seq.request_id] = _Cursor(node, match.num_full_blocks,
                                                 self.index.generation)
-        self._grow(seq.request_id, match.num_tokens + num_new_tokens)
+        grown = self._grow(seq.request_id, match.num_tokens + num_new_tokens)
+        assert grown, "can_admit checked the room"
         return Admission(match.num_tokens)
 
     def _admit_loaded(self, seq: CachedSeq, match: PrefixMatch, table: list[int],
@@ -225,6 +238,8 @@ class KVCacheManager:
         return node
 
     def _count_hits(self, seq: CachedSeq, match: PrefixMatch) -> None:
+        if seq.skip_reading_prefix_cache:  # not a query (vLLM counts none for such requests)
+            return
         self.prefix_cache_queries += len(seq.token_ids)
         self.prefix_cache_hits += match.num_tokens
         self.hit_tokens["device"] += len(match.nodes) * self.block_size + match.partial_len
@@ -245,10 +260,11 @@ class KVCacheManager:
         return self.pool.allocate(n)
 
     def _grow(self, request_id: str, num_tokens: int) -> bool:
-        table = self.block_tables.setdefault(request_id, [])
-        missing = self.blocks_for_tokens(num_tokens) - len(table)
+        held = len(self.block_tables.get(request_id, ()))
+        missing = self.blocks_for_tokens(num_tokens) - held
         if missing > self.pool.num_available:
             return False
+        table = self.block_tables.setdefault(request_id, [])
         if missing > 0:
             table.extend(self.allocate_blocks(missing))
         return True
@@ -264,9 +280,6 @@ class KVCacheManager:
         self.tiers.forget(seq.request_id)
         table = self.block_tables.pop(seq.request_id, None)
         if table:
-            if self._plan.copies:  # freed before its plan went out (a step that raised)
-                mine = set(table)
-                self._plan.copies = [(s, d) for s, d in self._plan.copies if d not in mine]
             self.index.mark_idle(self.pool.release(table))
 
     def block_table(self, seq: CachedSeq) -> list[int]:

@@ -1,10 +1,11 @@
 """The KV tensor pool: the memory the cache's block ids index.
 
 It allocates, per layer, the tensors its spec names (K and V for attention, one latent for MLA),
-each [num_blocks, block_size, heads, width], and is the only code that moves whole blocks: copies
-(copy-on-write), reads (saves to the storage tiers) and writes (loads from them). Attention
-backends compute over these tensors and own none; the runner executes a step plan's memory
-operations through this pool, in the plan's order.
+each [num_blocks, block_size, heads, width], and moves whole blocks: reads (saves to the storage
+tiers), writes (loads from them) and copies (copy-on-write; a backend with a faster kernel for
+its device, like the Triton one, copies through that instead). Attention backends compute over
+these tensors and own none; the runner executes a step plan's memory operations, in the plan's
+order, through this pool and the backend.
 """
 
 from __future__ import annotations

@@ -200,7 +200,14 @@ class Replica:
             admission = kv.admit(req, match, req.num_tokens - match.num_tokens, total_tokens)
             if admission is not None:
                 break
-            if not self._running:  # nothing left to wait for: the pool cannot take it
+            if not self._running:  # nothing left to wait for: the engine's last resort, then no
+                plain = kv.unblock(match, req.num_tokens, total_tokens)
+                if plain is not None:
+                    match = plain
+                    admitted = kv.admit(req, match, req.num_tokens - match.num_tokens,
+                                        total_tokens)
+                    assert admitted is not None, "unblock checked the room"
+                    break
                 self.rejected += 1
                 return False
             finish, _, r, rr, p = heapq.heappop(self._running)  # wait for the next release
