@@ -42,6 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvserve.sim.trace import Trace, load_trace, write_trace  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import pct  # noqa: E402  (percentiles, as the serving benchmark takes them)
+
 POLICIES = ("round_robin", "least_loaded", "consistent_hash", "cache_aware")
 
 
@@ -161,16 +164,6 @@ def scrape(urls: list[str]) -> tuple[float, float]:
             elif line.startswith("kvserve:prefix_cache_hits_total"):
                 h += float(line.rsplit(" ", 1)[1])
     return q, h
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100.0
-    f = int(k)
-    c = min(f + 1, len(v) - 1)
-    return v[f] + (v[c] - v[f]) * (k - f)
 
 
 async def replay(trace: Trace, url: str, on_half=None, burst: bool = False
