@@ -78,9 +78,11 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """A request recording prompt logprobs needs the logits of every prompt position, so
-        it computes its whole prompt (`kvserve.kv.manager.matchable_tokens` honours this)."""
-        return self.records_prompt_logprobs
+        """A request still recording prompt logprobs needs the logits of every prompt position,
+        so it computes its whole prompt (`kvserve.kv.manager.matchable_tokens` honours this);
+        once they are all recorded (a preempted request resuming), it may hit the cache."""
+        return self.records_prompt_logprobs and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
-from kvserve.kv.tiers.link import NoTiers, TierLink, Tiers
+from kvserve.kv.tiers.link import NoTiers, Tiers
 
 class CachedSeq(Protocol):
     """What the cache reads of a request (the engine's `Request`, the simulator's `SimSeq`)."""
@@ -223,7 +223,6 @@ class KVCacheManager:
         """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
         they enter the index like computed blocks (nothing reads them before the plan's loads
         have run); returns the deepest node."""
-        assert isinstance(self.tiers, TierLink), "only the tiers load chunks"
         blocks = self.allocate_blocks(match.num_loaded_blocks)
         self._plan.loads.append(ChunkLoad(tuple(blocks), self.tiers.loaded_kv(match)))
         first = len(table)

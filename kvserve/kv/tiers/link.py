@@ -153,7 +153,16 @@ class NoTiers:
         raise AssertionError("no tiers to save to")
 
     def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
-        return match
+        return match  # so no match ever has loaded chunks, and the three below are never called
+
+    def loaded_kv(self, match: PrefixMatch) -> torch.Tensor:
+        raise AssertionError("no tiers: nothing is loaded")
+
+    def tokens_by_source(self, match: PrefixMatch) -> list[tuple[str, int]]:
+        return []
+
+    def consumed(self, chunks: list[FoundChunk]) -> None:
+        pass
 
     def start_prefetch(self, request_id: str, block_hashes: Sequence[int],
                        device_blocks: int) -> None:
