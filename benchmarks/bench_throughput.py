@@ -386,17 +386,22 @@ def worker_main(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------
-def run_worker(argv: list[str], threads: int, timeout: float) -> dict:
+def run_worker(argv: list[str], threads: int, timeout: float, script: str | None = None,
+               tree: Path | None = None) -> dict:
+    """One worker subprocess (`script --worker ...`, this file's own by default); with `tree`,
+    run from that checkout and import its kvserve (bench_vs_commit.py)."""
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    cmd = [sys.executable, WORKER_SCRIPT, "--worker", *argv,
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    cmd = [sys.executable, script or WORKER_SCRIPT, "--worker", *argv,
            "--threads", str(threads)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                              env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              cwd=tree or REPO, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s", "cmd": cmd}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -67,19 +67,11 @@ def checkout(base: str, into: Path) -> Path:
 
 def run_worker(tree: Path, script: str, argv: list[str], threads: int, timeout: float) -> dict:
     """One worker of `tree`'s own benchmark script, importing `tree`'s kvserve."""
-    env = dict(os.environ, PYTHONPATH=str(tree), TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_VERBOSITY="error")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = str(threads)
-    cmd = [sys.executable, str(tree / "benchmarks" / script), "--worker", *argv,
-           "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tree,
-                          env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+    res = bt.run_worker(argv, threads, timeout, script=str(tree / "benchmarks" / script),
+                        tree=tree)
+    if "error" in res:
+        raise RuntimeError(f"{' '.join(map(str, res.get('cmd', [])))} failed: {res['error']}")
+    return res
 
 
 def main() -> int:
