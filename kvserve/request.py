@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,9 @@ class Request:
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # Structured outputs: this sample's matcher (kvserve.structured.grammar.GrammarState), which
+    # advances with every token it keeps, preemption included (the tokens stay), else None.
+    grammar: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

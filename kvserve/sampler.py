@@ -5,6 +5,9 @@ sequence that produces a token in that step (one row each) and a `SamplingRow` p
 
 Order of operations (vLLM's):
 
+0. Structured outputs: a row with a grammar (``token_bitmask``, packed int32 words: bit
+   ``t % 32`` of word ``t // 32`` allows token t) gets -inf on every token its grammar forbids.
+   Only those rows are copied and masked; the others pay nothing.
 1. ``min_tokens``: while ``len(output) < min_tokens`` the row's ``stop_token_ids`` and, unless
    ``ignore_eos``, its EOS ids get logit -inf.
 2. Repetition penalty over the prompt and output tokens (HF/vLLM: a positive logit is divided by
@@ -55,7 +58,7 @@ import torch
 
 from kvserve.sampling import SamplingParams
 
-__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow"]
+__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow", "unpack_bitmask"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
 _CANDIDATES = 1024  # top-k/top-p first look for their cut among each row's top 1024 tokens
@@ -75,6 +78,9 @@ class SamplingRow:
     # engine: torch.Generator().manual_seed(seed)); None draws from the sampler's generator.
     generator: torch.Generator | None = None
     eos_token_ids: Iterable[int] = field(default_factory=frozenset)  # masked during min_tokens
+    # Structured outputs: the tokens the request's grammar allows next, as a packed int32
+    # bitmask of ceil(vocab / 32) words (kvserve.structured.grammar fills it); None = no grammar.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -335,6 +341,8 @@ class _Plan:
 
 def _needs_logit_changes(row: SamplingRow) -> bool:
     p = row.params
+    if row.token_bitmask is not None:
+        return True
     if len(row.output_token_ids) < p.min_tokens and _min_tokens_banned(row):
         return True
     if p.repetition_penalty != 1.0 and (len(row.prompt_token_ids) or len(row.output_token_ids)):
@@ -400,9 +408,15 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
     flat = work.view(-1)
     device = work.device
 
+    masked = [(j, row.token_bitmask) for j, row in changed if row.token_bitmask is not None]
+    if masked:
+        at = torch.tensor([j for j, _ in masked], device=device)
+        allowed = unpack_bitmask(torch.stack([m for _, m in masked]).to(device), vocab)
+        work[at] = work[at].masked_fill(~allowed, float("-inf"))
+
     banned: list[int] = []
-    for j, row in changed:
-        if len(row.output_token_ids) < row.params.min_tokens:
+    for j, row in changed:  # a grammar decides alone where its output ends
+        if len(row.output_token_ids) < row.params.min_tokens and row.token_bitmask is None:
             banned.extend(j * vocab + t for t in _min_tokens_banned(row) if 0 <= t < vocab)
     if banned:
         flat[torch.tensor(banned, device=device)] = float("-inf")
@@ -434,6 +448,21 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
             dtype=work.dtype, device=device)
         fp = fp[keys // vocab]
         flat[keys] = flat[keys] - (fp[:, 0] * counts.to(work.dtype) + fp[:, 1])
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmasks [rows, words] -> bool [rows, vocab] (True = allowed); words past
+    the vocabulary's end are ignored and tokens past the bitmask's end are forbidden."""
+    rows, words = bitmask.shape
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1
+    allowed = bits.reshape(rows, words * 32).bool()
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(rows, vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
 
 
 def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.validation import check_utf8, shorten
 
 # vLLM's default max_logprobs: the most top-k alternatives a request may ask for per prompt
@@ -39,6 +40,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # vLLM's structured outputs (JSON schema, regex, choice, grammar): the sampler only draws
+    # tokens the grammar allows, and the request ends when the grammar does. A dict is read
+    # as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # filled by the engine, not the user
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -50,6 +55,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -84,6 +91,10 @@ class SamplingParams:
                  f"stop must be a non-empty string or a list of them, got {shorten(self.stop)}")
         for stop in self.stop_list:
             check_utf8("a stop string", stop)
+        _require(self.structured_outputs is None
+                 or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs must be StructuredOutputsParams (or a dict of its fields), "
+                 f"got {type(self.structured_outputs).__name__}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers, got "
                  f"{shorten(self.stop_token_ids)}")

@@ -38,6 +38,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        for p in params:  # an invalid schema, regex or grammar: refused before anything runs
+            if p.structured_outputs is not None:
+                self.engine.grammars.compile(p.structured_outputs)
         ids: list[str] = []
         try:
             for prompt, p, prio in zip(prompts, params, priorities):

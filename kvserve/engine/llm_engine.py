@@ -10,8 +10,10 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -34,6 +36,7 @@ from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
+from kvserve.structured.grammar import GrammarCompiler, bitmask_words
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from kvserve.validation import (check_cache_salt, check_text_fits, check_token_ids, check_utf8,
                                 shorten)
@@ -97,6 +100,12 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self._detok: dict[str, _Detok] = {}
         self._streaming: set[str] = set()
+        # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
+        # (the compile, its samples). They join the scheduler once it is done; the batch never
+        # waits for a compile.
+        self._compiling: dict[str, tuple[Future, list[Request]]] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
 
@@ -142,8 +151,21 @@ class LLMEngine:
             + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
         return tiers
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler, made on first use (building the tokenizer's
+        table takes a moment; an engine that never sees a grammar never pays it). Thread-safe:
+        the server compiles from worker threads, off the engine loop."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 sorted(self.eos_token_ids))
+            return self._grammars
+
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.tiers is not None:
             self.runner.apply_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
@@ -170,6 +192,11 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {shorten(priority)}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
+        grammar: Future | None = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
         if blocks > self.kv.num_blocks:
@@ -200,8 +227,33 @@ class LLMEngine:
                 self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens))
             self.kv.start_prefetch(child)
-            self.scheduler.add(child)
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = (grammar, children)
+        else:
+            self._schedule_children(children, grammar)
         return request_id
+
+    def _schedule_children(self, children: list[Request], grammar: Future | None) -> None:
+        """Queue the samples of a request, each with its own matcher over the compiled
+        grammar when it has one."""
+        for child in children:
+            if grammar is not None:
+                child.grammar = self.grammars.new_state(grammar.result())
+            self.scheduler.add(child)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar finished compiling; a compile that failed fails
+        its request (the server compiles before adding, so that this is rare there)."""
+        outputs = []
+        for parent, (grammar, children) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[parent]
+            if grammar.exception() is not None:
+                outputs.append(self._fail_group(parent, children, grammar.exception()))
+            else:
+                self._schedule_children(children, grammar)
+        return outputs
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -243,23 +295,30 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
+        compiling = self._compiling.pop(request_id, None) is not None
         for child in self._groups.pop(request_id, ()):
-            if not child.finished:
+            if compiling:  # never queued: nothing to free
+                child.status = RequestStatus.FINISHED_ABORTED
+            elif not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
             self._detok.pop(child.request_id, None)
         self._streaming.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
+        compiled = self._admit_compiled() if self._compiling else []
         batch = self._schedule()
         if not batch.requests:
+            if self._compiling and not self.scheduler.has_unfinished():
+                _wait_any([f for f, _ in self._compiling.values()], 0.05)
+                return compiled + self._admit_compiled()
             if not self.kv.wait_for_prefetch(0.05):
-                return []
+                return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
         out = self.runner.execute(batch)
         self.scheduler.update(batch)
@@ -268,7 +327,7 @@ class LLMEngine:
         self.runner.apply_plan(self.kv.end_step())
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
         if not out.sampled and not failed:
-            return []
+            return compiled
         rows = [batch.requests[i] for i in out.sampled]
         tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
         failed = {**sample_failed, **failed}
@@ -285,7 +344,7 @@ class LLMEngine:
                 self._append_token(request, token, logprobs, now)
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[parent] = exc
-        outputs = []
+        outputs = compiled
         for parent, children in touched.items():
             if parent in failed or not (parent in self._streaming
                                         or all(c.finished for c in children)):
@@ -321,7 +380,7 @@ class LLMEngine:
         if not rows:
             return [], [], {}
         try:
-            result = self.sampler(logits, [_sampling_row(r) for r in rows])
+            result = self.sampler(logits, _sampling_rows(rows, logits.shape[1]))
             return result.token_ids, result.logprobs, {}
         except Exception:
             logger.exception("batched sampling failed; sampling row by row to isolate it")
@@ -330,7 +389,7 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for i, request in enumerate(rows):
             try:
-                one = self.sampler(logits[i:i + 1], [_sampling_row(request)])
+                one = self.sampler(logits[i:i + 1], _sampling_rows([request], logits.shape[1]))
                 tokens.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             except Exception as exc:
@@ -397,7 +456,11 @@ class LLMEngine:
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
+        if request.grammar is not None and not request.grammar.accept(token):
+            raise ValueError(f"token {token} is not allowed by the request's grammar")
         status = self._check_stop(request, token)
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar has ended (its stop token)
         if status is not None:
             self._finish(request, status)
 
@@ -524,9 +587,22 @@ def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
     return list(first.prompt_logprobs)
 
 
-def _sampling_row(r: Request) -> SamplingRow:
-    return SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
-                       r.eos_token_ids)
+def _sampling_rows(requests: list[Request], vocab: int) -> list[SamplingRow]:
+    """The sampler's rows; a request with a grammar gets the bitmask of its allowed next
+    tokens (all of them filled into one tensor; the others have none and pay nothing)."""
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    masks: dict[int, torch.Tensor] = {}
+    if constrained:
+        bitmask = torch.full((len(constrained), bitmask_words(vocab)), -1, dtype=torch.int32)
+        for j, i in enumerate(constrained):
+            requests[i].grammar.fill_bitmask(bitmask, j)
+            masks[i] = bitmask[j]
+    return [SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
+                        r.eos_token_ids, masks.get(i)) for i, r in enumerate(requests)]
+
+
+def _wait_any(futures: list[Future], timeout: float) -> None:
+    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
 
 def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:
