@@ -509,9 +509,10 @@ HOSTILE = [
     ("logit-bias", C, {"prompt": "hi", "logit_bias": {"50": 10}}, 400),
     ("echo", C, {"prompt": "hi", "echo": True}, 400),
     ("best-of", C, {"prompt": "hi", "best_of": 3}, 400),
-    ("json-response-format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}},
+    ("json-schema-without-schema", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("forced-tool-choice-without-tools", CHAT, {"messages": MSG, "tool_choice": "required"},
      400),
-    ("forced-tool-choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400),
     ("unknown-model", C, {"model": "gpt-4", "prompt": "hi"}, 404),
     ("unknown-model-chat", CHAT, {"model": "gpt-4", "messages": MSG}, 404),
     ("empty-prompt", C, {"prompt": ""}, 400),

@@ -203,9 +203,10 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     return out
 
 
-# Bump when make_model or the tokenizer trainer changes what they write, so that a cached default
+# Bump when make_model or the tokenizer trainer changes what they write (3: the chat
+# template renders tool calls and tool results), so that a cached default
 # model from an older kvserve is not reused.
-DEFAULT_MODEL_VERSION = 2
+DEFAULT_MODEL_VERSION = 3
 
 
 def default_model_path() -> Path:

@@ -66,6 +66,17 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     cache_salt: Optional[str] = None
     priority: int = 0
+    # Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
+    # structured_outputs {json, regex, choice, grammar, json_object, ...}; at most one of them.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's names before 0.12, which removed them: refused with a 400 naming the new field.
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -89,6 +100,8 @@ class ChatMessage(_Strict):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -99,7 +112,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming the new ones.
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
 

@@ -26,6 +26,10 @@ from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.structured_request import (ToolPlan, history_tool_calls,
+                                               structured_outputs_of, tool_plan)
+from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import holdback
 from kvserve.validation import check_text_fits, shorten
 
@@ -159,15 +163,31 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt" if num_prompts > 1 else "n") from None
 
+    async def _check_grammar(self, structured: StructuredOutputsParams | None,
+                             param: str) -> None:
+        """Compile the request's grammar before it is queued (on the compiler's thread, never
+        the event loop's nor the engine's): an invalid schema, regex or grammar is a 400 with
+        the library's reason, and the engine then finds it in the cache."""
+        if structured is None:
+            return
+        core = self.engine.engine
+        future = await asyncio.to_thread(lambda: core.grammars.submit(structured))
+        try:
+            await asyncio.wrap_future(future)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
     @staticmethod
-    def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         kw: dict[str, Any] = dict(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+            structured_outputs=structured)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -304,8 +324,11 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must be equal to n (or unset)", param="best_of")
         self._check_size(_num_prompts(req.prompt), req.n)
+        structured = structured_outputs_of(req)
+        await self._check_grammar(structured, "structured_outputs"
+                                  if req.structured_outputs is not None else "response_format")
         prompts = await _off_loop(_text_size(req.prompt), self._completion_prompts, req.prompt)
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, structured)
         prep = _Prepared(prompts, params, params.stop_list)
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -406,19 +429,20 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported",
-                           param="response_format")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported",
-                           param="tool_choice")
+        structured = structured_outputs_of(req)
+        tools = tool_plan(req, structured)
+        if tools.grammar is not None:
+            structured = tools.grammar
         self._check_size(1, req.n)
+        await self._check_grammar(structured, "tool_choice" if tools.grammar is not None
+                                  else "structured_outputs" if req.structured_outputs is not None
+                                  else "response_format")
         prompt = await _off_loop(_text_size([m.content for m in req.messages]),
                                  self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs)
+        params = self._sampling_params(req, max_tokens, logprobs, structured)
         prep = _Prepared([prompt], params, params.stop_list)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -426,18 +450,28 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _event_stream(self._chat_events(prep, streams, cid, created, model, req,
-                                                   include_usage),
+                                                   include_usage, tools),
                                  lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
         out = outputs[0]
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs)
-                    if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if tools.parse:
+                content, calls = parse_tool_calls(c.text)
+                calls = calls[:tools.max_calls]
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs,
+                                                            req.top_logprobs)
+                            if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
                              "model": model, "choices": choices, "usage": self._usage(outputs)})
 
@@ -453,6 +487,10 @@ class OpenAIServing:
             msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                   if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
@@ -487,8 +525,9 @@ class OpenAIServing:
 
     async def _chat_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
                            created: int, model: str, req: ChatCompletionRequest,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, tools: ToolPlan) -> AsyncIterator[str]:
         cursors = [_ChoiceCursor() for _ in range(req.n)]
+        parsers = [ToolCallStream() for _ in range(req.n)] if tools.parse else None
         last: RequestOutput | None = None
 
         def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None):
@@ -514,11 +553,26 @@ class OpenAIServing:
                                                  c.logprobs[cur.num_tokens:], req.top_logprobs)
                         cur.num_tokens = len(c.token_ids)
                     finished = c.finish_reason is not None
+                    finish = c.finish_reason
+                    if parsers is not None:
+                        parser = parsers[c.index]
+                        delta, calls = parser.feed(delta, final=finished)
+                        for call in calls:
+                            k = parser.num_calls - len(calls) + calls.index(call)
+                            if tools.max_calls is not None and k >= tools.max_calls:
+                                continue
+                            yield chunk(c.index, {"tool_calls": [{
+                                "index": k, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]})
+                            yield chunk(c.index, {"tool_calls": [{
+                                "index": k, "function": {"arguments": call.arguments}}]})
+                        if finish == "stop" and parser.num_calls:
+                            finish = "tool_calls"
                     if not delta and lp is None and not finished:
                         continue
                     cur.done = finished
                     yield chunk(c.index, {"content": delta} if delta or not finished else {},
-                                lp, c.finish_reason, c.stop_reason)
+                                lp, finish, c.stop_reason)
             if include_usage:
                 yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                             "model": model, "choices": [], "usage": self._usage([last])})

@@ -120,9 +120,10 @@ class GrammarCompiler:
                   else MAX_JSON_WHITESPACE)
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return xgr.Grammar.from_json_schema(schema, **ws)
+            return strict_json_strings(xgr.Grammar.from_json_schema(schema, **ws))
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
+            return strict_json_strings(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, **ws))
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -132,7 +133,7 @@ class GrammarCompiler:
         if kind == "tool_calls":
             from kvserve.structured.tool_calls import tool_call_grammar
 
-            return tool_call_grammar(json.loads(params.tool_calls), **ws)
+            return strict_json_strings(tool_call_grammar(json.loads(params.tool_calls), **ws))
         raise AssertionError(kind)
 
     def new_state(self, compiled) -> "GrammarState":
@@ -140,6 +141,21 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength) as
+# [^"\\\r\n], which lets raw control characters through, and JSON forbids them (a strict
+# json.loads refuses such output). This is the class its unbounded strings use.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def strict_json_strings(grammar):
+    """`grammar` with every JSON string character class excluding control characters."""
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
 
 
 def library_reason(exc: BaseException) -> str:
