@@ -364,6 +364,8 @@ def _chunk_rows(vocab: int) -> int:
 
 def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
     """A fresh contiguous copy of x[index]."""
+    if x.device.type == "cpu":  # NumPy's gather: single-threaded, no torch thread-pool wake-up
+        return torch.from_numpy(np.ascontiguousarray(x.numpy()[index]))
     if index == list(range(x.shape[0])):
         return x.clone(memory_format=torch.contiguous_format)
     return x.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))
@@ -410,9 +412,14 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
 
     masked = [(j, row.token_bitmask) for j, row in changed if row.token_bitmask is not None]
     if masked:
-        at = torch.tensor([j for j, _ in masked], device=device)
-        allowed = unpack_bitmask(torch.stack([m for _, m in masked]).to(device), vocab)
-        work[at] = work[at].masked_fill(~allowed, float("-inf"))
+        allowed = unpack_bitmask(torch.stack([m for _, m in masked]), vocab)
+        if device.type == "cpu":  # NumPy, in place, row by row: no torch thread pool involved
+            arr, ok = work.numpy(), allowed.numpy()
+            for k, (j, _) in enumerate(masked):
+                np.copyto(arr[j], -np.inf, where=~ok[k])
+        else:
+            at = torch.tensor([j for j, _ in masked], device=device)
+            work[at] = work[at].masked_fill(~allowed.to(device), float("-inf"))
 
     banned: list[int] = []
     for j, row in changed:  # a grammar decides alone where its output ends
@@ -450,19 +457,16 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
         flat[keys] = flat[keys] - (fp[:, 0] * counts.to(work.dtype) + fp[:, 1])
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed int32 bitmasks [rows, words] -> bool [rows, vocab] (True = allowed); words past
-    the vocabulary's end are ignored and tokens past the bitmask's end are forbidden."""
-    rows, words = bitmask.shape
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1
-    allowed = bits.reshape(rows, words * 32).bool()
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(rows, vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
-    return torch.cat([allowed, pad], dim=1)
+    """Packed int32 bitmasks [rows, words] -> bool [rows, vocab] on the CPU (True = allowed);
+    bits past the vocabulary's end are ignored and tokens past the bitmask's end are forbidden.
+    NumPy's unpackbits, little-endian bit order: bit b of word w is token 32 w + b."""
+    words = np.ascontiguousarray(bitmask.cpu().numpy().astype("<i4", copy=False))
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little").view(np.bool_)
+    if bits.shape[1] < vocab:
+        bits = np.concatenate([bits, np.zeros((bits.shape[0], vocab - bits.shape[1]),
+                                              dtype=np.bool_)], axis=1)
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab]))
 
 
 def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
