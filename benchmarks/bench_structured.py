@@ -146,11 +146,30 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sampler-iters", type=int, default=300)
+    p.add_argument("--sampler-threads", type=int, default=1,
+                   help="torch threads for the sampler-alone part (1: on a shared 2-core "
+                        "machine, waking a second thread costs more than the work)")
+    p.add_argument("--sampler-only", action="store_true", help="skip the engine runs")
     args = p.parse_args()
-    llm = LLM(model=args.model, seed=0, max_num_seqs=args.batch, dtype="float32")
-    timers = Timers(llm)
     print(cpu_line())
     constrained = round(args.batch * args.fraction)
+    if not args.sampler_only:
+        engine_runs(args, constrained)
+    torch.set_num_threads(args.sampler_threads)
+    print(f"\nsampler alone, {args.batch} rows, {constrained} masked (median of "
+          f"{args.sampler_iters} interleaved calls, {args.sampler_threads} torch threads):")
+    print(f"{'vocab':>7} {'rows':<7} {'no mask ms':>11} {'masked ms':>10} {'ratio':>6}")
+    for vocab in (8192, 32000):
+        for temperature, label in ((0.0, "greedy"), (1.0, "random")):
+            plain, masked = sampler_only(args.batch, constrained, vocab, temperature,
+                                         args.sampler_iters)
+            print(f"{vocab:>7} {label:<7} {plain:>11.3f} {masked:>10.3f} {masked / plain:>6.2f}")
+    return 0
+
+
+def engine_runs(args: argparse.Namespace, constrained: int) -> None:
+    llm = LLM(model=args.model, seed=0, max_num_seqs=args.batch, dtype="float32")
+    timers = Timers(llm)
     print(f"model {llm.engine.config.model}, vocab {llm.engine.model_config.vocab_size}; "
           f"batch {args.batch} x ({args.prompt_len} prompt -> {args.max_tokens} new), "
           f"{constrained} constrained by regex {REGEX!r}")
@@ -173,16 +192,6 @@ def main() -> int:
     print(f"\nthroughput constrained/none: "
           f"{med['constrained']['tok_s'] / med['none']['tok_s']:.3f}x; decode step time "
           f"(= per-token time of every row, constrained or not) constrained/none: {ratio:.3f}x")
-
-    print(f"\nsampler alone, {args.batch} rows, {constrained} masked (median of "
-          f"{args.sampler_iters} interleaved calls):")
-    print(f"{'vocab':>7} {'rows':<7} {'no mask ms':>11} {'masked ms':>10} {'ratio':>6}")
-    for vocab in (8192, 32000):
-        for temperature, label in ((0.0, "greedy"), (1.0, "random")):
-            plain, masked = sampler_only(args.batch, constrained, vocab, temperature,
-                                         args.sampler_iters)
-            print(f"{vocab:>7} {label:<7} {plain:>11.3f} {masked:>10.3f} {masked / plain:>6.2f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class XGrammar:
         self.vocab = vocab
 
     def compile(self, schema: dict):
-        return self.compiler.compile_json_schema(json.dumps(schema))
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
@@ -95,6 +95,19 @@ class XGrammar:
         return m.is_terminated()
 
 
+class XGrammarStrictStrings(XGrammar):
+    """xgrammar as kvserve uses it: its grammar with control characters kept out of
+    length-bounded strings (kvserve.structured.grammar.strict_json_strings)."""
+
+    name = "xgrammar+fix"
+
+    def compile(self, schema: dict):
+        from kvserve.structured.grammar import strict_json_strings
+
+        grammar = self.xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        return self.compiler.compile_grammar(strict_json_strings(grammar))
+
+
 class LLGuidance:
     name = "llguidance"
 
@@ -109,7 +122,9 @@ class LLGuidance:
         self.vocab = vocab
 
     def compile(self, schema: dict):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        grammar = self.ll.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False,
+                                          "item_separator": ", ", "key_separator": ": "})
         m = self.ll.LLMatcher(self.tok, grammar)  # llguidance compiles lazily, per matcher
         if m.is_error():
             raise ValueError(m.get_error())
@@ -142,10 +157,14 @@ class OutlinesCore:
         self.oc = outlines_core
         eos = hf.convert_tokens_to_ids(hf.eos_token)
         self.eos = eos
-        pieces: dict[str, list[int]] = {}
+        from kvserve.server.serving import _BYTE_DECODER  # byte-level piece -> its bytes
+
+        pieces: dict[bytes, list[int]] = {}
+        special = set(hf.all_special_ids)
         for piece, i in hf.get_vocab().items():
-            if i != eos and i < vocab:
-                pieces.setdefault(piece, []).append(i)
+            if i != eos and i < vocab and i not in special:
+                raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+                pieces.setdefault(raw, []).append(i)
         self.vocabulary = outlines_core.Vocabulary(eos, pieces)
         self.vocab = vocab
 
@@ -197,20 +216,16 @@ def lib_eos(lib) -> int:
 
 
 def random_walk(lib, compiled, rng: random.Random, budget: int, hf) -> tuple[bool, str]:
-    """Pick allowed tokens at random, preferring the shortest (a closing bracket or quote
-    ends a value sooner), until the grammar accepts EOS or the budget runs out."""
+    """Pick allowed tokens uniformly at random (a random-weight model) until the grammar
+    allows EOS (taken at once) or the budget runs out; every size in SCHEMA is bounded."""
     m = lib.matcher(compiled)
     out: list[int] = []
     for step in range(budget):
         allowed = lib.allowed(lib.mask(m)).nonzero().flatten().tolist()
         if not allowed:
             return False, hf.decode(out)
-        if EOS in allowed and (step > budget // 2 or rng.random() < 0.3):
+        if EOS in allowed:
             return True, hf.decode(out)
-        allowed = [t for t in allowed if t != EOS] or allowed
-        if step > budget // 3:  # steer towards closing: the shortest pieces
-            allowed.sort(key=lambda t: len(hf.convert_ids_to_tokens(t)))
-            allowed = allowed[:8]
         t = rng.choice(allowed)
         lib.accept(m, t)
         out.append(t)
@@ -225,7 +240,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--walks", type=int, default=20)
-    p.add_argument("--budget", type=int, default=200)
+    p.add_argument("--budget", type=int, default=300)
+    p.add_argument("--verbose", action="store_true", help="print the invalid outputs")
     args = p.parse_args()
     from kvserve.model.make_model import default_model_dir, ensure_default_model
 
@@ -238,8 +254,8 @@ def main() -> int:
         ids = hf.encode(json.dumps(DOC), add_special_tokens=False)
         print(f"\n== {mname}: vocab {vocab}, the valid document is {len(ids)} tokens")
         print(f"{'library':<14} {'setup ms':>9} {'compile ms':>11} {'mask us/tok':>12} "
-              f"{'valid doc':>10} {'walks valid':>12}")
-        for cls in (XGrammar, LLGuidance, OutlinesCore):
+              f"{'valid doc':>10} {'walks ended':>12} {'ended valid':>12}")
+        for cls in (XGrammar, XGrammarStrictStrings, LLGuidance, OutlinesCore):
             try:
                 t0 = time.perf_counter()
                 lib = cls(hf, vocab)
@@ -249,17 +265,19 @@ def main() -> int:
                 comp = time.perf_counter() - t0
                 times, ok = walk_valid(lib, compiled, ids)
                 rng = random.Random(0)
-                good = 0
+                good = ends = 0
                 for _ in range(args.walks):
                     ended, text = random_walk(lib, compiled, rng, args.budget, hf)
+                    ends += ended
                     try:
                         jsonschema.validate(json.loads(text), SCHEMA)
                         good += ended
-                    except Exception:
-                        pass
+                    except (ValueError, jsonschema.ValidationError) as exc:
+                        if ended and args.verbose:
+                            print(f"  {cls.name} invalid: {text!r}: {str(exc)[:80]}")
                 print(f"{cls.name:<14} {setup * 1e3:>9.1f} {comp * 1e3:>11.1f} "
                       f"{statistics.median(times) * 1e6:>12.1f} {str(ok):>10} "
-                      f"{good:>5}/{args.walks:<6}")
+                      f"{ends:>6}/{args.walks:<5} {good:>6}/{ends:<5}")
             except Exception as exc:  # a library that fails on this tokenizer is a finding
                 print(f"{cls.name:<14} failed: {type(exc).__name__}: {str(exc)[:200]}")
     return 0

@@ -412,14 +412,22 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
 
     masked = [(j, row.token_bitmask) for j, row in changed if row.token_bitmask is not None]
     if masked:
-        allowed = unpack_bitmask(torch.stack([m for _, m in masked]), vocab)
-        if device.type == "cpu":  # NumPy, in place, row by row: no torch thread pool involved
-            arr, ok = work.numpy(), allowed.numpy()
+        packed = torch.stack([m for _, m in masked])
+        if device.type == "cpu":
+            # NumPy, in place, no torch thread pool involved: each byte of the packed mask
+            # picks its 8 additive biases (0 or -inf) from a 256-entry table.
+            arr = work.numpy()
+            bias = _BYTE_BIAS[np.ascontiguousarray(packed.numpy().astype("<i4", copy=False))
+                              .view(np.uint8)].reshape(len(masked), -1)
+            if bias.shape[1] < vocab:  # tokens past the bitmask's end are forbidden
+                bias = np.pad(bias, ((0, 0), (0, vocab - bias.shape[1])),
+                              constant_values=-np.inf)
             for k, (j, _) in enumerate(masked):
-                np.copyto(arr[j], -np.inf, where=~ok[k])
+                np.add(arr[j], bias[k, :vocab], out=arr[j])
         else:
+            allowed = unpack_bitmask(packed, vocab).to(device)
             at = torch.tensor([j for j, _ in masked], device=device)
-            work[at] = work[at].masked_fill(~allowed.to(device), float("-inf"))
+            work[at] = work[at].masked_fill(~allowed, float("-inf"))
 
     banned: list[int] = []
     for j, row in changed:  # a grammar decides alone where its output ends
@@ -455,6 +463,11 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
             dtype=work.dtype, device=device)
         fp = fp[keys // vocab]
         flat[keys] = flat[keys] - (fp[:, 0] * counts.to(work.dtype) + fp[:, 1])
+
+
+# For each byte value, the additive bias of its 8 tokens (bit b set: token allowed, bias 0).
+_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                    bitorder="little") == 1, 0.0, -np.inf).astype(np.float32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

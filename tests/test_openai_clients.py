@@ -263,3 +263,50 @@ def test_langchain_json_mode_returns_a_json_object(server):
     schema = {"title": "Empty", "description": "anything", "type": "object"}
     result = llm.with_structured_output(schema, method="json_mode").invoke("JSON please.")
     jsonschema.validate(result, schema)
+
+
+def _forced_text_regex(text: str) -> str:
+    """A regex matching exactly `text` (so that `auto` mode can be driven to write a call)."""
+    return "".join("\\" + ch if ch in "\\.^$*+?{}[]|()/" else ch for ch in text)
+
+
+TWO_CALLS = ('Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Oslo", "unit": "celsius"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_tool_choice_parses_calls_streamed_and_not(client, parallel):
+    """`auto` leaves the model free; a regex makes this one write two calls after some text,
+    which both forms of the response must turn into content + tool_calls."""
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Time and weather?"}],
+                  tools=[WEATHER, TIME], tool_choice="auto", max_tokens=200,
+                  parallel_tool_calls=parallel,
+                  extra_body={"structured_outputs": {"regex": _forced_text_regex(TWO_CALLS)}})
+    expected = [("get_time", {"zone": 3}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    expected = expected if parallel else expected[:1]
+    msg = client.chat.completions.create(**kwargs).choices[0]
+    assert msg.finish_reason == "tool_calls" and msg.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in msg.message.tool_calls] == expected
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content.strip() == "Checking."
+    assert [(calls[k][0], json.loads(calls[k][1])) for k in sorted(calls)] == expected
+
+
+def test_response_format_on_completions_and_n(client):
+    schema = SCHEMAS[1]
+    resp = client.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=MAX_TOKENS, n=3, seed=5, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    assert len(resp.choices) == 3
+    for c in resp.choices:
+        jsonschema.validate(json.loads(c.text), schema)
