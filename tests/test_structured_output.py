@@ -147,7 +147,12 @@ def test_tool_call_parser():
         streamed += new
     pieces.append(stream.feed("", final=True)[0])
     assert "".join(pieces).strip() == "Let me check." and "<" not in "".join(pieces)
-    assert [c.name for c in streamed] == ["f", "g"]
+    # OpenAI's delta.tool_calls: index, id, type and name first, then argument fragments
+    assert [e["function"]["name"] for e in streamed if "id" in e] == ["f", "g"]
+    args = {k: "".join(e["function"]["arguments"] for e in streamed if e["index"] == k)
+            for k in (0, 1)}
+    assert json.loads(args[0]) == {"a": 1} and json.loads(args[1]) == {"b": 2}
+    assert len(streamed) > 4  # the arguments came in more than one fragment each
     # what does not parse stays content; nothing is lost
     assert parse_tool_calls("<tool_call>{oops}</tool_call> <tool") == \
         ("<tool_call>{oops}</tool_call> <tool", [])

@@ -557,15 +557,9 @@ class OpenAIServing:
                     if parsers is not None:
                         parser = parsers[c.index]
                         delta, calls = parser.feed(delta, final=finished)
-                        for call in calls:
-                            k = parser.num_calls - len(calls) + calls.index(call)
-                            if tools.max_calls is not None and k >= tools.max_calls:
-                                continue
-                            yield chunk(c.index, {"tool_calls": [{
-                                "index": k, "id": call.id, "type": "function",
-                                "function": {"name": call.name, "arguments": ""}}]})
-                            yield chunk(c.index, {"tool_calls": [{
-                                "index": k, "function": {"arguments": call.arguments}}]})
+                        for entry in calls:
+                            if tools.max_calls is None or entry["index"] < tools.max_calls:
+                                yield chunk(c.index, {"tool_calls": [entry]})
                         if finish == "stop" and parser.num_calls:
                             finish = "tool_calls"
                     if not delta and lp is None and not finished:
