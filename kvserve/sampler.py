@@ -100,6 +100,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for rows without their own
         self._workspace: torch.Tensor | None = None  # [2, chunk rows, vocab] float32
+        self._copy: np.ndarray | None = None  # rows whose logits change, reused between steps
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """One token per row of `logits` ([len(rows), vocab]; never modified)."""
@@ -154,29 +155,40 @@ class Sampler:
         if plan.greedy_plain:  # a NumPy argmax of every row is cheaper than gathering rows
             put(plan.greedy_plain, _argmax(logits)[plan.greedy_plain])
 
-        # Rows whose logits change (min_tokens, penalties) need a copy; all the rows still to
-        # do are copied with them, so that one tensor serves the rest.
+        # Rows whose logits change (grammar, min_tokens, penalties) are copied, and only they:
+        # the others are read from the logits as they are.
         if any(plan.changed):
-            order = plan.greedy_changed + plan.random
-            source = _rows(logits, order)
-            _apply_logit_changes(source, [(j, rows[i]) for j, i in enumerate(order)
-                                          if plan.changed[i]])
-            where = {i: j for j, i in enumerate(order)}
+            changed = plan.greedy_changed + [i for i in plan.random if plan.changed[i]]
+            copy = self._copy_rows(logits, changed)
+            _apply_logit_changes(copy, [(j, rows[i]) for j, i in enumerate(changed)])
+            source = {i: (copy, j) for j, i in enumerate(changed)}
+            if plan.greedy_changed:
+                put(plan.greedy_changed, _argmax(copy[: len(plan.greedy_changed)]))
         else:
-            source, where = logits, {i: i for i in plan.random}
-        if plan.greedy_changed:
-            put(plan.greedy_changed, _argmax(source[: len(plan.greedy_changed)]))
+            source = {}
 
         chunk = _chunk_rows(vocab)
         for start in range(0, len(plan.random), chunk):
             index = plan.random[start:start + chunk]
             chunk_rows = [rows[i] for i in index]
-            probs = self._probs(chunk_rows, source, [where[i] for i in index])
+            probs = self._probs(chunk_rows, [source.get(i, (logits, i)) for i in index])
             if want_probs:
                 out[index] = probs / probs.sum(dim=-1, keepdim=True)
             else:
                 put(index, self._draw(probs, chunk_rows))
         return out
+
+    def _copy_rows(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """A contiguous copy of logits[index], on the CPU into a buffer kept between calls
+        (a fresh multi-megabyte array each step costs more in page faults than the copy)."""
+        if logits.device.type != "cpu":
+            return _rows(logits, index)
+        n, vocab = len(index), logits.shape[1]
+        if self._copy is None or self._copy.shape[0] < n or self._copy.shape[1] != vocab:
+            self._copy = np.empty((max(n, 8), vocab), dtype=np.float32)
+        out = self._copy[:n]
+        np.take(logits.numpy(), index, axis=0, out=out)
+        return torch.from_numpy(out)
 
     def _buffers(self, n: int, vocab: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,14 +198,21 @@ class Sampler:
             ws = self._workspace = torch.empty(2, chunk, vocab, device=device)
         return ws[0, :n], ws[1, :n]
 
-    def _probs(self, rows: list[SamplingRow], source: torch.Tensor, index: list[int]
+    def _probs(self, rows: list[SamplingRow], picks: list[tuple[torch.Tensor, int]]
                ) -> torch.Tensor:
-        """softmax(source[index] / T) after top-k, top-p and min-p, in a workspace buffer:
+        """softmax(x / T) after top-k, top-p and min-p, in a workspace buffer, where row k of
+        x is row picks[k][1] of tensor picks[k][0] (the logits, or the copy of changed rows):
         dropped tokens are exactly 0, the others keep their (not renormalised) probability."""
-        n, vocab = len(index), source.shape[1]
+        source = picks[0][0]
+        n, vocab = len(picks), source.shape[1]
         device = source.device
         scratch, probs = self._buffers(n, vocab, device)
-        if index == list(range(index[0], index[0] + n)):
+        index = [j for _, j in picks]
+        if any(t is not source for t, _ in picks):  # rows from both: gather them one by one
+            for k, (t, j) in enumerate(picks):
+                scratch[k].copy_(t[j])
+            x = scratch
+        elif index == list(range(index[0], index[0] + n)):
             x = source[index[0]:index[0] + n]
         else:
             x = torch.index_select(source, 0, torch.tensor(index, device=device), out=scratch)
