@@ -37,6 +37,8 @@ class StructuredOutputsParams:
     tool_calls: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
         kinds = [k for k in ("json", "regex", "choice", "grammar", "tool_calls")
                  if getattr(self, k) is not None] + ["json_object"] * bool(self.json_object)
         if len(kinds) != 1:
