@@ -85,6 +85,11 @@ class Request:
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0: computing the prompt is the whole request; nothing is sampled."""
+        return self.max_tokens == 0
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -30,7 +30,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None = up to max_model_len
+    # None = up to max_model_len; 0 = prefill only: the prompt is computed (its prompt_logprobs
+    # recorded, its blocks cached) and the request finishes with "length", having sampled
+    # nothing (what an OpenAI `echo` request with `max_tokens: 0` asks for).
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen one is added)
     # Per prompt token: its logprob and the top-k of the distribution that predicted it (vLLM's
@@ -68,8 +71,8 @@ class SamplingParams:
             _require(_is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                 f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+                 f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         _require(_is_int(self.min_tokens) and self.min_tokens >= 0,
                  f"min_tokens must be >= 0, got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,

@@ -230,6 +230,11 @@ class LLMEngine:
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.config.max_model_len
         assert limit is not None
+        if params.max_tokens == 0:  # prefill only: the prompt may fill the whole context
+            if prompt_len > limit:
+                raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is "
+                                 f"{limit}")
+            return 0
         if prompt_len >= limit:
             raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
                              "no room to generate")
@@ -267,14 +272,17 @@ class LLMEngine:
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
-        if not out.sampled and not failed:
+        now = time.time()
+        prefilled = self._finish_prefill_only(batch, failed, now)
+        if not out.sampled and not failed and not prefilled:
             return []
         rows = [batch.requests[i] for i in out.sampled]
         tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
         failed = {**sample_failed, **failed}
-        now = time.time()
         # parent id -> its samples
         touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
+        for parent in prefilled:
+            touched.setdefault(parent, self._groups[parent])
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
             if parent not in touched:
@@ -361,6 +369,23 @@ class LLMEngine:
             except Exception as exc:
                 failed[request.parent_id or request.request_id] = exc
         return failed
+
+    def _finish_prefill_only(self, batch: ScheduledBatch, failed: dict[str, Exception],
+                             now: float) -> list[str]:
+        """Finish ("length") the prefill-only requests (max_tokens 0) whose prompt this step
+        completed; their blocks go back to the pool (the full ones stay in the prefix cache).
+        Their output is ready now, which is what their first/last token times record. Returns
+        their parent ids."""
+        parents = []
+        for request in batch.requests:
+            parent = request.parent_id or request.request_id
+            if not request.prefill_only or request.finished or parent in failed \
+                    or request.num_computed_tokens < request.num_tokens:
+                continue
+            request.first_token_time = request.last_token_time = now
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            parents.append(parent)
+        return parents
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
