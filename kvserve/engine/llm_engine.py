@@ -169,6 +169,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {shorten(priority)}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
+                        self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
