@@ -44,6 +44,7 @@ def max_diff(out: RequestOutput, prompt: list[int], ref: torch.Tensor, top: int)
     entries = out.prompt_logprobs
     assert entries is not None and len(entries) == len(prompt)
     assert entries[0] is None
+    assert len(out.prompt_logprob_ranks) == len(prompt) and out.prompt_logprob_ranks[0] is None
     worst = 0.0
     for i in range(1, len(prompt)):
         entry, row = entries[i], ref[i - 1]
@@ -51,6 +52,11 @@ def max_diff(out: RequestOutput, prompt: list[int], ref: torch.Tensor, top: int)
         assert token in entry
         assert next(iter(entry)) == token, "the actual token comes first"
         worst = max(worst, abs(entry[token] - row[token].item()))
+        # its rank in transformers' distribution (a near-tie within the tolerance may go
+        # either way)
+        v = row[token].item()
+        rank = out.prompt_logprob_ranks[i]
+        assert int((row > v + TOL).sum()) + 1 <= rank <= int((row > v - TOL).sum()) + 1
         values, ids = row.topk(top)
         assert set(ids.tolist()) <= set(entry)
         assert len(entry) == top + (token not in ids.tolist())

@@ -365,9 +365,10 @@ class LLMEngine:
                 assert len(request.prompt_logprobs) == span.first_token, \
                     "prompt logprobs out of step"
                 tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
-                entries, _ = self.sampler.token_logprobs(
+                entries, ranks = self.sampler.token_logprobs(
                     logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
                 request.prompt_logprobs.extend(entries)
+                request.prompt_logprob_ranks.extend(ranks)
             except Exception as exc:
                 failed[request.parent_id or request.request_id] = exc
         return failed
@@ -485,11 +486,14 @@ class LLMEngine:
                 finish_reason=c.status.value if c.finished else None,
                 stop_reason=c.stop_reason))
         first = children[0]
+        prompt_logprobs = _prompt_logprobs(first)
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=_group_metrics(children, finished),
                              num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=_prompt_logprobs(first))
+                             prompt_logprobs=prompt_logprobs,
+                             prompt_logprob_ranks=None if prompt_logprobs is None
+                             else list(first.prompt_logprob_ranks))
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
