@@ -255,7 +255,15 @@ class Sampler:
         (inserted first), and that token's 1-based rank; chunked through the workspace.
 
         One function for both kinds of logprobs, so that a sampled token's and a prompt
-        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ."""
+        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ.
+        Runs in inference mode, as `__call__` does: the workspace it writes into may have
+        been made there, and an inference tensor cannot be written outside it."""
+        with torch.inference_mode():
+            return self._token_logprobs(logits, token_ids, num_top)
+
+    def _token_logprobs(self, logits: torch.Tensor, token_ids: Sequence[int],
+                        num_top: Sequence[int | None]) -> tuple[list[dict[int, float] | None],
+                                                                list[int | None]]:
         batch, vocab = logits.shape
         device = logits.device
         logprobs: list[dict[int, float] | None] = [None] * batch

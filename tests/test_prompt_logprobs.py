@@ -267,3 +267,14 @@ def test_prefill_only_without_logprobs_and_at_the_context_limit(tiny_model_dir):
         SamplingParams(max_tokens=0, min_tokens=1)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
+
+
+def test_prompt_logprobs_after_a_sampled_request(tiny_model_dir):
+    """The sampler's workspace made while sampling (inside inference mode) is reused by the
+    prompt logprobs of a later request: that must not raise (it did: "Inplace update to
+    inference tensor outside InferenceMode")."""
+    llm = LLM(model=str(tiny_model_dir), max_model_len=256, block_size=16)
+    _run(llm, random_prompts([20], 256), SamplingParams(temperature=1.0, max_tokens=2))
+    out = _run(llm, random_prompts([30], 256, seed=1), SamplingParams(max_tokens=1,
+                                                                      prompt_logprobs=2))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_logprobs) == 30
