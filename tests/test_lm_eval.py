@@ -90,21 +90,26 @@ def test_local_completions_scores_what_the_hf_backend_scores(lm_eval_offline, tm
     mc_ref, mc = ref["results"]["kvserve_stdlib_mc"], ours["results"]["kvserve_stdlib_mc"]
     for metric in ("acc,none", "acc_norm,none"):
         assert mc[metric] == mc_ref[metric], (metric, mc[metric], mc_ref[metric])
+    worst_mc = 0.0
     for got, want in zip(_per_request(ours["samples"]["kvserve_stdlib_mc"]),
                          _per_request(ref["samples"]["kvserve_stdlib_mc"]), strict=True):
         assert len(got) == len(want)
         for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
             assert abs(ll - ll_ref) <= 1e-4 and greedy == greedy_ref
+            worst_mc = max(worst_mc, abs(ll - ll_ref))
 
     ppl_ref, ppl = ref["results"]["kvserve_stdlib_ppl"], ours["results"]["kvserve_stdlib_ppl"]
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert math.isclose(ppl[metric], ppl_ref[metric], rel_tol=1e-5), \
             (metric, ppl[metric], ppl_ref[metric])
+    worst_ppl = 0.0
     for got, want in zip(_per_request(ours["samples"]["kvserve_stdlib_ppl"]),
                          _per_request(ref["samples"]["kvserve_stdlib_ppl"]), strict=True):
         got, want = (x[0] if isinstance(x, list) else x for x in (got, want))
         assert abs(got - want) <= 1e-3, (got, want)
-    print("lm-eval hf vs local-completions:",
+        worst_ppl = max(worst_ppl, abs(got - want))
+    print(f"lm-eval hf vs local-completions: largest |loglikelihood difference| "
+          f"{worst_mc:.2e} (multiple choice), {worst_ppl:.2e} (rolling);",
           {m: (mc_ref[m], mc[m]) for m in ("acc,none", "acc_norm,none")},
           {m: (ppl_ref[m], ppl[m]) for m in ("word_perplexity,none", "byte_perplexity,none",
                                               "bits_per_byte,none")})
