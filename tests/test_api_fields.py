@@ -404,6 +404,9 @@ def case_echo(ep, ctx) -> None:
     resp = ep.ok(echo=True, max_tokens=4, ignore_eos=True)
     assert ep.text(resp) == PROMPT + ep.texts(max_tokens=4, ignore_eos=True)[0]
     assert ep.texts(echo=True, max_tokens=0) == [PROMPT]
+    both = ep.ok(echo=True, max_tokens=0, logprobs=1, prompt_logprobs=4)["choices"][0]
+    assert all(len(t) <= 2 for t in both["logprobs"]["top_logprobs"][1:])  # logprobs' 1
+    assert all(len(e) >= 4 for e in both["prompt_logprobs"][1:])  # prompt_logprobs' 4
 
 
 def case_suffix(ep, ctx) -> None:

@@ -394,7 +394,7 @@ class OpenAIServing:
                     if req.echo:
                         ids = list(out.prompt_token_ids) + ids
                         entries = list(out.prompt_logprobs or ()) + entries
-                    logprobs = self._completion_logprobs(ids, entries, 0)[0]
+                    logprobs = self._completion_logprobs(ids, entries, 0, req.logprobs)[0]
                 choice = {"index": p * req.n + c.index, "text": prompt_text + c.text,
                           "logprobs": logprobs, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason}
@@ -425,9 +425,12 @@ class OpenAIServing:
 
     def _completion_logprobs(self, token_ids: Sequence[int],
                              logprobs: Sequence[dict[int, float] | None] | None,
-                             text_offset: int) -> tuple[dict[str, Any] | None, int]:
+                             text_offset: int, top_n: int | None = None
+                             ) -> tuple[dict[str, Any] | None, int]:
         """OpenAI's legacy logprobs object. An entry of None (the first prompt token under
-        echo: nothing predicts it) gives null token_logprobs and top_logprobs."""
+        echo: nothing predicts it) gives null token_logprobs and top_logprobs. `top_n` keeps
+        that many alternatives (and the token itself) of entries that hold more (prompt
+        entries computed for a larger prompt_logprobs)."""
         if logprobs is None:
             return None, text_offset
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -440,8 +443,11 @@ class OpenAIServing:
                 tops.append(None)
                 continue
             token_lps.append(_lp(lps.get(tid, _MIN_LOGPROB)))
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1])
+            if top_n is not None and len(ranked) > top_n + 1:
+                ranked = ranked[:top_n] + [(tid, lps[tid])]
             top: dict[str, float] = {}
-            for t, v in sorted(lps.items(), key=lambda kv: -kv[1]):
+            for t, v in ranked:
                 top.setdefault(self.token_str(t), _lp(v))
             tops.append(top)
         return ({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -493,7 +499,7 @@ class OpenAIServing:
                         head = echo_texts[p]
                         if req.logprobs is not None:
                             head_lp, cur.text_offset = self._completion_logprobs(
-                                out.prompt_token_ids, out.prompt_logprobs, 0)
+                                out.prompt_token_ids, out.prompt_logprobs, 0, req.logprobs)
                     delta = self._text_delta(c, cur, prep.stop_list)
                     lp = None
                     if req.logprobs is not None and c.logprobs is not None \
