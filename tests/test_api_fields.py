@@ -756,3 +756,29 @@ def test_prefill_only_requests_leave_no_blocks(comp, server):
             return
         time.sleep(0.2)
     raise AssertionError(f"blocks still held: {usage} {running}")
+
+
+def test_the_openai_client_with_echo_none_arguments_and_retrieve(server, tokenizer, hf_model):
+    """The official SDK: arguments passed as None go out as null, echo's null first entry
+    and max_tokens 0 parse, models.retrieve works (and 404s as NotFoundError)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    ids = tokenizer.encode(PROMPT)
+    out = client.completions.create(model=MODEL, prompt=[ids], echo=True, logprobs=1,
+                                    max_tokens=0, n=None, stream=None, best_of=None,
+                                    temperature=None, seed=None, stop=None, user=None)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _hf_log_softmax(hf_model, ids)
+    assert max(abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item())
+               for i in range(1, len(ids))) <= TOL
+    chat = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, n=None,
+                                          logprobs=None, stream=None, temperature=0,
+                                          top_logprobs=None, tool_choice=None,
+                                          response_format=None)
+    assert chat.choices[0].message.content is not None
