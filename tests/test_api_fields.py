@@ -150,7 +150,8 @@ def chat(server) -> Endpoint:
 
 def _unique_prompt(seed: int, words: int = 60) -> str:
     rng = random.Random(seed)
-    vocab = "kernel cache block token server batch alpha bravo charlie delta".split()
+    vocab = ["kernel", "cache", "block", "token", "server", "batch", "alpha", "bravo",
+             "charlie", "delta"]
     return " ".join(rng.choice(vocab) for _ in range(words))
 
 
@@ -182,7 +183,7 @@ def _equals_greedy_when(ep: Endpoint, **knob) -> None:
     """A knob that, at its extreme, leaves only the most likely token: a seeded T=1 draw
     becomes the greedy text (and is not without the knob)."""
     greedy = ep.texts(max_tokens=16)
-    sampled = dict(max_tokens=16, temperature=1.0, seed=11)
+    sampled = {"max_tokens": 16, "temperature": 1.0, "seed": 11}
     assert ep.texts(**sampled) != greedy
     assert ep.texts(**sampled, **knob) == greedy
 
@@ -310,7 +311,7 @@ def case_stop_token_ids(ep, ctx) -> None:
 
 def case_skip_special_tokens(ep, ctx) -> None:
     eos_text = ctx["tokenizer"].decode([int(_eos(ctx))], skip_special_tokens=False)
-    kw = dict(logit_bias={_eos(ctx): 100}, ignore_eos=True, max_tokens=3)
+    kw = {"logit_bias": {_eos(ctx): 100}, "ignore_eos": True, "max_tokens": 3}
     assert ep.texts(**kw) == [""]
     assert ep.texts(**kw, skip_special_tokens=False) == [eos_text * 3]
 
@@ -644,8 +645,8 @@ def test_unknown_fields_are_refused_and_named(comp, chat):
         r = ep.post(**body)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        name = [k for k in ("use_beam_search", "store", "chunk", "weight")
-                if k in json.dumps(body)][0]
+        name = next(k for k in ("use_beam_search", "store", "chunk", "weight")
+                    if k in json.dumps(body))
         assert name in err["message"] and "unknown field" in err["message"], err
 
 
