@@ -62,6 +62,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    # One entry per layer: None = full attention, an int W = the layer attends to the last W
+    # positions (its own included), as transformers' sliding-window mask does. () = all full.
+    layer_windows: tuple[int | None, ...] = ()
     torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (not given)
     eos_token_id: int | list[int] | None = None
 
@@ -76,6 +79,11 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return self.head_dim ** -0.5
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None = full attention), one entry per layer."""
+        return self.layer_windows or (None,) * self.num_hidden_layers
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -143,6 +151,7 @@ class ModelConfig:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
         dtype = checkpoint_dtype(d)
+        windows = layer_windows(d, layers)
 
         return cls(
             architecture=arch,
@@ -162,9 +171,72 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=windows if any(w is not None for w in windows) else (),
             torch_dtype=dtype,
             eos_token_id=d.get("eos_token_id"),
         )
+
+
+# transformers' default `sliding_window` when a config.json leaves the key out (an explicit null
+# means full attention).
+_DEFAULT_WINDOW = {"mistral": 4096, "gemma3_text": 4096, "gemma3": 4096, "gemma2": 4096}
+
+
+def layer_windows(d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per layer: None for full attention, else its sliding window in tokens, by the rules
+    transformers applies to each family (the engine and the planner both read windows here):
+
+    * Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window`; then `layer_types`
+      if given, else layers from `max_window_layers` on slide;
+    * an explicit `layer_types` list (Qwen, Gemma 3, gpt-oss): "sliding_attention" layers slide;
+    * Gemma 2: even layers slide; Gemma 3 without `layer_types`: every layer but each
+      `sliding_window_pattern`-th (default 6);
+    * Mistral and anything else with a `sliding_window`: every layer (Mistral's default is
+      4,096 when the key is absent, as in transformers).
+
+    A sliding layer type with no window, or a window that is not a positive integer, is a
+    ValueError."""
+    model_type = str(d.get("model_type") or "")
+    if "sliding_window" in d:
+        window = d["sliding_window"]
+    else:
+        window = _DEFAULT_WINDOW.get(model_type)
+    if model_type.startswith("qwen") and not d.get("use_sliding_window", False):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    types = d.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ValueError(f"layer_types must list {num_layers} layer types, got {types!r}")
+        out: list[int | None] = []
+        for t in types:
+            if t == "full_attention":
+                out.append(None)
+            elif t in ("sliding_attention", "chunked_attention"):
+                w = window or d.get("attention_chunk_size")
+                if not w:
+                    raise ValueError(f"layer type {t!r} needs a sliding_window (for Qwen, also "
+                                     "use_sliding_window: true)")
+                out.append(int(w))
+            else:
+                raise ValueError(f"layer type {t!r} is not supported (full_attention, "
+                                 "sliding_attention, chunked_attention)")
+        return tuple(out)
+    if window is None:
+        return (None,) * num_layers
+    if model_type.startswith("qwen"):
+        first = int(d.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if model_type == "gemma2":
+        return tuple(window if (i + 1) % 2 else None for i in range(num_layers))
+    pattern = d.get("sliding_window_pattern")
+    if pattern is None and model_type.startswith("gemma3"):
+        pattern = 6
+    if pattern:
+        return tuple(window if (i + 1) % int(pattern) else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
