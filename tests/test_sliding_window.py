@@ -254,3 +254,16 @@ def test_triton_engine_windowed_greedy_matches_transformers(tmp_path):
     outputs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"use_bidirectional_attention": True}, "bidirectional"),
+    ({"hidden_activation": "silu"}, "gelu_pytorch_tanh"),
+])
+def test_gemma3_options_the_engine_does_not_run_are_refused(extra, why):
+    d = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_SHAPE,
+         "head_dim": 16, "sliding_window": 8, **extra}
+    ModelConfig.from_dict({k: v for k, v in d.items() if k not in extra})  # fine without
+    with pytest.raises(ValueError, match=why):
+        ModelConfig.from_dict(d)

@@ -4,10 +4,11 @@ prompt's last position and each decode) within 1e-4 of transformers' forward, wi
 32-48 tokens and prompts up to eight windows long, block sizes 16 and 7, chunked prefill,
 preemption and prefix-cache hits.
 
-Three configs cover every way a config declares windows: Mistral's single `sliding_window` (all
-layers), Qwen2's `layer_types` mixing sliding and full layers, and Qwen3's `use_sliding_window` +
-`max_window_layers`. A control checks that the reference itself applies the window (its logits
-past the window differ from the same weights without one), so a test here can fail.
+Four configs cover every way a config declares windows: Mistral's single `sliding_window` (all
+layers), Qwen2's `layer_types` mixing sliding and full layers, Qwen3's `use_sliding_window` +
+`max_window_layers`, and the hybrid Gemma 3 (text), local and global layers. A control checks
+that the reference itself applies the window (its logits past the window differ from the same
+weights without one), so a test here can fail.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def _configs():
         "qwen3-max-window-layers": transformers.Qwen3Config(
             **_COMMON, num_hidden_layers=2, head_dim=32, use_sliding_window=True,
             sliding_window=48, max_window_layers=1, tie_word_embeddings=False),
+        # The hybrid architecture: local layers over 32 tokens with their own RoPE base, a
+        # global layer with linear-scaled RoPE, soft-capped logits, query_pre_attn_scalar.
+        "gemma3": transformers.Gemma3TextConfig(
+            **_COMMON, num_hidden_layers=3, head_dim=32, sliding_window=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     }
 
 
@@ -126,9 +136,7 @@ def test_windowed_logits_within_1e4(name, checkpoints, references):
     path = checkpoints[name]
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     full_cfg = transformers.AutoConfig.from_pretrained(path)
-    full_cfg.sliding_window = None
-    if getattr(full_cfg, "layer_types", None) is not None:
-        full_cfg.layer_types = ["full_attention"] * full_cfg.num_hidden_layers
+    full_cfg.sliding_window = 1 << 20  # wider than any sequence here: full attention
     no_window = transformers.AutoModelForCausalLM.from_pretrained(path, config=full_cfg,
                                                                   dtype=torch.float32)
 

@@ -78,7 +78,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.head_dim ** -0.5)
+                                              self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
