@@ -232,20 +232,28 @@ def test_triton_decode_window_with_splits(num_splits):
         torch.testing.assert_close(out[i].cpu(), ref[0], atol=2e-5, rtol=2e-5)
 
 
-def test_triton_engine_windowed_greedy_matches_transformers(tmp_path):
-    """The engine on the Triton backend with a hybrid window layout (layer 0 slides over 16
-    tokens, layer 1 is full): chunked prefill next to decodes, prompts past the window."""
+def _hybrid_config(arch: str):
+    """Layer 0 slides over 16 tokens, layer 1 is full."""
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                 bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**shape, use_sliding_window=True)
+    return transformers.Gemma3TextConfig(**shape, head_dim=16, query_pre_attn_scalar=24,
+                                         final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_triton_engine_windowed_greedy_matches_transformers(tmp_path, arch):
+    """The engine on the Triton backend (and its fused element-wise ops) with a hybrid window
+    layout: chunked prefill next to decodes, prompts past the window."""
     pytest.importorskip("triton")
     from helpers import generate_checked, hf_greedy, random_prompts, save_random_checkpoint
 
     from kvserve import LLM, SamplingParams
 
-    cfg = transformers.Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        use_sliding_window=True, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"], bos_token_id=0, eos_token_id=2)
-    path = save_random_checkpoint(cfg, tmp_path / "qwen2-window", perturb_norms=True)
+    path = save_random_checkpoint(_hybrid_config(arch), tmp_path / arch, perturb_norms=True)
     prompts = random_prompts([5, 17, 45], 512, seed=21)
     expected = hf_greedy(path, prompts, 6)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend="triton",
