@@ -81,7 +81,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.head_dim ** -0.5)
+                                              self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
@@ -603,11 +603,12 @@ class LLMEngine:
 
 
 def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in the model's dtype (the
-    planner derives its figures from the same spec classes)."""
+    """What the engine stores per token: K and V of every layer in the model's dtype, with each
+    sliding layer's window (the attention backends read the windows from this spec; the planner
+    derives its figures from the same spec classes)."""
     mc = model_config
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size)
+                           KVStorage(kv_dtype_name(dtype)), block_size, mc.layer_windows)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
