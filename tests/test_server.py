@@ -365,6 +365,8 @@ METRIC_NAMES = [
     "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
     "kvserve:time_to_first_token_seconds_count", "kvserve:inter_token_latency_seconds_count",
     "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count",
+    "kvserve:request_prefill_time_seconds_count", "kvserve:request_decode_time_seconds_count",
+    "kvserve:request_inference_time_seconds_count",
 ]
 
 
@@ -388,6 +390,12 @@ def test_metrics_parse_and_prefix_counters_move(client, server):
     assert d["kvserve:time_to_first_token_seconds_count"] == 3
     assert d["kvserve:e2e_request_latency_seconds_count"] == 3
     assert d["kvserve:request_queue_time_seconds_count"] == 3
+    for phase in ("prefill", "decode", "inference"):
+        assert d[f"kvserve:request_{phase}_time_seconds_count"] == 3
+    # queue + inference is the end-to-end latency of each request, so the sums agree
+    parts = sum(d[f"kvserve:request_{p}_time_seconds_sum"] for p in ("queue", "inference"))
+    assert abs(parts - d["kvserve:e2e_request_latency_seconds_sum"]) < 1e-3
+    assert d["kvserve:request_prefill_time_seconds_sum"] > 0
     assert d["kvserve:inter_token_latency_seconds_count"] == 6
     assert d["kvserve:request_success_total{length}"] == 3
     assert after["kvserve:num_requests_running"] == 0
