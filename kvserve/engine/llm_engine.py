@@ -78,14 +78,14 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.head_dim ** -0.5)
+                                              self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
                                  kv_events_capacity=KV_EVENTS_CAPACITY)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
-        if config.device == "cuda" and not config.enforce_eager:
+        if config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
             self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
@@ -130,10 +130,14 @@ class LLMEngine:
         from kvserve.kv.tiers.tiered import TieredKVStore
 
         mc = self.model_config
+        # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's
+        # one latent vector.
+        layer_tensors = self.kv_spec.layer_specs()[0].tensors
+        heads, width = layer_tensors[0]
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 self.tensors.dtype, mc.num_hidden_layers,
-                                 mc.num_key_value_heads, mc.head_dim, self.config.block_size,
-                                 tier_config.chunk_size)
+                                 self.tensors.dtype, mc.num_hidden_layers, heads, width,
+                                 self.config.block_size, tier_config.chunk_size,
+                                 len(layer_tensors))
         tiers = TieredKVStore(tier_config, identity)
         logger.info("KV storage tiers: %s", ", ".join(
             [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
@@ -512,8 +516,11 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCache
     """What the engine stores per token: K and V of every layer in the model's dtype (the
     planner derives its figures from the same spec classes)."""
     mc = model_config
+    mla = mc.mla
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size)
+                           KVStorage(kv_dtype_name(dtype)), block_size,
+                           kv_lora_rank=mla.kv_lora_rank if mla else None,
+                           rope_dim=mla.qk_rope_head_dim if mla else 0)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:

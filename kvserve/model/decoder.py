@@ -72,16 +72,41 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config.rope_theta, dim, factor, scaling)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
+
+
+def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN (DeepSeek's rope_scaling): interpolated frequencies below the correction range,
+    extrapolated above, a linear ramp between; transformers' `_compute_yarn_parameters`."""
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling["original_max_position_embeddings"]
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
 def rope_cache(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
-    second, computed in float32 exactly as transformers computes them per step."""
+    second, computed in float32 exactly as transformers computes them per step (times YaRN's
+    attention factor, as transformers scales its cos/sin)."""
     inv_freq = rope_inv_freq(config)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    attention_factor = (config.rope_scaling or {}).get("attention_factor", 1.0)
+    if attention_factor != 1.0:
+        cache = cache * attention_factor
     return cache if device is None else cache.to(device)
 
 
@@ -295,7 +320,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
@@ -306,6 +331,12 @@ class CausalLM(nn.Module):
         self._norm = rms_norm
         # With tied embeddings and packing: a packed copy of the embedding table for the head.
         self.register_buffer("_packed_head", None, persistent=False)
+
+    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                   device: torch.device | str | None) -> nn.Module:
+        """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
+        `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
+        return DecoderLayer(config, index, dtype, device)
 
     def pack_weights(self) -> bool:
         """Switch the projections and the LM head to oneDNN-packed weights when this build and

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,8 @@ INDEX_FILE = "model.safetensors.index.json"
 class _Target:
     dest: torch.Tensor  # a view into a model parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+    # Applied to the checkpoint tensor before the copy (DeepSeek's RoPE row permutation).
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -62,8 +65,15 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     device = torch.device(device)
     files = checkpoint_files(model_dir)
     with torch.no_grad():
-        model = CausalLM(config, torch_dtype, device)
-        targets = _targets(model, config)
+        if config.mla is not None:
+            from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
+
+            model = DeepseekCausalLM(config, torch_dtype, device)
+            targets = {name: _Target(*where)
+                       for name, where in checkpoint_targets(model, config).items()}
+        else:
+            model = CausalLM(config, torch_dtype, device)
+            targets = _targets(model, config)
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config)
@@ -143,7 +153,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                 raise ValueError(f"tensor {key!r} in {str(file)!r} has dtype {tensor.dtype}; "
                                  "expected a floating-point tensor (quantised checkpoints are "
                                  "not supported)")
-            target.dest.copy_(tensor)
+            target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
             loaded.add(name)
 
 
