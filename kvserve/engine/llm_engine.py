@@ -24,7 +24,8 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
+from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
+                             kv_dtype_name, mla_saving_line)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -99,6 +100,11 @@ class LLMEngine:
         self._streaming: set[str] = set()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
+        mla = self.model_config.mla
+        if mla is not None:
+            logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
+                                        self.model_config.num_attention_heads, mla.qk_head_dim,
+                                        mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvserve.dtypes import short_dtype_name
 from kvserve.model.config import checkpoint_dtype, read_json_object
-from kvserve.model.deepseek_config import parse_mla
+from kvserve.model.deepseek_config import MLAConfig, parse_mla
 from kvserve.planner import presets
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -46,6 +46,7 @@ class ModelSpec:
     # One entry per layer: None = full attention, an int = a sliding window of that many tokens.
     layer_windows: tuple[int | None, ...] = ()
     quantization: dict[str, Any] = field(default_factory=dict)  # config.json's quantization_config
+    mla: MLAConfig | None = None  # every MLA dimension (the decompressed K/V it saves)
 
     @property
     def attention(self) -> str:
@@ -115,7 +116,7 @@ class ModelSpec:
                    num_params=int(num_params), params_source=params_source, dtype=dtype,
                    kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
                    layer_windows=windows if any(w is not None for w in windows) else (),
-                   quantization=dict(d.get("quantization_config") or {}))
+                   quantization=dict(d.get("quantization_config") or {}), mla=mla)
 
     @classmethod
     def load(cls, what: str) -> "ModelSpec":
