@@ -289,3 +289,39 @@ def test_bad_decode_mode():
     pool = decode_setup([3])[0]
     with pytest.raises(ValueError, match="absorbed"):
         TorchMLABackend(pool, 0.1, decode="fast")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_make_model_loads_in_both(tmp_path, arch):
+    """`kvserve make-model --arch deepseek_v2|v3` writes a checkpoint transformers loads with no
+    missing or unexpected tensor and whose logits kvserve reproduces."""
+    import transformers
+
+    from kvserve.model.loader import load_model
+    from kvserve.model.make_model import make_model
+
+    path = make_model(tmp_path / arch, arch=arch, size="tiny", with_tokenizer=False)
+    ref, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.tensor([random_prompts([19], 2048, seed=4)[0]])
+    model, config = load_model(path, "float32")
+    assert config.moe is not None and (config.mla.q_lora_rank is None) == (arch == "deepseek_v2")
+    llm_logits = _logits_through_pool(model, config, ids[0])
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+    assert torch.allclose(llm_logits, want, atol=1e-4, rtol=0), (llm_logits - want).abs().max()
+
+
+def _logits_through_pool(model, config, ids):
+    """All positions' logits of one prefill through the MLA backend over a fresh pool."""
+    from kvserve.engine.llm_engine import engine_kv_spec
+
+    spec = engine_kv_spec(config, torch.float32, 16)
+    pool = KVTensorPool(spec, 4)
+    backend = TorchMLABackend(pool, config.attention_scale)
+    n = ids.shape[0]
+    meta = AttentionMetadata(torch.arange(n), [SequenceSlice(0, n, n, [0, 1, 2, 3])], [], n)
+    with torch.no_grad():
+        hidden = model(ids, torch.arange(n), backend.bind(meta))
+        return model.compute_logits(hidden)
