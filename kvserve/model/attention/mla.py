@@ -73,7 +73,8 @@ class _PrefillPlan:
 @dataclass
 class _StepState:
     prefills: list[_PrefillPlan]
-    decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
+    decode_table: torch.Tensor | None  # [num_decodes, max_blocks] block ids (int64)
+    decode_lens: torch.Tensor | None  # [num_decodes] int64: KV length including the new token
     decode_mask: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] additive
 
 
@@ -110,7 +111,7 @@ class TorchMLABackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> _StepState:
         prefills = [self._plan_prefill(seq) for seq in meta.prefills]
         if not meta.decodes:
-            return _StepState(prefills, None, None)
+            return _StepState(prefills, None, None, None)
         bs = self.block_size
         max_blocks = max(_ceil_div(s.seq_len, bs) for s in meta.decodes)
         table = torch.zeros(len(meta.decodes), max_blocks, dtype=torch.long)
@@ -125,7 +126,7 @@ class TorchMLABackend(AttentionBackend):
             self._scratch = torch.empty((table.numel(), bs, 1, self.width),
                                         dtype=self.pool.dtype, device=self.pool.device)
         dev = self.pool.device
-        return _StepState(prefills, table.view(-1).to(dev), mask.to(dev))
+        return _StepState(prefills, table.to(dev), lens.to(dev), mask.to(dev))
 
     def _plan_prefill(self, seq: SequenceSlice) -> _PrefillPlan:
         context = seq.seq_len - seq.query_len
@@ -152,19 +153,21 @@ class TorchMLABackend(AttentionBackend):
             context = c[rows] if plan.gather_index is None else \
                 cache.index_select(0, plan.gather_index).view(-1, self.width)
             out[rows] = self._decompressed(q_nope[rows], q_rope[rows], context, proj, plan.mask)
-        if state.decode_index is not None:
+        if state.decode_table is not None:
             start = meta.num_prefill_tokens
-            n = t - start
-            rows = state.decode_index.numel()
-            ctx = torch.index_select(cache, 0, state.decode_index, out=self._scratch[:rows])
-            ctx = ctx.view(n, -1, self.width)
-            if self.decode_mode == "absorbed":
-                out[start:] = self.absorbed_decode(q_nope[start:], q_rope[start:], ctx, proj,
-                                                   state.decode_mask)
-            else:
-                out[start:] = self.decompressed_decode(q_nope[start:], q_rope[start:], ctx, proj,
-                                                       state.decode_mask)
+            out[start:] = self._decode(q_nope[start:], q_rope[start:], cache, proj, state)
         return out
+
+    def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                proj: MLAProjections, state: _StepState) -> torch.Tensor:
+        """The decode tail: its sequences' blocks gathered into a reused scratch buffer (one
+        index_select), then absorbed or decompressing attention."""
+        index = state.decode_table.view(-1)
+        ctx = torch.index_select(cache, 0, index, out=self._scratch[: index.numel()])
+        ctx = ctx.view(q_nope.shape[0], -1, self.width)
+        if self.decode_mode == "absorbed":
+            return self.absorbed_decode(q_nope, q_rope, ctx, proj, state.decode_mask)
+        return self.decompressed_decode(q_nope, q_rope, ctx, proj, state.decode_mask)
 
     def _decompressed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, ctx: torch.Tensor,
                       proj: MLAProjections, mask: torch.Tensor | None) -> torch.Tensor:
