@@ -325,3 +325,38 @@ def _logits_through_pool(model, config, ids):
     with torch.no_grad():
         hidden = model(ids, torch.arange(n), backend.bind(meta))
         return model.compute_logits(hidden)
+
+
+# -- bad configs: a clear ValueError naming the key ------------------------------------------
+BASE_CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+               "vocab_size": 512, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+               "qk_nope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": None,
+               "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"topk_method": "noaux_tc"}, "topk_method"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "multiple of n_group"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"qk_rope_head_dim": 7}, "even"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope type"),
+])
+def test_bad_deepseek_config(change, message):
+    from kvserve.model.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE_CONFIG, **change})
+
+
+def test_yarn_is_only_read_for_deepseek():
+    from kvserve.model.config import ModelConfig
+
+    llama = {**BASE_CONFIG, "architectures": ["LlamaForCausalLM"],
+             "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        ModelConfig.from_dict(llama)
