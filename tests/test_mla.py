@@ -360,3 +360,33 @@ def test_yarn_is_only_read_for_deepseek():
              "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         ModelConfig.from_dict(llama)
+
+
+def test_v3_multi_token_prediction_layer_is_skipped(tmp_path):
+    """A V3 checkpoint with its MTP module (layer num_hidden_layers) loads like transformers
+    loads it: the extra layer left out, the logits unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.model.loader import load_model
+    from kvserve.model.make_model import make_model
+
+    path = make_model(tmp_path / "v3", arch="deepseek_v3", size="tiny", with_tokenizer=False)
+    tensors = load_file(path / "model.safetensors")
+    before = load_model(path, "float32")[0]
+    extra = {k.replace("model.layers.1.", "model.layers.2."): v.clone()
+             for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    save_file({**tensors, **extra}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    after, config = load_model(path, "float32")
+    ids = torch.tensor(random_prompts([11], 2048, seed=1)[0])
+    assert torch.equal(_logits_through_pool(before, config, ids),
+                       _logits_through_pool(after, config, ids))
+
+
+def test_planner_report_shows_the_mla_saving():
+    from kvserve.planner.memory import make_plan
+    from kvserve.planner.model import ModelSpec
+    from kvserve.planner.report import format_plan
+
+    text = format_plan(make_plan(ModelSpec.load("deepseek-v2")))
+    assert "MLA latent cache: 576 values per token per layer vs 40,960" in text
+    assert "71.1x" in text

@@ -125,7 +125,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key):
+            if _IGNORED.match(key) or _beyond_last_layer(key, config):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -155,6 +155,18 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                                  "not supported)")
             target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
             loaded.add(name)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _beyond_last_layer(key: str, config: ModelConfig) -> bool:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers numbered from
+    num_hidden_layers on; like transformers, inference leaves them out."""
+    if config.architecture != "DeepseekV3ForCausalLM":
+        return False
+    m = _LAYER.match(key)
+    return m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
 def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
