@@ -173,11 +173,15 @@ def test_prefix_hits_match_transformers(checkpoints):
     prompts = [prefix + t for t in tails] + [prefix[:90]]
     expected = hf_greedy(path, prompts, NEW)
     llm = LLM(model=str(path), dtype="float32", max_model_len=512, block_size=16)
+    copies: list[tuple[list[int], list[int]]] = []
+    copy_blocks = llm.engine.backend.copy_blocks
+    llm.engine.backend.copy_blocks = lambda s, d: (copies.append((s, d)), copy_blocks(s, d))
     first = generate_checked(llm, [{"prompt_token_ids": prompts[0]}], GREEDY)
     rest = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
     outs = first + rest
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.num_cached_tokens >= 80 for o in rest), [o.num_cached_tokens for o in rest]
+    assert rest[-1].num_cached_tokens == 89 and copies, "no copy-on-write of the partial block"
 
 
 def test_tier_round_trip_matches_transformers(checkpoints):
