@@ -394,3 +394,24 @@ def test_planner_report_shows_the_mla_saving():
     text = format_plan(make_plan(ModelSpec.load("deepseek-v2")))
     assert "MLA latent cache: 576 values per token per layer vs 40,960" in text
     assert "71.1x" in text
+
+
+def test_warm_up_compiles_every_packed_shape(checkpoints):
+    """`kvserve serve` warms the GEMM shapes up front: for DeepSeek the first (dense) layer and
+    the first MoE layer's shared experts; the model's output is unchanged afterwards."""
+    from kvserve.model.loader import load_model
+
+    model, config = load_model(checkpoints["v2_qlora_dense"], "float32")
+    ids = torch.tensor(random_prompts([9], VOCAB, seed=2)[0])
+    before = _logits_through_pool(model, config, ids)
+    if not model.packed:
+        assert model.warm_up_gemms(64, 8) == 0
+        return
+    assert model.warm_up_gemms(64, 8, max_flops=0) == 0
+    assert model.warm_up_gemms(64, 8) == 16 + 8 + 8  # 1..16, 8 sizes to 32, 8 more to 64
+    assert [type(layer.mlp).__name__ for layer in model.warm_up_layers()] == ["SwiGLU"]
+    moe_model = load_model(checkpoints["v2_moe"], "float32")[0]
+    assert [type(layer.mlp).__name__ for layer in moe_model.warm_up_layers()] == ["SwiGLU",
+                                                                               "MoE"]
+    assert moe_model.warm_up_gemms(32, 8) > 0
+    assert torch.equal(_logits_through_pool(model, config, ids), before)

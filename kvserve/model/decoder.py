@@ -257,6 +257,19 @@ class DecoderLayer(nn.Module):
         self._linear_add = _onednn_linear_add
         self._swiglu = self._swiglu_fused
 
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs of this layer's projections per token (for the warm-up's budget)."""
+        h = self.input_layernorm.shape[0]
+        qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
+        return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
+
+    def warm_up_gemms(self, x: torch.Tensor) -> None:
+        """Run each projection once on zeros x [rows, hidden] (compiles its oneDNN kernel)."""
+        self._linear(x, self.qkv_proj, self.qkv_bias)
+        zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
+        self._linear_add(zeros, x.clone(), self.o_proj, self.o_bias)
+        self._linear_add(self._swiglu(x), x.clone(), self.down_proj, self.down_bias)
+
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
@@ -368,14 +381,14 @@ class CausalLM(nn.Module):
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
-        hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
-        the same shapes, so one layer is enough."""
+        hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
+        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough."""
         if not self.packed or not self.layers:
             return 0
-        c, layer = self.config, self.layers[0]
-        h, inter = c.hidden_size, c.intermediate_size
-        qkv = c.q_size + 2 * c.kv_size
-        per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        c = self.config
+        h = c.hidden_size
+        layers = self.warm_up_layers()
+        per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
@@ -384,15 +397,17 @@ class CausalLM(nn.Module):
                 if spent + cost > max_flops:
                     break
                 x = torch.zeros(rows, h, **zeros)
-                layer._linear(x, layer.qkv_proj, layer.qkv_bias)
-                layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,
-                                  layer.o_bias)
-                layer._linear_add(layer._swiglu(x), x, layer.down_proj, layer.down_bias)
+                for layer in layers:
+                    layer.warm_up_gemms(x)
                 if rows <= max_logit_rows:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
         return warmed
+
+    def warm_up_layers(self) -> list[nn.Module]:
+        """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
+        return [self.layers[0]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:

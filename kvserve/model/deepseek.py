@@ -201,6 +201,29 @@ class DeepseekLayer(nn.Module):
     def use_triton_ops(self) -> None:
         """The GPU path keeps the plain PyTorch element-wise ops (no fused MLA kernels yet)."""
 
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs per token of the packed projections (routed experts run through F.linear)."""
+        hidden = self.input_layernorm.shape[0]
+        qk = self.num_heads * (self.nope + self.rope)
+        params = hidden * (self.q_a_size + self.rank + self.rope) \
+            + (self.q_lora * qk if self.q_lora else 0) + self.num_heads * self.v_dim * hidden
+        mlp = self.mlp.shared if isinstance(self.mlp, MoE) else self.mlp
+        if mlp is not None:
+            params += 3 * hidden * mlp.intermediate
+        return 2 * params
+
+    def warm_up_gemms(self, x: torch.Tensor) -> None:
+        """Run each packed projection once on zeros x [rows, hidden] (compiles its kernel)."""
+        rows = x.shape[0]
+        self._linear(x, self.qkv_a_proj, None)
+        if self.q_b_proj is not None:
+            self._linear(x.new_zeros(rows, self.q_lora), self.q_b_proj, None)
+        self._linear_add(x.new_zeros(rows, self.num_heads * self.v_dim), x.clone(), self.o_proj,
+                         None)
+        mlp = self.mlp.shared if isinstance(self.mlp, MoE) else self.mlp
+        if mlp is not None:
+            mlp.forward_add(x, x.clone())
+
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: MLAAttentionFn) -> torch.Tensor:
         t = hidden.shape[0]
@@ -231,10 +254,11 @@ class DeepseekCausalLM(CausalLM):
                    device: torch.device | str | None) -> nn.Module:
         return DeepseekLayer(config, index, dtype, device)
 
-    def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
-        """Not done for DeepSeek yet: its packed GEMMs compile on first use (at most one per
-        `gemm_rows` size and weight shape, so memory still stops growing)."""
-        return 0
+    def warm_up_layers(self) -> list[nn.Module]:
+        """The first layer (dense MLP) and the first MoE layer (shared experts): every packed
+        GEMM shape the model has."""
+        first_moe = next((layer for layer in self.layers if isinstance(layer.mlp, MoE)), None)
+        return [self.layers[0]] + ([first_moe] if first_moe is not None else [])
 
 
 # (destination view, checkpoint shape, transform or None) per checkpoint tensor name
