@@ -5,6 +5,7 @@ sequence that produces a token in that step (one row each) and a `SamplingRow` p
 
 Order of operations (vLLM's):
 
+0. ``logit_bias``: each listed token's bias is added to its logit (OpenAI's logit_bias).
 1. ``min_tokens``: while ``len(output) < min_tokens`` the row's ``stop_token_ids`` and, unless
    ``ignore_eos``, its EOS ids get logit -inf.
 2. Repetition penalty over the prompt and output tokens (HF/vLLM: a positive logit is divided by
@@ -27,8 +28,8 @@ Cost model (a 2-core CPU, up to 256 rows x 32k vocab):
 
 * An all-greedy batch without penalties is one argmax over the logits (NumPy's, several times
   faster than torch's on CPU) and nothing else.
-* The input tensor is never modified. Rows are copied only when min_tokens or penalties change
-  them; penalties touch only the listed token positions (flat indices), never a vocab-wide mask.
+* The input tensor is never modified. Rows are copied only when logit_bias, min_tokens or
+  penalties change them; penalties touch only the listed token positions (flat indices), never a vocab-wide mask.
 * Random rows go through a reusable workspace, 65 rows at a time for a 32k vocabulary: fresh
   multi-megabyte tensors each step would cost more in page faults than the arithmetic in them.
 * Only rows with top-k/top-p sort anything, and they sort probability *values* with NumPy (about
@@ -148,8 +149,8 @@ class Sampler:
         if plan.greedy_plain:  # a NumPy argmax of every row is cheaper than gathering rows
             put(plan.greedy_plain, _argmax(logits)[plan.greedy_plain])
 
-        # Rows whose logits change (min_tokens, penalties) need a copy; all the rows still to
-        # do are copied with them, so that one tensor serves the rest.
+        # Rows whose logits change (logit_bias, min_tokens, penalties) need a copy; all the rows
+        # still to do are copied with them, so that one tensor serves the rest.
         if any(plan.changed):
             order = plan.greedy_changed + plan.random
             source = _rows(logits, order)
@@ -254,7 +255,15 @@ class Sampler:
         (inserted first), and that token's 1-based rank; chunked through the workspace.
 
         One function for both kinds of logprobs, so that a sampled token's and a prompt
-        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ."""
+        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ.
+        Runs in inference mode, as `__call__` does: the workspace it writes into may have
+        been made there, and an inference tensor cannot be written outside it."""
+        with torch.inference_mode():
+            return self._token_logprobs(logits, token_ids, num_top)
+
+    def _token_logprobs(self, logits: torch.Tensor, token_ids: Sequence[int],
+                        num_top: Sequence[int | None]) -> tuple[list[dict[int, float] | None],
+                                                                list[int | None]]:
         batch, vocab = logits.shape
         device = logits.device
         logprobs: list[dict[int, float] | None] = [None] * batch
@@ -319,9 +328,9 @@ class _Plan:
 
     def __init__(self, rows: Sequence[SamplingRow]) -> None:
         self.greedy_plain: list[int] = []
-        self.greedy_changed: list[int] = []  # greedy, but min_tokens or penalties change logits
+        self.greedy_changed: list[int] = []  # greedy, but its logits change (bias...)
         self.random: list[int] = []
-        self.changed: list[bool] = []  # per row: min_tokens or penalties apply
+        self.changed: list[bool] = []  # per row: bias, min_tokens or penalties apply
         for i, row in enumerate(rows):
             changes = _needs_logit_changes(row)
             self.changed.append(changes)
@@ -335,6 +344,8 @@ class _Plan:
 
 def _needs_logit_changes(row: SamplingRow) -> bool:
     p = row.params
+    if p.logit_bias:
+        return True
     if len(row.output_token_ids) < p.min_tokens and _min_tokens_banned(row):
         return True
     if p.repetition_penalty != 1.0 and (len(row.prompt_token_ids) or len(row.output_token_ids)):
@@ -393,12 +404,23 @@ def _ids(token_ids: Sequence[int], offset: int, vocab: int) -> torch.Tensor:
 
 
 def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRow]]) -> None:
-    """min_tokens masking, repetition, frequency and presence penalties, in place on `work`
-    (contiguous); `changed` pairs a row of `work` with its SamplingRow. Every update goes through
+    """logit_bias, min_tokens masking, repetition, frequency and presence penalties, in place on
+    `work` (contiguous); `changed` pairs a row of `work` with its SamplingRow. Every update goes through
     flat indices row * vocab + token, so the cost follows the number of tokens, not the vocab."""
     vocab = work.shape[1]
     flat = work.view(-1)
     device = work.device
+
+    bias_keys: list[int] = []
+    bias_values: list[float] = []
+    for j, row in changed:
+        for t, b in (row.params.logit_bias or {}).items():
+            if 0 <= t < vocab:  # the engine refuses ids outside the vocabulary
+                bias_keys.append(j * vocab + t)
+                bias_values.append(b)
+    if bias_keys:  # keys are distinct: a dict has each token once per row
+        keys = torch.tensor(bias_keys, device=device)
+        flat[keys] += torch.tensor(bias_values, dtype=work.dtype, device=device)
 
     banned: list[int] = []
     for j, row in changed:

@@ -179,6 +179,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {shorten(priority)}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
+                        self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
@@ -240,6 +242,11 @@ class LLMEngine:
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.config.max_model_len
         assert limit is not None
+        if params.max_tokens == 0:  # prefill only: the prompt may fill the whole context
+            if prompt_len > limit:
+                raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is "
+                                 f"{limit}")
+            return 0
         if prompt_len >= limit:
             raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
                              "no room to generate")
@@ -277,14 +284,17 @@ class LLMEngine:
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
-        if not out.sampled and not failed:
+        now = time.time()
+        prefilled = self._finish_prefill_only(batch, failed, now)
+        if not out.sampled and not failed and not prefilled:
             return []
         rows = [batch.requests[i] for i in out.sampled]
         tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
         failed = {**sample_failed, **failed}
-        now = time.time()
         # parent id -> its samples
         touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
+        for parent in prefilled:
+            touched.setdefault(parent, self._groups[parent])
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
             if parent not in touched:
@@ -365,12 +375,30 @@ class LLMEngine:
                 assert len(request.prompt_logprobs) == span.first_token, \
                     "prompt logprobs out of step"
                 tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
-                entries, _ = self.sampler.token_logprobs(
+                entries, ranks = self.sampler.token_logprobs(
                     logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
                 request.prompt_logprobs.extend(entries)
+                request.prompt_logprob_ranks.extend(ranks)
             except Exception as exc:
                 failed[request.parent_id or request.request_id] = exc
         return failed
+
+    def _finish_prefill_only(self, batch: ScheduledBatch, failed: dict[str, Exception],
+                             now: float) -> list[str]:
+        """Finish ("length") the prefill-only requests (max_tokens 0) whose prompt this step
+        completed; their blocks go back to the pool (the full ones stay in the prefix cache).
+        Their output is ready now, which is what their first/last token times record. Returns
+        their parent ids."""
+        parents = []
+        for request in batch.requests:
+            parent = request.parent_id or request.request_id
+            if not request.prefill_only or request.finished or parent in failed \
+                    or request.num_computed_tokens < request.num_tokens:
+                continue
+            request.first_token_time = request.last_token_time = now
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            parents.append(parent)
+        return parents
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
@@ -468,11 +496,14 @@ class LLMEngine:
                 finish_reason=c.status.value if c.finished else None,
                 stop_reason=c.stop_reason))
         first = children[0]
+        prompt_logprobs = _prompt_logprobs(first)
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=_group_metrics(children, finished),
                              num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=_prompt_logprobs(first))
+                             prompt_logprobs=prompt_logprobs,
+                             prompt_logprob_ranks=None if prompt_logprobs is None
+                             else list(first.prompt_logprob_ranks))
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -519,12 +550,13 @@ class LLMEngine:
 
 
 def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in the model's dtype (the
-    planner derives its figures from the same spec classes)."""
+    """What the engine stores per token: K and V of every layer in the model's dtype, with each
+    sliding layer's window (the attention backends read the windows from this spec; the planner
+    derives its figures from the same spec classes)."""
     mc = model_config
     mla = mc.mla
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size,
+                           KVStorage(kv_dtype_name(dtype)), block_size, mc.layer_windows,
                            kv_lora_rank=mla.kv_lora_rank if mla else None,
                            rope_dim=mla.qk_rope_head_dim if mla else 0)
 

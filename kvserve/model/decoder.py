@@ -1,4 +1,10 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3 and Mistral.
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text).
+
+Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
+sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weight, so the norm
+code is shared), the attention and MLP outputs normed before their residual adds, per-head q/k
+norms (as Qwen3), a GELU-tanh gate, the attention scale from `query_pre_attn_scalar`, a RoPE base
+per layer type (local and global layers), and tanh soft-capping of the final logits.
 
 The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
 dimension and no padding. Everything that depends on which sequence a token belongs to (the
@@ -50,12 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if weight is None else y.mul_(weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None,
+                  scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling;
+    the config's (full layers') RoPE unless `theta` (and `scaling`) are given."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta
-                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -73,7 +81,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     if scaling["rope_type"] == "yarn":
-        return _yarn_inv_freq(config.rope_theta, dim, factor, scaling)
+        return _yarn_inv_freq(theta, dim, factor, scaling)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
 
 
@@ -96,15 +104,18 @@ def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
-def rope_cache(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_cache(config: ModelConfig, device: torch.device | str | None = None,
+               theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
     """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
     second, computed in float32 exactly as transformers computes them per step (times YaRN's
     attention factor, as transformers scales its cos/sin)."""
-    inv_freq = rope_inv_freq(config)
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = rope_inv_freq(config, theta, scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    attention_factor = (config.rope_scaling or {}).get("attention_factor", 1.0)
+    attention_factor = (scaling or {}).get("attention_factor", 1.0)
     if attention_factor != 1.0:
         cache = cache * attention_factor
     return cache if device is None else cache.to(device)
@@ -209,7 +220,13 @@ class DecoderLayer(nn.Module):
             if c.qk_norm else None
         self.o_proj = _param(h, c.q_size, **p)
         self.o_bias = _param(h, **p) if c.o_proj_bias else None
+        # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
+        # pre_feedforward_layernorm).
         self.post_attention_layernorm = _param(h, **p)
+        # Gemma 3: norms of the attention and MLP outputs, before their residual adds.
+        self.attn_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.mlp_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
         self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
         self.down_proj = _param(h, c.intermediate_size, **p)
@@ -226,7 +243,7 @@ class DecoderLayer(nn.Module):
 
         self._norm = gpu_ops.rms_norm
         self._rope = gpu_ops.apply_rope
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None and not self.gelu:
             self._swiglu = self._swiglu_triton
 
     def _swiglu_triton(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +272,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = None
         self._linear = _onednn_linear
         self._linear_add = _onednn_linear_add
-        self._swiglu = self._swiglu_fused
+        self._swiglu = self._geglu_packed if self.gelu else self._swiglu_fused
 
     def gemm_flops_per_row(self) -> int:
         """FLOPs of this layer's projections per token (for the warm-up's budget)."""
@@ -284,16 +301,30 @@ class DecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
-        o = attn(self.layer_idx, q, k, v)
-        hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
+        o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if self.attn_out_norm is None:
+            hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        else:
+            o = self._linear(o, self.o_proj, self.o_bias)
+            hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
 
         x = self._norm(hidden, self.post_attention_layernorm, self.eps)
-        return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        if self.mlp_out_norm is None:
+            return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        m = self._linear(self._swiglu(x), self.down_proj, self.down_bias)
+        return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
         gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
-        act = F.silu(gate_up[:, : self.intermediate_size])
+        gate = gate_up[:, : self.intermediate_size]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return act.mul_(gate_up[:, self.intermediate_size:])
+
+    def _geglu_packed(self, x: torch.Tensor) -> torch.Tensor:
+        gate = _onednn_linear(x, self.gate_proj, self.gate_bias)
+        return F.gelu(gate, approximate="tanh").mul_(_onednn_linear(x, self.up_proj,
+                                                                    self.up_bias))
 
     def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -339,6 +370,17 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
+        # Layers whose RoPE differs from the full layers' (Gemma 3's local layers) use a second
+        # table; layer i uses table self._rope_of_layer[i].
+        self._rope_of_layer = [0] * config.num_hidden_layers
+        local = None
+        if config.sliding_rope_theta is not None:
+            local = rope_cache(config, device, config.sliding_rope_theta,
+                               config.sliding_rope_scaling)
+            self._rope_of_layer = [int(w is not None) for w in config.windows]
+        self.register_buffer("rope_cos_sin_local", local, persistent=False)
+        self._embed_scale = config.embed_scale
+        self._softcap = config.final_logit_softcapping
         self.packed = False
         self._logits_linear = _dense_linear
         self._norm = rms_norm
@@ -413,9 +455,13 @@ class CausalLM(nn.Module):
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos_sin, attn)
+        if self._embed_scale is not None:  # in the weights' dtype, as transformers scales
+            hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
+        tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
+        if self.rope_cos_sin_local is not None:
+            tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
+        for layer, rope in zip(self.layers, self._rope_of_layer):
+            hidden = layer(hidden, tables[rope], attn)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def use_triton_ops(self) -> None:
@@ -434,4 +480,7 @@ class CausalLM(nn.Module):
             weight = self._packed_head
         else:
             weight = self.embed_tokens
-        return self._logits_linear(hidden, weight, None).float()
+        logits = self._logits_linear(hidden, weight, None).float()
+        if self._softcap is not None:
+            logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
+        return logits

@@ -2,8 +2,9 @@
 
 The model is built with uninitialised parameters, then every checkpoint tensor is copied (and
 cast) straight into its place: q/k/v into row ranges of `qkv_proj`, gate/up into `gate_up_proj`,
-Qwen3's q_norm/k_norm broadcast over their heads. Nothing is initialised twice and no
-intermediate concatenations are built.
+Qwen3's (and Gemma 3's) q_norm/k_norm broadcast over their heads. Nothing is initialised twice and
+no intermediate concatenations are built. Gemma's norm weights w are stored as 1 + w (its norms
+scale by 1 + w), so the decoder's one norm serves every architecture.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ INDEX_FILE = "model.safetensors.index.json"
 class _Target:
     dest: torch.Tensor  # a view into a model parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+    offset: float = 0.0  # added after the copy (Gemma's norms: 1 + w)
     # Applied to the checkpoint tensor before the copy (DeepSeek's RoPE row permutation).
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -69,8 +71,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
             from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
 
             model = DeepseekCausalLM(config, torch_dtype, device)
-            targets = {name: _Target(*where)
-                       for name, where in checkpoint_targets(model, config).items()}
+            targets = {name: _Target(dest, shape, transform=transform)
+                       for name, (dest, shape, transform)
+                       in checkpoint_targets(model, config).items()}
         else:
             model = CausalLM(config, torch_dtype, device)
             targets = _targets(model, config)
@@ -154,6 +157,8 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                                  "expected a floating-point tensor (quantised checkpoints are "
                                  "not supported)")
             target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
+            if target.offset:
+                target.dest.add_(target.offset)
             loaded.add(name)
 
 
@@ -179,14 +184,24 @@ def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
     def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape)
 
+    norm_offset = 1.0 if c.gemma_norms else 0.0
+
+    def add_norm(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+        t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape, norm_offset)
+
     add("model.embed_tokens.weight", model.embed_tokens)
-    add("model.norm.weight", model.norm)
+    add_norm("model.norm.weight", model.norm)
     if model.lm_head is not None:
         add("lm_head.weight", model.lm_head)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", layer.input_layernorm)
-        add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+        add_norm(p + "input_layernorm.weight", layer.input_layernorm)
+        if c.gemma_norms:  # Gemma's post_attention_layernorm norms the attention's output
+            add_norm(p + "post_attention_layernorm.weight", layer.attn_out_norm)
+            add_norm(p + "pre_feedforward_layernorm.weight", layer.post_attention_layernorm)
+            add_norm(p + "post_feedforward_layernorm.weight", layer.mlp_out_norm)
+        else:
+            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
         add(p + "self_attn.q_proj.weight", layer.qkv_proj[:q])
         add(p + "self_attn.k_proj.weight", layer.qkv_proj[q: q + kv])
         add(p + "self_attn.v_proj.weight", layer.qkv_proj[q + kv:])
@@ -195,8 +210,8 @@ def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
             add(p + "self_attn.k_proj.bias", layer.qkv_bias[q: q + kv])
             add(p + "self_attn.v_proj.bias", layer.qkv_bias[q + kv:])
         if layer.qk_norm is not None:
-            add(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
-            add(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
+            add_norm(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
+            add_norm(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
         add(p + "self_attn.o_proj.weight", layer.o_proj)
         if layer.o_bias is not None:
             add(p + "self_attn.o_proj.bias", layer.o_bias)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import short_dtype_name
-from kvserve.model.config import checkpoint_dtype, read_json_object
+from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
 from kvserve.model.deepseek_config import MLAConfig, parse_mla
 from kvserve.planner import presets
 
@@ -180,41 +180,12 @@ def _opt_int(d: dict[str, Any], key: str, source: str, aliases: tuple[str, ...] 
 
 
 def _layer_windows(d: dict[str, Any], layers: int, source: str) -> tuple[int | None, ...]:
-    """Per layer: None for full attention, else the sliding window in tokens, following the
-    rules transformers applies to each family."""
-    window = d.get("sliding_window")
-    types = d.get("layer_types")
-    model_type = str(d.get("model_type") or "")
-    if model_type.startswith("qwen") and not d.get("use_sliding_window", False):
-        window = None
-    if types is not None:
-        if not isinstance(types, list) or len(types) != layers:
-            raise ValueError(f"{source}: layer_types must list {layers} layer types")
-        out: list[int | None] = []
-        for t in types:
-            if t == "full_attention":
-                out.append(None)
-            elif t in ("sliding_attention", "chunked_attention"):
-                w = window or d.get("attention_chunk_size")
-                if not w:
-                    raise ValueError(f"{source}: layer type {t!r} without a sliding_window")
-                out.append(int(w))
-            else:
-                raise ValueError(f"{source}: layer type {t!r} is not supported by the planner "
-                                 "(full_attention, sliding_attention, chunked_attention)")
-        return tuple(out)
-    if not window:
-        return (None,) * layers
-    window = int(window)
-    if model_type.startswith("qwen"):
-        first = int(d.get("max_window_layers", layers))
-        return tuple(window if i >= first else None for i in range(layers))
-    if model_type == "gemma2":
-        return tuple(window if (i + 1) % 2 else None for i in range(layers))
-    pattern = d.get("sliding_window_pattern")
-    if pattern:
-        return tuple(window if (i + 1) % int(pattern) else None for i in range(layers))
-    return (window,) * layers
+    """Per layer: None for full attention, else the sliding window in tokens (the engine's
+    rules, `kvserve.model.config.layer_windows`), errors prefixed with the source."""
+    try:
+        return layer_windows(d, layers)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
 
 
 def estimate_params(d: dict[str, Any]) -> int:
