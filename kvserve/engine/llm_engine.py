@@ -26,7 +26,8 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
+from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
+                             kv_dtype_name, mla_saving_line)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -88,7 +89,7 @@ class LLMEngine:
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
                                  kv_events_capacity=KV_EVENTS_CAPACITY)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
-        if config.device == "cuda" and not config.enforce_eager:
+        if config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
             self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
@@ -108,6 +109,11 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
+        mla = self.model_config.mla
+        if mla is not None:
+            logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
+                                        self.model_config.num_attention_heads, mla.qk_head_dim,
+                                        mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -139,10 +145,14 @@ class LLMEngine:
         from kvserve.kv.tiers.tiered import TieredKVStore
 
         mc = self.model_config
+        # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's
+        # one latent vector.
+        layer_tensors = self.kv_spec.layer_specs()[0].tensors
+        heads, width = layer_tensors[0]
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 self.tensors.dtype, mc.num_hidden_layers,
-                                 mc.num_key_value_heads, mc.head_dim, self.config.block_size,
-                                 tier_config.chunk_size)
+                                 self.tensors.dtype, mc.num_hidden_layers, heads, width,
+                                 self.config.block_size, tier_config.chunk_size,
+                                 len(layer_tensors))
         tiers = TieredKVStore(tier_config, identity)
         logger.info("KV storage tiers: %s", ", ".join(
             [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
@@ -607,8 +617,11 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCache
     sliding layer's window (the attention backends read the windows from this spec; the planner
     derives its figures from the same spec classes)."""
     mc = model_config
+    mla = mc.mla
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size, mc.layer_windows)
+                           KVStorage(kv_dtype_name(dtype)), block_size, mc.layer_windows,
+                           kv_lora_rank=mla.kv_lora_rank if mla else None,
+                           rope_dim=mla.qk_rope_head_dim if mla else 0)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:

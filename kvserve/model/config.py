@@ -14,17 +14,21 @@ tokenizer use too, so that a config.json means the same to every component.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import DTYPES, canonical_dtype
+from kvserve.model.deepseek_config import (DEEPSEEK_ARCHITECTURES, MLAConfig, MoEConfig,
+                                           parse_mla, parse_moe)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    *DEEPSEEK_ARCHITECTURES,
     "Gemma3ForCausalLM",
 )
 _ARCH_BY_MODEL_TYPE = {
@@ -32,6 +36,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # transformers' per-class defaults for keys a config.json may leave out.
@@ -40,11 +46,15 @@ _DEFAULT_MAX_POSITIONS = {
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
     "MistralForCausalLM": 131072,
+    "DeepseekV2ForCausalLM": 2048,
+    "DeepseekV3ForCausalLM": 4096,
     "Gemma3ForCausalLM": 131072,
 }
 # The MLP's gate activation, by transformers' name (`hidden_act`, Gemma's `hidden_activation`).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN is read for the DeepSeek configs, which use it (with DeepSeek's mscale on the softmax).
+DEEPSEEK_ROPE_TYPES = SUPPORTED_ROPE_TYPES + ("yarn",)
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "vocab_size")
 
@@ -74,6 +84,8 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" | None (not given)
     eos_token_id: int | list[int] | None = None
+    mla: MLAConfig | None = None  # DeepSeek-V2/V3: head_dim is then the RoPE dim
+    moe: MoEConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
     # Gemma 3: norms scale by (1 + weight) (the loader stores 1 + weight), the attention and MLP
     # outputs are normed before their residual adds, and q/k have per-head norms.
@@ -96,9 +108,19 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        """The softmax scale: 1/sqrt(head_dim), Gemma's query_pre_attn_scalar ** -0.5, or for
+        MLA 1/sqrt(qk_nope + qk_rope) times DeepSeek's YaRN correction
+        mscale(factor, mscale_all_dim)^2, as transformers applies them."""
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar ** -0.5
-        return self.head_dim ** -0.5
+        if self.mla is None:
+            return self.head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
+        r = self.rope_scaling
+        if r is not None and r.get("mscale_all_dim"):
+            m = yarn_mscale(r["factor"], r["mscale_all_dim"])
+            scale *= m * m
+        return scale
 
     def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """(rope_theta, rope_scaling) of one layer."""
@@ -146,6 +168,8 @@ class ModelConfig:
         layers = _pos_int(d, "num_hidden_layers")
         heads = _pos_int(d, "num_attention_heads")
         kv_heads = _pos_int(d, "num_key_value_heads") if d.get("num_key_value_heads") else heads
+        if arch in DEEPSEEK_ARCHITECTURES:
+            kv_heads = 1  # MLA: one latent per token, shared by every head
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv_heads})")
@@ -174,12 +198,23 @@ class ModelConfig:
             raise ValueError(f"pretraining_tp={d['pretraining_tp']} is not supported (only 1)")
 
         max_pos = d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
+        deepseek = arch in DEEPSEEK_ARCHITECTURES
         if gemma:
             (rope_theta, rope_scaling), (local_theta, local_scaling) = _gemma3_rope(d,
                                                                                    int(max_pos))
         else:
-            rope_theta, rope_scaling = _rope(d, int(max_pos))
+            supported = DEEPSEEK_ROPE_TYPES if deepseek else SUPPORTED_ROPE_TYPES
+            rope_theta, rope_scaling = _rope(d, int(max_pos), supported=supported)
             local_theta, local_scaling = None, None
+        mla = parse_mla(d) if deepseek else None
+        if deepseek and mla is None:
+            raise ValueError(f"{arch} needs a positive kv_lora_rank")
+        if deepseek and (d.get("attention_bias") or d.get("mlp_bias")):
+            raise ValueError(f"{arch} with attention_bias or mlp_bias is not supported")
+        if mla is not None:
+            # transformers' DeepseekV2/V3Config: head_dim is the RoPE dim (it sizes the rotary
+            # embedding); attention itself uses the MLA dimensions.
+            head_dim = mla.qk_rope_head_dim
 
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
@@ -212,6 +247,8 @@ class ModelConfig:
             layer_windows=windows if any(w is not None for w in windows) else (),
             torch_dtype=dtype,
             eos_token_id=d.get("eos_token_id"),
+            mla=mla,
+            moe=parse_moe(d, layers) if deepseek else None,
             hidden_act=act,
             gemma_norms=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
@@ -376,7 +413,14 @@ def _gemma3_rope(d: dict[str, Any], max_pos: int
     return full, (local[0], None)
 
 
-def _rope(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction, 0.1 * mscale * ln(factor) + 1 (1 when the
+    context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0,
+          supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
           ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` or the older
     top-level `rope_theta` + `rope_scaling`, resolved the way transformers resolves them."""
@@ -394,9 +438,9 @@ def _rope(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0
     if theta <= 0:
         raise ValueError(f"rope_theta must be positive, got {theta}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+                         f"{', '.join(supported)}")
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported")
@@ -412,7 +456,30 @@ def _rope(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0
         original = params.get("original_max_position_embeddings",
                               d.get("original_max_position_embeddings", max_pos))
         scaling["original_max_position_embeddings"] = int(original)
+    if rope_type == "yarn":
+        scaling.update(_yarn(params, d, max_pos, scaling["factor"]))
     return theta, scaling
+
+
+def _yarn(params: dict[str, Any], d: dict[str, Any], max_pos: int,
+          factor: float) -> dict[str, Any]:
+    """YaRN's parameters resolved as transformers' `_compute_yarn_parameters` resolves them:
+    beta_fast/beta_slow default 32/1, the correction range truncated unless `truncate` is
+    false, and the cos/sin `attention_factor`, when not given, mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) if both are set, else mscale(factor)."""
+    original = int(params.get("original_max_position_embeddings",
+                              d.get("original_max_position_embeddings", max_pos)))
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else yarn_mscale(factor))
+    return {"original_max_position_embeddings": original,
+            "beta_fast": float(params.get("beta_fast") or 32),
+            "beta_slow": float(params.get("beta_slow") or 1),
+            "mscale_all_dim": float(mscale_all or 0),
+            "attention_factor": float(attention),
+            "truncate": bool(params.get("truncate", True))}
 
 
 def _rope_float(params: dict[str, Any], key: str) -> float:

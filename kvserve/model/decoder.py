@@ -80,17 +80,44 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(theta, dim, factor, scaling)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
+
+
+def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN (DeepSeek's rope_scaling): interpolated frequencies below the correction range,
+    extrapolated above, a linear ramp between; transformers' `_compute_yarn_parameters`."""
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling["original_max_position_embeddings"]
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
 def rope_cache(config: ModelConfig, device: torch.device | str | None = None,
                theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
     """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
-    second, computed in float32 exactly as transformers computes them per step."""
+    second, computed in float32 exactly as transformers computes them per step (times YaRN's
+    attention factor, as transformers scales its cos/sin)."""
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
     inv_freq = rope_inv_freq(config, theta, scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    attention_factor = (scaling or {}).get("attention_factor", 1.0)
+    if attention_factor != 1.0:
+        cache = cache * attention_factor
     return cache if device is None else cache.to(device)
 
 
@@ -247,6 +274,19 @@ class DecoderLayer(nn.Module):
         self._linear_add = _onednn_linear_add
         self._swiglu = self._geglu_packed if self.gelu else self._swiglu_fused
 
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs of this layer's projections per token (for the warm-up's budget)."""
+        h = self.input_layernorm.shape[0]
+        qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
+        return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
+
+    def warm_up_gemms(self, x: torch.Tensor) -> None:
+        """Run each projection once on zeros x [rows, hidden] (compiles its oneDNN kernel)."""
+        self._linear(x, self.qkv_proj, self.qkv_bias)
+        zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
+        self._linear_add(zeros, x.clone(), self.o_proj, self.o_bias)
+        self._linear_add(self._swiglu(x), x.clone(), self.down_proj, self.down_bias)
+
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
@@ -324,7 +364,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
@@ -346,6 +386,12 @@ class CausalLM(nn.Module):
         self._norm = rms_norm
         # With tied embeddings and packing: a packed copy of the embedding table for the head.
         self.register_buffer("_packed_head", None, persistent=False)
+
+    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                   device: torch.device | str | None) -> nn.Module:
+        """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
+        `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
+        return DecoderLayer(config, index, dtype, device)
 
     def pack_weights(self) -> bool:
         """Switch the projections and the LM head to oneDNN-packed weights when this build and
@@ -377,14 +423,14 @@ class CausalLM(nn.Module):
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
-        hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
-        the same shapes, so one layer is enough."""
+        hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
+        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough."""
         if not self.packed or not self.layers:
             return 0
-        c, layer = self.config, self.layers[0]
-        h, inter = c.hidden_size, c.intermediate_size
-        qkv = c.q_size + 2 * c.kv_size
-        per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        c = self.config
+        h = c.hidden_size
+        layers = self.warm_up_layers()
+        per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
@@ -393,15 +439,17 @@ class CausalLM(nn.Module):
                 if spent + cost > max_flops:
                     break
                 x = torch.zeros(rows, h, **zeros)
-                layer._linear(x, layer.qkv_proj, layer.qkv_bias)
-                layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,
-                                  layer.o_bias)
-                layer._linear_add(layer._swiglu(x), x, layer.down_proj, layer.down_bias)
+                for layer in layers:
+                    layer.warm_up_gemms(x)
                 if rows <= max_logit_rows:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
         return warmed
+
+    def warm_up_layers(self) -> list[nn.Module]:
+        """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
+        return [self.layers[0]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:

@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -33,6 +34,8 @@ class _Target:
     dest: torch.Tensor  # a view into a model parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
     offset: float = 0.0  # added after the copy (Gemma's norms: 1 + w)
+    # Applied to the checkpoint tensor before the copy (DeepSeek's RoPE row permutation).
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -64,8 +67,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     device = torch.device(device)
     files = checkpoint_files(model_dir)
     with torch.no_grad():
-        model = CausalLM(config, torch_dtype, device)
-        targets = _targets(model, config)
+        if config.mla is not None:
+            from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
+
+            model = DeepseekCausalLM(config, torch_dtype, device)
+            targets = {name: _Target(dest, shape, transform=transform)
+                       for name, (dest, shape, transform)
+                       in checkpoint_targets(model, config).items()}
+        else:
+            model = CausalLM(config, torch_dtype, device)
+            targets = _targets(model, config)
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config)
@@ -117,7 +128,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key):
+            if _IGNORED.match(key) or _beyond_last_layer(key, config):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -145,10 +156,22 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                 raise ValueError(f"tensor {key!r} in {str(file)!r} has dtype {tensor.dtype}; "
                                  "expected a floating-point tensor (quantised checkpoints are "
                                  "not supported)")
-            target.dest.copy_(tensor)
+            target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
             if target.offset:
                 target.dest.add_(target.offset)
             loaded.add(name)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _beyond_last_layer(key: str, config: ModelConfig) -> bool:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers numbered from
+    num_hidden_layers on; like transformers, inference leaves them out."""
+    if config.architecture != "DeepseekV3ForCausalLM":
+        return False
+    m = _LAYER.match(key)
+    return m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
 def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:

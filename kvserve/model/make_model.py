@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v2", "deepseek_v3")
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
 DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
@@ -64,6 +64,11 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if arch.startswith("deepseek"):
+        from kvserve.model.deepseek_checkpoint import deepseek_hf_config
+
+        return deepseek_hf_config(arch, size, _common_config(arch, size, dtype, bos_token_id,
+                                                              eos_token_id))
     s = dict(_SHAPES[size])
     layers = s["num_hidden_layers"]
     head_dim = s.pop("head_dim", s["hidden_size"] // s["num_attention_heads"])
@@ -74,20 +79,7 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         layers = s["num_hidden_layers"] = GEMMA3_PATTERN  # one whole local/global period
     common: dict[str, Any] = {
         "architectures": [_ARCHITECTURE[arch]],
-        "attention_dropout": 0.0,
-        "bos_token_id": bos_token_id,
-        "dtype": dtype,
-        "eos_token_id": eos_token_id,
-        "hidden_act": "silu",
-        # The tiny model's layers must be able to outvote the tied embedding: at std 0.02 its
-        # greedy output just repeats the last prompt token, and tests comparing its outputs
-        # could not tell a corrupted cache from a good one.
-        "initializer_range": 0.15 if size == "tiny" else 0.02,
-        "model_type": _MODEL_TYPE.get(arch, arch),
-        "pad_token_id": None,
-        "rms_norm_eps": 1e-06,
-        "transformers_version": _HF_VERSION,
-        "use_cache": True,
+        **_common_config(arch, size, dtype, bos_token_id, eos_token_id),
         **s,
     }
     if arch == "llama":
@@ -145,6 +137,27 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
     return dict(sorted({**common, **extra}.items()))
 
 
+def _common_config(arch: str, size: str, dtype: str, bos_token_id: int,
+                   eos_token_id: int) -> dict[str, Any]:
+    """The config.json keys every architecture shares."""
+    return {
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "dtype": dtype,
+        "eos_token_id": eos_token_id,
+        "hidden_act": "silu",
+        # The tiny model's layers must be able to outvote the tied embedding: at std 0.02 its
+        # greedy output just repeats the last prompt token, and tests comparing its outputs
+        # could not tell a corrupted cache from a good one.
+        "initializer_range": 0.15 if size == "tiny" else 0.02,
+        "model_type": _MODEL_TYPE.get(arch, arch),
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "transformers_version": _HF_VERSION,
+        "use_cache": True,
+    }
+
+
 def random_weights(config: dict[str, Any], seed: int = 0,
                    dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -152,6 +165,10 @@ def random_weights(config: dict[str, Any], seed: int = 0,
 
     `device="cuda"` draws on the GPU (a 7B model in seconds instead of minutes; different
     numbers from the CPU draw for the same seed); the tensors are returned on the CPU."""
+    if config["model_type"].startswith("deepseek"):
+        from kvserve.model.deepseek_checkpoint import deepseek_random_weights
+
+        return deepseek_random_weights(config, seed, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     h = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvserve.dtypes import short_dtype_name
 from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
+from kvserve.model.deepseek_config import MLAConfig, parse_mla
 from kvserve.planner import presets
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -45,6 +46,7 @@ class ModelSpec:
     # One entry per layer: None = full attention, an int = a sliding window of that many tokens.
     layer_windows: tuple[int | None, ...] = ()
     quantization: dict[str, Any] = field(default_factory=dict)  # config.json's quantization_config
+    mla: MLAConfig | None = None  # every MLA dimension (the decompressed K/V it saves)
 
     @property
     def attention(self) -> str:
@@ -90,8 +92,12 @@ class ModelSpec:
             kv_heads = _opt_int(d, "num_key_value_heads", source, ("num_kv_heads",)) or heads
         head_dim = _opt_int(d, "head_dim", source) or hidden // heads
         vocab = _pos_int(d, "vocab_size", source)
-        kv_lora = _opt_int(d, "kv_lora_rank", source)
-        rope = _opt_int(d, "qk_rope_head_dim", source) or 0
+        try:  # the engine's reader of the MLA dimensions (one parser, one bytes-per-token)
+            mla = parse_mla(d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
+        kv_lora = mla.kv_lora_rank if mla else None
+        rope = mla.qk_rope_head_dim if mla else 0
         if not kv_lora and heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
@@ -110,7 +116,7 @@ class ModelSpec:
                    num_params=int(num_params), params_source=params_source, dtype=dtype,
                    kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
                    layer_windows=windows if any(w is not None for w in windows) else (),
-                   quantization=dict(d.get("quantization_config") or {}))
+                   quantization=dict(d.get("quantization_config") or {}), mla=mla)
 
     @classmethod
     def load(cls, what: str) -> "ModelSpec":
