@@ -64,6 +64,13 @@ class EngineConfig:
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
                                   choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
+    bounded_kv_policy: str | None = _arg(None, "LOSSY: keep a bounded KV cache per request "
+                                         "(full-attention models only); streaming_llm keeps "
+                                         "the first sink tokens and the most recent ones "
+                                         "(kvserve/kv/bounded.py). Off by default")
+    bounded_kv_budget: float | None = _arg(None, "tokens of KV a bounded request keeps: a whole "
+                                           "number, or a fraction of max_model_len in (0, 1)")
+    bounded_kv_sink_tokens: int = _arg(4, "attention-sink tokens a bounded cache always keeps")
     # None = no tiers; from Python also a dict or a TierConfig.
     kv_tier_config: Any = _arg(None, "storage tiers under the KV pool (host memory, disk, "
                                "Redis): a YAML file with LMCache's keys (chunk_size, local_cpu, "
@@ -98,6 +105,9 @@ class EngineConfig:
             if self.kv_tier_config.chunk_size % self.block_size:
                 raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                                  f"must be a multiple of block_size ({self.block_size})")
+        if (self.bounded_kv_policy is None) != (self.bounded_kv_budget is None):
+            raise ValueError("bounded_kv_policy and bounded_kv_budget go together: a bounded "
+                             "KV cache needs both a policy and a budget")
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.device == "auto":

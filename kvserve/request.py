@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvserve.kv.bounded import BoundedKV
 from kvserve.sampling import SamplingParams
 
 
@@ -45,11 +46,17 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     priority: int = 0  # higher keeps its cached prefix longer under the "priority" policy
 
+    # A bounded KV cache (kvserve.kv.bounded; lossy, opt-in), or None: the full cache.
+    bounded_kv: BoundedKV | None = None
+
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Tokens a bounded cache dropped: the KV holds num_computed_tokens - this many (compacted
+    # into the first slots), while positions go on at their true values.
+    num_dropped_tokens: int = 0
     stop_reason: int | str | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # vLLM's prompt_logprobs, one entry per prompt token computed so far (entry 0 is None: no

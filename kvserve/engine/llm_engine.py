@@ -20,10 +20,12 @@ from typing import Any, Union
 import torch
 
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvserve.engine.bounded_kv import compact_bounded
 from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
+from kvserve.kv.bounded import BoundedKV, BoundedKVConfig, resolve_bounded_kv
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
@@ -96,6 +98,16 @@ class LLMEngine:
                                                  config.max_model_len)
             self.runner.graphs.capture_all()
         self.scheduler = Scheduler(config, self.kv)
+        # The engine-wide bounded KV cache (lossy, opt-in), checked now so a bad one fails at
+        # start-up; a request may ask for its own (add_request's bounded_kv).
+        self.bounded_kv: BoundedKV | None = None
+        if config.bounded_kv_policy is not None:
+            self.bounded_kv = self._resolve_bounded_kv(BoundedKVConfig(
+                config.bounded_kv_policy, config.bounded_kv_budget,
+                config.bounded_kv_sink_tokens))
+            logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
+                           self.bounded_kv.policy, self.bounded_kv.budget,
+                           self.bounded_kv.sink_tokens)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._groups: dict[str, list[Request]] = {}
@@ -186,11 +198,12 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     stream: bool = False, cache_salt: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, bounded_kv: BoundedKVConfig | None = None) -> str:
         """Validate and queue a request (n samples); returns its id. Raises ValueError if bad.
 
         A streaming request reports an output after every step that gave it a token; the others
-        report once, when they finish.
+        report once, when they finish. `bounded_kv` gives this request a bounded KV cache
+        (lossy; kvserve.kv.bounded) in place of the engine's setting.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -210,7 +223,9 @@ class LLMEngine:
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
+        bound = self._resolve_bounded_kv(bounded_kv) if bounded_kv is not None \
+            else self.bounded_kv
+        blocks = self._blocks_needed(len(token_ids), max_tokens, bound)
         if blocks > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {blocks} KV blocks ({len(token_ids)} prompt + {max_tokens} "
@@ -227,7 +242,7 @@ class LLMEngine:
                             prompt_token_ids=token_ids, sampling_params=params,
                             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                             arrival_time=arrival, prompt=text, index=i, parent_id=request_id,
-                            cache_salt=cache_salt, priority=priority)
+                            cache_salt=cache_salt, priority=priority, bounded_kv=bound)
                     for i in range(params.n)]
         self._groups[request_id] = children
         if stream:
@@ -291,6 +306,25 @@ class LLMEngine:
             raise ValueError("the prompt is empty: at least one token is needed")
         return text, ids
 
+    def _resolve_bounded_kv(self, config: BoundedKVConfig) -> BoundedKV:
+        if not isinstance(config, BoundedKVConfig):
+            raise ValueError(f"bounded_kv must be a BoundedKVConfig, got "
+                             f"{type(config).__name__}")
+        if self.model_config.mla is not None:
+            raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
+                             "cache is compressed already)")
+        return resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
+
+    def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
+        """The most blocks a request can hold at once: all its tokens, or for a bounded cache
+        its prompt, or budget + one block plus the budget's fresh blocks while it compacts."""
+        total = prompt_len + max_tokens
+        if bound is None:
+            return self.kv.blocks_for_tokens(total)
+        grown = min(total, max(prompt_len, bound.budget + self.config.block_size))
+        compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
+        return self.kv.blocks_for_tokens(grown) + compacting
+
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.config.max_model_len
         assert limit is not None
@@ -339,9 +373,14 @@ class LLMEngine:
             batch = self._schedule()  # only loads from disk/Redis were in the way
         out = self.runner.execute(batch)
         self.scheduler.update(batch)
+        # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
+        # KV is copied after the plan below (the plan may save blocks the move evicted).
+        moves = compact_bounded(batch.requests, self.kv)
         # Write-through: the chunks this forward completed are saved now, not a step later (an
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())
+        for move in moves:
+            self.tensors.compact_tokens(move.src_table, move.keep, move.dst_table)
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
         now = time.time()
         prefilled = self._finish_prefill_only(batch, failed, now)

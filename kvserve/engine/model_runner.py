@@ -121,10 +121,11 @@ class ModelRunner:
             table = self.kv.block_table(request)
             flat_start = len(input_ids)
             input_ids.extend(request.token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            seq = SequenceSlice(flat_start, n, end, table)
+            positions.extend(range(start, end))  # true positions, bounded cache or not
+            # KV indices: a bounded cache (kvserve.kv.bounded) compacted its dropped tokens away.
+            kv_start = start - request.num_dropped_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
+            seq = SequenceSlice(flat_start, n, kv_start + n, table)
             (prefills if n > 1 else decodes).append(seq)
             if end == request.num_tokens and not request.prefill_only:
                 sample_rows.append(len(input_ids) - 1)

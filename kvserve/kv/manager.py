@@ -52,6 +52,12 @@ def matchable_tokens(seq: CachedSeq) -> int:
     return max(len(seq.token_ids) - 1, 0)
 
 
+def kv_length(seq: CachedSeq) -> int:
+    """Tokens of KV a sequence holds: its computed tokens, less those a bounded cache dropped
+    (kvserve.kv.bounded; other sequences have no such field)."""
+    return seq.num_computed_tokens - getattr(seq, "num_dropped_tokens", 0)
+
+
 @dataclass(frozen=True)
 class Admission:
     """What admission gave a sequence: its first `num_computed_tokens` are in the cache (device
@@ -270,7 +276,7 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
-        return self._grow(seq.request_id, seq.num_computed_tokens + num_new_tokens)
+        return self._grow(seq.request_id, kv_length(seq) + num_new_tokens)
 
     def free(self, seq: CachedSeq) -> None:
         """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
@@ -280,6 +286,22 @@ class KVCacheManager:
         table = self.block_tables.pop(seq.request_id, None)
         if table:
             self.index.mark_idle(self.pool.release(table))
+
+    def reseat(self, seq: CachedSeq, num_blocks: int) -> tuple[list[int], list[int]] | None:
+        """Move a bounded sequence (kvserve.kv.bounded) onto `num_blocks` fresh private blocks,
+        for its compacted KV: returns (old table, new table), or None (no change) if the pool
+        lacks the blocks. The old blocks are released at once (cached ones stay in the index,
+        idle) but keep their KV until the next allocation, so the caller copies the kept tokens
+        out of them before anything allocates. The sequence inserts nothing more into the
+        prefix index: its blocks no longer hold the KV their tokens' hashes name."""
+        if num_blocks > self.pool.num_available:
+            return None
+        fresh = self.allocate_blocks(num_blocks)
+        old = self.block_tables[seq.request_id]
+        self.block_tables[seq.request_id] = fresh
+        self._cursors.pop(seq.request_id, None)
+        self.index.mark_idle(self.pool.release(old))
+        return old, fresh
 
     def block_table(self, seq: CachedSeq) -> list[int]:
         return self.block_tables[seq.request_id]
@@ -345,7 +367,7 @@ class KVCacheManager:
         live = {s.request_id: s for s in seqs}
         assert set(self.block_tables) <= set(live), "a block table outlived its request"
         for rid, table in self.block_tables.items():
-            need = self.blocks_for_tokens(live[rid].num_computed_tokens)
+            need = self.blocks_for_tokens(kv_length(live[rid]))
             assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
         holders = list(self.block_tables.values()) + [[s] for s in self._copy_sources]
         self.pool.check_invariants(holders)

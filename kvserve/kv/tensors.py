@@ -86,3 +86,27 @@ class KVTensorPool:
         for layer, tensors in enumerate(self.layers):
             for j, t in enumerate(tensors):
                 t.index_copy_(0, idx, data[layer, j])
+
+    def compact_tokens(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int]
+                       ) -> None:
+        """Copy the kept tokens of a sequence, every layer, from its blocks `src_table` into
+        the first `keep.shape[-1]` slots of `dst_table` (a bounded cache's compaction,
+        kvserve.kv.bounded). `keep` holds token indices into the source sequence: [n], the same
+        tokens for every head, or [heads, n], each KV head its own (head h's slot j then holds
+        a different token than head h' 's: attention per head never mixes them). The two tables
+        must not share a block."""
+        bs = self.block_size
+        src = torch.tensor(src_table, dtype=torch.long)
+        n = keep.shape[-1]
+        dst = torch.tensor(dst_table, dtype=torch.long)
+        j = torch.arange(n)
+        dst_slots = (dst[j // bs] * bs + j % bs).to(self.device)
+        keep = keep.long()
+        for tensors in self.layers:
+            for t in tensors:
+                heads = t.shape[2]
+                idx = keep.expand(heads, n) if keep.dim() == 1 else keep
+                src_slots = (src[idx // bs] * bs + idx % bs).to(self.device)  # [heads, n]
+                flat = t.view(-1, heads, t.shape[3])
+                rows = flat[src_slots, torch.arange(heads, device=self.device)[:, None]]
+                flat[dst_slots] = rows.transpose(0, 1)

@@ -1,0 +1,104 @@
+"""Bounded KV caches for full-attention layers: which tokens a sequence keeps, and when.
+
+A bounded sequence keeps at most about `budget` tokens of KV, whatever its length. Its KV is
+*compacted*: the kept tokens sit in the sequence's first KV slots, in their original order,
+while token positions go on at their true values (keys are stored after RoPE, so a kept key
+stays valid wherever it is stored). The request counts the tokens it dropped; its KV length is
+its computed tokens less those.
+
+This is **lossy**: dropped tokens are gone for every later token. It is opt-in (engine
+arguments or per request) and never on by default.
+
+Policies (`POLICIES`):
+
+- ``streaming_llm`` (Xiao et al., "Efficient Streaming Language Models with Attention Sinks"):
+  the first `sink_tokens` tokens plus the most recent ones; the same tokens in every layer and
+  head.
+
+When compaction happens (`needs_compaction`): only once the whole prompt is computed (a prompt
+is always prefilled with full attention, chunked or not), and then whenever the KV length
+reaches `budget + block_size`; it is cut back to `budget`. So compaction runs once per block of
+generated tokens, not per token, and the KV a step attends to never exceeds
+`budget + block_size` tokens.
+
+Prefix caching: a bounded request reads the prefix cache like any other, and inserts its full
+blocks while they still hold exact KV (its prompt, and anything computed before its first
+compaction, was computed with full attention). Its first compaction moves it onto fresh
+private blocks and stops its insertions: a pruned block never enters the prefix index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("streaming_llm",)
+
+
+@dataclass(frozen=True)
+class BoundedKVConfig:
+    """What a caller asks for. `budget`: tokens kept (a whole number >= 1), or a fraction of
+    the context (in (0, 1), times max_model_len)."""
+
+    policy: str
+    budget: float
+    sink_tokens: int = 4
+
+
+@dataclass(frozen=True)
+class BoundedKV:
+    """A checked policy with its budget resolved to tokens."""
+
+    policy: str
+    budget: int
+    sink_tokens: int
+
+
+def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
+                       layer_windows: tuple[int | None, ...] = ()) -> BoundedKV:
+    """Check a request for a bounded cache against the model and the context; ValueError that
+    says why when it cannot be honoured."""
+    if config.policy not in POLICIES:
+        raise ValueError(f"bounded KV policy must be one of {', '.join(POLICIES)}, "
+                         f"got {config.policy!r}")
+    windowed = [i for i, w in enumerate(layer_windows) if w is not None]
+    if windowed:
+        raise ValueError(f"a bounded KV cache applies to full-attention layers only, and this "
+                         f"model's layers {windowed[:8]} are sliding-window layers (they bound "
+                         "their cache already; per-group compaction is not supported)")
+    budget = config.budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"bounded KV budget must be a number of tokens or a fraction of the "
+                         f"context, got {budget!r}")
+    if 0.0 < budget < 1.0:
+        tokens = int(budget * max_model_len)  # a fraction of the context
+    elif budget >= 1 and float(budget).is_integer():
+        tokens = int(budget)
+    else:
+        raise ValueError(f"bounded KV budget must be a whole number of tokens (>= 1) or a "
+                         f"fraction of the context in (0, 1), got {budget!r}")
+    if tokens < 1:
+        raise ValueError(f"bounded KV budget must be at least one token, got {budget!r}")
+    if tokens > max_model_len:
+        raise ValueError(f"bounded KV budget of {tokens} tokens is larger than the context "
+                         f"(max_model_len={max_model_len}): nothing would ever be dropped")
+    sinks = config.sink_tokens
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sink_tokens must be a non-negative integer, got {sinks!r}")
+    if tokens <= sinks:
+        raise ValueError(f"bounded KV budget of {tokens} tokens must be larger than its "
+                         f"{sinks} sink tokens, or no recent token could be kept")
+    return BoundedKV(config.policy, tokens, sinks)
+
+
+def needs_compaction(kv_len: int, prompt_done: bool, bound: BoundedKV, block_size: int) -> bool:
+    """Whether a sequence with `kv_len` tokens of KV is cut back to its budget now."""
+    return prompt_done and kv_len >= bound.budget + block_size
+
+
+def streaming_keep(kv_len: int, bound: BoundedKV) -> torch.Tensor:
+    """StreamingLLM's kept KV indices ([budget] int64, increasing): the sinks, then the most
+    recent budget - sinks."""
+    recent = bound.budget - bound.sink_tokens
+    return torch.cat([torch.arange(bound.sink_tokens), torch.arange(kv_len - recent, kv_len)])
