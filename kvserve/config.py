@@ -65,12 +65,15 @@ class EngineConfig:
                                   choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
     bounded_kv_policy: str | None = _arg(None, "LOSSY: keep a bounded KV cache per request "
-                                         "(full-attention models only); streaming_llm keeps "
-                                         "the first sink tokens and the most recent ones "
+                                         "(full-attention models only): streaming_llm keeps "
+                                         "the first sink tokens and the most recent ones; "
+                                         "snapkv selects per head after the prompt "
                                          "(kvserve/kv/bounded.py). Off by default")
     bounded_kv_budget: float | None = _arg(None, "tokens of KV a bounded request keeps: a whole "
                                            "number, or a fraction of max_model_len in (0, 1)")
     bounded_kv_sink_tokens: int = _arg(4, "attention-sink tokens a bounded cache always keeps")
+    bounded_kv_observation_window: int = _arg(32, "snapkv: the prompt's last queries whose "
+                                              "attention picks the kept tokens")
     # None = no tiers; from Python also a dict or a TierConfig.
     kv_tier_config: Any = _arg(None, "storage tiers under the KV pool (host memory, disk, "
                                "Redis): a YAML file with LMCache's keys (chunk_size, local_cpu, "

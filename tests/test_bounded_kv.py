@@ -258,3 +258,113 @@ def test_bounded_cache_refused_on_windowed_layers(tmp_path):
     path = save_random_checkpoint(cfg, tmp_path / "mistral")
     with pytest.raises(ValueError, match="sliding-window layers"):
         _llm(path, bounded_kv_policy="streaming_llm", bounded_kv_budget=64)
+
+
+# -- SnapKV -----------------------------------------------------------------------------------
+# Its heads keep different tokens, so the reference needs a mask per layer and KV head: an
+# attention function registered with transformers (its eager attention, with that mask) runs
+# inside transformers' own Qwen2 model. It also records the softmaxed weights of the prompt
+# forward, from which the test computes SnapKV's votes itself.
+WINDOW = 8
+_REF: dict = {"masks": None, "weights": {}}
+
+
+def _perhead_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                       **kwargs):
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+    n = query.shape[2]
+    masks = _REF["masks"]
+    if masks is None:
+        visible = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    else:
+        visible = masks[module.layer_idx].repeat_interleave(groups, dim=0)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.float32)
+    _REF["weights"][module.layer_idx] = weights[0]
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+
+
+@pytest.fixture(scope="module")
+def perhead_model(checkpoint):
+    transformers.AttentionInterface.register("kvserve_perhead_ref", _perhead_attention)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="kvserve_perhead_ref")
+
+
+def snapkv_reference_keep(model, prompt: list[int], budget: int, window: int
+                          ) -> list[list[list[int]]]:
+    """Per layer and KV head, the prompt positions SnapKV keeps (the rule in plain PyTorch on
+    transformers' attention weights of the prompt)."""
+    _REF["masks"], _REF["weights"] = None, {}
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    kept = []
+    hkv = model.config.num_key_value_heads
+    for layer in range(model.config.num_hidden_layers):
+        w = _REF["weights"][layer]  # [H, P, P]
+        votes = w[:, -window:, :].sum(1)  # [H, P]
+        votes = votes.view(hkv, -1, len(prompt)).sum(1)
+        pooled = torch.nn.functional.avg_pool1d(votes[:, None], 7, stride=1, padding=3,
+                                                count_include_pad=False)[:, 0]
+        prefix = len(prompt) - window
+        top = pooled[:, :prefix].topk(budget - window, dim=-1).indices
+        kept.append([sorted(top[h].tolist()) + list(range(prefix, len(prompt)))
+                     for h in range(hkv)])
+    return kept
+
+
+def snapkv_masks(model, prompt: list[int], total: int, budget: int, sinks: int, window: int,
+                 block_size: int) -> list[torch.Tensor]:
+    p = len(prompt)
+    layers, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    if p > budget:
+        kept = snapkv_reference_keep(model, prompt, budget, window)
+    else:
+        kept = [[list(range(p)) for _ in range(hkv)] for _ in range(layers)]
+    masks = [torch.zeros(hkv, total, total, dtype=torch.bool) for _ in range(layers)]
+    for m in masks:
+        m[:, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    for t in range(p, total):
+        for layer in range(layers):
+            for h in range(hkv):
+                row = kept[layer][h] + [t]
+                masks[layer][h, t, row] = True
+                kept[layer][h] = row
+                if len(row) >= budget + block_size:
+                    kept[layer][h] = row[:sinks] + row[len(row) - (budget - sinks):]
+    return masks
+
+
+@pytest.mark.parametrize("block_size,batched", [(8, None), (5, 16)])
+def test_snapkv_matches_per_head_reference(checkpoint, perhead_model, block_size, batched):
+    rng = random.Random(20 + block_size)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (20, 30, 45, 70)]
+    kwargs = {"block_size": block_size, "bounded_kv_policy": "snapkv",
+              "bounded_kv_budget": BUDGET, "bounded_kv_sink_tokens": SINKS,
+              "bounded_kv_observation_window": WINDOW}
+    if batched:
+        kwargs["max_num_batched_tokens"] = batched
+    llm = _llm(checkpoint, **kwargs)
+    differs = False
+    for p, gen, got in _run_with_logits(llm, prompts, GREEDY):
+        seq = p + gen
+        masks = snapkv_masks(perhead_model, p, len(seq) - 1, BUDGET, SINKS, WINDOW, block_size)
+        _REF["masks"] = masks
+        with torch.no_grad():
+            want = perhead_model(torch.tensor([seq[:-1]])).logits[0][len(p) - 1:]
+        _REF["masks"] = None
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4, (len(p), err)
+        assert gen == want.argmax(-1).tolist()
+        heads_differ = any(not torch.equal(m[0], m[1]) for m in masks)
+        differs |= heads_differ and len(p) > BUDGET
+    assert differs, "no prompt made the heads keep different tokens: this test could not fail"
+
+
+def test_snapkv_refused_without_torch_backend_weights(checkpoint):
+    with pytest.raises(ValueError, match="larger than SnapKV's observation window"):
+        _llm(checkpoint, bounded_kv_policy="snapkv", bounded_kv_budget=16,
+             bounded_kv_observation_window=16)

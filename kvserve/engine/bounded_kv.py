@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.bounded import needs_compaction, streaming_keep
+from kvserve.kv.bounded import add_votes, needs_compaction, snapkv_keep, streaming_keep
 from kvserve.kv.manager import KVCacheManager, kv_length
 from kvserve.request import Request
 
@@ -28,27 +28,30 @@ class KVMove:
     dst_table: list[int]
 
 
-def select_kept(request: Request, kv_len: int) -> torch.Tensor:
-    """The KV indices the request's policy keeps out of its `kv_len`."""
-    bound = request.bounded_kv
-    assert bound is not None
-    if bound.policy == "streaming_llm":
-        return streaming_keep(kv_len, bound)
-    raise AssertionError(f"unknown bounded KV policy {bound.policy!r}")  # resolve checked it
-
-
-def compact_bounded(requests: list[Request], kv: KVCacheManager) -> list[KVMove]:
-    """Compact every bounded request of the step that is due; returns the KV copies to make."""
+def compact_bounded(requests: list[Request], kv: KVCacheManager,
+                    observed: dict[str, list[torch.Tensor]]) -> list[KVMove]:
+    """Compact every bounded request of the step that is due; returns the KV copies to make.
+    `observed`: SnapKV votes the attention backend computed this step, by request id, one
+    [kv_heads, keys] tensor per layer (taken here, and added to the request's)."""
     moves = []
     for request in requests:
         bound = request.bounded_kv
+        votes = observed.pop(request.request_id, None)
         if bound is None or request.finished:
             continue
+        if votes is not None:
+            request.snapkv_votes = add_votes(request.snapkv_votes, votes)
         kv_len = kv_length(request)
         prompt_done = request.num_computed_tokens >= len(request.prompt_token_ids)
-        if not needs_compaction(kv_len, prompt_done, bound, kv.block_size):
+        snap = request.snapkv_votes is not None and prompt_done
+        if snap:
+            votes_now, request.snapkv_votes = request.snapkv_votes, None
+        if snap and kv_len > bound.budget:
+            keep = snapkv_keep(torch.stack(votes_now), bound)  # once, right after the prompt
+        elif needs_compaction(kv_len, prompt_done, bound, kv.block_size):
+            keep = streaming_keep(kv_len, bound)
+        else:
             continue
-        keep = select_kept(request, kv_len)
         tables = kv.reseat(request, kv.blocks_for_tokens(bound.budget))
         if tables is None:
             continue

@@ -104,7 +104,7 @@ class LLMEngine:
         if config.bounded_kv_policy is not None:
             self.bounded_kv = self._resolve_bounded_kv(BoundedKVConfig(
                 config.bounded_kv_policy, config.bounded_kv_budget,
-                config.bounded_kv_sink_tokens))
+                config.bounded_kv_sink_tokens, config.bounded_kv_observation_window))
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
                            self.bounded_kv.policy, self.bounded_kv.budget,
                            self.bounded_kv.sink_tokens)
@@ -313,7 +313,12 @@ class LLMEngine:
         if self.model_config.mla is not None:
             raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
                              "cache is compressed already)")
-        return resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
+        bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
+        if bound.policy == "snapkv" and not hasattr(self.backend, "observed"):
+            raise ValueError("bounded KV policy snapkv needs the attention weights of the "
+                             "prompt's last queries, which only the torch attention backend "
+                             f"computes (this engine runs {self.config.attention_backend})")
+        return bound
 
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
         """The most blocks a request can hold at once: all its tokens, or for a bounded cache
@@ -375,7 +380,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV is copied after the plan below (the plan may save blocks the move evicted).
-        moves = compact_bounded(batch.requests, self.kv)
+        moves = compact_bounded(batch.requests, self.kv, getattr(self.backend, "observed", {}))
         # Write-through: the chunks this forward completed are saved now, not a step later (an
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())

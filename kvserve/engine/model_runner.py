@@ -126,6 +126,14 @@ class ModelRunner:
             kv_start = start - request.num_dropped_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
             seq = SequenceSlice(flat_start, n, kv_start + n, table)
+            bound = request.bounded_kv
+            if bound is not None and bound.policy == "snapkv" and n > 1:
+                # SnapKV's observation window: the prompt's last positions in this chunk.
+                prompt_len = len(request.prompt_token_ids)
+                first = max(start, prompt_len - bound.observation_window)
+                if min(end, prompt_len) > first:
+                    seq.observe_start, seq.observe_len = first - start, min(end, prompt_len) - first
+                    seq.key = request.request_id
             (prefills if n > 1 else decodes).append(seq)
             if end == request.num_tokens and not request.prefill_only:
                 sample_rows.append(len(input_ids) - 1)

@@ -14,10 +14,21 @@ Policies (`POLICIES`):
 - ``streaming_llm`` (Xiao et al., "Efficient Streaming Language Models with Attention Sinks"):
   the first `sink_tokens` tokens plus the most recent ones; the same tokens in every layer and
   head.
+- ``snapkv`` (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation"): once,
+  right after the prompt, each layer and KV head keeps the prompt tokens its last
+  `observation_window` queries attended to most (attention weights summed over those queries and
+  over the query heads of the KV head, smoothed by an average pool of `SNAPKV_POOL` tokens), plus
+  the observation window itself. A layer's heads then hold different tokens in the same slot (the
+  pool is [block, slot, head, dim]; attention is per head, so nothing mixes). The scores come
+  from the prompt's last prefill chunk (the torch backend computes them for such sequences
+  only); a chunk shorter than the window observes the queries it has. Past the prompt the
+  sequence is bounded like ``streaming_llm`` over its slots (the first `sink_tokens` slots and the
+  most recent ones), since SnapKV itself selects only once.
 
 When compaction happens (`needs_compaction`): only once the whole prompt is computed (a prompt
 is always prefilled with full attention, chunked or not), and then whenever the KV length
-reaches `budget + block_size`; it is cut back to `budget`. So compaction runs once per block of
+reaches `budget + block_size`; it is cut back to `budget` (SnapKV: also right after a prompt
+longer than the budget). So compaction runs once per block of
 generated tokens, not per token, and the KV a step attends to never exceeds
 `budget + block_size` tokens.
 
@@ -33,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-POLICIES = ("streaming_llm",)
+POLICIES = ("streaming_llm", "snapkv")
+SNAPKV_POOL = 7  # SnapKV's pooling kernel: a kept token brings its neighbours' votes
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class BoundedKVConfig:
     policy: str
     budget: float
     sink_tokens: int = 4
+    observation_window: int = 32  # SnapKV: the prompt's last queries that vote
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,7 @@ class BoundedKV:
     policy: str
     budget: int
     sink_tokens: int
+    observation_window: int = 32
 
 
 def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
@@ -89,7 +103,14 @@ def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
     if tokens <= sinks:
         raise ValueError(f"bounded KV budget of {tokens} tokens must be larger than its "
                          f"{sinks} sink tokens, or no recent token could be kept")
-    return BoundedKV(config.policy, tokens, sinks)
+    window = config.observation_window
+    if config.policy == "snapkv":
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"observation_window must be a positive integer, got {window!r}")
+        if tokens <= window:
+            raise ValueError(f"bounded KV budget of {tokens} tokens must be larger than SnapKV's "
+                             f"observation window of {window} tokens (the window is always kept)")
+    return BoundedKV(config.policy, tokens, sinks, window)
 
 
 def needs_compaction(kv_len: int, prompt_done: bool, bound: BoundedKV, block_size: int) -> bool:
@@ -102,3 +123,42 @@ def streaming_keep(kv_len: int, bound: BoundedKV) -> torch.Tensor:
     recent budget - sinks."""
     recent = bound.budget - bound.sink_tokens
     return torch.cat([torch.arange(bound.sink_tokens), torch.arange(kv_len - recent, kv_len)])
+
+
+def snapkv_votes(attn: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """SnapKV's raw votes from one layer's attention weights of some observation queries
+    ([heads, queries, keys], softmaxed): summed over the queries and over the query heads that
+    share a KV head -> [num_kv_heads, keys]. Votes of the same window computed in several
+    chunks add up (padded with zeros to the longest)."""
+    heads, _, keys = attn.shape
+    return attn.float().sum(1).view(num_kv_heads, heads // num_kv_heads, keys).sum(1)
+
+
+def add_votes(total: list[torch.Tensor] | None, votes: list[torch.Tensor]
+              ) -> list[torch.Tensor]:
+    """Per layer, `total + votes`, the shorter padded with zeros (keys it did not see)."""
+    if total is None:
+        return votes
+    out = []
+    for a, b in zip(total, votes):
+        if a.shape[-1] < b.shape[-1]:
+            a, b = b, a
+        a = a.clone()
+        a[:, :b.shape[-1]] += b
+        out.append(a)
+    return out
+
+
+def snapkv_keep(votes: torch.Tensor, bound: BoundedKV) -> torch.Tensor:
+    """The kept KV indices per layer and head ([layers, kv_heads, budget], increasing) from
+    raw votes [layers, kv_heads, kv_len]: average-pooled along the keys (`SNAPKV_POOL`), the
+    top budget - window tokens before the observation window, then the window."""
+    layers, heads, kv_len = votes.shape
+    scores = torch.nn.functional.avg_pool1d(votes.reshape(layers * heads, 1, kv_len),
+                                            SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2,
+                                            count_include_pad=False).view(layers, heads, kv_len)
+    window = min(bound.observation_window, kv_len)
+    prefix = kv_len - window
+    top = scores[..., :prefix].topk(bound.budget - window, dim=-1, sorted=False).indices
+    recent = torch.arange(prefix, kv_len).expand(layers, heads, window)
+    return torch.cat([top.sort(-1).values, recent], dim=-1)

@@ -91,9 +91,9 @@ class KVTensorPool:
                        ) -> None:
         """Copy the kept tokens of a sequence, every layer, from its blocks `src_table` into
         the first `keep.shape[-1]` slots of `dst_table` (a bounded cache's compaction,
-        kvserve.kv.bounded). `keep` holds token indices into the source sequence: [n], the same
-        tokens for every head, or [heads, n], each KV head its own (head h's slot j then holds
-        a different token than head h' 's: attention per head never mixes them). The two tables
+        kvserve.kv.bounded). `keep` holds token indices into the source sequence: [n], the same tokens for every head;
+        [heads, n], each KV head its own (head h's slot j then holds a different token than
+        head h' 's: attention per head never mixes them); or [layers, heads, n]. The two tables
         must not share a block."""
         bs = self.block_size
         src = torch.tensor(src_table, dtype=torch.long)
@@ -102,10 +102,11 @@ class KVTensorPool:
         j = torch.arange(n)
         dst_slots = (dst[j // bs] * bs + j % bs).to(self.device)
         keep = keep.long()
-        for tensors in self.layers:
+        for layer, tensors in enumerate(self.layers):
             for t in tensors:
                 heads = t.shape[2]
-                idx = keep.expand(heads, n) if keep.dim() == 1 else keep
+                idx = keep.expand(heads, n) if keep.dim() == 1 else \
+                    keep if keep.dim() == 2 else keep[layer]
                 src_slots = (src[idx // bs] * bs + idx % bs).to(self.device)  # [heads, n]
                 flat = t.view(-1, heads, t.shape[3])
                 rows = flat[src_slots, torch.arange(heads, device=self.device)[:, None]]

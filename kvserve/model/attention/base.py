@@ -29,6 +29,12 @@ class SequenceSlice:
     query_len: int
     seq_len: int  # KV length after this step: cached context + query_len
     block_table: list[int]
+    # SnapKV (kvserve.kv.bounded): the rows [observe_start, observe_start + observe_len) of this
+    # slice are observation queries: the backend keeps their summed attention weights under
+    # `key` (the request id). observe_len 0 for every other sequence.
+    observe_start: int = 0
+    observe_len: int = 0
+    key: str | None = None
 
 
 @dataclass

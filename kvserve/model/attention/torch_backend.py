@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                           first_visible)
@@ -59,9 +60,13 @@ class TorchAttentionBackend(AttentionBackend):
         self._head_dim = k0.shape[3]
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
+        # SnapKV votes of the sequences that asked (SequenceSlice.observe): request id -> one
+        # [kv_heads, seq_len] tensor per layer, taken by the engine after the step.
+        self.observed: dict[str, list[torch.Tensor]] = {}
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
+        self.observed = {}  # nothing a failed step left behind
         return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)})
 
     def _prepare_window(self, meta: AttentionMetadata, window: int | None) -> _WindowState:
@@ -114,6 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         for plan in state.prefills:
             rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan)
+            if plan.seq.observe_len:
+                self._observe(layer_idx, q[rows], k_cache, v_cache, plan.seq)
         if state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
@@ -135,6 +142,28 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, scale=self.scale,
                                                enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
+
+    def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, seq: SequenceSlice) -> None:
+        """SnapKV's raw votes for one layer: the softmaxed attention weights of the slice's
+        observation queries over every key of the sequence (causal), summed over those queries
+        and over the query heads of each KV head -> [kv_heads, seq_len] (`snapkv_votes`).
+        Computed apart from the attention itself (SDPA does not return weights), for these
+        sequences only; a window cut by chunked prefill sums to the same votes over its
+        chunks."""
+        n = seq.observe_len
+        first = seq.seq_len - seq.query_len + seq.observe_start  # KV index of the first query
+        hkv, d = self._num_kv_heads, self._head_dim
+        blocks = torch.tensor(seq.block_table[:_ceil_div(seq.seq_len, self.block_size)],
+                              dtype=torch.long)
+        keys = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq.seq_len].float()
+        qo = q[seq.observe_start:seq.observe_start + n].float()  # [n, H, D]
+        keys = keys.repeat_interleave(qo.shape[1] // hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qo, keys) * self.scale
+        q_pos = torch.arange(first, first + n)[:, None]
+        scores.masked_fill_(torch.arange(seq.seq_len)[None, :] > q_pos, float("-inf"))
+        self.observed.setdefault(seq.key, []).append(
+            snapkv_votes(scores.softmax(-1), hkv))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 state: _WindowState) -> torch.Tensor:
