@@ -368,3 +368,79 @@ def test_snapkv_refused_without_torch_backend_weights(checkpoint):
     with pytest.raises(ValueError, match="larger than SnapKV's observation window"):
         _llm(checkpoint, bounded_kv_policy="snapkv", bounded_kv_budget=16,
              bounded_kv_observation_window=16)
+
+
+# -- H2O --------------------------------------------------------------------------------------
+def h2o_reference(model, prompt: list[int], seq: list[int], budget: int, block_size: int
+                  ) -> torch.Tensor:
+    """Logits of transformers' model over `seq` when every layer and KV head keeps what H2O
+    keeps, computed token by token: each forward's attention weights (of the reference's own
+    softmax) accumulate per key, and the mask of the next token follows from them."""
+    p, total = len(prompt), len(seq)
+    layers, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    heavy, recent = budget // 2, budget - budget // 2
+    masks = [torch.zeros(hkv, total, total, dtype=torch.bool) for _ in range(layers)]
+    for m in masks:
+        m[:, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    kept = [[list(range(p)) for _ in range(hkv)] for _ in range(layers)]
+    acc = [[dict.fromkeys(range(p), 0.0) for _ in range(hkv)] for _ in range(layers)]
+
+    def forward(n: int) -> torch.Tensor:
+        _REF["masks"] = [m[:, :n, :n] for m in masks]
+        with torch.no_grad():
+            logits = model(torch.tensor([seq[:n]])).logits[0]
+        _REF["masks"] = None
+        return logits
+
+    def accumulate(rows: range) -> None:
+        for layer in range(layers):
+            w = _REF["weights"][layer]  # [H, n, n]
+            votes = w[:, rows, :].sum(1).view(hkv, -1, w.shape[-1]).sum(1)
+            for h in range(hkv):
+                for key in kept[layer][h]:
+                    acc[layer][h][key] += votes[h, key].item()
+
+    def cut() -> None:
+        for layer in range(layers):
+            for h in range(hkv):
+                row = kept[layer][h]
+                if len(row) < budget + block_size:
+                    continue
+                old = row[:len(row) - recent]
+                scores = torch.tensor([acc[layer][h][k] for k in old])
+                top = sorted(old[i] for i in scores.topk(heavy).indices.tolist())
+                kept[layer][h] = top + row[len(row) - recent:]
+
+    logits = forward(p)
+    accumulate(range(p))
+    cut()
+    for t in range(p, total):
+        for layer in range(layers):
+            for h in range(hkv):
+                kept[layer][h] = kept[layer][h] + [t]
+                acc[layer][h][t] = 0.0
+                masks[layer][h, t, kept[layer][h]] = True
+        logits = forward(t + 1)
+        accumulate(range(t, t + 1))
+        cut()
+    return logits
+
+
+@pytest.mark.parametrize("block_size,batched", [(8, None), (5, 16)])
+def test_h2o_matches_per_head_reference(checkpoint, perhead_model, block_size, batched):
+    rng = random.Random(40 + block_size)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (12, 45)]
+    kwargs = {"block_size": block_size, "bounded_kv_policy": "h2o",
+              "bounded_kv_budget": BUDGET}
+    if batched:
+        kwargs["max_num_batched_tokens"] = batched
+    llm = _llm(checkpoint, **kwargs)
+    for p, gen, got in _run_with_logits(llm, prompts, GREEDY):
+        seq = p + gen
+        want = h2o_reference(perhead_model, p, seq[:-1], BUDGET, block_size)[len(p) - 1:]
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4, (len(p), err)
+        assert gen == want.argmax(-1).tolist()
+        full = masked_logits(perhead_model, seq[:-1],
+                             [list(range(t + 1)) for t in range(len(seq) - 1)])[len(p) - 1:]
+        assert (full - want).abs().max().item() > 1e-3, "H2O changed nothing: cannot fail"

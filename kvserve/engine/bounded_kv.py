@@ -5,7 +5,8 @@ budget plus a block is cut back to its budget: the policy picks the kept tokens,
 moves the request onto fresh blocks (`KVCacheManager.reseat`), and the engine copies the kept
 tokens' KV there (`KVTensorPool.compact_tokens`) once the step plan has run. A pool too full for
 the fresh blocks skips the compaction this step (the request simply holds a little more KV and
-tries again next step).
+tries again next step; SnapKV's one selection is then lost, and the request is bounded like
+StreamingLLM from there).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.bounded import add_votes, needs_compaction, snapkv_keep, streaming_keep
+from kvserve.kv.bounded import (add_votes, h2o_keep, needs_compaction, snapkv_keep,
+                                streaming_keep)
 from kvserve.kv.manager import KVCacheManager, kv_length
 from kvserve.request import Request
 
@@ -31,7 +33,7 @@ class KVMove:
 def compact_bounded(requests: list[Request], kv: KVCacheManager,
                     observed: dict[str, list[torch.Tensor]]) -> list[KVMove]:
     """Compact every bounded request of the step that is due; returns the KV copies to make.
-    `observed`: SnapKV votes the attention backend computed this step, by request id, one
+    `observed`: attention votes (SnapKV, H2O) the backend computed this step, by request id, one
     [kv_heads, keys] tensor per layer (taken here, and added to the request's)."""
     moves = []
     for request in requests:
@@ -40,15 +42,18 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
         if bound is None or request.finished:
             continue
         if votes is not None:
-            request.snapkv_votes = add_votes(request.snapkv_votes, votes)
+            request.kv_votes = add_votes(request.kv_votes, votes)
         kv_len = kv_length(request)
         prompt_done = request.num_computed_tokens >= len(request.prompt_token_ids)
-        snap = request.snapkv_votes is not None and prompt_done
+        due = needs_compaction(kv_len, prompt_done, bound, kv.block_size)
+        snap = bound.policy == "snapkv" and request.kv_votes is not None and prompt_done
         if snap:
-            votes_now, request.snapkv_votes = request.snapkv_votes, None
+            votes_now, request.kv_votes = request.kv_votes, None
         if snap and kv_len > bound.budget:
             keep = snapkv_keep(torch.stack(votes_now), bound)  # once, right after the prompt
-        elif needs_compaction(kv_len, prompt_done, bound, kv.block_size):
+        elif bound.policy == "h2o" and due:
+            keep = h2o_keep(torch.stack(request.kv_votes), bound)
+        elif due:
             keep = streaming_keep(kv_len, bound)
         else:
             continue
@@ -56,5 +61,7 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
         if tables is None:
             continue
         request.num_dropped_tokens += kv_len - bound.budget
+        if bound.policy == "h2o":  # the kept tokens' accumulated weights move with them
+            request.kv_votes = list(torch.stack(request.kv_votes).gather(-1, keep))
         moves.append(KVMove(tables[0], keep, tables[1]))
     return moves

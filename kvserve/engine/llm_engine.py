@@ -25,7 +25,8 @@ from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.kv.bounded import BoundedKV, BoundedKVConfig, resolve_bounded_kv
+from kvserve.kv.bounded import (ATTENTION_POLICIES, BoundedKV, BoundedKVConfig,
+                                resolve_bounded_kv)
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
@@ -314,10 +315,10 @@ class LLMEngine:
             raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
                              "cache is compressed already)")
         bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
-        if bound.policy == "snapkv" and not hasattr(self.backend, "observed"):
-            raise ValueError("bounded KV policy snapkv needs the attention weights of the "
-                             "prompt's last queries, which only the torch attention backend "
-                             f"computes (this engine runs {self.config.attention_backend})")
+        if bound.policy in ATTENTION_POLICIES and not hasattr(self.backend, "observed"):
+            raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
+                             "which only the torch attention backend computes (this engine "
+                             f"runs {self.config.attention_backend})")
         return bound
 
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:

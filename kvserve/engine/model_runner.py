@@ -127,7 +127,9 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
             seq = SequenceSlice(flat_start, n, kv_start + n, table)
             bound = request.bounded_kv
-            if bound is not None and bound.policy == "snapkv" and n > 1:
+            if bound is not None and bound.policy == "h2o":  # every query votes
+                seq.observe_start, seq.observe_len, seq.key = 0, n, request.request_id
+            elif bound is not None and bound.policy == "snapkv" and n > 1:
                 # SnapKV's observation window: the prompt's last positions in this chunk.
                 prompt_len = len(request.prompt_token_ids)
                 first = max(start, prompt_len - bound.observation_window)

@@ -161,7 +161,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_dropped_tokens = 0  # recomputed in full, then bounded again
-        request.snapkv_votes = None
+        request.kv_votes = None
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

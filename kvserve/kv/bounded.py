@@ -24,6 +24,11 @@ Policies (`POLICIES`):
   only); a chunk shorter than the window observes the queries it has. Past the prompt the
   sequence is bounded like ``streaming_llm`` over its slots (the first `sink_tokens` slots and the
   most recent ones), since SnapKV itself selects only once.
+- ``h2o`` (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference"): each
+  layer and KV head accumulates, per kept token, the attention weights every query gave it
+  (prompt and generated tokens; summed over the query heads of the KV head), and keeps the
+  `budget // 2` heaviest of its older tokens plus the most recent `budget - budget // 2`. The
+  accumulated weights of the kept tokens move with them.
 
 When compaction happens (`needs_compaction`): only once the whole prompt is computed (a prompt
 is always prefilled with full attention, chunked or not), and then whenever the KV length
@@ -44,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-POLICIES = ("streaming_llm", "snapkv")
+POLICIES = ("streaming_llm", "snapkv", "h2o")
+ATTENTION_POLICIES = ("snapkv", "h2o")  # select by attention weights: the torch backend only
 SNAPKV_POOL = 7  # SnapKV's pooling kernel: a kept token brings its neighbours' votes
 
 
@@ -147,6 +153,18 @@ def add_votes(total: list[torch.Tensor] | None, votes: list[torch.Tensor]
         a[:, :b.shape[-1]] += b
         out.append(a)
     return out
+
+
+def h2o_keep(scores: torch.Tensor, bound: BoundedKV) -> torch.Tensor:
+    """H2O's kept KV indices per layer and head ([layers, kv_heads, budget], increasing) from
+    accumulated attention [layers, kv_heads, kv_len]: the heaviest budget // 2 older tokens,
+    then the most recent budget - budget // 2."""
+    layers, heads, kv_len = scores.shape
+    heavy = bound.budget // 2
+    recent = bound.budget - heavy
+    top = scores[..., :kv_len - recent].topk(heavy, dim=-1, sorted=False).indices
+    tail = torch.arange(kv_len - recent, kv_len).expand(layers, heads, recent)
+    return torch.cat([top.sort(-1).values, tail], dim=-1)
 
 
 def snapkv_keep(votes: torch.Tensor, bound: BoundedKV) -> torch.Tensor:

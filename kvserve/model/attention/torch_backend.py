@@ -124,6 +124,9 @@ class TorchAttentionBackend(AttentionBackend):
         if state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
+            for j, seq in enumerate(meta.decodes):
+                if seq.observe_len:  # H2O: this decode's attention weights
+                    self._observe(layer_idx, q[start + j:start + j + 1], k_cache, v_cache, seq)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
