@@ -426,7 +426,8 @@ def h2o_reference(model, prompt: list[int], seq: list[int], budget: int, block_s
     return logits
 
 
-@pytest.mark.parametrize("block_size,batched", [(8, None), (5, 16)])
+# One scenario (odd blocks, chunked prefill): the token-by-token reference is the slow part.
+@pytest.mark.parametrize("block_size,batched", [(5, 16)])
 def test_h2o_matches_per_head_reference(checkpoint, perhead_model, block_size, batched):
     rng = random.Random(40 + block_size)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (12, 45)]
