@@ -131,6 +131,12 @@ class KVCacheManager:
         room for `num_tokens`: the window's blocks and the new ones."""
         return self.blocks_for_tokens(num_tokens) - self.first_held_block(num_computed)
 
+    def hit_start(self, match: PrefixMatch) -> int:
+        """The first block of a hit that admission holds: the window's at the hit point, but
+        never past the last matched block (new blocks are published under its node, so it must
+        stay in the index)."""
+        return min(self.first_held_block(match.num_tokens), max(len(match.nodes) - 1, 0))
+
     def final_blocks(self, total_tokens: int) -> int:
         """Blocks a sequence holds when it computes its last token: its window and the block
         being filled (every block without a window)."""
@@ -208,7 +214,7 @@ class KVCacheManager:
         locked until the plan that copies it is handed out) and, if given, `total_tokens` once
         the copy is done."""
         pool = self.pool
-        first = min(self.first_held_block(match.num_tokens), len(match.nodes))
+        first = self.hit_start(match)
         kept = match.blocks[first:]  # a windowed hit drops the blocks before its window
         taken = sum(1 for b in kept if pool.ref_counts[b] == 0)  # stop being evictable
         source = int(match.partial is not None and pool.ref_counts[match.partial.block] == 0)
@@ -239,7 +245,7 @@ class KVCacheManager:
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
             return None
-        first = min(self.first_held_block(match.num_tokens), len(match.nodes))
+        first = self.hit_start(match)
         self.pool.share(match.blocks[first:])
         table = [NULL_BLOCK] * first + match.blocks[first:]
         node = match.last_node or self.index.root(extra_keys(seq.cache_salt))
@@ -305,7 +311,11 @@ class KVCacheManager:
         (a preempted sequence recomputes from the start). Published ones stay cached, idle."""
         table = self.block_tables.get(seq.request_id)
         end = self.first_held_block(seq.num_computed_tokens)
-        if not table or end == 0:
+        cursor = self._cursors.get(seq.request_id)
+        if cursor is not None and cursor.num_blocks:
+            # Keep the last published block: the next ones are published under its node.
+            end = min(end, cursor.num_blocks - 1)
+        if not table or end <= 0:
             return
         gone = [b for b in table[:end] if b != NULL_BLOCK]
         if gone:
