@@ -37,7 +37,7 @@ from bench_window import cpu_line  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
 from kvserve.model.make_model import make_model  # noqa: E402
-from kvserve.planner.memory import kv_cache_spec  # noqa: E402
+from kvserve.planner.memory import kv_cache_spec, make_plan  # noqa: E402
 from kvserve.planner.model import ModelSpec  # noqa: E402
 
 BLOCK = 16
@@ -118,8 +118,9 @@ def run_workload(path: Path, keep_all: bool, args) -> dict:
 
 def table_b(path: Path, args) -> None:
     res = {keep: run_workload(path, keep, args) for keep in (True, False)}
-    spec = kv_cache_spec(ModelSpec.load(str(path)), "fp32", block_size=BLOCK)
-    planner_x = res[False]["blocks"] * spec.bytes_per_block / spec.bytes_per_request(args.length)
+    plan = make_plan(ModelSpec.load(str(path)), kv_dtype="fp32", context_len=args.length,
+                     block_size=BLOCK, num_gpu_blocks=res[False]["blocks"])
+    planner_x = plan["capacity"]["max_concurrency"]
     print(f"\nB. {args.requests} requests of {args.length - args.output:,} + {args.output} tokens, "
           f"pool {res[False]['blocks']:,} blocks = {args.pool_requests} full-length requests, "
           f"Mistral-style window {args.window}")

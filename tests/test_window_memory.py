@@ -23,6 +23,8 @@ from helpers import generate_checked, hf_greedy, kv_bytes_per_token, save_random
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.block_pool import NULL_BLOCK
+from kvserve.planner.memory import make_plan
+from kvserve.planner.model import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -168,3 +170,27 @@ def test_tiers_keep_every_block(mistral, tmp_path):
     llm = _llm(mistral, block_size=8,
                kv_tier_config={"chunk_size": 16, "local_cpu": True, "max_local_cpu_size": 0.01})
     assert llm.engine.kv.window is None
+
+
+def _concurrency(llm: LLM, path) -> tuple[float, float]:
+    """(the engine's start-up figure, `kvserve plan`'s for the same pool and context)."""
+    kv, cfg = llm.engine.kv, llm.engine.config
+    plan = make_plan(ModelSpec.load(str(path)), kv_dtype="fp32", context_len=cfg.max_model_len,
+                     block_size=cfg.block_size, num_gpu_blocks=kv.num_blocks)
+    return kv.num_blocks / kv.final_blocks(cfg.max_model_len), plan["capacity"]["max_concurrency"]
+
+
+def test_startup_line_agrees_with_the_planner(mistral, qwen2_hybrid, capfd):
+    """Mistral-style: the engine's figure is the planner's (the window is whole blocks here);
+    a hybrid's engine figure stays at full length, below the planner's (not built)."""
+    capfd.readouterr()
+    llm = _llm(mistral, block_size=8, num_blocks=100)
+    engine_x, plan_x = _concurrency(llm, mistral)
+    assert engine_x == pytest.approx(plan_x) == pytest.approx(100 / (WINDOW // 8))
+    assert f"per request: {plan_x:.2f}x" in capfd.readouterr().err  # the start-up line
+    keep = _llm(mistral, block_size=8, num_blocks=100, disable_hybrid_kv_cache_manager=True)
+    assert _concurrency(keep, mistral)[0] == pytest.approx(100 / (512 // 8))
+    hybrid_x, hybrid_plan_x = _concurrency(_llm(qwen2_hybrid, block_size=8, num_blocks=100),
+                                           qwen2_hybrid)
+    assert hybrid_x == pytest.approx(100 / (512 // 8))
+    assert hybrid_x < hybrid_plan_x
