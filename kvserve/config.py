@@ -64,6 +64,9 @@ class EngineConfig:
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
                                   choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "keep every KV block of a sliding-window layer for the request's life instead "
+        "of releasing the blocks outside the window (vLLM's name)")
     # None = no tiers; from Python also a dict or a TierConfig.
     kv_tier_config: Any = _arg(None, "storage tiers under the KV pool (host memory, disk, "
                                "Redis): a YAML file with LMCache's keys (chunk_size, local_cpu, "

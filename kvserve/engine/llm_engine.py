@@ -87,7 +87,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
-                                 kv_events_capacity=KV_EVENTS_CAPACITY)
+                                 kv_events_capacity=KV_EVENTS_CAPACITY,
+                                 window=self._release_window())
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
@@ -108,7 +109,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._next_id = 0
-        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
+        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
+                                  self.kv.final_blocks(config.max_model_len)))
         mla = self.model_config.mla
         if mla is not None:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
@@ -116,6 +118,17 @@ class LLMEngine:
                                         mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
+    def _release_window(self) -> int | None:
+        """The window outside which the manager releases blocks: a model whose every layer is
+        windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
+        window = self.kv_spec.release_window
+        if window is None or self.config.disable_hybrid_kv_cache_manager:
+            return None
+        if self.tiers is not None:
+            logger.warning("storage tiers are on: blocks outside the sliding window are kept")
+            return None
+        return window
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
@@ -210,7 +223,7 @@ class LLMEngine:
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
+        blocks = self.kv.peak_blocks(len(token_ids), len(token_ids) + max_tokens)
         if blocks > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {blocks} KV blocks ({len(token_ids)} prompt + {max_tokens} "
