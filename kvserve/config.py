@@ -64,6 +64,9 @@ class EngineConfig:
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
                                   choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "keep every KV block of a sliding-window layer for the request's life instead "
+        "of releasing the blocks outside the window (vLLM's name)")
     bounded_kv_policy: str | None = _arg(None, "LOSSY: keep a bounded KV cache per request "
                                          "(full-attention models only): streaming_llm keeps "
                                          "the first sink tokens and the most recent ones; "

@@ -12,6 +12,11 @@ over a tiny alphabet so that prefixes collide often. Next to the manager it keep
   prefix-cache hit that served wrong or overwritten KV, a copy-on-write that copied the wrong
   block, or a block reused while still held shows up as a wrong slot.
 
+With a sliding window (issue 15 part 3; the machine draws one, or none), the manager releases
+every block wholly before a request's window: the model then checks only the positions a request
+can still read, that they sit in blocks it holds, that an idle interior block of the index can be
+evicted (it turns hollow) and that a hit never serves a hollow block a query could read.
+
 Then unit tests for the eviction policies (lru / lfu / priority), leaf-first eviction, and the
 cost of eviction with many idle leaves.
 """
@@ -27,7 +32,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 import kvserve.kv.prefix_index as prefix_index_module
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.hashing import chain_hashes
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_index import PrefixIndex
@@ -64,15 +69,25 @@ def _tree_nodes(index: PrefixIndex):
 def check_index_evictable(kv: KVCacheManager) -> None:
     """What the pool counts as available must really be obtainable: every idle cached block can
     be evicted, leaves first. So a held node's parent is held (or a root), and every idle leaf
-    has a live heap entry."""
+    has a live heap entry. With a window, any idle node has one (it turns hollow when evicted
+    with children), and a hollow node always leads to another node."""
     index = kv.index
     if not index.enabled:
         return
     refs = kv.pool.ref_counts
-    live_entries = {(id(node), version) for _, version, node in index._heap}
+    live_entries = {(id(node), version) for *_, version, node in index._heap}
     idle = 0
     for node in _tree_nodes(index):
         parent = node.parent
+        if node.block == NULL_BLOCK:
+            assert index.window is not None and node.children, "a stray hollow node"
+            continue
+        if index.window is not None:
+            if refs[node.block] == 0:
+                idle += 1
+                assert (id(node), node.version) in live_entries, \
+                    f"idle block {node.block} has no heap entry: it can never be evicted"
+            continue
         if refs[node.block] > 0 and parent is not None and parent.block >= 0:
             assert refs[parent.block] > 0, (
                 f"block {parent.block} is idle (counted as available) but has a held child "
@@ -87,9 +102,10 @@ def check_index_evictable(kv: KVCacheManager) -> None:
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 3, 4]),
-                policy=st.sampled_from(["lru", "lfu", "priority"]))
-    def setup(self, num_blocks, block_size, policy):
-        self.kv = KVCacheManager(num_blocks, block_size, True, policy)
+                policy=st.sampled_from(["lru", "lfu", "priority"]),
+                window=st.sampled_from([None, None, 1, 2, 3, 5, 8]))
+    def setup(self, num_blocks, block_size, policy, window):
+        self.kv = KVCacheManager(num_blocks, block_size, True, policy, window=window)
         self.bs = block_size
         self.live: dict[str, Request] = {}
         self.preempted: list[Request] = []
@@ -102,7 +118,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # -- helpers ----------------------------------------------------------------------------
     def _held_by_others(self, rid: str) -> set[int]:
-        return {b for r, t in self.tables.items() if r != rid for b in t}
+        return {b for r, t in self.tables.items() if r != rid for b in t if b != NULL_BLOCK}
+
+    def _readable(self, req: Request) -> range:
+        """The computed positions a request can still read: from its window's first block."""
+        first = self.kv.first_held_block(req.num_computed_tokens) * self.bs
+        return range(first, req.num_computed_tokens)
 
     def _slot(self, req: Request, pos: int) -> tuple[int, int]:
         table = self.kv.block_tables[req.request_id]
@@ -164,7 +185,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert len(match.nodes) * self.bs + match.partial_len == match.num_tokens
         # The match serves exactly this request's prefix: matched blocks and the partial
         # source hold its own KV, in its own salt namespace.
-        for pos in range(match.num_tokens):
+        first = kv.hit_start(match)
+        for pos in range(first * self.bs, match.num_tokens):
             i, off = divmod(pos, self.bs)
             block = match.nodes[i].block if i < len(match.nodes) else match.partial.block
             assert self.slots.get((block, off)) == _identity(req.cache_salt, req.token_ids, pos), \
@@ -187,10 +209,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert admission.num_computed_tokens == match.num_tokens
         req.num_computed_tokens = admission.num_computed_tokens  # the scheduler's part
         table = kv.block_tables[req.request_id]
-        assert table[: len(match.nodes)] == match.blocks
+        assert table[first: len(match.nodes)] == match.blocks[first:]
+        assert table[:first] == [NULL_BLOCK] * first, "a hit holds blocks before its window"
         fresh = table[len(match.nodes):]
         assert not set(fresh) & others, "a block held by a live request was handed out again"
-        assert len(set(table)) == len(table)
+        held = [b for b in table if b != NULL_BLOCK]
+        assert len(set(held)) == len(held)
         plan = kv.end_step()  # the runner executes the plan before the forward pass
         assert not plan.saves and not plan.loads, "no tiers: nothing to save or load"
         self._copy([s for s, _ in plan.copies], [d for _, d in plan.copies])
@@ -229,13 +253,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             n = data.draw(st.integers(1, req.num_uncomputed_tokens))
             others = self._held_by_others(rid)
             before = list(self.kv.block_tables[rid])
-            if not self.kv.allocate_slots(req, n):
-                assert self.kv.block_tables[rid] == before
+            first = self.kv.first_held_block(req.num_computed_tokens)
+            ok = self.kv.allocate_slots(req, n)
+            table = self.kv.block_tables[rid]
+            # Only blocks wholly before the window are released (room or not).
+            assert all(b in (NULL_BLOCK, old) for b, old in zip(table[:first], before))
+            assert table[first:len(before)] == before[first:]
+            self.tables[rid] = list(table)
+            if not ok:
+                assert len(table) == len(before)
                 missing = self.kv.blocks_for_tokens(req.num_computed_tokens + n) - len(before)
                 assert missing > self.kv.pool.num_available
                 return
-            table = self.kv.block_tables[rid]
-            assert table[: len(before)] == before
             assert not set(table[len(before):]) & others, "a held block was allocated again"
             self._compute(req, n)
 
@@ -258,16 +287,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(n=st.one_of(st.integers(0, 3), st.integers(0, 50)))
     def evict(self, n):
         index = self.kv.index
-        nodes = list(_tree_nodes(index))
-        children = {id(node): list(node.children.values()) for node in nodes}
+        nodes = [(node, node.block) for node in _tree_nodes(index)]
+        children = {id(node): list(node.children.values()) for node, _ in nodes}
         idle = self.kv.pool.num_cached_idle
         done = len(index.evict(n))
         assert done <= min(n, idle)
         remaining = {id(node) for node in _tree_nodes(index)}
-        evicted = [node for node in nodes if id(node) not in remaining]
+        evicted = [(node, block) for node, block in nodes if block != NULL_BLOCK
+                   and (id(node) not in remaining or node.block == NULL_BLOCK)]
         assert len(evicted) == done
-        for node in evicted:
-            assert self.kv.pool.ref_counts[node.block] == 0, "a locked block was evicted"
+        for node, block in evicted:
+            assert self.kv.pool.ref_counts[block] == 0, "a locked block was evicted"
+            if id(node) in remaining:  # hollowed: only a windowed index keeps such nodes
+                assert index.window is not None and node.children
+                continue
             assert all(id(c) not in remaining for c in children[id(node)]), \
                 "a parent was evicted before its child"
         if done < n:  # asked for more than it gave: nothing idle may be left
@@ -280,7 +313,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         n = data.draw(st.one_of(st.just(pool.num_available), st.integers(0, pool.num_free + 2)))
         n = min(n, pool.num_available)
-        held = {b for t in self.tables.values() for b in t}
+        held = {b for t in self.tables.values() for b in t if b != NULL_BLOCK}
         blocks = self.kv.allocate_blocks(n)
         assert len(set(blocks)) == n
         assert not set(blocks) & held, "a block held by a live request was handed out"
@@ -311,9 +344,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         check_index_evictable(kv)
         assert kv.pool.num_free + kv.pool.num_cached_idle + sum(
             1 for c in kv.pool.ref_counts if c > 0) == kv.num_blocks
-        # Every live request still finds its own KV at every computed position.
+        # Every live request still finds its own KV at every position it can read.
         for req in self.live.values():
-            for pos in range(req.num_computed_tokens):
+            for pos in self._readable(req):
                 assert self.slots.get(self._slot(req, pos)) == \
                     _identity(req.cache_salt, req.token_ids, pos), \
                     f"request {req.request_id} lost its KV at position {pos}"

@@ -136,7 +136,7 @@ class CUDAGraphRunner:
         host[3, n:] = 1
         used = [-(-s.seq_len // bsz) for s in meta.decodes]
         width = max(used)
-        tables = torch.tensor([s.block_table[:u] + [0] * (width - u)
+        tables = torch.tensor([[max(b, 0) for b in s.block_table[:u]] + [0] * (width - u)
                                for s, u in zip(meta.decodes, used)], dtype=torch.int32)
         self._inputs[:, :bs].copy_(host, non_blocking=True)
         self._tables[:n, :width].copy_(tables, non_blocking=True)

@@ -90,7 +90,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
-                                 kv_events_capacity=KV_EVENTS_CAPACITY)
+                                 kv_events_capacity=KV_EVENTS_CAPACITY,
+                                 window=self._release_window())
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
@@ -121,7 +122,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._next_id = 0
-        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
+        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
+                                  self.kv.final_blocks(config.max_model_len)))
         mla = self.model_config.mla
         if mla is not None:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
@@ -129,6 +131,17 @@ class LLMEngine:
                                         mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
+    def _release_window(self) -> int | None:
+        """The window outside which the manager releases blocks: a model whose every layer is
+        windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
+        window = self.kv_spec.release_window
+        if window is None or self.config.disable_hybrid_kv_cache_manager:
+            return None
+        if self.tiers is not None:
+            logger.warning("storage tiers are on: blocks outside the sliding window are kept")
+            return None
+        return window
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
@@ -322,11 +335,12 @@ class LLMEngine:
         return bound
 
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
-        """The most blocks a request can hold at once: all its tokens, or for a bounded cache
-        its prompt, or budget + one block plus the budget's fresh blocks while it compacts."""
+        """The most blocks a request can hold at once: what the manager counts (all its tokens,
+        or its window's), or for a bounded cache its prompt, or budget + one block plus the
+        budget's fresh blocks while it compacts."""
         total = prompt_len + max_tokens
         if bound is None:
-            return self.kv.blocks_for_tokens(total)
+            return self.kv.peak_blocks(prompt_len, total)
         grown = min(total, max(prompt_len, bound.budget + self.config.block_size))
         compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
         return self.kv.blocks_for_tokens(grown) + compacting

@@ -14,6 +14,12 @@ from collections import deque
 from collections.abc import Iterable
 
 
+# A block table's entry for a position range whose KV the sequence no longer holds: a windowed
+# layer's blocks wholly before its window are released (vLLM's null block). Attention never reads
+# such an entry (a query at q reads no key before q - window + 1).
+NULL_BLOCK = -1
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more free blocks than there are; callers check first."""
 

@@ -11,6 +11,14 @@ hands to the runner, which executes it before the forward (kv/plan.py says in wh
 
 It writes no request fields either: it reads a sequence through `CachedSeq` and tells its owner
 (the scheduler, or the simulator) what admission gave it.
+
+Memory that follows the window: when every layer has a sliding window (`window`, the largest
+one; a Mistral-style model), a sequence that has computed c tokens reads no key before
+c - window + 1, so the blocks wholly before that are released (their table entries become
+NULL_BLOCK; a published one stays in the prefix index, idle, until evicted), admission counts
+only the blocks a sequence holds at once, and a prefix hit needs only the blocks inside the
+window at the hit point. A hybrid model (some full-attention layers) keeps every block: that
+needs one table per layer group, which is not built yet.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import chain_hashes, extra_keys
@@ -79,11 +87,17 @@ class _Cursor:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
-                 kv_events_capacity: int = 0) -> None:
+                 kv_events_capacity: int = 0, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be at least 1 token, got {window}")
+        if window is not None and tiers is not None and not isinstance(tiers, NoTiers):
+            raise ValueError("releasing blocks outside a sliding window does not work with "
+                             "storage tiers yet (a chunk would have released blocks)")
         self.block_size = block_size
+        self.window = window  # release blocks wholly before it (None: keep every block)
         self.pool = BlockPool(num_blocks)
         self.index: PrefixCache = PrefixIndex(self.pool, block_size, eviction_policy,
-                                              KVEventLog(kv_events_capacity)) \
+                                              KVEventLog(kv_events_capacity), window) \
             if enable_prefix_caching else NoPrefixCache(block_size)
         self.tiers: Tiers = tiers if tiers is not None else NoTiers()
         self.block_tables: dict[str, list[int]] = {}
@@ -110,6 +124,35 @@ class KVCacheManager:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def first_held_block(self, num_computed: int) -> int:
+        """The first block a sequence that has computed `num_computed` tokens still needs: the
+        one holding the first key its next query sees (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def blocks_held(self, num_computed: int, num_tokens: int) -> int:
+        """Blocks a sequence holds at once when it has computed `num_computed` tokens and has
+        room for `num_tokens`: the window's blocks and the new ones."""
+        return self.blocks_for_tokens(num_tokens) - self.first_held_block(num_computed)
+
+    def hit_start(self, match: PrefixMatch) -> int:
+        """The first block of a hit that admission holds: the window's at the hit point, but
+        never past the last matched block (new blocks are published under its node, so it must
+        stay in the index)."""
+        return min(self.first_held_block(match.num_tokens), max(len(match.nodes) - 1, 0))
+
+    def final_blocks(self, total_tokens: int) -> int:
+        """Blocks a sequence holds when it computes its last token: its window and the block
+        being filled (every block without a window)."""
+        return min(self.blocks_for_tokens(total_tokens),
+                   self.blocks_held(max(total_tokens - 1, 0), total_tokens))
+
+    def peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
+        """The most blocks a sequence holds at once in its life, as admission counts them: its
+        whole prompt (prefilled in one step at worst), or what it holds at the end."""
+        return max(self.blocks_for_tokens(prompt_tokens), self.final_blocks(total_tokens))
 
     # -- prefix cache -----------------------------------------------------------------------
     def block_hashes(self, seq: CachedSeq, num_blocks: int) -> list[int]:
@@ -177,13 +220,17 @@ class KVCacheManager:
         locked until the plan that copies it is handed out) and, if given, `total_tokens` once
         the copy is done."""
         pool = self.pool
-        taken = sum(1 for b in match.blocks if pool.ref_counts[b] == 0)  # stop being evictable
+        first = self.hit_start(match)
+        kept = match.blocks[first:]  # a windowed hit drops the blocks before its window
+        taken = sum(1 for b in kept if pool.ref_counts[b] == 0)  # stop being evictable
         source = int(match.partial is not None and pool.ref_counts[match.partial.block] == 0)
         room = pool.num_available - taken
-        if self.blocks_for_tokens(num_tokens) - len(match.nodes) > room - source:
+        span = self.blocks_for_tokens(num_tokens) - first  # the table's entries from `first` on
+        if span - len(kept) > room - source:
             return False
+        # Blocks of the hit released later go back to the pool, so `kept` counts once.
         return total_tokens is None or \
-            self.blocks_for_tokens(total_tokens) - len(match.nodes) <= room
+            max(span, self.final_blocks(total_tokens)) - len(kept) <= room
 
     def unblock(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
                 ) -> PrefixMatch | None:
@@ -204,8 +251,9 @@ class KVCacheManager:
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
             return None
-        self.pool.share(match.blocks)
-        table = list(match.blocks)
+        first = self.hit_start(match)
+        self.pool.share(match.blocks[first:])
+        table = [NULL_BLOCK] * first + match.blocks[first:]
         node = match.last_node or self.index.root(extra_keys(seq.cache_salt))
         if match.loaded:
             node = self._admit_loaded(seq, match, table, node)
@@ -264,6 +312,22 @@ class KVCacheManager:
                     self._plan.saves.append(save)
         return self.pool.allocate(n)
 
+    def _release_outside_window(self, seq: CachedSeq) -> None:
+        """Release the blocks wholly before the sequence's window: no query reads them again
+        (a preempted sequence recomputes from the start). Published ones stay cached, idle."""
+        table = self.block_tables.get(seq.request_id)
+        end = self.first_held_block(seq.num_computed_tokens)
+        cursor = self._cursors.get(seq.request_id)
+        if cursor is not None and cursor.num_blocks:
+            # Keep the last published block: the next ones are published under its node.
+            end = min(end, cursor.num_blocks - 1)
+        if not table or end <= 0:
+            return
+        gone = [b for b in table[:end] if b != NULL_BLOCK]
+        if gone:
+            table[:end] = [NULL_BLOCK] * end
+            self.index.mark_idle(self.pool.release(gone))
+
     def _grow(self, request_id: str, num_tokens: int) -> bool:
         held = len(self.block_tables.get(request_id, ()))
         missing = self.blocks_for_tokens(num_tokens) - held
@@ -275,7 +339,9 @@ class KVCacheManager:
         return True
 
     def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        """Make room for `num_new_tokens` more tokens; False (and no change, beyond releasing
+        blocks that fell out of the window) if the pool is short."""
+        self._release_outside_window(seq)
         return self._grow(seq.request_id, kv_length(seq) + num_new_tokens)
 
     def free(self, seq: CachedSeq) -> None:
@@ -285,7 +351,7 @@ class KVCacheManager:
         self.tiers.forget(seq.request_id)
         table = self.block_tables.pop(seq.request_id, None)
         if table:
-            self.index.mark_idle(self.pool.release(table))
+            self.index.mark_idle(self.pool.release(b for b in table if b != NULL_BLOCK))
 
     def reseat(self, seq: CachedSeq, num_blocks: int) -> tuple[list[int], list[int]] | None:
         """Move a bounded sequence (kvserve.kv.bounded) onto `num_blocks` fresh private blocks,
@@ -300,7 +366,7 @@ class KVCacheManager:
         old = self.block_tables[seq.request_id]
         self.block_tables[seq.request_id] = fresh
         self._cursors.pop(seq.request_id, None)
-        self.index.mark_idle(self.pool.release(old))
+        self.index.mark_idle(self.pool.release([b for b in old if b != NULL_BLOCK]))
         return old, fresh
 
     def block_table(self, seq: CachedSeq) -> list[int]:
@@ -324,6 +390,7 @@ class KVCacheManager:
         bs = self.block_size
         node = cursor.node
         for i in range(cursor.num_blocks, full):
+            assert table[i] != NULL_BLOCK, "a block is released before it is published"
             node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
                                      table[i], seq.priority)
             if node.block != table[i]:
@@ -363,12 +430,19 @@ class KVCacheManager:
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self, seqs: Sequence[CachedSeq]) -> None:
-        """Tables belong to live sequences, cover their computed tokens, and match the pool."""
+        """Tables belong to live sequences, cover their computed tokens (every block a query can
+        still read is held: a released one is never read), and match the pool."""
         live = {s.request_id: s for s in seqs}
         assert set(self.block_tables) <= set(live), "a block table outlived its request"
         for rid, table in self.block_tables.items():
-            need = self.blocks_for_tokens(kv_length(live[rid]))
+            computed = kv_length(live[rid])
+            need = self.blocks_for_tokens(computed)
             assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
-        holders = list(self.block_tables.values()) + [[s] for s in self._copy_sources]
+            first = self.first_held_block(computed)
+            assert NULL_BLOCK not in table[first:], \
+                f"request {rid} released a block inside its window (from block {first})"
+            assert self.window is not None or NULL_BLOCK not in table, "released without a window"
+        holders = [[b for b in t if b != NULL_BLOCK] for t in self.block_tables.values()] \
+            + [[s] for s in self._copy_sources]
         self.pool.check_invariants(holders)
         self.index.check_invariants()

@@ -15,6 +15,14 @@ node), so both pushing and evicting cost O(log n) and nothing is ever rebuilt. T
 top-down: the manager calls `evict` when it needs blocks and `mark_idle` with the blocks a release
 turned idle; nothing calls back up.
 
+Windowed caches (every layer has a sliding window W; the manager releases blocks wholly before
+a sequence's window): an idle node with children may then be evicted too. It stays in the tree
+*hollow* (its block is NULL_BLOCK), so the path to its descendants survives, and a later request
+computing the same block fills it again. A hit at depth d needs only the blocks a query at
+position d * block_size can see, those from `first_visible(d * block_size) // block_size` on
+(vLLM's rule for sliding-window groups), so long shared prefixes stay reusable without keeping
+the windowed layers' whole history. A hollow node that loses its last child is removed.
+
 `NoPrefixCache` is the same interface with nothing behind it (prefix caching off).
 """
 
@@ -27,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
 
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
 class Node:
     tokens: tuple[int, ...]
     block_hash: int
-    block: int  # -1 for a root
+    block: int  # -1 for a root; NULL_BLOCK (-1) for a hollow node too (windowed caches)
     parent: "Node | None"
     depth: int = 0  # blocks from the root: this node is block depth - 1 of its sequences
     children: dict[int, "Node"] = field(default_factory=dict)  # by block hash
@@ -89,14 +97,19 @@ class PrefixIndex:
     enabled = True
 
     def __init__(self, pool: BlockPool, block_size: int,
-                 policy: str | EvictionPolicy = "lru", events: KVEventLog | None = None) -> None:
+                 policy: str | EvictionPolicy = "lru", events: KVEventLog | None = None,
+                 window: int | None = None) -> None:
         self.pool = pool
+        self.window = window  # every layer's window (None: some layer attends to everything)
         self.events = events if events is not None else KVEventLog(0)  # off unless given
         self.block_size = block_size
         self.policy = make_eviction_policy(policy) if isinstance(policy, str) else policy
         self._roots: dict[bytes, Node] = {}
         self._node_of_block: dict[int, Node] = {}
-        self._heap: list[tuple[tuple[int, ...], int, Node]] = []
+        # (policy key, depth, push order, version, node): ties go to the shallower node (in a
+        # windowed cache, the one furthest before the windows), then to the older push.
+        self._heap: list[tuple[tuple[int, ...], int, int, int, Node]] = []
+        self._pushes = itertools.count()
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
         self.num_evicted_blocks = 0
@@ -115,20 +128,44 @@ class PrefixIndex:
         result = PrefixMatch([], block_size=bs)
         if node is None:
             return result
+        path: list[Node] = []
         for i, h in enumerate(hashes[: len(tokens) // bs]):
             child = node.children.get(h)
             if child is None or child.tokens != tuple(tokens[i * bs:(i + 1) * bs]):
                 break
-            result.nodes.append(child)
+            path.append(child)
             node = child
+        depth = self._valid_depth(path)
+        result.nodes = path[:depth]
+        if depth < len(path):
+            return result  # the block after the hit is hollow or unreachable: no partial hit
         start = len(result.nodes) * bs
         rest = tokens[start:start + bs]
         if rest:
             for child in node.by_first_token.get(rest[0], ()):
+                if child.block == NULL_BLOCK:
+                    continue
                 n = common_prefix(child.tokens, rest)
                 if n > result.partial_len:
                     result.partial, result.partial_len = child, n
         return result
+
+    def first_needed(self, depth: int) -> int:
+        """The first block a sequence resuming after `depth` full blocks reads (0 without a
+        window): the one holding key position `depth * block_size - window + 1`."""
+        if self.window is None:
+            return 0
+        return max(0, depth * self.block_size - self.window + 1) // self.block_size
+
+    def _valid_depth(self, path: Sequence[Node]) -> int:
+        """The deepest hit point along a matched path whose needed blocks are all present."""
+        best, last_hollow = 0, -1
+        for d, node in enumerate(path, start=1):
+            if node.block == NULL_BLOCK:
+                last_hollow = d - 1
+            elif last_hollow < self.first_needed(d):
+                best = d
+        return best
 
     def touch(self, nodes: Sequence[Node], priority: int = 0) -> None:
         """Record a use of these nodes (a hit or an insertion) for the eviction policy."""
@@ -145,6 +182,11 @@ class PrefixIndex:
         existing node is returned (and its block is the one to use from now on)."""
         existing = parent.children.get(block_hash)
         if existing is not None:
+            if existing.block == NULL_BLOCK:  # hollow: this block fills it again
+                existing.block = block
+                self._node_of_block[block] = existing
+                self.pool.mark_cached(block)
+                self.events.record(BLOCK_STORED, block_hash, parent.block_hash)
             self.touch([existing], priority)
             return existing
         node = Node(tuple(tokens), block_hash, block, parent, parent.depth + 1)
@@ -163,22 +205,26 @@ class PrefixIndex:
 
     def _push(self, node: Node) -> None:
         node.version += 1
-        heapq.heappush(self._heap, (self.policy.key(node), node.version, node))
+        heapq.heappush(self._heap, (self.policy.key(node), node.depth, next(self._pushes),
+                                    node.version, node))
         if len(self._heap) > 2 * len(self._node_of_block) + 1024:
             # Stale entries pile up when blocks go idle and busy again without evictions; drop
             # them now and then (O(n) every ~n pushes: O(1) amortised).
-            self._heap = [e for e in self._heap if self._evictable(e[2], e[1])]
+            self._heap = [e for e in self._heap if self._evictable(e[4], e[3])]
             heapq.heapify(self._heap)
 
     def mark_idle(self, blocks: Sequence[int]) -> None:
-        """These cached blocks lost their last holder: the leaves among them become evictable."""
+        """These cached blocks lost their last holder: the leaves among them (any of them, in a
+        windowed cache) become evictable."""
         for block in blocks:
             node = self._node_of_block[block]
-            if not node.children:
+            if not node.children or self.window is not None:
                 self._push(node)
 
     def _evictable(self, node: Node, version: int) -> bool:
-        return (version == node.version and not node.children
+        return (version == node.version
+                and (not node.children or self.window is not None)
+                and node.block != NULL_BLOCK
                 and self._node_of_block.get(node.block) is node
                 and self.pool.ref_counts[node.block] == 0)
 
@@ -187,17 +233,32 @@ class PrefixIndex:
         (their parent links still name the rest of their chunk, for the storage tiers)."""
         evicted: list[Node] = []
         while len(evicted) < n and self._heap:
-            _, version, node = heapq.heappop(self._heap)
+            *_, version, node = heapq.heappop(self._heap)
             if not self._evictable(node, version):
                 continue
-            self._remove(node)
             evicted.append(node)
+            if node.children:  # windowed: keep the path to the children, drop the block
+                self._hollow(node)
+                continue
+            self._remove(node)
             parent = node.parent
+            while parent is not None and parent.parent is not None \
+                    and parent.block == NULL_BLOCK and not parent.children:
+                self._remove(parent)  # a hollow node leads nowhere any more
+                parent = parent.parent
             if (parent is not None and parent.block >= 0 and not parent.children
                     and self.pool.ref_counts[parent.block] == 0):
                 self._push(parent)
         self.num_evicted_blocks += len(evicted)
         return evicted
+
+    def _hollow(self, node: Node) -> None:
+        """Evict an interior node's block but keep the node (windowed caches)."""
+        del self._node_of_block[node.block]
+        self.pool.uncache(node.block)
+        node.block = NULL_BLOCK
+        assert node.parent is not None
+        self.events.record(BLOCK_REMOVED, node.block_hash, node.parent.block_hash)
 
     def _remove(self, node: Node) -> None:
         parent = node.parent
@@ -207,6 +268,8 @@ class PrefixIndex:
         siblings.remove(node)
         if not siblings:
             del parent.by_first_token[node.tokens[0]]
+        if node.block == NULL_BLOCK:
+            return  # hollow: its block was uncached when it was hollowed
         del self._node_of_block[node.block]
         self.pool.uncache(node.block)
         self.events.record(BLOCK_REMOVED, node.block_hash, parent.block_hash)
@@ -224,12 +287,18 @@ class PrefixIndex:
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Tree and pool agree: every node's block is cached and reachable, parents link back."""
+        """Tree and pool agree: every node's block is cached and reachable, parents link back;
+        hollow nodes exist only in windowed caches, and only above another node."""
         seen = 0
         for root in self._roots.values():
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
+                if node.block == NULL_BLOCK:
+                    assert self.window is not None and node.children, "a stray hollow node"
+                    assert node.parent is not None and node.parent.children[node.block_hash] is node
+                    stack.extend(node.children.values())
+                    continue
                 seen += 1
                 assert self._node_of_block.get(node.block) is node, "node/block map is off"
                 assert self.pool.cached[node.block], "a tree block is not marked cached"

@@ -167,6 +167,15 @@ class KVCacheSpec:
     def num_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
 
+    @property
+    def release_window(self) -> int | None:
+        """The window outside which a request's blocks can be released from one block table:
+        the largest window when every layer has one (Mistral-style), else None (a hybrid model
+        would need a table per group)."""
+        if not all(isinstance(g.spec, SlidingWindowSpec) for g in self.groups):
+            return None
+        return max(g.spec.window for g in self.groups)  # type: ignore[union-attr]
+
     def layer_specs(self) -> list[LayerSpec]:
         """Each layer's spec, in layer order."""
         out: list[LayerSpec | None] = [None] * self.num_layers
@@ -202,11 +211,16 @@ class KVCacheSpec:
         return total
 
 
-def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
-    """vLLM's start-up line: the pool in tokens, and how many max-length requests it holds."""
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int,
+                  blocks_per_request: int | None = None) -> str:
+    """vLLM's start-up line: the pool in tokens, and how many max-length requests it holds
+    (each `blocks_per_request` blocks when given: a windowed cache holds fewer than
+    max_model_len / block_size, the count `kvserve plan` uses too)."""
     tokens = num_blocks * block_size
+    concurrency = tokens / max_model_len if blocks_per_request is None \
+        else num_blocks / blocks_per_request
     return (f"KV cache size: {tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens "
-            f"per request: {tokens / max_model_len:.2f}x")
+            f"per request: {concurrency:.2f}x")
 
 
 def mla_saving_line(spec: MLALatentSpec, num_heads: int, qk_head_dim: int,

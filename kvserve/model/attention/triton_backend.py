@@ -92,7 +92,9 @@ class TritonAttentionBackend(AttentionBackend):
         bs = self.block_size
         used = [-(-s.seq_len // bs) for s in seqs]
         width = max(used)
-        rows = [s.block_table[:n] + [0] * (width - n) for s, n in zip(seqs, used)]
+        # Released entries (NULL_BLOCK, before a window) are never read; 0 keeps ids valid.
+        rows = [[max(b, 0) for b in s.block_table[:n]] + [0] * (width - n)
+                for s, n in zip(seqs, used)]
         tables = torch.tensor(rows, dtype=torch.int32)
         info = torch.tensor([(s.seq_len, s.start, s.query_len) for s in seqs], dtype=torch.int32)
         return (tables.to(self.device, non_blocking=True),

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Memory that follows the window (issue 15 part 3, acceptance 2), in one run:
+
+A. Blocks a --length-token request holds at its last step, per layer group, next to what
+   `kvserve plan`'s code computes for the same checkpoint (planner/memory.py:
+   kv_bytes_per_request over the group's bytes per block), for a Mistral-style model (a window
+   on every layer) and the hybrid Gemma 3 (five local layers to one global), with release on
+   (the default) and off (`disable_hybrid_kv_cache_manager`, every block kept: the previous
+   behaviour).
+B. Concurrency at a fixed pool: --requests requests of --length tokens (prompt + --output)
+   against a pool of --pool-requests full-length requests, on the Mistral-style model: the most
+   requests running at once, preemptions, and wall time, release on vs off.
+
+Random weights (kvserve.model.make_model); float32; CPU. The Mistral-style model is the tiny
+Mistral with `sliding_window` set to --window (and max_position_embeddings raised to fit);
+Gemma 3 is the small one (8 layers, window 512).
+
+    .venv/bin/python benchmarks/bench_window_memory.py [--length 4096] [--window 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_window import cpu_line  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
+from kvserve.model.make_model import make_model  # noqa: E402
+from kvserve.planner.memory import kv_cache_spec, make_plan  # noqa: E402
+from kvserve.planner.model import ModelSpec  # noqa: E402
+
+BLOCK = 16
+
+
+def mistral_windowed(root: Path, window: int, max_len: int) -> Path:
+    path = make_model(root / "mistral", "mistral", "tiny", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config.update(sliding_window=window, max_position_embeddings=max_len)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _llm(path: Path, keep_all: bool, max_len: int, **kwargs) -> LLM:
+    return LLM(model=str(path), dtype="float32", block_size=BLOCK, max_model_len=max_len,
+               num_threads=2, disable_hybrid_kv_cache_manager=keep_all, **kwargs)
+
+
+def held_at_end(path: Path, length: int, keep_all: bool) -> int:
+    """Blocks the request's table holds after its last step (the engine's one table)."""
+    llm = _llm(path, keep_all, length, enable_prefix_caching=False, max_num_batched_tokens=1024)
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    engine.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length - 8)]},
+                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+    held = [0]
+    execute = engine.runner.execute
+
+    def recording(batch, *a, **kw):  # the table as the step's forward reads it
+        held[0] = sum(b != NULL_BLOCK for b in engine.kv.block_table(batch.requests[0]))
+        return execute(batch, *a, **kw)
+
+    engine.runner.execute = recording
+    while engine.has_unfinished_requests():
+        engine.step()
+    return held[0]
+
+
+def table_a(paths: dict[str, Path], length: int) -> None:
+    print(f"\nA. blocks held by one {length:,}-token request at its last step (block size {BLOCK})")
+    print(f"{'layout':16} {'group':26} {'planner':>8} {'release':>8} {'keep all':>9} "
+          f"{'release/full':>13}")
+    for name, path in paths.items():
+        engine_blocks = {keep: held_at_end(path, length, keep) for keep in (False, True)}
+        spec = kv_cache_spec(ModelSpec.load(str(path)), "fp32", block_size=BLOCK)
+        for g in spec.groups:
+            window = getattr(g.spec, "window", None)
+            planned = -(-g.spec.tokens_held(length) // BLOCK)
+            label = f"{len(g.layers)} layers, " + (f"window {window}" if window else "full")
+            print(f"{name:16} {label:26} {planned:>8} {engine_blocks[False]:>8} "
+                  f"{engine_blocks[True]:>9} {engine_blocks[False] / engine_blocks[True]:>12.3f}x")
+
+
+def run_workload(path: Path, keep_all: bool, args) -> dict:
+    pool_tokens = args.pool_requests * args.length
+    bytes_per_token = kv_cache_spec(ModelSpec.load(str(path)), "fp32").bytes_per_token
+    llm = _llm(path, keep_all, args.length, enable_prefix_caching=False,
+               max_num_batched_tokens=2048, max_num_seqs=args.requests,
+               kv_cache_memory_bytes=pool_tokens * bytes_per_token)
+    engine = llm.engine
+    assert engine.kv.num_blocks * BLOCK == pool_tokens, "the pool is not the size asked for"
+    rng = random.Random(1)
+    prompt_len = args.length - args.output
+    params = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0.0)
+    for _ in range(args.requests):
+        engine.add_request({"prompt_token_ids": [rng.randrange(3, 2048)
+                                                 for _ in range(prompt_len)]}, params)
+    peak = 0
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    return dict(peak=peak, preemptions=engine.scheduler.num_preemptions,
+                seconds=time.perf_counter() - t, blocks=engine.kv.num_blocks,
+                line_x=engine.kv.num_blocks / engine.kv.final_blocks(args.length))
+
+
+def table_b(path: Path, args) -> None:
+    res = {keep: run_workload(path, keep, args) for keep in (True, False)}
+    plan = make_plan(ModelSpec.load(str(path)), kv_dtype="fp32", context_len=args.length,
+                     block_size=BLOCK, num_gpu_blocks=res[False]["blocks"])
+    planner_x = plan["capacity"]["max_concurrency"]
+    print(f"\nB. {args.requests} requests of {args.length - args.output:,} + {args.output} tokens, "
+          f"pool {res[False]['blocks']:,} blocks = {args.pool_requests} full-length requests, "
+          f"Mistral-style window {args.window}")
+    print(f"{'':10} {'start-up line':>14} {'peak running':>13} {'preemptions':>12} {'wall s':>8}")
+    for keep, label in ((True, "keep all"), (False, "release")):
+        r = res[keep]
+        print(f"{label:10} {r['line_x']:>13.2f}x {r['peak']:>13} {r['preemptions']:>12} "
+              f"{r['seconds']:>8.1f}")
+    print(f"{'ratio':10} {res[False]['line_x'] / res[True]['line_x']:>13.2f}x "
+          f"{res[False]['peak'] / res[True]['peak']:>12.2f}x {'':>12} "
+          f"{res[True]['seconds'] / res[False]['seconds']:>7.2f}x")
+    print(f"kvserve plan's figure for this pool: {planner_x:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--output", type=int, default=64, help="decode tokens per request in B")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--pool-requests", type=int, default=4)
+    args = p.parse_args()
+    print(cpu_line())
+    root = Path(tempfile.mkdtemp(prefix="bench-window-memory-"))
+    try:
+        mistral = mistral_windowed(root, args.window, args.length)
+        gemma = make_model(root / "gemma3", "gemma3", "small", seed=0)
+        config = json.loads((gemma / "config.json").read_text())
+        table_a({"mistral-style": mistral,
+                 f"gemma3 ({config['num_hidden_layers']} layers)": gemma}, args.length)
+        table_b(mistral, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
