@@ -91,10 +91,10 @@ class KVTensorPool:
                        ) -> None:
         """Copy the kept tokens of a sequence, every layer, from its blocks `src_table` into
         the first `keep.shape[-1]` slots of `dst_table` (a bounded cache's compaction,
-        kvserve.kv.bounded). `keep` holds token indices into the source sequence: [n], the same tokens for every head;
-        [heads, n], each KV head its own (head h's slot j then holds a different token than
-        head h' 's: attention per head never mixes them); or [layers, heads, n]. The two tables
-        must not share a block."""
+        kvserve.kv.bounded). `keep` holds token indices into the source sequence: [n], the same
+        tokens for every head; [heads, n], each KV head its own (head h's slot j then holds a
+        different token than head h' 's: attention is per head, so they never mix); or
+        [layers, heads, n]. The two tables must not share a block."""
         bs = self.block_size
         src = torch.tensor(src_table, dtype=torch.long)
         n = keep.shape[-1]
