@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvserve.kv.bounded import BoundedKV
+from kvserve.kv.bounded import ATTENTION_POLICIES, BoundedKV
 from kvserve.sampling import SamplingParams
 
 
@@ -99,7 +99,13 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         """A request still recording prompt logprobs needs the logits of every prompt position,
         so it computes its whole prompt (`kvserve.kv.manager.matchable_tokens` honours this);
-        once they are all recorded (a preempted request resuming), it may hit the cache."""
+        once they are all recorded (a preempted request resuming), it may hit the cache.
+
+        A bounded cache that selects by attention (SnapKV, H2O) needs every prompt query's
+        weights, which a cached block does not hold either: such a request computes its whole
+        prompt (it still publishes the prompt's blocks, which hold exact KV)."""
+        if self.bounded_kv is not None and self.bounded_kv.policy in ATTENTION_POLICIES:
+            return True
         return self.records_prompt_logprobs and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
 

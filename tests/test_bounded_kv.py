@@ -445,3 +445,22 @@ def test_h2o_matches_per_head_reference(checkpoint, perhead_model, block_size, b
         full = masked_logits(perhead_model, seq[:-1],
                              [list(range(t + 1)) for t in range(len(seq) - 1)])[len(p) - 1:]
         assert (full - want).abs().max().item() > 1e-3, "H2O changed nothing: cannot fail"
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_attention_policies_do_not_read_the_prefix_cache(checkpoint, policy):
+    """SnapKV and H2O select by the attention of prompt queries, which a cached block does not
+    hold: with the prompt cached they compute it anyway, and their output equals a cold
+    engine's."""
+    rng = random.Random(6)
+    p = [rng.randrange(3, VOCAB) for _ in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = {"block_size": 8, "bounded_kv_policy": policy, "bounded_kv_budget": BUDGET,
+              "bounded_kv_observation_window": WINDOW}
+    llm = _llm(checkpoint, **kwargs)
+    generate_checked(llm, [{"prompt_token_ids": p}], params)
+    [warm] = generate_checked(llm, [{"prompt_token_ids": p}], params)
+    assert warm.num_cached_tokens == 0
+    [cold] = generate_checked(_llm(checkpoint, enable_prefix_caching=False, **kwargs),
+                              [{"prompt_token_ids": p}], params)
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

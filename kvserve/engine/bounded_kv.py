@@ -15,13 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.bounded import (
-    add_votes,
-    h2o_keep,
-    needs_compaction,
-    snapkv_keep,
-    streaming_keep,
-)
+from kvserve.kv.bounded import (add_votes, h2o_keep, needs_compaction, snapkv_keep,
+                                streaming_keep)
 from kvserve.kv.manager import KVCacheManager, kv_length
 from kvserve.request import Request
 

@@ -37,7 +37,9 @@ longer than the budget). So compaction runs once per block of
 generated tokens, not per token, and the KV a step attends to never exceeds
 `budget + block_size` tokens.
 
-Prefix caching: a bounded request reads the prefix cache like any other, and inserts its full
+Prefix caching: a ``streaming_llm`` request reads the prefix cache like any other; ``snapkv`` and
+``h2o`` ones do not (their selection needs the attention weights of every prompt query, which a
+cached block does not hold; `Request.skip_reading_prefix_cache`). All insert their full
 blocks while they still hold exact KV (its prompt, and anything computed before its first
 compaction, was computed with full attention). Its first compaction moves it onto fresh
 private blocks and stops its insertions: a pruned block never enters the prefix index.
