@@ -27,6 +27,7 @@ transformers.logging.set_verbosity_error()
 VOCAB = 512
 NEW = 40
 BUDGET, SINKS = 24, 4
+WINDOW = 8  # SnapKV's observation window
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +210,8 @@ def test_prefix_cache_never_holds_pruned_blocks(checkpoint):
     assert again.outputs[0].token_ids == want.outputs[0].token_ids
 
 
-def test_preemption_recomputes_and_bounds_again(checkpoint):
+@pytest.mark.parametrize("policy", ["streaming_llm", "snapkv", "h2o"])
+def test_preemption_recomputes_and_bounds_again(checkpoint, policy):
     """A tiny pool preempts bounded requests: they recompute prompt + output with full
     attention and are bounded again (documented), deterministically, with no leaked block."""
     rng = random.Random(8)
@@ -217,8 +219,8 @@ def test_preemption_recomputes_and_bounds_again(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = _llm(checkpoint, block_size=8, bounded_kv_policy="streaming_llm",
-                   bounded_kv_budget=BUDGET,
+        llm = _llm(checkpoint, block_size=8, bounded_kv_policy=policy,
+                   bounded_kv_budget=BUDGET, bounded_kv_observation_window=WINDOW,
                    kv_cache_memory_bytes=14 * 8 * kv_bytes_per_token(checkpoint))
         outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool forced no preemption"
@@ -265,7 +267,6 @@ def test_bounded_cache_refused_on_windowed_layers(tmp_path):
 # attention function registered with transformers (its eager attention, with that mask) runs
 # inside transformers' own Qwen2 model. It also records the softmaxed weights of the prompt
 # forward, from which the test computes SnapKV's votes itself.
-WINDOW = 8
 _REF: dict = {"masks": None, "weights": {}}
 
 
