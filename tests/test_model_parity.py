@@ -127,13 +127,19 @@ def saved(tmp_path_factory):
 
 
 # -- float32 parity ---------------------------------------------------------------------------
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "dense"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_match_transformers(saved, variant, pack):
+@pytest.mark.parametrize("variant,gemm", [(v, g) for v in sorted(VARIANTS)
+                                          for g in ("onednn", "dense")]
+                         + [("llama_bias", "auto"), ("qwen3", "auto")])
+def test_logits_match_transformers(saved, variant, gemm):
+    """Every GEMM kernel choice: all oneDNN-packed, all dense (F.linear), and what this CPU's
+    measurement picks (gemm_select.py; two variants, as it measures at load)."""
     hf, path = saved(variant)
-    model, config = load_model(path, pack_weights=pack)
+    model, config = load_model(path, gemm=gemm)
     assert next(model.parameters()).dtype == torch.float32
-    assert model.packed == (pack and onednn_available(torch.float32, torch.device("cpu")))
+    if gemm != "auto":
+        assert model.packed == (gemm == "onednn"
+                                and onednn_available(torch.float32, torch.device("cpu")))
+    assert model.gemm_plan is not None
     for i, n in enumerate(LENGTHS):
         ids = token_ids(n, seed=100 + i)
         ref = hf_logits(hf, ids)
@@ -149,6 +155,39 @@ def test_logits_match_transformers(saved, variant, pack):
     assert diff < ATOL, f"{variant} at positions {start}+: max abs diff {diff}"
     # The (scaled) inverse frequencies are bit-identical to transformers'.
     assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.skipif(not onednn_available(torch.float32, torch.device("cpu")),
+                    reason="oneDNN cannot pack float32 weights here")
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3"])
+def test_mixed_gemm_plan_matches_transformers(saved, variant):
+    """A plan that switches kernel between row buckets, differently per projection, gives
+    transformers' logits at a row count in every bucket (so each bucket's bound ops are the
+    right ones, biases and residual adds included)."""
+    from kvserve.model.gemm_select import BUCKETS, GemmPlan
+
+    hf, path = saved(variant)
+    model, config = load_model(path, pack_weights=False)
+    n = len(BUCKETS)
+    kinds = ("dense", "onednn")
+    plan = GemmPlan({"qkv": [kinds[b % 2] for b in range(n)],
+                     "o": [kinds[(b + 1) % 2] for b in range(n)],
+                     "mlp": [kinds[b // 2 % 2] for b in range(n)],
+                     "down": [kinds[(b + 1) // 2 % 2] for b in range(n)],
+                     "head": [kinds[b % 2] for b in range(n)]}, "test")
+    model.gemm_plan = None
+    model.apply_gemm_plan(plan)
+    assert model.packed
+    for i, (limit, probe) in enumerate(BUCKETS):
+        t = min(probe + 3, int(limit)) if limit != float("inf") else 600
+        ids = token_ids(t, seed=200 + i)
+        pos = torch.arange(t) % config.max_position_embeddings
+        with torch.inference_mode():
+            out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
+        with torch.no_grad():
+            ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
+        diff = (out - ref).abs().max().item()
+        assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
 
 
 def test_config_fields_from_transformers(saved):

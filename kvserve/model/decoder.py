@@ -11,24 +11,33 @@ Layout, chosen for the CPU hot path:
     straight into the residual stream, or oneDNN's "add" post-op, below);
   * RoPE uses Hugging Face's rotate-half convention (the first half of each head pairs with the
     second half), with cos/sin precomputed once in float32 and gathered once per step;
-  * on x86 CPUs `CausalLM.pack_weights()` (called by the loader) re-lays the four projection
-    matrices and the LM head out in oneDNN's blocked format and routes the GEMMs through
-    oneDNN, with the residual add as a fused post-op. On this project's reference CPU (AMD
-    Zen 5, 2 threads) that runs the projections about 2x faster than `F.linear` (MKL, which
-    does not use AVX-512 fully on AMD) in float32; in bfloat16 `F.linear` already goes through
-    oneDNN and packing gains 10-30%.
+  * on the CPU `CausalLM.pack_weights()` (called by the loader) gives each projection and the
+    LM head the GEMM kernel that measures fastest on this CPU for each row bucket
+    (gemm_select.py): `F.linear` (MKL in float32) or oneDNN on weights packed in its blocked
+    layout with SiLU, the SwiGLU product and the residual add as fused epilogues. Which wins
+    depends on the CPU and the batch: on a Zen 5 oneDNN was ~2x faster at every size; on an
+    AVX-512 Xeon MKL wins at batch 1; on an AVX2 EPYC oneDNN loses at batch 1 and wins at
+    batch 64 for some shapes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import gemm_select
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.config import ModelConfig
+from kvserve.model.cpu_features import cpu_info
+from kvserve.model.gemm_select import GemmPlan
+
+logger = logging.getLogger("kvserve")
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -97,18 +106,22 @@ def _dense_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
 
 
 def gemm_rows(t: int) -> int:
-    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16, else `t` rounded up to
-    one of 8 sizes per doubling (at most 12.5% padding).
+    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16; else `t` rounded up to
+    one of 8 sizes per doubling up to 256 rows (at most 12.5% padding) and of 16 sizes per
+    doubling above (at most 6.25%).
 
     Why: oneDNN JIT-compiles a primitive for every distinct input shape and keeps it in two LRU
     caches of 1,024 entries each (its primitive cache and ideep's), at ~0.7 MB apiece on this
     project's CPU. A server's steps carry every token count from 1 to max_num_batched_tokens,
     so with exact shapes most steps compiled new kernels and RSS grew by ~12 MB per round of
-    256 concurrent requests (see docs/soak.md). With these sizes there are 88 row counts up to
-    8,192 (5 GEMMs each, plus the LM head's), which all stay cached."""
+    256 concurrent requests (see docs/soak.md). With these sizes there are 128 row counts up
+    to 8,192 (5 GEMMs each, plus the LM head's up to max_num_seqs: under 700 primitives),
+    which all stay cached. The finer steps above 256 rows are for prefill: 8 sizes per
+    doubling padded a 2,112-token prompt to 2,304 rows and cost ~10% of its TTFT."""
     if t <= 16:
         return t
-    step = 1 << (t.bit_length() - 4)
+    shift = 4 if t <= 256 else 5
+    step = 1 << max(t.bit_length() - shift, 0)
     return -(-t // step) * step
 
 
@@ -193,6 +206,7 @@ class DecoderLayer(nn.Module):
         self._linear_add = _dense_linear_add
         self._norm = rms_norm
         self._rope = _apply_rope
+        self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
 
     def use_triton_ops(self) -> None:
         """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
@@ -209,36 +223,62 @@ class DecoderLayer(nn.Module):
 
         return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
-    def pack_weights(self) -> None:
-        """Replace the projection matrices by oneDNN-packed copies (frees the dense ones).
+    # -- GEMM kernels per row bucket (gemm_select.py) ---------------------------------------
+    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+        """For each projection and kernel, a factory(rows) -> run-once callable on this layer's
+        own weights (oneDNN-packed copies made here and dropped after): what `gemm_select`
+        times. Call before `set_gemm_plan`, while the dense weights are all there."""
+        kernels = {"dense": _dense_ops(self)}
+        if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
+            kernels["onednn"] = _onednn_ops(self)
+        p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
+        h, q = self.qkv_proj.shape[1], self.q_size
+
+        def factory(kind: str, ops: dict[str, Callable]) -> gemm_select.RunFactory:
+            def make(rows: int) -> Callable[[], object]:
+                x = torch.randn(rows, h, **p)
+                if kind == "qkv":
+                    return lambda: ops["qkv"](x)
+                if kind == "o":
+                    xo, r = torch.randn(rows, q, **p), torch.zeros(rows, h, **p)
+                    return lambda: ops["o"](xo, r)
+                if kind == "mlp":
+                    return lambda: ops["mlp"](x)
+                xd = torch.randn(rows, self.intermediate_size, **p)
+                r = torch.zeros(rows, h, **p)
+                return lambda: ops["down"](xd, r)
+            return make
+
+        return {kind: {k: factory(kind, ops) for k, ops in kernels.items()} for kind in _PROJS}
+
+    def set_gemm_plan(self, plan: GemmPlan) -> None:
+        """Bind one set of projection ops per row bucket as `plan` says: pack (oneDNN) the
+        weights some bucket runs through oneDNN, free the dense ones no bucket uses.
 
         Gate and up are packed apart: SiLU then runs as the gate GEMM's epilogue and the product
         as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
-        SwiGLU element-wise work was ~12% of a decode step).
-        """
-        for name in ("qkv_proj", "o_proj", "down_proj"):
-            setattr(self, name, nn.Parameter(_onednn_pack(getattr(self, name)),
-                                             requires_grad=False))
-        i = self.intermediate_size
-        gate, up = self.gate_up_proj[:i], self.gate_up_proj[i:]
-        self.gate_proj = nn.Parameter(_onednn_pack(gate), requires_grad=False)
-        self.up_proj = nn.Parameter(_onednn_pack(up), requires_grad=False)
-        bias = self.gate_up_bias
-        self.gate_bias = None if bias is None else bias[:i].contiguous()
-        self.up_bias = None if bias is None else bias[i:].contiguous()
-        del self.gate_up_proj
-        self.gate_up_proj = None
-        self._linear = _onednn_linear
-        self._linear_add = _onednn_linear_add
-        self._swiglu = self._swiglu_fused
+        SwiGLU element-wise work was ~12% of a decode step)."""
+        built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
+                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn")))}
+        self._ops = []
+        for b in range(len(gemm_select.BUCKETS)):
+            ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
+            self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"]))
+        # free the dense weights no bucket reads (the closures hold what they need)
+        for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
+                           ("down", "down_proj")):
+            if not plan.uses(proj, "dense"):
+                setattr(self, name, None)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
-        """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
+                attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
+        """hidden [T, hidden_size] is the residual stream; it may be updated in place.
+        `bucket` (gemm_select.bucket_of(T)) picks the GEMM kernels bound for this size."""
         t = hidden.shape[0]
         d = self.head_dim
+        ops = self._ops[bucket] if self._ops else None
         x = self._norm(hidden, self.input_layernorm, self.eps)
-        qkv = self._linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = ops.qkv(x) if ops else self._linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
         if self.qk_norm is not None:
             qk = self._norm(qk, self.qk_norm, self.eps)  # per-head weight [heads, D]
@@ -246,9 +286,12 @@ class DecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
-        o = attn(self.layer_idx, q, k, v)
-        hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
-
+        o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if ops:
+            hidden = ops.o_add(o, hidden)
+            x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+            return ops.down_add(ops.mlp(x), hidden)
+        hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
         x = self._norm(hidden, self.post_attention_layernorm, self.eps)
         return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
 
@@ -257,15 +300,76 @@ class DecoderLayer(nn.Module):
         act = F.silu(gate_up[:, : self.intermediate_size])
         return act.mul_(gate_up[:, self.intermediate_size:])
 
-    def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
-        if rows != t:
-            x = _pad_rows(x, rows)
-        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_proj, self.gate_bias, "swish",
-                                                  [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_proj, self.up_bias,
-                                                         "mul")[:t]
+
+@dataclass
+class _LayerOps:
+    """One layer's four projections for one row bucket: qkv(x), o_add(x, residual),
+    mlp(x) (gate/up + SwiGLU), down_add(x, residual)."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+    down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_PROJS = ("qkv", "o", "mlp", "down")
+
+
+def _dense_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """F.linear / addmm_ on the row-major weights (MKL for float32), for `projs` only (a
+    closure keeps its weight alive)."""
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = layer.qkv_proj, layer.qkv_bias
+        ops["qkv"] = lambda x: F.linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        o_w, o_b = layer.o_proj, layer.o_bias
+        ops["o"] = lambda x, r: _dense_linear_add(x, r, o_w, o_b)
+    if "mlp" in projs:
+        gu_w, gu_b, i = layer.gate_up_proj, layer.gate_up_bias, layer.intermediate_size
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            gate_up = F.linear(x, gu_w, gu_b)
+            return F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
+
+        ops["mlp"] = mlp
+    if "down" in projs:
+        d_w, d_b = layer.down_proj, layer.down_bias
+        ops["down"] = lambda x, r: _dense_linear_add(x, r, d_w, d_b)
+    return ops
+
+
+def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """oneDNN on packed copies of the weights (made here), SwiGLU and residual adds fused as
+    epilogues, for `projs` only."""
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = _onednn_pack(layer.qkv_proj), layer.qkv_bias
+        ops["qkv"] = lambda x: _onednn_linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        o_w, o_b = _onednn_pack(layer.o_proj), layer.o_bias
+        ops["o"] = lambda x, r: _onednn_linear_add(x, r, o_w, o_b)
+    if "mlp" in projs:
+        i = layer.intermediate_size
+        gate_w = _onednn_pack(layer.gate_up_proj[:i])
+        up_w = _onednn_pack(layer.gate_up_proj[i:])
+        bias = layer.gate_up_bias
+        gate_b = None if bias is None else bias[:i].contiguous()
+        up_b = None if bias is None else bias[i:].contiguous()
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[0]
+            rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
+            if rows != t:
+                x = _pad_rows(x, rows)
+            gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul")[:t]
+
+        ops["mlp"] = mlp
+    if "down" in projs:
+        d_w, d_b = _onednn_pack(layer.down_proj), layer.down_bias
+        ops["down"] = lambda x, r: _onednn_linear_add(x, r, d_w, d_b)
+    return ops
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -301,47 +405,107 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
-        self.packed = False
-        self._logits_linear = _dense_linear
+        self.packed = False  # whether any GEMM runs on oneDNN-packed weights
+        self.gemm_plan: GemmPlan | None = None  # set by pack_weights
+        # per gemm_select bucket: (GEMM function, weight) of the LM head
+        self._head_ops: list[tuple[Callable, torch.Tensor]] = []
         self._norm = rms_norm
-        # With tied embeddings and packing: a packed copy of the embedding table for the head.
-        self.register_buffer("_packed_head", None, persistent=False)
 
-    def pack_weights(self) -> bool:
-        """Switch the projections and the LM head to oneDNN-packed weights when this build and
-        CPU support it for the model's dtype; returns whether it did. Call once, after the
-        weights are loaded: packed weights can no longer be sliced or copied into.
+    def pack_weights(self, kernel: str = "auto") -> bool:
+        """Choose the GEMM kernel of every projection and the LM head per row bucket and
+        re-lay the weights out for it (gemm_select.py); returns whether any weight now runs
+        through oneDNN. Call once, after the weights are loaded: packed weights can no longer
+        be sliced or copied into.
 
-        Memory stays the same except with tied embeddings: the lookup needs the dense table, so
-        the head gets a packed copy (vocab_size x hidden_size more), which runs the LM head
-        about 1.4x faster than oneDNN on the dense table and 3x faster than `F.linear`."""
-        if self.packed:
-            return True
-        if not onednn_available(self.dtype, self.embed_tokens.device):
+        kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
+        shapes) and packs everything in other dtypes, "onednn" packs everything, "dense"
+        packs nothing. On a build or dtype oneDNN cannot
+        pack, everything stays dense. With tied embeddings a oneDNN LM head needs a packed
+        copy of the embedding table (vocab_size x hidden_size more memory)."""
+        if self.gemm_plan is not None:
+            return self.packed
+        if kernel not in ("auto", *gemm_select.KERNELS):
+            raise ValueError(f"GEMM kernel must be 'auto' or one of {gemm_select.KERNELS}, "
+                             f"got {kernel!r}")
+        device = self.embed_tokens.device
+        if device.type != "cpu" or not self.layers:
             return False
+        if not onednn_available(self.dtype, device):
+            kernel = "dense"
+        elif kernel == "auto" and self.dtype != torch.float32:
+            # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
+            # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
+            kernel = "onednn"
+        plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
+        return self.apply_gemm_plan(plan)
+
+    def apply_gemm_plan(self, plan: GemmPlan) -> bool:
+        """Re-lay the weights out as `plan` says and bind its kernels (see pack_weights)."""
+        if any(plan.uses(p, "onednn") for p in (*_PROJS, "head")) and \
+                not onednn_available(self.dtype, self.embed_tokens.device):
+            raise ValueError(f"oneDNN cannot pack {self.dtype} weights on this machine")
         for layer in self.layers:
-            layer.pack_weights()
-        if self.lm_head is not None:
-            self.lm_head = nn.Parameter(_onednn_pack(self.lm_head), requires_grad=False)
-        else:
-            self._packed_head = _onednn_pack(self.embed_tokens)
-        self._logits_linear = _onednn_linear
-        self.packed = True
-        return True
+            layer.set_gemm_plan(plan)
+        head_dense = self.lm_head if self.lm_head is not None else self.embed_tokens
+        head_packed = _onednn_pack(head_dense) if plan.uses("head", "onednn") else None
+        if self.lm_head is not None and not plan.uses("head", "dense"):
+            self.lm_head = None  # the packed copy is the head now
+        self._head_ops = [
+            (_onednn_linear, head_packed) if k == "onednn" else (_dense_linear, head_dense)
+            for k in plan.kernels["head"]]
+        self.gemm_plan = plan
+        self.packed = any("onednn" in ks for ks in plan.kernels.values())
+        if plan.source != "forced":
+            logger.info("GEMM kernels (%s; %s, %s, %d threads; row buckets %s): %s",
+                        plan.source, cpu_info().model_name, str(self.dtype).split(".")[-1],
+                        torch.get_num_threads(), "/".join(gemm_select.BUCKET_LABELS),
+                        plan.describe())
+        return self.packed
+
+    def _measure_gemms(self) -> GemmPlan:
+        """Time the candidates on layer 0's weights and the LM head (or read the cache)."""
+        c, layer = self.config, self.layers[0]
+        h = c.hidden_size
+        factories = layer.gemm_candidates()
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
+        p = {"dtype": self.dtype, "device": head.device}
+
+        def head_run(kind: str) -> gemm_select.RunFactory:
+            def make(rows: int) -> Callable[[], object]:
+                x = torch.randn(rows, h, **p)
+                if kind == "onednn":
+                    return lambda: _onednn_linear(x, packed_head, None)
+                return lambda: _dense_linear(x, head, None)
+            return make
+
+        factories["head"] = {k: head_run(k) for k in factories["qkv"]}
+        qkv = c.q_size + 2 * c.kv_size
+        shapes = {"qkv": (qkv, h), "o": (h, c.q_size), "mlp": (2 * c.intermediate_size, h),
+                  "down": (h, c.intermediate_size), "head": (c.vocab_size, h)}
+        # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows
+        max_bucket = {k: len(gemm_select.BUCKETS) - 1 for k in shapes}
+        max_bucket["head"] = gemm_select.bucket_of(128)
+        key = gemm_select.cache_key(str(self.dtype).split(".")[-1], torch.get_num_threads(),
+                                    shapes, torch.__version__)
+        with torch.inference_mode():
+            return gemm_select.choose(key, factories, max_bucket)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
-        """Run each packed GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
-        LM head up to max_logit_rows), smallest first, while the FLOPs spent stay under
-        `max_flops`; returns how many row counts were warmed (0 without packed weights).
+        """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
+        LM head up to max_logit_rows) in the buckets the GEMM plan runs through oneDNN,
+        smallest first, while the FLOPs spent stay under `max_flops`; returns how many row
+        counts were warmed (0 without packed weights).
 
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
         hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
-        the same shapes, so one layer is enough."""
+        the same shapes, so one layer is enough. (The dense kernels, MKL, compile nothing.)"""
         if not self.packed or not self.layers:
             return 0
         c, layer = self.config, self.layers[0]
+        kernels = self.gemm_plan.kernels
         h, inter = c.hidden_size, c.intermediate_size
         qkv = c.q_size + 2 * c.kv_size
         per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
@@ -349,15 +513,21 @@ class CausalLM(nn.Module):
         spent, warmed = 0.0, 0
         with torch.inference_mode():
             for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
-                cost = rows * (per_row + (2 * h * c.vocab_size if rows <= max_logit_rows else 0))
+                b = gemm_select.bucket_of(rows)
+                head = rows <= max_logit_rows and kernels["head"][b] == "onednn"
+                body = any(kernels[p][b] == "onednn" for p in _PROJS)
+                if not (head or body):
+                    continue
+                cost = rows * ((per_row if body else 0) + (2 * h * c.vocab_size if head else 0))
                 if spent + cost > max_flops:
                     break
                 x = torch.zeros(rows, h, **zeros)
-                layer._linear(x, layer.qkv_proj, layer.qkv_bias)
-                layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,
-                                  layer.o_bias)
-                layer._linear_add(layer._swiglu(x), x, layer.down_proj, layer.down_bias)
-                if rows <= max_logit_rows:
+                if body:
+                    ops = layer._ops[b]
+                    ops.qkv(x)
+                    ops.o_add(torch.zeros(rows, c.q_size, **zeros), x)
+                    ops.down_add(ops.mlp(x), x)
+                if head:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
@@ -368,8 +538,9 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
+        bucket = gemm_select.bucket_of(hidden.shape[0])
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin, attn)
+            hidden = layer(hidden, cos_sin, attn, bucket)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def use_triton_ops(self) -> None:
@@ -382,10 +553,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        if self.lm_head is not None:
-            weight = self.lm_head
-        elif self._packed_head is not None:
-            weight = self._packed_head
-        else:
-            weight = self.embed_tokens
-        return self._logits_linear(hidden, weight, None).float()
+        if self._head_ops:
+            fn, weight = self._head_ops[gemm_select.bucket_of(hidden.shape[0])]
+            return fn(hidden, weight, None).float()
+        weight = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return _dense_linear(hidden, weight, None).float()

@@ -9,6 +9,7 @@ intermediate concatenations are built.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +48,14 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
-               pack_weights: bool = True) -> tuple[CausalLM, ModelConfig]:
+               pack_weights: bool = True, gemm: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`; raises ValueError on any
     problem with the checkpoint, naming the file or tensor at fault.
 
-    With `pack_weights` (the default) the projections are re-laid out for oneDNN where the CPU
-    and dtype allow it (see `CausalLM.pack_weights`); the logits are the same up to float
-    rounding either way."""
+    With `pack_weights` (the default) each projection gets the GEMM kernel that measures
+    fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn" or
+    "dense", default $KVSERVE_GEMM or "auto"); the logits are the same up to float rounding
+    either way. Without it every GEMM stays dense (F.linear)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
@@ -74,7 +76,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
     if pack_weights:
-        model.pack_weights()
+        model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"))
     return model, config
 
 
