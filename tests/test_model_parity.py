@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,40 @@ def test_auto_dtype_follows_config(tmp_path):
     assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     model32, _ = load_model(tmp_path, dtype="float32")
     assert next(model32.parameters()).dtype == torch.float32
+
+
+def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
+    """dtype="auto" keeps a bf16 checkpoint in bf16 only where the CPU has bf16 instructions;
+    without them it runs in float32 (and matches transformers' float32 logits), and an
+    explicit bfloat16 there is honoured with a warning that states the measured cost."""
+    import logging
+
+    from kvserve.model import loader
+    from kvserve.model.cpu_features import CpuInfo
+
+    build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)
+    hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    monkeypatch.setattr(loader, "cpu_info", lambda: CpuInfo("test CPU", frozenset({"avx2"}), 2))
+    logger = logging.getLogger("kvserve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            model, config = load_model(tmp_path)
+            assert next(model.parameters()).dtype == torch.float32
+            ids = token_ids(7, 8)
+            diff = (kv_logits(model, config, ids) - hf_logits(hf32, ids)).abs().max().item()
+            assert diff < ATOL
+            model16, _ = load_model(tmp_path, dtype="bfloat16")
+            assert next(model16.parameters()).dtype == torch.bfloat16
+    finally:
+        logger.removeHandler(caplog.handler)
+    # (a set: the record may reach caplog twice, through its handler and the root logger)
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
+    assert len(warnings) == 1, warnings
+    assert re.search(r"takes [0-9.]+x as long as in float32 here", warnings.pop())
+    monkeypatch.setattr(loader, "cpu_info",
+                        lambda: CpuInfo("test CPU", frozenset({"avx512_bf16"}), 2))
+    assert next(load_model(tmp_path)[0].parameters()).dtype == torch.bfloat16
 
 
 def test_sharded_checkpoint(tmp_path):
