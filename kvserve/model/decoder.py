@@ -462,11 +462,13 @@ class CausalLM(nn.Module):
                         plan.describe())
         return self.packed
 
-    def _measure_gemms(self) -> GemmPlan:
-        """Time the candidates on layer 0's weights and the LM head (or read the cache)."""
-        c, layer = self.config, self.layers[0]
-        h = c.hidden_size
-        factories = layer.gemm_candidates()
+    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+        """projection -> kernel -> factory(rows) -> run-once callable, on layer 0's weights
+        and the LM head (oneDNN-packed copies made here): what `gemm_select` times, and what
+        benchmarks time for the machine's GEMM ceiling. Needs the dense weights (before
+        `pack_weights`, or with kernel "dense")."""
+        h = self.config.hidden_size
+        factories = self.layers[0].gemm_candidates()
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
         p = {"dtype": self.dtype, "device": head.device}
@@ -480,6 +482,13 @@ class CausalLM(nn.Module):
             return make
 
         factories["head"] = {k: head_run(k) for k in factories["qkv"]}
+        return factories
+
+    def _measure_gemms(self) -> GemmPlan:
+        """Time the candidates on layer 0's weights and the LM head (or read the cache)."""
+        c = self.config
+        h = c.hidden_size
+        factories = self.gemm_candidates()
         qkv = c.q_size + 2 * c.kv_size
         shapes = {"qkv": (qkv, h), "o": (h, c.q_size), "mlp": (2 * c.intermediate_size, h),
                   "down": (h, c.intermediate_size), "head": (c.vocab_size, h)}
