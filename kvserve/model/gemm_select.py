@@ -74,7 +74,7 @@ class GemmPlan:
         """e.g. 'qkv dense/dense/onednn/onednn/onednn; o dense; ...' (one kernel per bucket of
         BUCKET_LABELS where they differ)."""
         return "; ".join(f"{p} {'/'.join(ks) if len(set(ks)) > 1 else ks[0]}"
-                         for p, ks in self.kernels.items())
+                         for p in PROJECTIONS for ks in [self.kernels[p]])
 
 
 def forced_plan(kernel: str) -> GemmPlan:
