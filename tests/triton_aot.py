@@ -38,13 +38,13 @@ for dt in ("bf16", "fp32"):
     types.update(ints(["stride_kt","stride_kh","stride_vt","stride_vh","stride_kcb","stride_kcs","stride_kch","stride_vcb","stride_vcs","stride_vch"]))
     build(tk._store_kv_kernel, types, dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, BLOCK_SIZE=16), f"store {dt}")
     for lens_t in ("*i32", "*i64"):
-        types = {"q_ptr": f"*{dt}", "k_cache": f"*{dt}", "v_cache": f"*{dt}", "tables": "*i32", "seq_lens": lens_t, "mid_o": "*fp32", "mid_lse": "*fp32", "qk_scale": "fp32"}
+        types = {"q_ptr": f"*{dt}", "k_cache": f"*{dt}", "v_cache": f"*{dt}", "tables": "*i32", "seq_lens": lens_t, "mid_o": "*fp32", "mid_lse": "*fp32", "qk_scale": "fp32", "window": "i32"}
         types.update(ints(["stride_qt","stride_qh","stride_kcb","stride_kcs","stride_kch","stride_vcb","stride_vcs","stride_vch","stride_tb","stride_mob","stride_moh","stride_mos","stride_mlb","stride_mlh"]))
         build(tk._decode_split_kernel, types, dict(GROUP=7, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BLOCK_SIZE=16, NUM_SPLITS=8, IEEE=ieee), f"decode {dt} lens {lens_t}")
     types = {"mid_o": "*fp32", "mid_lse": "*fp32", "out_ptr": f"*{dt}"}
     types.update(ints(["stride_mob","stride_moh","stride_mos","stride_mlb","stride_mlh","stride_ot","stride_oh"]))
     build(tk._decode_merge_kernel, types, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8), f"merge {dt}")
-    types = {"q_ptr": f"*{dt}", "k_cache": f"*{dt}", "v_cache": f"*{dt}", "out_ptr": f"*{dt}", "tables": "*i32", "q_starts": "*i32", "q_lens": "*i32", "seq_lens": "*i32", "qk_scale": "fp32"}
+    types = {"q_ptr": f"*{dt}", "k_cache": f"*{dt}", "v_cache": f"*{dt}", "out_ptr": f"*{dt}", "tables": "*i32", "q_starts": "*i32", "q_lens": "*i32", "seq_lens": "*i32", "qk_scale": "fp32", "window": "i32"}
     types.update(ints(["stride_qt","stride_qh","stride_ot","stride_oh","stride_kcb","stride_kcs","stride_kch","stride_vcb","stride_vcs","stride_vch","stride_tb"]))
     build(tk._extend_kernel, types, dict(GROUP=7, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64 if dt != "fp32" else 32, BLOCK_SIZE=16, IEEE=ieee), f"extend {dt}")
     types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "eps": "fp32"}

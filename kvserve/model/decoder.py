@@ -1,4 +1,10 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3 and Mistral.
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text).
+
+Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
+sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weight, so the norm
+code is shared), the attention and MLP outputs normed before their residual adds, per-head q/k
+norms (as Qwen3), a GELU-tanh gate, the attention scale from `query_pre_attn_scalar`, a RoPE base
+per layer type (local and global layers), and tanh soft-capping of the final logits.
 
 The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
 dimension and no padding. Everything that depends on which sequence a token belongs to (the
@@ -8,13 +14,15 @@ Layout, chosen for the CPU hot path:
   * q, k and v projections are one matrix `qkv_proj` ([q; k; v] rows), gate and up are one
     matrix `gate_up_proj` ([gate; up] rows), so each layer runs four GEMMs;
   * the residual add is folded into the o_proj and down_proj GEMMs (`addmm_` with beta=1 writes
-    straight into the residual stream, or oneDNN's "add" post-op, below);
+    straight into the residual stream, or oneDNN's "add" post-op, below), except with Gemma's
+    output norms, which sit between the GEMM and the add;
   * RoPE uses Hugging Face's rotate-half convention (the first half of each head pairs with the
     second half), with cos/sin precomputed once in float32 and gathered once per step;
   * on the CPU `CausalLM.pack_weights()` (called by the loader) gives each projection and the
     LM head the GEMM kernel that measures fastest on this CPU for each row bucket
     (gemm_select.py): `F.linear` (MKL in float32) or oneDNN on weights packed in its blocked
-    layout with SiLU, the SwiGLU product and the residual add as fused epilogues. Which wins
+    layout with the gate's SiLU (or GELU-tanh), the gated product and the residual add as
+    fused epilogues. Which wins
     depends on the CPU and the batch: on a Zen 5 oneDNN was ~2x faster at every size; on an
     AVX-512 Xeon MKL wins at batch 1; on an AVX2 EPYC oneDNN loses at batch 1 and wins at
     batch 64 for some shapes.
@@ -59,12 +67,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if weight is None else y.mul_(weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None,
+                  scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling;
+    the config's (full layers') RoPE unless `theta` (and `scaling`) are given."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta
-                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -81,16 +91,44 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(theta, dim, factor, scaling)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
 
 
-def rope_cache(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN (DeepSeek's rope_scaling): interpolated frequencies below the correction range,
+    extrapolated above, a linear ramp between; transformers' `_compute_yarn_parameters`."""
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling["original_max_position_embeddings"]
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def rope_cache(config: ModelConfig, device: torch.device | str | None = None,
+               theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
     """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
-    second, computed in float32 exactly as transformers computes them per step."""
-    inv_freq = rope_inv_freq(config)
+    second, computed in float32 exactly as transformers computes them per step (times YaRN's
+    attention factor, as transformers scales its cos/sin)."""
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = rope_inv_freq(config, theta, scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    attention_factor = (scaling or {}).get("attention_factor", 1.0)
+    if attention_factor != 1.0:
+        cache = cache * attention_factor
     return cache if device is None else cache.to(device)
 
 
@@ -197,7 +235,13 @@ class DecoderLayer(nn.Module):
             if c.qk_norm else None
         self.o_proj = _param(h, c.q_size, **p)
         self.o_bias = _param(h, **p) if c.o_proj_bias else None
+        # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
+        # pre_feedforward_layernorm).
         self.post_attention_layernorm = _param(h, **p)
+        # Gemma 3: norms of the attention and MLP outputs, before their residual adds.
+        self.attn_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.mlp_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
         self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
         self.down_proj = _param(h, c.intermediate_size, **p)
@@ -215,7 +259,7 @@ class DecoderLayer(nn.Module):
 
         self._norm = gpu_ops.rms_norm
         self._rope = gpu_ops.apply_rope
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None and not self.gelu:
             self._swiglu = self._swiglu_triton
 
     def _swiglu_triton(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,6 +314,21 @@ class DecoderLayer(nn.Module):
             if not plan.uses(proj, "dense"):
                 setattr(self, name, None)
 
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs of this layer's projections per token (for the warm-up's budget)."""
+        h = self.input_layernorm.shape[0]
+        qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
+        return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
+
+    def warm_up_gemms(self, x: torch.Tensor, bucket: int) -> None:
+        """Run each projection of row bucket `bucket` once on zeros x [rows, hidden] (compiles
+        its oneDNN kernel; a dense one compiles nothing and costs little)."""
+        ops = self._ops[bucket]
+        ops.qkv(x)
+        zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
+        ops.o_add(zeros, x.clone())
+        ops.down_add(ops.mlp(x), x.clone())
+
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place.
@@ -291,20 +350,36 @@ class DecoderLayer(nn.Module):
             hidden = ops.o_add(o, hidden)
             x = self._norm(hidden, self.post_attention_layernorm, self.eps)
             return ops.down_add(ops.mlp(x), hidden)
-        hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        if self.attn_out_norm is None:
+            hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        else:
+            o = self._linear(o, self.o_proj, self.o_bias)
+            hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
         x = self._norm(hidden, self.post_attention_layernorm, self.eps)
-        return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        if self.mlp_out_norm is None:
+            return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        m = self._linear(self._swiglu(x), self.down_proj, self.down_bias)
+        return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
-        act = F.silu(gate_up[:, : self.intermediate_size])
-        return act.mul_(gate_up[:, self.intermediate_size:])
+        """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
+        return _gated(self._linear(x, self.gate_up_proj, self.gate_up_bias),
+                      self.intermediate_size, self.gelu)
+
+
+def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
+    """[T, 2i] gate | up -> act(gate) * up, act SiLU or (Gemma) GELU-tanh; reuses the gate."""
+    gate = gate_up[:, :i]
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return act.mul_(gate_up[:, i:])
+
 
 
 @dataclass
 class _LayerOps:
     """One layer's four projections for one row bucket: qkv(x), o_add(x, residual),
-    mlp(x) (gate/up + SwiGLU), down_add(x, residual)."""
+    mlp(x) (gate/up + the gated activation), down_add(x, residual). With Gemma's output norms
+    the adds are residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
 
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -313,6 +388,20 @@ class _LayerOps:
 
 
 _PROJS = ("qkv", "o", "mlp", "down")
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                     torch.Tensor]
+
+
+def _output_add(linear: Linear, linear_add: LinearAdd, w: torch.Tensor, b: torch.Tensor | None,
+                out_norm: torch.Tensor | None, eps: float
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(x, residual) -> residual + x W^T + b, the add fused into the GEMM; with an output norm
+    (Gemma 3) residual + out_norm(x W^T + b): GEMM, then norm, then add."""
+    if out_norm is None:
+        return lambda x, r: linear_add(x, r, w, b)
+    return lambda x, r: r.add_(rms_norm(linear(x, w, b), out_norm, eps))
 
 
 def _dense_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
@@ -323,32 +412,31 @@ def _dense_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str
         qkv_w, qkv_b = layer.qkv_proj, layer.qkv_bias
         ops["qkv"] = lambda x: F.linear(x, qkv_w, qkv_b)
     if "o" in projs:
-        o_w, o_b = layer.o_proj, layer.o_bias
-        ops["o"] = lambda x, r: _dense_linear_add(x, r, o_w, o_b)
+        ops["o"] = _output_add(_dense_linear, _dense_linear_add, layer.o_proj, layer.o_bias,
+                               layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
         gu_w, gu_b, i = layer.gate_up_proj, layer.gate_up_bias, layer.intermediate_size
+        gelu = layer.gelu
 
-        def mlp(x: torch.Tensor) -> torch.Tensor:
-            gate_up = F.linear(x, gu_w, gu_b)
-            return F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
-
-        ops["mlp"] = mlp
+        ops["mlp"] = lambda x: _gated(F.linear(x, gu_w, gu_b), i, gelu)
     if "down" in projs:
-        d_w, d_b = layer.down_proj, layer.down_bias
-        ops["down"] = lambda x, r: _dense_linear_add(x, r, d_w, d_b)
+        ops["down"] = _output_add(_dense_linear, _dense_linear_add, layer.down_proj,
+                                  layer.down_bias, layer.mlp_out_norm, layer.eps)
     return ops
 
 
 def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
-    """oneDNN on packed copies of the weights (made here), SwiGLU and residual adds fused as
-    epilogues, for `projs` only."""
+    """oneDNN on packed copies of the weights (made here), for `projs` only: the gate's
+    activation (SiLU, or Gemma's GELU-tanh: oneDNN's "gelu" with the "tanh" algorithm) and the
+    product with up fused as GEMM epilogues, and the residual adds too where no output norm
+    sits between GEMM and add."""
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
         qkv_w, qkv_b = _onednn_pack(layer.qkv_proj), layer.qkv_bias
         ops["qkv"] = lambda x: _onednn_linear(x, qkv_w, qkv_b)
     if "o" in projs:
-        o_w, o_b = _onednn_pack(layer.o_proj), layer.o_bias
-        ops["o"] = lambda x, r: _onednn_linear_add(x, r, o_w, o_b)
+        ops["o"] = _output_add(_onednn_linear, _onednn_linear_add, _onednn_pack(layer.o_proj),
+                               layer.o_bias, layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
         i = layer.intermediate_size
         gate_w = _onednn_pack(layer.gate_up_proj[:i])
@@ -356,19 +444,21 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
         bias = layer.gate_up_bias
         gate_b = None if bias is None else bias[:i].contiguous()
         up_b = None if bias is None else bias[i:].contiguous()
+        act, algorithm = ("gelu", "tanh") if layer.gelu else ("swish", "")
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
             t = x.shape[0]
             rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
             if rows != t:
                 x = _pad_rows(x, rows)
-            gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, "swish", [], "")
+            gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, act, [], algorithm)
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul")[:t]
 
         ops["mlp"] = mlp
     if "down" in projs:
-        d_w, d_b = _onednn_pack(layer.down_proj), layer.down_bias
-        ops["down"] = lambda x, r: _onednn_linear_add(x, r, d_w, d_b)
+        ops["down"] = _output_add(_onednn_linear, _onednn_linear_add,
+                                  _onednn_pack(layer.down_proj), layer.down_bias,
+                                  layer.mlp_out_norm, layer.eps)
     return ops
 
 
@@ -399,17 +489,34 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
+        # Layers whose RoPE differs from the full layers' (Gemma 3's local layers) use a second
+        # table; layer i uses table self._rope_of_layer[i].
+        self._rope_of_layer = [0] * config.num_hidden_layers
+        local = None
+        if config.sliding_rope_theta is not None:
+            local = rope_cache(config, device, config.sliding_rope_theta,
+                               config.sliding_rope_scaling)
+            self._rope_of_layer = [int(w is not None) for w in config.windows]
+        self.register_buffer("rope_cos_sin_local", local, persistent=False)
+        self._embed_scale = config.embed_scale
+        self._softcap = config.final_logit_softcapping
         self.packed = False  # whether any GEMM runs on oneDNN-packed weights
         self.gemm_plan: GemmPlan | None = None  # set by pack_weights
         # per gemm_select bucket: (GEMM function, weight) of the LM head
         self._head_ops: list[tuple[Callable, torch.Tensor]] = []
         self._norm = rms_norm
+
+    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                   device: torch.device | str | None) -> nn.Module:
+        """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
+        `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
+        return DecoderLayer(config, index, dtype, device)
 
     def pack_weights(self, kernel: str = "auto") -> bool:
         """Choose the GEMM kernel of every projection and the LM head per row bucket and
@@ -509,15 +616,16 @@ class CausalLM(nn.Module):
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
-        hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
-        the same shapes, so one layer is enough. (The dense kernels, MKL, compile nothing.)"""
+        hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
+        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough.
+        (The dense kernels, MKL, compile nothing.)"""
         if not self.packed or not self.layers:
             return 0
-        c, layer = self.config, self.layers[0]
+        c = self.config
+        h = c.hidden_size
         kernels = self.gemm_plan.kernels
-        h, inter = c.hidden_size, c.intermediate_size
-        qkv = c.q_size + 2 * c.kv_size
-        per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        layers = self.warm_up_layers()
+        per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
@@ -532,24 +640,30 @@ class CausalLM(nn.Module):
                     break
                 x = torch.zeros(rows, h, **zeros)
                 if body:
-                    ops = layer._ops[b]
-                    ops.qkv(x)
-                    ops.o_add(torch.zeros(rows, c.q_size, **zeros), x)
-                    ops.down_add(ops.mlp(x), x)
+                    for layer in layers:
+                        layer.warm_up_gemms(x, b)
                 if head:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
         return warmed
 
+    def warm_up_layers(self) -> list[nn.Module]:
+        """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
+        return [self.layers[0]]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
+        if self._embed_scale is not None:  # in the weights' dtype, as transformers scales
+            hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
+        tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
+        if self.rope_cos_sin_local is not None:
+            tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
         bucket = gemm_select.bucket_of(hidden.shape[0])
-        for layer in self.layers:
-            hidden = layer(hidden, cos_sin, attn, bucket)
+        for layer, rope in zip(self.layers, self._rope_of_layer):
+            hidden = layer(hidden, tables[rope], attn, bucket)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def use_triton_ops(self) -> None:
@@ -564,6 +678,10 @@ class CausalLM(nn.Module):
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         if self._head_ops:
             fn, weight = self._head_ops[gemm_select.bucket_of(hidden.shape[0])]
-            return fn(hidden, weight, None).float()
-        weight = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return _dense_linear(hidden, weight, None).float()
+        else:
+            fn, weight = _dense_linear, self.lm_head if self.lm_head is not None \
+                else self.embed_tokens
+        logits = fn(hidden, weight, None).float()
+        if self._softcap is not None:
+            logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
+        return logits

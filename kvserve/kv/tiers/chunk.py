@@ -49,16 +49,20 @@ class ChunkIdentity:
     head_dim: int
     block_size: int
     chunk_size: int
+    tensors_per_layer: int = 2  # K and V; 1 for MLA's latent vector (then heads 1, its width)
 
     @cached_property
     def digest(self) -> str:
         fields = (self.model, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
                   self.block_size, self.chunk_size, FORMAT_VERSION)
+        if self.tensors_per_layer != 2:  # (keys of K/V chunks stay what they were)
+            fields += (self.tensors_per_layer,)
         return xxhash.xxh3_64_hexdigest(json.dumps(fields).encode())
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.tensors_per_layer, self.chunk_size, self.num_kv_heads,
+                self.head_dim)
 
     @property
     def chunk_bytes(self) -> int:

@@ -6,6 +6,12 @@ would pay page faults on every layer of every step) and one SDPA call with an ad
 mask. Prefill chunks run one SDPA call each: with no cached context the new K/V are used as they
 are (plain causal attention), otherwise the context blocks are gathered and a causal mask offset
 by the context length is applied.
+
+Sliding-window layers (`AttentionBackend.windows`) get their own gather indices and masks, built
+once per step for each distinct window: only the blocks that hold a position some query of the
+step can see are gathered (so a windowed layer reads about W tokens, not the whole context, and
+never a block older than its window), and the mask also hides keys more than W - 1 positions
+behind their query.
 """
 
 from __future__ import annotations
@@ -17,18 +23,24 @@ import torch.nn.functional as F
 
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                          first_visible)
 
 
 @dataclass
 class _PrefillPlan:
     seq: SequenceSlice
-    gather_index: torch.Tensor | None  # block ids covering seq_len; None when no context
-    mask: torch.Tensor | None  # [query_len, padded_len] bool, True = attend
+    # Block ids from the first block a query can see up to seq_len; None: no context, the new
+    # K/V are used as they are.
+    gather_index: torch.Tensor | None
+    # [query_len, gathered_len] bool, True = attend; None with no context and causal alone.
+    mask: torch.Tensor | None
 
 
 @dataclass
-class _StepState:
+class _WindowState:
+    """A step's gather indices and masks for the layers of one window (None = full)."""
+
     prefills: list[_PrefillPlan]
     decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
@@ -36,6 +48,11 @@ class _StepState:
     # Paged-kernel hook (cpu_paged.py): block tables [num_decodes, max_blocks] and lengths
     # [num_decodes], set instead of decode_index / decode_mask when the kernel runs.
     paged: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class _StepState:
+    by_window: dict[int | None, _WindowState]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -55,39 +72,53 @@ class TorchAttentionBackend(AttentionBackend):
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
-        prefills = [self._plan_prefill(seq) for seq in meta.prefills]
-        if not meta.decodes:
-            return _StepState(prefills, None, None, 0)
-        bs = self.block_size
-        if self.paged_kernel is not None:  # paged kernel hook
-            return _StepState(prefills, None, None, 0, cpu_paged.decode_tables(meta.decodes, bs))
-        max_blocks = max(len(s.block_table[: _ceil_div(s.seq_len, bs)]) for s in meta.decodes)
-        table = torch.zeros(len(meta.decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(meta.decodes):
-            blocks = s.block_table[: _ceil_div(s.seq_len, bs)]
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
-        positions = torch.arange(max_blocks * bs)
-        mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=torch.float32)
-        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        self._ensure_scratch(len(meta.decodes) * max_blocks)
-        return _StepState(prefills, table.view(-1), mask, max_blocks)
+        return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)})
 
-    def _plan_prefill(self, seq: SequenceSlice) -> _PrefillPlan:
+    def _prepare_window(self, meta: AttentionMetadata, window: int | None) -> _WindowState:
+        prefills = [self._plan_prefill(seq, window) for seq in meta.prefills]
+        if not meta.decodes:
+            return _WindowState(prefills, None, None, 0)
+        bs = self.block_size
+        if self.paged_kernel is not None and window is None:  # paged kernel hook (full layers)
+            return _WindowState(prefills, None, None, 0, cpu_paged.decode_tables(meta.decodes, bs))
+        spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
+        max_blocks = max(last - first for first, last in spans)
+        # Short rows are padded with their own last block (masked out): a padding entry never
+        # points at a block the sequence does not hold.
+        table = torch.tensor([s.block_table[first:last]
+                              + [s.block_table[last - 1]] * (max_blocks - last + first)
+                              for s, (first, last) in zip(meta.decodes, spans)],
+                             dtype=torch.long)
+        lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
+        firsts = torch.tensor([first_visible(s.seq_len - 1, window) for s in meta.decodes],
+                              dtype=torch.long)
+        key_pos = torch.tensor([first * bs for first, _ in spans], dtype=torch.long)[:, None] \
+            + torch.arange(max_blocks * bs)[None, :]
+        hidden = (key_pos >= lens[:, None]) | (key_pos < firsts[:, None])
+        mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=torch.float32)
+        mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        self._ensure_scratch(len(meta.decodes) * max_blocks)
+        return _WindowState(prefills, table.view(-1), mask, max_blocks)
+
+    def _plan_prefill(self, seq: SequenceSlice, window: int | None) -> _PrefillPlan:
         context = seq.seq_len - seq.query_len
         if context == 0:
-            return _PrefillPlan(seq, None, None)
-        bs = self.block_size
-        blocks = seq.block_table[: _ceil_div(seq.seq_len, bs)]
-        padded = len(blocks) * bs
-        q_pos = torch.arange(context, seq.seq_len)[:, None]
-        k_pos = torch.arange(padded)[None, :]
-        return _PrefillPlan(seq, torch.tensor(blocks, dtype=torch.long), k_pos <= q_pos)
+            if window is None or seq.query_len <= window:
+                return _PrefillPlan(seq, None, None)  # plain causal over the new tokens
+            pos = torch.arange(seq.query_len)
+            return _PrefillPlan(seq, None, _window_mask(pos, pos, window))
+        first, last = _block_span(context, seq.seq_len, window, self.block_size)
+        blocks = seq.block_table[first:last]
+        q_pos = torch.arange(context, seq.seq_len)
+        k_pos = torch.arange(first * self.block_size, last * self.block_size)
+        return _PrefillPlan(seq, torch.tensor(blocks, dtype=torch.long),
+                            _window_mask(q_pos, k_pos, window))
 
     # -- per layer --------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, state: _StepState) -> torch.Tensor:
+                meta: AttentionMetadata, step: _StepState) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
+        state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
@@ -114,7 +145,8 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.gather_index is None:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask,
+                                               is_causal=plan.mask is None, scale=self.scale,
                                                enable_gqa=True)
         else:
             hkv, d = self._num_kv_heads, self._head_dim
@@ -125,7 +157,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                state: _StepState) -> torch.Tensor:
+                state: _WindowState) -> torch.Tensor:
         n = q.shape[0]
         hkv, d = self._num_kv_heads, self._head_dim
         rows = state.decode_index.numel()
@@ -155,3 +187,18 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _block_span(first_query: int, seq_len: int, window: int | None, block_size: int
+                ) -> tuple[int, int]:
+    """[first, last) indices into a block table: the blocks holding a key that some query at
+    positions >= `first_query` can see, up to the end of a sequence of `seq_len` tokens."""
+    return first_visible(first_query, window) // block_size, _ceil_div(seq_len, block_size)
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool, True = attend: causal, and within the window if any."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    return visible

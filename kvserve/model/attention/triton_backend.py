@@ -108,17 +108,20 @@ class TritonAttentionBackend(AttentionBackend):
         """Store k/v, then attention for the prefill rows and the decode tail. Depends only on
         `state` (no host metadata), so the CUDA-graph runner can capture it."""
         k_cache, v_cache = self.kv_caches[layer_idx]
+        window = self.windows[layer_idx]
         tk.store_kv(k, v, k_cache, v_cache, state.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         p = state.prefill
         if p is not None:
             tk.extend_attention(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens,
-                                p.seq_lens, p.max_query_len, self.scale, out=out)
+                                p.seq_lens, p.max_query_len, self.scale, out=out,
+                                window=window)
         d = state.decode
         if d is not None:
             start = 0 if p is None else p.num_tokens
             tk.decode_attention(q[start:], k_cache, v_cache, d.block_tables, d.seq_lens,
-                                self.scale, out=out[start:], num_splits=d.num_splits)
+                                self.scale, out=out[start:], num_splits=d.num_splits,
+                                window=window)
         return out
 
     # -- block copies -------------------------------------------------------------------------
