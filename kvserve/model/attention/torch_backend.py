@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.tensors import KVTensorPool
+from kvserve.model.attention import cpu_paged
 from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                           first_visible)
 
@@ -44,6 +45,9 @@ class _WindowState:
     decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
     decode_max_blocks: int
+    # Paged-kernel hook (cpu_paged.py): block tables [num_decodes, max_blocks] and lengths
+    # [num_decodes], set instead of decode_index / decode_mask when the kernel runs.
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -59,6 +63,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._head_dim = k0.shape[3]
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
+        # --- paged decode kernel hook: decodes read the cache in place (cpu_paged.py) when the
+        # cache is unquantized float32/bfloat16; otherwise (or without a compiler) the gather
+        # path below. Setting `paged_kernel = None` forces the gather path.
+        self.paged_kernel = None
+        if cpu_paged.PagedDecodeKernel.supports(k0):
+            self.paged_kernel = cpu_paged.load_kernel()
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
@@ -69,6 +79,8 @@ class TorchAttentionBackend(AttentionBackend):
         if not meta.decodes:
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
+        if self.paged_kernel is not None and window is None:  # paged kernel hook (full layers)
+            return _WindowState(prefills, None, None, 0, cpu_paged.decode_tables(meta.decodes, bs))
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
         # Short rows are padded with their own last block (masked out): a padding entry never
@@ -114,7 +126,15 @@ class TorchAttentionBackend(AttentionBackend):
         for plan in state.prefills:
             rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan)
-        if state.decode_index is not None:
+        if state.paged is not None:  # paged kernel hook
+            start = meta.num_prefill_tokens
+            dst = out[start:]
+            direct = dst.dtype == torch.float32 and dst.is_contiguous()
+            o = self.paged_kernel(q[start:], k_cache, v_cache, *state.paged, self.scale,
+                                  out=dst if direct else None)
+            if not direct:
+                dst.copy_(o)
+        elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
         return out
