@@ -24,7 +24,8 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec, kv_dtype_name
+from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
+                             kv_dtype_name, resolve_kv_dtype)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -74,9 +75,11 @@ class LLMEngine:
         config.finalize(self.model_config.max_position_embeddings)
         self.dtype = next(self.model.parameters()).dtype
 
-        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size)
+        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size,
+                                      config.kv_cache_dtype)
         num_blocks = self._num_kv_blocks()
-        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
+        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
+                                    *self._kv_scales(model_dir))
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
                                               self.model_config.head_dim ** -0.5)
         self.tiers = self._make_tiers(model_dir)
@@ -121,6 +124,26 @@ class LLMEngine:
                              "kv_cache_memory_bytes")
         return blocks
 
+    def _kv_scales(self, model_dir: str) -> tuple[torch.Tensor | None, bool]:
+        """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
+        first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
+        storage = self.kv_spec.layer_specs()[0].storage
+        if storage.dtype != "fp8":
+            return None, False
+        from kvserve.model.loader import read_kv_scales
+
+        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
+        if scales is not None:
+            logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
+        elif self.config.calculate_kv_scales:
+            logger.info("fp8 KV cache: scales computed from the first batch "
+                        "(calculate_kv_scales)")
+        else:
+            logger.warning("fp8_e4m3 KV cache without k_scale/v_scale in the checkpoint: "
+                           "using 1.0 (set calculate_kv_scales=True to compute them); "
+                           "accuracy may suffer")
+        return scales, self.config.calculate_kv_scales
+
     def _make_tiers(self, model_dir: str):
         """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
         tier_config = self.config.kv_tier_config
@@ -133,7 +156,9 @@ class LLMEngine:
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
                                  self.tensors.dtype, mc.num_hidden_layers,
                                  mc.num_key_value_heads, mc.head_dim, self.config.block_size,
-                                 tier_config.chunk_size)
+                                 tier_config.chunk_size, kv_format=self.tensors.format_tag(),
+                                 page_bytes=self.tensors.page_bytes if self.tensors.packed
+                                 else None)
         tiers = TieredKVStore(tier_config, identity)
         logger.info("KV storage tiers: %s", ", ".join(
             [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
@@ -508,12 +533,16 @@ class LLMEngine:
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
 
 
-def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in the model's dtype (the
-    planner derives its figures from the same spec classes)."""
+def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
+    the model's dtype; int4 keys grouped by block). The planner derives its figures from the
+    same spec classes."""
     mc = model_config
-    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size)
+    name = resolve_kv_dtype(kv_cache_dtype, kv_dtype_name(dtype))
+    storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
+    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
+                           block_size)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:

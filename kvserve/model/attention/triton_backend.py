@@ -54,6 +54,9 @@ class TritonStepState:
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
+        if pool.quantized:
+            raise ValueError("quantized KV caches (kv_cache_dtype fp8/int8/int4) run on the torch "
+                             "backend only for now")
         k0, v0 = self.kv_caches[0]
         tk.check_kv_cache(k0, v0)
         self.device = k0.device
