@@ -459,14 +459,6 @@ def test_calculated_scales_and_tiers_do_not_mix():
             kv_tier_config={"chunk_size": 32, "local_cpu": True})
 
 
-def test_triton_backend_refuses_quantized_pools_clearly():
-    from kvserve.model.attention.select import make_attention_backend
-
-    pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="torch backend"):
-        make_attention_backend("triton", _pool("int4"), 0.125)
-
-
 def test_ratio_figures_are_consistent():
     """The spec's int4 bytes per token equal the textbook KIVI count for stdlib-coder."""
     cfg = json.loads((MODEL / "config.json").read_text())

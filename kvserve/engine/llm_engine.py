@@ -88,7 +88,9 @@ class LLMEngine:
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
                                  kv_events_capacity=KV_EVENTS_CAPACITY)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
-        if config.device == "cuda" and not config.enforce_eager:
+        if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
+            logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
+        elif config.device == "cuda" and not config.enforce_eager:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
             self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
