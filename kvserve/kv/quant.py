@@ -100,6 +100,29 @@ def dequantize_affine(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype
     return torch.addcmul(s[..., 1:2], c, s[..., 0:1]).reshape(shape)
 
 
+def dequantize_affine_into(out: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> None:
+    """`dequantize_affine` written into `out` (float, codes' shape): one multiply that reads the
+    codes and writes out, one add; no full-size temporaries (a decode step's gather is large)."""
+    groups = sz.shape[-2]
+    width = codes.shape[-1]
+    o = out.view(*out.shape[:-1], groups, width // groups)
+    c = codes.view(*codes.shape[:-1], groups, width // groups)
+    torch.mul(c, sz[..., 0:1].to(out.dtype), out=o)
+    o.add_(sz[..., 1:2].to(out.dtype))
+
+
+def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                         zero: torch.Tensor) -> None:
+    """Unpack and dequantize in one multiply per nibble: out [..., G, W/G] float, packed
+    [..., G, W/(2G)] bytes, scale and zero broadcastable to out (even and odd channels are
+    the low and high nibbles)."""
+    o = out.view(*out.shape[:-1], out.shape[-1] // 2, 2)
+    per_channel = scale.shape[-1] != 1
+    torch.mul(packed & 0x0F, scale[..., 0::2] if per_channel else scale, out=o[..., 0])
+    torch.mul(packed >> 4, scale[..., 1::2] if per_channel else scale, out=o[..., 1])
+    out.add_(zero)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """[..., W] codes in 0..15 -> [..., W/2] bytes: channel 2i in the low nibble, 2i+1 high."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -290,19 +313,25 @@ class KVCodec:
         parts[1].view(-1, h, d).index_copy_(0, slots, v.to(self.dtype))
 
     def load(self, layer: int, parts: tuple[torch.Tensor, ...], blocks: torch.Tensor,
-             dtype: torch.dtype, residual_at: ResidualAt = None
+             dtype: torch.dtype, residual_at: ResidualAt = None,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `blocks`, [len(blocks), bs, H, D] each, in `dtype`. `residual_at` (int4):
+        """K and V of `blocks`, [len(blocks), bs, H, D] each, in `dtype`, written into `out`
+        (two buffers of that shape and dtype) when given. `residual_at` (int4):
         `KIVIResidual.lookup` of the same blocks."""
-        return (parts[0].index_select(0, blocks).to(dtype),
-                parts[1].index_select(0, blocks).to(dtype))
+        if out is None:
+            return (parts[0].index_select(0, blocks).to(dtype),
+                    parts[1].index_select(0, blocks).to(dtype))
+        for part, buf in zip(parts, out):
+            buf.copy_(part.index_select(0, blocks))
+        return out
 
 
 class FP8Codec(KVCodec):
-    quantized = True
-
     """fp8 with a per-layer scale for K and one for V. The pool holds the float8 bytes as uint8
     (PyTorch's CPU index_copy/index_select do not take float8), viewed back to read them."""
+
+    quantized = True
 
     def __init__(self, layer: FullAttentionSpec, block_size: int, scales: KVScales) -> None:
         super().__init__(layer, block_size)
@@ -319,10 +348,16 @@ class FP8Codec(KVCodec):
             part.view(-1, h, d).index_copy_(0, slots,
                                             quantize_fp8(x, scale, self.fp8).view(torch.uint8))
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None):
+    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
         ks, vs = self.scales.get(layer)
-        return (dequantize_fp8(parts[0].index_select(0, blocks).view(self.fp8), ks, dtype),
-                dequantize_fp8(parts[1].index_select(0, blocks).view(self.fp8), vs, dtype))
+        if out is None:
+            return (dequantize_fp8(parts[0].index_select(0, blocks).view(self.fp8), ks, dtype),
+                    dequantize_fp8(parts[1].index_select(0, blocks).view(self.fp8), vs, dtype))
+        for part, buf, scale in zip(parts, out, (ks, vs)):
+            buf.copy_(part.index_select(0, blocks).view(self.fp8))  # the cast is the decode
+            if scale != 1.0:
+                buf.mul_(scale)
+        return out
 
 
 class Int8Codec(KVCodec):
@@ -352,19 +387,30 @@ class Int8Codec(KVCodec):
         sz.view(-1, self.heads, self.groups, 2).index_copy_(0, slots, scales)
 
     def _load_tokens(self, data: torch.Tensor, sz: torch.Tensor, blocks: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         codes = data.index_select(0, blocks)
-        if self.bits == 4:
-            codes = unpack_int4(codes)
-        return dequantize_affine(codes, sz.index_select(0, blocks), dtype)
+        scales = sz.index_select(0, blocks)
+        if out is None:
+            if self.bits == 4:
+                codes = unpack_int4(codes)
+            return dequantize_affine(codes, scales, dtype)
+        if self.bits == 8:
+            dequantize_affine_into(out, codes, scales)
+            return out
+        g = self.groups
+        grouped = out.view(*out.shape[:-1], g, self.head_dim // g)
+        dequantize_int4_into(grouped, codes.view(*codes.shape[:-1], g, -1),
+                             scales[..., 0:1].to(out.dtype), scales[..., 1:2].to(out.dtype))
+        return out
 
     def store(self, layer, parts, k, v, slots, step) -> None:
         self._store_tokens(parts[0], parts[2], k, slots)
         self._store_tokens(parts[1], parts[3], v, slots)
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None):
-        return (self._load_tokens(parts[0], parts[2], blocks, dtype),
-                self._load_tokens(parts[1], parts[3], blocks, dtype))
+    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
+        ko, vo = out if out is not None else (None, None)
+        return (self._load_tokens(parts[0], parts[2], blocks, dtype, ko),
+                self._load_tokens(parts[1], parts[3], blocks, dtype, vo))
 
 
 class Int4KIVICodec(Int8Codec):
@@ -438,10 +484,16 @@ class Int4KIVICodec(Int8Codec):
             dest = torch.tensor([step.tiles[i].dest_row for i in open_], dtype=torch.long)
             rows.index_copy_(0, dest, tiles[torch.tensor(open_)])
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None):
-        kk = self.dequantize_keys(parts[0].index_select(0, blocks),
-                                  parts[2].index_select(0, blocks), dtype)
-        vv = self._load_tokens(parts[1], parts[3], blocks, dtype)
+    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
+        packed, sz = parts[0].index_select(0, blocks), parts[2].index_select(0, blocks)
+        if out is None:
+            kk = self.dequantize_keys(packed, sz, dtype)
+            vv = self._load_tokens(parts[1], parts[3], blocks, dtype)
+        else:
+            kk, vv = out
+            sz = sz.to(dtype).unsqueeze(1)  # [n, 1, H, D, 2]: per channel, every token
+            dequantize_int4_into(kk, packed, sz[..., 0], sz[..., 1])
+            self._load_tokens(parts[1], parts[3], blocks, dtype, vv)
         if residual_at is not None:
             pos, rows = residual_at
             kk[pos.to(kk.device)] = self.residual.tensors[layer].index_select(

@@ -62,6 +62,7 @@ class KVTensorPool:
             heads, width = int4[0].tensors[0]
             self.residual = KIVIResidual(len(specs), spec.block_size, heads, width)
         self.codecs = [make_codec(s, spec.block_size, self.scales, self.residual) for s in specs]
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.quantized = any(c.quantized for c in self.codecs)
 
     @classmethod
@@ -149,8 +150,21 @@ class KVTensorPool:
     def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype, residual_at=None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` [n] (int64), dequantized into `dtype`: [n, block_size, H, D]
-        each. Only these blocks are read: never a dequantized copy of the whole pool."""
-        return self.codecs[layer].load(layer, self.layers[layer], blocks, dtype, residual_at)
+        each. Only these blocks are read: never a dequantized copy of the whole pool. The
+        result lives in two reused buffers (fresh tensors would pay page faults every layer of
+        every step): it is valid until the next `gather`."""
+        codec = self.codecs[layer]
+        shape = (blocks.shape[0], self.block_size, codec.heads, codec.head_dim)
+        out = (self._buffer(0, shape, dtype), self._buffer(1, shape, dtype))
+        return codec.load(layer, self.layers[layer], blocks, dtype, residual_at, out)
+
+    def _buffer(self, which: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        buf = self._buffers.get((which, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._buffers[(which, dtype)] = buf
+        return buf[:numel].view(shape)
 
     # -- whole blocks ------------------------------------------------------------------------
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
