@@ -247,9 +247,8 @@ class KIVIResidual:
         self._release_next = []
         bs = self.block_size
         tiles: list[KeyTile] = []
-        tile_of_token = torch.full((slot_count,), -1, dtype=torch.long)
-        offset_of_token = torch.zeros(slot_count, dtype=torch.long)
-        token = 0
+        tile_of_token: list[int] = []
+        offset_of_token: list[int] = []
         for table, start, end in writes:
             for j in range(start // bs, (end - 1) // bs + 1):
                 lo, hi = max(start, j * bs) - j * bs, min(end, (j + 1) * bs) - j * bs
@@ -264,12 +263,12 @@ class KIVIResidual:
                 else:
                     dest = row if row is not None else self._take()
                     self.rows[block] = dest
-                n = len(tiles)
+                tile_of_token += [len(tiles)] * (hi - lo)
+                offset_of_token += range(lo, hi)
                 tiles.append(KeyTile(block, base_row, lo > 0 and row is None, complete, dest))
-                tile_of_token[token:token + hi - lo] = n
-                offset_of_token[token:token + hi - lo] = torch.arange(lo, hi)
-                token += hi - lo
-        return KIVIStep(tiles, tile_of_token, offset_of_token)
+        pad = slot_count - len(tile_of_token)  # rows that store nothing (none in the engine)
+        return KIVIStep(tiles, torch.tensor(tile_of_token + [-1] * pad, dtype=torch.long),
+                        torch.tensor(offset_of_token + [0] * pad, dtype=torch.long))
 
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(positions in `blocks` [n] int64, their rows) of the blocks whose keys are in a row
