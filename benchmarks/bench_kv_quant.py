@@ -11,6 +11,7 @@
   speed     decode throughput per dtype vs auto, measured side by side in one run (engines
             interleaved round by round, medians): batch --batch x --prompt-len random
             tokens, and --long-batch x --long-context tokens (where reading less KV may pay).
+  attention the same two shapes, one layer's decode attention alone (the dequant cost).
 
 The full-vocabulary distributions come from the engine's own prompt logprobs path: the runner's
 prompt-logit rows (what SamplingParams.prompt_logprobs is computed from), tapped per step.
@@ -18,6 +19,7 @@ prompt-logit rows (what SamplingParams.prompt_logprobs is computed from), tapped
     .venv/bin/python benchmarks/bench_kv_quant.py accuracy [--max-tokens 32768] [--json F]
     .venv/bin/python benchmarks/bench_kv_quant.py capacity
     .venv/bin/python benchmarks/bench_kv_quant.py speed [--rounds 5] [--dtype bfloat16]
+    .venv/bin/python benchmarks/bench_kv_quant.py attention --rounds 21
 """
 
 from __future__ import annotations
@@ -267,10 +269,62 @@ def speed(args) -> dict:
     return out
 
 
+def attention(args) -> dict:
+    """One layer's decode attention (store the step's K/V, gather + dequantize, SDPA) through
+    the torch backend, each dtype in turn, `--rounds` interleaved rounds, medians: the dequant
+    cost alone, without the rest of the model."""
+    from kvserve.kv.spec import KVStorage, decoder_kv_spec
+    from kvserve.kv.tensors import KVTensorPool
+    from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
+    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+
+    h, hkv, d, bs = 8, 2, 64, 16  # the reference model's attention
+    dtype = getattr(torch, args.dtype)
+    names = args.only or ["auto", "fp8", "fp8_e5m2", "int8", "int4"]
+    out = {}
+    for batch, ctx in ((args.batch, args.prompt_len), (args.long_batch, args.long_context)):
+        gen = torch.Generator().manual_seed(0)
+        per_seq = ctx // bs + 2
+        steps = {}
+        for n in names:
+            storage = KVStorage(args.dtype if n == "auto" else n,
+                                key_group_tokens=bs if n == "int4" else None)
+            pool = KVTensorPool(decoder_kv_spec(1, hkv, d, storage, bs), batch * per_seq)
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            for t in tables:
+                slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(ctx)])
+                kv = torch.randn(2, ctx, hkv, d, generator=gen).to(dtype)
+                pool.store(0, kv[0], kv[1], slots, pool.begin_step([(t, 0, ctx)], ctx))
+            meta = AttentionMetadata(
+                torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables]), [],
+                [SequenceSlice(i, 1, ctx + 1, t) for i, t in enumerate(tables)], 0)
+            qkv = [torch.randn(batch, x, d, generator=gen).to(dtype) for x in (h, hkv, hkv)]
+            steps[n] = (TorchAttentionBackend(pool, d ** -0.5), meta, qkv)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                backend, meta, (q, k, v) = steps[n]
+                t0 = time.perf_counter()
+                backend.bind(meta)(0, q, k, v)
+                times[n].append(time.perf_counter() - t0)
+        base = statistics.median(times[names[0]])
+        out[f"{batch}x{ctx}"] = {n: {"median_ms": 1e3 * statistics.median(t),
+                                     "vs_auto": statistics.median(t) / base}
+                                 for n, t in times.items()}
+        del steps
+    print(machine())
+    print(f"one layer's decode attention, torch backend, {args.dtype}, H {h} / Hkv {hkv}, "
+          f"D {d}, block {bs}; {args.rounds} interleaved rounds, median ms (x auto's time)")
+    for case, rows in out.items():
+        print(f"  {case:<10}" + "  ".join(f"{n} {r['median_ms']:.2f} ({r['vs_auto']:.2f}x)"
+                                          for n, r in rows.items()))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("accuracy", "capacity", "speed"))
+    p.add_argument("what", choices=("accuracy", "capacity", "speed", "attention"))
     p.add_argument("--model", default=None)
     p.add_argument("--only", nargs="+", default=None, help="a subset of the dtypes/configs")
     p.add_argument("--dtype", default=None, help="model dtype (accuracy: float32; speed: "
@@ -304,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
             args.dtype = "bfloat16" if "avx512_bf16" in flags else "float32"
         args.pool_bytes = args.pool_bytes or 1536 * 2**20
-        result = speed(args)
+        result = speed(args) if args.what == "speed" else attention(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
