@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint")
     mk.add_argument("dir")
-    mk.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral"], default="qwen2")
+    mk.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "mistral", "gemma3",
+                                       "deepseek_v2", "deepseek_v3"], default="qwen2")
     mk.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

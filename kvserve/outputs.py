@@ -54,3 +54,6 @@ class RequestOutput:
     # token, None for the first, else {token id: logprob} of the actual token and the top-k of
     # the distribution that predicted it (the shape of CompletionOutput.logprobs' entries).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs: each prompt token's rank in the distribution that predicted it
+    # (1 = most likely, ties share the better rank; None for the first token).
+    prompt_logprob_ranks: list[int | None] | None = None

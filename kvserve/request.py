@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,9 +55,15 @@ class Request:
     # vLLM's prompt_logprobs, one entry per prompt token computed so far (entry 0 is None: no
     # distribution predicts the first token); empty unless this request records them.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # The rank of each prompt token in the distribution that predicted it (1 = most likely;
+    # vLLM's Logprob.rank), beside `prompt_logprobs`.
+    prompt_logprob_ranks: list[int | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # Structured outputs: this sample's matcher (kvserve.structured.grammar.GrammarState), which
+    # advances with every token it keeps, preemption included (the tokens stay), else None.
+    grammar: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -66,6 +73,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.records_prompt_logprobs:
             self.prompt_logprobs = [None]
+            self.prompt_logprob_ranks = [None]
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(
                 (self.sampling_params.seed + self.index) % 2**64)
@@ -83,6 +91,11 @@ class Request:
         once they are all recorded (a preempted request resuming), it may hit the cache."""
         return self.records_prompt_logprobs and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0: computing the prompt is the whole request; nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def num_tokens(self) -> int:

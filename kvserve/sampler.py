@@ -5,6 +5,10 @@ sequence that produces a token in that step (one row each) and a `SamplingRow` p
 
 Order of operations (vLLM's):
 
+0. ``logit_bias``: each listed token's bias is added to its logit (OpenAI's logit_bias).
+   Structured outputs: a row with a grammar (``token_bitmask``, packed int32 words: bit
+   ``t % 32`` of word ``t // 32`` allows token t) gets -inf on every token its grammar forbids.
+   Only those rows are copied and masked; the others pay nothing.
 1. ``min_tokens``: while ``len(output) < min_tokens`` the row's ``stop_token_ids`` and, unless
    ``ignore_eos``, its EOS ids get logit -inf.
 2. Repetition penalty over the prompt and output tokens (HF/vLLM: a positive logit is divided by
@@ -27,8 +31,8 @@ Cost model (a 2-core CPU, up to 256 rows x 32k vocab):
 
 * An all-greedy batch without penalties is one argmax over the logits (NumPy's, several times
   faster than torch's on CPU) and nothing else.
-* The input tensor is never modified. Rows are copied only when min_tokens or penalties change
-  them; penalties touch only the listed token positions (flat indices), never a vocab-wide mask.
+* The input tensor is never modified. Rows are copied only when logit_bias, min_tokens or
+  penalties change them; penalties touch only the listed token positions (flat indices), never a vocab-wide mask.
 * Random rows go through a reusable workspace, 65 rows at a time for a 32k vocabulary: fresh
   multi-megabyte tensors each step would cost more in page faults than the arithmetic in them.
 * Only rows with top-k/top-p sort anything, and they sort probability *values* with NumPy (about
@@ -55,7 +59,7 @@ import torch
 
 from kvserve.sampling import SamplingParams
 
-__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow"]
+__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow", "unpack_bitmask"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
 _CANDIDATES = 1024  # top-k/top-p first look for their cut among each row's top 1024 tokens
@@ -75,6 +79,9 @@ class SamplingRow:
     # engine: torch.Generator().manual_seed(seed)); None draws from the sampler's generator.
     generator: torch.Generator | None = None
     eos_token_ids: Iterable[int] = field(default_factory=frozenset)  # masked during min_tokens
+    # Structured outputs: the tokens the request's grammar allows next, as a packed int32
+    # bitmask of ceil(vocab / 32) words (kvserve.structured.grammar fills it); None = no grammar.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for rows without their own
         self._workspace: torch.Tensor | None = None  # [2, chunk rows, vocab] float32
+        self._copy: np.ndarray | None = None  # rows whose logits change, reused between steps
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """One token per row of `logits` ([len(rows), vocab]; never modified)."""
@@ -148,29 +156,40 @@ class Sampler:
         if plan.greedy_plain:  # a NumPy argmax of every row is cheaper than gathering rows
             put(plan.greedy_plain, _argmax(logits)[plan.greedy_plain])
 
-        # Rows whose logits change (min_tokens, penalties) need a copy; all the rows still to
-        # do are copied with them, so that one tensor serves the rest.
+        # Rows whose logits change (logit_bias, grammar, min_tokens, penalties) are copied, and
+        # only they: the others are read from the logits as they are.
         if any(plan.changed):
-            order = plan.greedy_changed + plan.random
-            source = _rows(logits, order)
-            _apply_logit_changes(source, [(j, rows[i]) for j, i in enumerate(order)
-                                          if plan.changed[i]])
-            where = {i: j for j, i in enumerate(order)}
+            changed = plan.greedy_changed + [i for i in plan.random if plan.changed[i]]
+            copy = self._copy_rows(logits, changed)
+            _apply_logit_changes(copy, [(j, rows[i]) for j, i in enumerate(changed)])
+            source = {i: (copy, j) for j, i in enumerate(changed)}
+            if plan.greedy_changed:
+                put(plan.greedy_changed, _argmax(copy[: len(plan.greedy_changed)]))
         else:
-            source, where = logits, {i: i for i in plan.random}
-        if plan.greedy_changed:
-            put(plan.greedy_changed, _argmax(source[: len(plan.greedy_changed)]))
+            source = {}
 
         chunk = _chunk_rows(vocab)
         for start in range(0, len(plan.random), chunk):
             index = plan.random[start:start + chunk]
             chunk_rows = [rows[i] for i in index]
-            probs = self._probs(chunk_rows, source, [where[i] for i in index])
+            probs = self._probs(chunk_rows, [source.get(i, (logits, i)) for i in index])
             if want_probs:
                 out[index] = probs / probs.sum(dim=-1, keepdim=True)
             else:
                 put(index, self._draw(probs, chunk_rows))
         return out
+
+    def _copy_rows(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """A contiguous copy of logits[index], on the CPU into a buffer kept between calls
+        (a fresh multi-megabyte array each step costs more in page faults than the copy)."""
+        if logits.device.type != "cpu":
+            return _rows(logits, index)
+        n, vocab = len(index), logits.shape[1]
+        if self._copy is None or self._copy.shape[0] < n or self._copy.shape[1] != vocab:
+            self._copy = np.empty((max(n, 8), vocab), dtype=np.float32)
+        out = self._copy[:n]
+        np.take(logits.numpy(), index, axis=0, out=out)
+        return torch.from_numpy(out)
 
     def _buffers(self, n: int, vocab: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,14 +199,21 @@ class Sampler:
             ws = self._workspace = torch.empty(2, chunk, vocab, device=device)
         return ws[0, :n], ws[1, :n]
 
-    def _probs(self, rows: list[SamplingRow], source: torch.Tensor, index: list[int]
+    def _probs(self, rows: list[SamplingRow], picks: list[tuple[torch.Tensor, int]]
                ) -> torch.Tensor:
-        """softmax(source[index] / T) after top-k, top-p and min-p, in a workspace buffer:
+        """softmax(x / T) after top-k, top-p and min-p, in a workspace buffer, where row k of
+        x is row picks[k][1] of tensor picks[k][0] (the logits, or the copy of changed rows):
         dropped tokens are exactly 0, the others keep their (not renormalised) probability."""
-        n, vocab = len(index), source.shape[1]
+        source = picks[0][0]
+        n, vocab = len(picks), source.shape[1]
         device = source.device
         scratch, probs = self._buffers(n, vocab, device)
-        if index == list(range(index[0], index[0] + n)):
+        index = [j for _, j in picks]
+        if any(t is not source for t, _ in picks):  # rows from both: gather them one by one
+            for k, (t, j) in enumerate(picks):
+                scratch[k].copy_(t[j])
+            x = scratch
+        elif index == list(range(index[0], index[0] + n)):
             x = source[index[0]:index[0] + n]
         else:
             x = torch.index_select(source, 0, torch.tensor(index, device=device), out=scratch)
@@ -254,7 +280,15 @@ class Sampler:
         (inserted first), and that token's 1-based rank; chunked through the workspace.
 
         One function for both kinds of logprobs, so that a sampled token's and a prompt
-        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ."""
+        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ.
+        Runs in inference mode, as `__call__` does: the workspace it writes into may have
+        been made there, and an inference tensor cannot be written outside it."""
+        with torch.inference_mode():
+            return self._token_logprobs(logits, token_ids, num_top)
+
+    def _token_logprobs(self, logits: torch.Tensor, token_ids: Sequence[int],
+                        num_top: Sequence[int | None]) -> tuple[list[dict[int, float] | None],
+                                                                list[int | None]]:
         batch, vocab = logits.shape
         device = logits.device
         logprobs: list[dict[int, float] | None] = [None] * batch
@@ -319,9 +353,9 @@ class _Plan:
 
     def __init__(self, rows: Sequence[SamplingRow]) -> None:
         self.greedy_plain: list[int] = []
-        self.greedy_changed: list[int] = []  # greedy, but min_tokens or penalties change logits
+        self.greedy_changed: list[int] = []  # greedy, but its logits change (bias...)
         self.random: list[int] = []
-        self.changed: list[bool] = []  # per row: min_tokens or penalties apply
+        self.changed: list[bool] = []  # per row: bias, min_tokens or penalties apply
         for i, row in enumerate(rows):
             changes = _needs_logit_changes(row)
             self.changed.append(changes)
@@ -335,6 +369,8 @@ class _Plan:
 
 def _needs_logit_changes(row: SamplingRow) -> bool:
     p = row.params
+    if p.logit_bias or row.token_bitmask is not None:
+        return True
     if len(row.output_token_ids) < p.min_tokens and _min_tokens_banned(row):
         return True
     if p.repetition_penalty != 1.0 and (len(row.prompt_token_ids) or len(row.output_token_ids)):
@@ -356,6 +392,8 @@ def _chunk_rows(vocab: int) -> int:
 
 def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
     """A fresh contiguous copy of x[index]."""
+    if x.device.type == "cpu":  # NumPy's gather: single-threaded, no torch thread-pool wake-up
+        return torch.from_numpy(np.ascontiguousarray(x.numpy()[index]))
     if index == list(range(x.shape[0])):
         return x.clone(memory_format=torch.contiguous_format)
     return x.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))
@@ -393,16 +431,45 @@ def _ids(token_ids: Sequence[int], offset: int, vocab: int) -> torch.Tensor:
 
 
 def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRow]]) -> None:
-    """min_tokens masking, repetition, frequency and presence penalties, in place on `work`
-    (contiguous); `changed` pairs a row of `work` with its SamplingRow. Every update goes through
+    """logit_bias, min_tokens masking, repetition, frequency and presence penalties, in place on
+    `work` (contiguous); `changed` pairs a row of `work` with its SamplingRow. Every update goes through
     flat indices row * vocab + token, so the cost follows the number of tokens, not the vocab."""
     vocab = work.shape[1]
     flat = work.view(-1)
     device = work.device
 
-    banned: list[int] = []
+    bias_keys: list[int] = []
+    bias_values: list[float] = []
     for j, row in changed:
-        if len(row.output_token_ids) < row.params.min_tokens:
+        for t, b in (row.params.logit_bias or {}).items():
+            if 0 <= t < vocab:  # the engine refuses ids outside the vocabulary
+                bias_keys.append(j * vocab + t)
+                bias_values.append(b)
+    if bias_keys:  # keys are distinct: a dict has each token once per row
+        keys = torch.tensor(bias_keys, device=device)
+        flat[keys] += torch.tensor(bias_values, dtype=work.dtype, device=device)
+    masked = [(j, row.token_bitmask) for j, row in changed if row.token_bitmask is not None]
+    if masked:
+        packed = torch.stack([m for _, m in masked])
+        if device.type == "cpu":
+            # NumPy, in place, no torch thread pool involved: each byte of the packed mask
+            # picks its 8 additive biases (0 or -inf) from a 256-entry table.
+            arr = work.numpy()
+            bias = _BYTE_BIAS[np.ascontiguousarray(packed.numpy().astype("<i4", copy=False))
+                              .view(np.uint8)].reshape(len(masked), -1)
+            if bias.shape[1] < vocab:  # tokens past the bitmask's end are forbidden
+                bias = np.pad(bias, ((0, 0), (0, vocab - bias.shape[1])),
+                              constant_values=-np.inf)
+            for k, (j, _) in enumerate(masked):
+                np.add(arr[j], bias[k, :vocab], out=arr[j])
+        else:
+            allowed = unpack_bitmask(packed, vocab).to(device)
+            at = torch.tensor([j for j, _ in masked], device=device)
+            work[at] = work[at].masked_fill(~allowed, float("-inf"))
+
+    banned: list[int] = []
+    for j, row in changed:  # a grammar decides alone where its output ends
+        if len(row.output_token_ids) < row.params.min_tokens and row.token_bitmask is None:
             banned.extend(j * vocab + t for t in _min_tokens_banned(row) if 0 <= t < vocab)
     if banned:
         flat[torch.tensor(banned, device=device)] = float("-inf")
@@ -434,6 +501,23 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
             dtype=work.dtype, device=device)
         fp = fp[keys // vocab]
         flat[keys] = flat[keys] - (fp[:, 0] * counts.to(work.dtype) + fp[:, 1])
+
+
+# For each byte value, the additive bias of its 8 tokens (bit b set: token allowed, bias 0).
+_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                    bitorder="little") == 1, 0.0, -np.inf).astype(np.float32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmasks [rows, words] -> bool [rows, vocab] on the CPU (True = allowed);
+    bits past the vocabulary's end are ignored and tokens past the bitmask's end are forbidden.
+    NumPy's unpackbits, little-endian bit order: bit b of word w is token 32 w + b."""
+    words = np.ascontiguousarray(bitmask.cpu().numpy().astype("<i4", copy=False))
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little").view(np.bool_)
+    if bits.shape[1] < vocab:
+        bits = np.concatenate([bits, np.zeros((bits.shape[0], vocab - bits.shape[1]),
+                                              dtype=np.bool_)], axis=1)
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab]))
 
 
 def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.validation import check_utf8, shorten
 
 # vLLM's default max_logprobs: the most top-k alternatives a request may ask for per prompt
 # token (the server applies it to logprobs/top_logprobs too).
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, 100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -30,7 +33,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None = up to max_model_len
+    # None = up to max_model_len; 0 = prefill only: the prompt is computed (its prompt_logprobs
+    # recorded, its blocks cached) and the request finishes with "length", having sampled
+    # nothing (what an OpenAI `echo` request with `max_tokens: 0` asks for).
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen one is added)
     # Per prompt token: its logprob and the top-k of the distribution that predicted it (vLLM's
@@ -39,6 +45,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before the
+    # penalties and the temperature (the returned logprobs stay the raw ones).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's structured outputs (JSON schema, regex, choice, grammar): the sampler only draws
+    # tokens the grammar allows, and the request ends when the grammar does. A dict is read
+    # as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # filled by the engine, not the user
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -50,6 +63,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -68,8 +83,8 @@ class SamplingParams:
             _require(_is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                 f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+                 f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         _require(_is_int(self.min_tokens) and self.min_tokens >= 0,
                  f"min_tokens must be >= 0, got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -84,6 +99,20 @@ class SamplingParams:
                  f"stop must be a non-empty string or a list of them, got {shorten(self.stop)}")
         for stop in self.stop_list:
             check_utf8("a stop string", stop)
+        if self.logit_bias is not None:
+            _require(isinstance(self.logit_bias, dict),
+                     f"logit_bias must be a dict of token id to bias, got "
+                     f"{shorten(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                _require(_is_int(token) and token >= 0,
+                         f"logit_bias keys must be token ids (integers >= 0), got {shorten(token)}")
+                _require(_is_num(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                         f"logit_bias values must be in [-100, 100], got {shorten(bias)} for "
+                         f"token {token}")
+        _require(self.structured_outputs is None
+                 or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs must be StructuredOutputsParams (or a dict of its fields), "
+                 f"got {type(self.structured_outputs).__name__}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers, got "
                  f"{shorten(self.stop_token_ids)}")

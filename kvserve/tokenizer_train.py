@@ -27,25 +27,50 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN_ID = 0  # <|endoftext|>, also the padding token
 EOS_TOKEN_ID = 2  # <|im_end|>, the end of every chat turn
 
-# ChatML. Tools, when given, go in one system turn (merged with the first system message) as one
-# JSON object per line. The roles are whatever the caller uses.
+# ChatML, with tools as Qwen2.5 writes them: the function signatures go in one system turn
+# (merged with the first system message) inside <tools></tools>, an assistant's calls are
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (kvserve.structured.tool_calls
+# constrains and kvserve.server.tool_parser reads that format), and consecutive tool results go
+# in one user turn, each inside <tool_response></tool_response>. Arguments may be given as an
+# object or as JSON text (OpenAI's form), which is written as it is.
 CHATML_TEMPLATE = (
     "{%- if tools %}\n"
     "{{- '<|im_start|>system\\n' }}\n"
     "{%- if messages and messages[0]['role'] == 'system' %}\n"
     "{{- messages[0]['content'] + '\\n\\n' }}\n"
     "{%- endif %}\n"
-    "{{- 'You may call these tools:\\n' }}\n"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}\n"
     "{%- for tool in tools %}\n"
-    "{{- tool | tojson + '\\n' }}\n"
+    "{{- '\\n' + tool | tojson }}\n"
     "{%- endfor %}\n"
-    "{{- '<|im_end|>\\n' }}\n"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}\n"
     "{%- endif %}\n"
     "{%- for message in messages %}\n"
     "{%- if message['content'] is not string %}\n"
     "{{- raise_exception('message content must be a string') }}\n"
     "{%- endif %}\n"
-    "{%- if not (tools and loop.first and message['role'] == 'system') %}\n"
+    "{%- if tools and loop.first and message['role'] == 'system' %}\n"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}\n"
+    "{{- '<|im_start|>assistant' }}\n"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}\n"
+    "{%- for call in message['tool_calls'] %}\n"
+    "{%- set f = call['function'] if call.get('function') is not none else call %}\n"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}\n"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
+    "{%- else %}{{- f['arguments'] | tojson }}{%- endif %}\n"
+    "{{- '}\\n</tool_call>' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- elif message['role'] == 'tool' %}\n"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}\n"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}\n"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- else %}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
     "{%- endif %}\n"
     "{%- endfor %}\n"

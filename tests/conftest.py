@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_random_checkpoint
 
 torch.set_num_threads(2)
 
@@ -40,24 +41,7 @@ def _hf_config(arch: str):
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
     """A random-weight checkpoint written by transformers' own save_pretrained."""
-    import transformers
-
-    from kvserve.tokenizer_train import train_tokenizer
-
-    torch.manual_seed(seed)
-    config = _hf_config(arch)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init with std 0.02 gives near-uniform logits and fragile greedy ties; a wider
-    # spread makes the argmax well separated, so a parity failure means a real difference.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "bias" in name:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-    train_tokenizer(out, HF_VOCAB)
-    return out
+    return save_random_checkpoint(_hf_config(arch), out, seed)
 
 
 @pytest.fixture(scope="session")

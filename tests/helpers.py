@@ -59,12 +59,40 @@ def kv_bytes_per_token(model_dir, dtype_bytes: int = 4) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-def pool_over(caches, block_size: int | None = None):
-    """A KV tensor pool over hand-made per-layer (k, v) tensors [blocks, block_size, Hkv, D]."""
+def pool_over(caches, block_size: int | None = None, windows: tuple = ()):
+    """A KV tensor pool over hand-made per-layer (k, v) tensors [blocks, block_size, Hkv, D];
+    `windows` gives each layer's sliding window (None = full attention)."""
     from kvserve.kv.spec import KVStorage, decoder_kv_spec
     from kvserve.kv.tensors import KVTensorPool
 
     k0 = caches[0][0]
     spec = decoder_kv_spec(len(caches), k0.shape[2], k0.shape[3], KVStorage("fp32"),
-                           block_size or k0.shape[1])
+                           block_size or k0.shape[1], tuple(windows))
     return KVTensorPool.wrap(spec, caches)
+
+
+def save_random_checkpoint(config, out, seed: int = 0, perturb_norms: bool = False):
+    """A random-weight checkpoint of a transformers config, written by transformers' own
+    save_pretrained, with the project's small tokenizer (vocabulary 512). `perturb_norms` moves
+    every norm weight off its initial value (1, or 0 for Gemma's 1 + w), so that a wrong
+    mapping of a norm cannot hide."""
+    import torch
+    import transformers
+
+    from kvserve.tokenizer_train import train_tokenizer
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init with std 0.02 gives near-uniform logits and fragile greedy ties; a wider
+    # spread makes the argmax well separated, so a parity failure means a real difference.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+            elif perturb_norms and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out)
+    train_tokenizer(out, 512)
+    return out

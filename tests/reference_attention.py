@@ -13,8 +13,11 @@ import torch
 
 
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_table: list[int], seq_len: int, scale: float) -> torch.Tensor:
-    """q [n, H, D] = the last n tokens of a sequence of seq_len tokens; float32 result."""
+                              block_table: list[int], seq_len: int, scale: float,
+                              window: int | None = None) -> torch.Tensor:
+    """q [n, H, D] = the last n tokens of a sequence of seq_len tokens; float32 result. With a
+    `window` W, a query at position p sees keys p - W < k <= p (transformers'
+    `sliding_window_overlay`: `kv_idx > q_idx - sliding_window`)."""
     n, h, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     blocks = torch.tensor(block_table[: math.ceil(seq_len / bs)], dtype=torch.long,
@@ -26,5 +29,8 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

@@ -167,7 +167,7 @@ def test_one_bad_prompt_refuses_the_whole_call(llm):
 
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
-    dict(max_tokens=0), dict(n=0), dict(repetition_penalty=0), dict(presence_penalty=3),
+    dict(max_tokens=-1), dict(n=0), dict(repetition_penalty=0), dict(presence_penalty=3),
     dict(frequency_penalty=-2.5), dict(min_tokens=5, max_tokens=2), dict(logprobs=-1),
     dict(stop=[""]), dict(stop_token_ids=[-3]), dict(temperature=float("nan")),
 ])

@@ -4,7 +4,9 @@
    format's definition: fp8's mantissa, the affine step of int8/int4).
 2. For each dtype the engine's greedy tokens equal those of a plain-PyTorch reference of the
    same scheme run on transformers' weights (transformers' own model with an attention function
-   that fake-quantizes K/V as the scheme says), and the engine's logprobs agree with it.
+   that fake-quantizes K/V as the scheme says), and the engine's logprobs agree with it; for a
+   sliding-window model too (Qwen2 layer_types), past its window, where the reference applies
+   the window and a reference without it differs (the quantized path honours windows).
 3. Capacity: tokens per pool equal `kvserve plan`'s figure and the textbook bytes.
 4. Prefix caching and the storage tiers serve quantized blocks: the same tokens as from the
    device pool, with chunks of the quantized size.
@@ -165,6 +167,7 @@ class _RefConfig:
     name = "auto"
     scales: torch.Tensor | None = None  # [layers, 2]
     prompt_len = 0
+    ignore_window = False  # the control: the same scheme without the layers' windows
 
 
 REF = _RefConfig()
@@ -173,7 +176,8 @@ REF = _RefConfig()
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          **kwargs):
     """Attention over K/V stored as REF.name says, for one unpadded sequence processed by the
-    engine as one prefill of REF.prompt_len tokens and then one decode per token."""
+    engine as one prefill of REF.prompt_len tokens and then one decode per token. A sliding
+    layer (transformers passes its `sliding_window`) sees keys q - W < k <= q."""
     q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, s, D], [Hkv, s, D]
     name, layer = REF.name, module.layer_idx
     s = k.shape[1]
@@ -202,20 +206,28 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
         exact = q @ full_k.repeat_interleave(group, 0).transpose(1, 2) * scaling
         scores = torch.where(done, scores, exact)
     scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    window = kwargs.get("sliding_window")
+    if window is not None and not REF.ignore_window:
+        scores = scores.masked_fill(pos_k <= pos_q - window, float("-inf"))
     out = torch.softmax(scores, -1) @ v.repeat_interleave(group, 0)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
 
 
-@pytest.fixture(scope="module")
-def reference_model():
+def _load_reference(path):
+    """transformers' model of the checkpoint, its attention replaced by the reference."""
     import transformers
     from transformers import AttentionInterface
 
     AttentionInterface.register("kvserve_quant_reference", _reference_attention)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        MODEL, dtype=torch.float32, attn_implementation="kvserve_quant_reference")
+        path, dtype=torch.float32, attn_implementation="kvserve_quant_reference")
     model.eval()
     return model
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    return _load_reference(MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +286,63 @@ def test_greedy_equals_the_reference_scheme(name, reference_model, prompts):
     llm = LLM(model=str(MODEL), dtype="float32", kv_cache_dtype=name, block_size=BS,
               max_model_len=512, kv_cache_memory_bytes=32 * 2**20, enable_prefix_caching=False)
     _check_against_reference(reference_model, llm, prompts, name)
+
+
+WINDOW = 32
+
+
+@pytest.fixture(scope="module")
+def windowed_checkpoint(tmp_path_factory):
+    """Qwen2 with `layer_types` (test_window_parity's config): sliding layers of 32 tokens
+    around a full-attention one, random weights."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import save_random_checkpoint
+
+    config = transformers.Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
+        eos_token_id=2, pad_token_id=0, num_hidden_layers=3, use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=True, rope_theta=1e6)
+    return save_random_checkpoint(config, tmp_path_factory.mktemp("qwen2-window"), seed=3,
+                                  perturb_norms=True)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_windowed_model_equals_the_reference_scheme(name, windowed_checkpoint):
+    """Sequences of up to 4.5 windows, prefilled in chunks whose context passes the window (a
+    chunk's gather then starts blocks in) and decoded far past it: the engine equals the
+    reference of the quantized scheme with each sliding layer's window; the same reference
+    without the windows is far off there, so a quantized path that read past a window fails."""
+    import random
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (120, 45)]
+    model = _load_reference(windowed_checkpoint)
+    llm = LLM(model=str(windowed_checkpoint), dtype="float32", kv_cache_dtype=name,
+              block_size=BS, max_model_len=512, max_num_batched_tokens=56,
+              kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=False)
+    assert set(llm.engine.backend.windows) == {WINDOW, None}
+    assert llm.engine.tensors.quantized
+    _check_against_reference(model, llm, prompts, name)
+    # The control, on the first prompt's sequence (past the window from its first token on).
+    out = llm.generate([{"prompt_token_ids": prompts[0]}],
+                       SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                       use_tqdm=False)
+    seq = prompts[0] + list(out[0].outputs[0].token_ids)
+    REF.name, REF.prompt_len = name, len(prompts[0])
+    REF.scales = llm.engine.tensors.scales.values.clone() if name == "fp8" else None
+    try:
+        with torch.no_grad():
+            windowed = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+            REF.ignore_window = True
+            full = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+    finally:
+        REF.name, REF.ignore_window = "auto", False
+    rows = slice(len(prompts[0]) - 1, len(seq) - 1)
+    assert (windowed[rows] - full[rows]).abs().max() > 20 * TOLERANCE, \
+        "the reference's windows change nothing here: this test could not fail"
 
 
 def test_quantization_changes_the_output_distribution(reference_model, prompts):

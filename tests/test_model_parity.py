@@ -61,6 +61,18 @@ VARIANTS = {
     # sliding_window set in config (ignored: sequences here are shorter than it)
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(sliding_window=4096, num_key_value_heads=4, tie_word_embeddings=False)),
+    # Gemma 3 (text): scaled embeddings, (1 + w) norms around attention and MLP, q/k norms,
+    # GELU-tanh, query_pre_attn_scalar != head_dim, final logit soft-capping, and two RoPEs:
+    # linear-scaled global layers (1e6), local layers (1e4). Windows are longer than the
+    # sequences here (tests/test_window_parity.py covers them).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=32, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                    num_hidden_layers=3, sliding_window=4096,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 1e4}})),
 }
 
 
@@ -148,7 +160,13 @@ def test_logits_match_transformers(saved, variant, pack):
     diff = (kv_logits(model, config, ids, start) - hf_logits(hf, ids, start)).abs().max().item()
     assert diff < ATOL, f"{variant} at positions {start}+: max abs diff {diff}"
     # The (scaled) inverse frequencies are bit-identical to transformers'.
-    assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
+    rotary = hf.model.rotary_emb
+    if config.sliding_rope_theta is None:
+        assert torch.equal(rope_inv_freq(config), rotary.inv_freq)
+    else:  # Gemma 3: one RoPE per layer type
+        assert torch.equal(rope_inv_freq(config), rotary.full_attention_inv_freq)
+        assert torch.equal(rope_inv_freq(config, config.sliding_rope_theta),
+                           rotary.sliding_attention_inv_freq)
 
 
 def test_config_fields_from_transformers(saved):
@@ -268,7 +286,8 @@ def test_sharded_checkpoint(tmp_path):
 
 
 # -- make_model -------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
+# DeepSeek's checkpoints (MLA attention) are checked in tests/test_mla.py.
+@pytest.mark.parametrize("arch", [a for a in ARCHS if not a.startswith("deepseek")])
 def test_make_model_loads_in_both(tmp_path, arch):
     path = make_model(tmp_path / arch, arch, "tiny", seed=1, with_tokenizer=HAVE_TOKENIZER)
     names = {p.name for p in path.iterdir()}
@@ -279,7 +298,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(hf).__name__ == config.architecture
-    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
+    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3", "gemma3"))
     if arch == "qwen3":
         assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
     gen_cfg = json.loads((path / "generation_config.json").read_text())

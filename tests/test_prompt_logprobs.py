@@ -44,6 +44,7 @@ def max_diff(out: RequestOutput, prompt: list[int], ref: torch.Tensor, top: int)
     entries = out.prompt_logprobs
     assert entries is not None and len(entries) == len(prompt)
     assert entries[0] is None
+    assert len(out.prompt_logprob_ranks) == len(prompt) and out.prompt_logprob_ranks[0] is None
     worst = 0.0
     for i in range(1, len(prompt)):
         entry, row = entries[i], ref[i - 1]
@@ -51,6 +52,11 @@ def max_diff(out: RequestOutput, prompt: list[int], ref: torch.Tensor, top: int)
         assert token in entry
         assert next(iter(entry)) == token, "the actual token comes first"
         worst = max(worst, abs(entry[token] - row[token].item()))
+        # its rank in transformers' distribution (a near-tie within the tolerance may go
+        # either way)
+        v = row[token].item()
+        rank = out.prompt_logprob_ranks[i]
+        assert int((row > v + TOL).sum()) + 1 <= rank <= int((row > v - TOL).sum()) + 1
         values, ids = row.topk(top)
         assert set(ids.tolist()) <= set(entry)
         assert len(entry) == top + (token not in ids.tolist())
@@ -209,3 +215,66 @@ def test_a_request_whose_prompt_logprobs_raise_fails_alone(hf_checkpoints, refer
     assert max_diff(done[ids[1]], prompts[3], refs[3], TOP) <= TOL
     assert done[plain].outputs[0].finish_reason == "length" and done[plain].error is None
     assert engine.kv.num_available_blocks == engine.kv.num_blocks
+
+
+# -- prefill only (max_tokens 0) -------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_only_scores_the_prompt_and_samples_nothing(arch, hf_checkpoints, references):
+    """max_tokens 0 with prompt_logprobs (what an OpenAI echo + max_tokens 0 request becomes):
+    the prompt's logprobs match transformers, nothing is sampled, the finish reason is
+    "length", in chunks (24 tokens a step) and next to requests that generate; every block
+    goes back (generate_checked), the LM head runs only on prompt rows, and the full blocks
+    stay cached for the next request."""
+    prompts, refs = references[arch]
+    llm = _llm(hf_checkpoints[arch], max_num_batched_tokens=24, max_num_seqs=4)
+    sampled_rows: list[int] = []
+    original = llm.engine.sampler.__call__
+
+    class Spy(type(llm.engine.sampler)):
+        def __call__(self, logits, rows):
+            sampled_rows.append(len(rows))
+            return original(logits, rows)
+
+    llm.engine.sampler.__class__ = Spy
+    score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=TOP, n=2)
+    outs = _run(llm, prompts, score)
+    assert not sampled_rows, "a prefill-only request was sampled"
+    for out, p, ref in zip(outs, prompts, refs):
+        assert max_diff(out, p, ref, TOP) <= TOL
+        assert [c.token_ids for c in out.outputs] == [[], []]
+        assert [c.text for c in out.outputs] == ["", ""]
+        assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+        assert out.metrics.first_token_time is not None
+    mixed = _run(llm, [prompts[4], prompts[3]], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                ignore_eos=True))
+    assert mixed[0].num_cached_tokens >= 128 and len(mixed[0].outputs[0].token_ids) == 3
+
+
+def test_prefill_only_without_logprobs_and_at_the_context_limit(tiny_model_dir):
+    """max_tokens 0 alone is a plain prefill (nothing to sample, so the prompt may fill the
+    whole context); one token more than max_model_len is still refused and leaves nothing."""
+    llm = LLM(model=str(tiny_model_dir), max_model_len=64, block_size=16)
+    prompt = random_prompts([64], 256)[0]
+    out = _run(llm, [prompt], SamplingParams(max_tokens=0))[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert out.prompt_logprobs is None
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.engine.add_request({"prompt_token_ids": prompt + [5]}, SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=0, min_tokens=1)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_available_blocks == llm.engine.kv.num_blocks
+
+
+def test_prompt_logprobs_after_a_sampled_request(tiny_model_dir):
+    """The sampler's workspace made while sampling (inside inference mode) is reused by the
+    prompt logprobs of a later request: that must not raise (it did: "Inplace update to
+    inference tensor outside InferenceMode")."""
+    llm = LLM(model=str(tiny_model_dir), max_model_len=256, block_size=16)
+    _run(llm, random_prompts([20], 256), SamplingParams(temperature=1.0, max_tokens=2))
+    out = _run(llm, random_prompts([30], 256, seed=1), SamplingParams(max_tokens=1,
+                                                                      prompt_logprobs=2))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_logprobs) == 30

@@ -409,6 +409,9 @@ SYSTEM = "You are a careful assistant who answers questions about paged KV cache
 def test_openai_client_through_the_gateway(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["default"]
+    assert client.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not/served")
     out = client.completions.create(model="default", prompt="Hello there", max_tokens=5,
                                     temperature=0.0, n=2)
     assert len(out.choices) == 2 and out.usage.completion_tokens == 10

@@ -600,3 +600,59 @@ def test_property_sampled_tokens_are_always_allowed(case):
     assert np.allclose(dist.sum(axis=1), 1.0, atol=1e-5)
     for i, row in enumerate(rows):
         assert not (dist[i] > 0)[~allowed_tokens(logits[i].numpy(), row)].any()
+
+
+# -- logit_bias ----------------------------------------------------------------------------------
+
+
+def test_logit_bias_matches_the_reference_and_leaves_other_rows_alone():
+    """Rows with a bias draw from softmax((logits + bias, then OpenAI's penalties) / T),
+    computed here by hand; rows without one in the same batch are untouched (same
+    distribution as alone), and logprobs stay the raw ones."""
+    gen = torch.Generator().manual_seed(53)
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=gen) * 2
+    bias = {3: 5.0, 17: -100.0, 40: 2.5, 63: -0.5}
+    rows = [make_row(temperature=0.7, logit_bias=bias),
+            make_row(temperature=1.3),
+            make_row(temperature=1.0, output=[3, 3, 8], frequency_penalty=0.5,
+                     repetition_penalty=1.2, prompt=[40], logit_bias={3: 1.0, 8: -3.0}),
+            make_row(temperature=0.9, top_k=5),
+            make_row(temperature=1.0, logit_bias={})]
+    ours = Sampler().distribution(logits, rows).double()
+    biased = logits[0].double().clone()
+    for t, b in bias.items():
+        biased[t] += b
+    torch.testing.assert_close(ours[0], torch.softmax(biased / 0.7, dim=-1), rtol=1e-5,
+                               atol=1e-8)
+    with_pen = logits[2].clone()
+    with_pen[3] += 1.0
+    with_pen[8] -= 3.0
+    ref = penalised_reference(with_pen, [40], [3, 3, 8], 1.2, 0.5, 0.0)
+    torch.testing.assert_close(ours[2], torch.softmax(ref, dim=-1), rtol=1e-5, atol=1e-8)
+    for i in (1, 3, 4):  # untouched rows: as when sampled alone without any bias around
+        alone = Sampler().distribution(logits[i:i + 1], [rows[i]]).double()[0]
+        torch.testing.assert_close(ours[i], alone, rtol=0, atol=0)
+    torch.testing.assert_close(ours[4], torch.softmax(logits[4].double(), dim=-1), rtol=1e-5,
+                               atol=1e-8)
+
+
+def test_logit_bias_forces_and_bans_greedy_tokens_and_keeps_raw_logprobs():
+    logits = torch.tensor([[5.0, 4.0, 1.0, -2.0], [5.0, 4.0, 1.0, -2.0], [5.0, 4.0, 1.0, -2.0]])
+    rows = [make_row(temperature=0.0, logit_bias={3: 100.0}, logprobs=1),
+            make_row(temperature=0.0, logit_bias={0: -100.0}),
+            make_row(temperature=0.0)]
+    result = Sampler()(logits, rows)
+    assert result.token_ids == [3, 1, 0]
+    raw = log_softmax64(logits[0])
+    assert result.logprobs[0][3] == pytest.approx(raw[3], abs=1e-5)
+    drawn = Sampler()(logits[:1].expand(2000, 4), [make_row(logit_bias={0: -100.0, 1: -100.0})]
+                      * 2000).token_ids
+    assert not {0, 1} & set(drawn)
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: -101}, {-1: 1.0}, {"1": 1.0}, {1: float("nan")},
+                                  {True: 1.0}, [1, 2]])
+def test_invalid_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.model.make_model import ensure_default_model
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,55 +26,6 @@ API_KEY = "sk-kvserve-test"
 # ------------------------------------------------------------------------------------------
 # the server processes
 # ------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        env = dict(os.environ, KVSERVE_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="2")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
-             "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "2", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} server not ready in {timeout} s:\n{self.log()}")
-
-    def stop(self) -> int | None:
-        alive = self.proc.poll() is None
-        if alive:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return None if alive else self.proc.returncode
-
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
@@ -165,6 +111,11 @@ def _assert_error_shape(response: httpx.Response, status: int) -> dict:
 
 def test_models_health_and_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny", "kvserve-tiny"]
+    assert client.models.retrieve("kvserve-tiny").id == "kvserve-tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    err = _assert_error_shape(httpx.get(f"{server.url}/v1/models/no/such-model"), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "version" in httpx.get(f"{server.url}/version").json()
 
@@ -414,6 +365,8 @@ METRIC_NAMES = [
     "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
     "kvserve:time_to_first_token_seconds_count", "kvserve:inter_token_latency_seconds_count",
     "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count",
+    "kvserve:request_prefill_time_seconds_count", "kvserve:request_decode_time_seconds_count",
+    "kvserve:request_inference_time_seconds_count",
 ]
 
 
@@ -437,6 +390,12 @@ def test_metrics_parse_and_prefix_counters_move(client, server):
     assert d["kvserve:time_to_first_token_seconds_count"] == 3
     assert d["kvserve:e2e_request_latency_seconds_count"] == 3
     assert d["kvserve:request_queue_time_seconds_count"] == 3
+    for phase in ("prefill", "decode", "inference"):
+        assert d[f"kvserve:request_{phase}_time_seconds_count"] == 3
+    # queue + inference is the end-to-end latency of each request, so the sums agree
+    parts = sum(d[f"kvserve:request_{p}_time_seconds_sum"] for p in ("queue", "inference"))
+    assert abs(parts - d["kvserve:e2e_request_latency_seconds_sum"]) < 1e-3
+    assert d["kvserve:request_prefill_time_seconds_sum"] > 0
     assert d["kvserve:inter_token_latency_seconds_count"] == 6
     assert d["kvserve:request_success_total{length}"] == 3
     assert after["kvserve:num_requests_running"] == 0
@@ -506,12 +465,45 @@ HOSTILE = [
     ("stop-empty-string", C, {"prompt": "hi", "stop": ""}, 400),
     ("too-many-stops", C, {"prompt": "hi", "stop": [f"s{i}" for i in range(100)]}, 400),
     ("negative-stop-token-id", C, {"prompt": "hi", "stop_token_ids": [-1]}, 400),
-    ("logit-bias", C, {"prompt": "hi", "logit_bias": {"50": 10}}, 400),
-    ("echo", C, {"prompt": "hi", "echo": True}, 400),
-    ("best-of", C, {"prompt": "hi", "best_of": 3}, 400),
-    ("json-response-format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}},
+    ("logit-bias-out-of-range", C, {"prompt": "hi", "logit_bias": {"50": 100.5}}, 400),
+    ("logit-bias-bad-key", C, {"prompt": "hi", "logit_bias": {"-5": 1}}, 400),
+    ("logit-bias-word-key", CHAT, {"messages": MSG, "logit_bias": {"hello": 1}}, 400),
+    ("logit-bias-out-of-vocab", C, {"prompt": "hi", "logit_bias": {str(10**6): 1}}, 400),
+    ("logit-bias-string-value", C, {"prompt": "hi", "logit_bias": {"5": "1"}}, 400),
+    ("unknown-field", C, {"prompt": "hi", "use_beam_search": True}, 400),
+    ("unknown-field-chat", CHAT, {"messages": MSG, "store": True}, 400),
+    ("unknown-message-field", CHAT, {"messages": [{"role": "user", "content": "hi",
+                                                   "weight": 1}]}, 400),
+    ("stream-options-without-stream", C, {"prompt": "hi",
+                                          "stream_options": {"include_usage": True}}, 400),
+    ("unknown-stream-option", C, {"prompt": "hi", "stream": True,
+                                  "stream_options": {"usage": True}}, 400),
+    ("zero-max-tokens-chat", CHAT, {"messages": MSG, "max_tokens": 0}, 400),
+    ("prompt-logprobs-streamed", C, {"prompt": "hi", "stream": True, "prompt_logprobs": 1},
      400),
-    ("forced-tool-choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400),
+    ("too-many-prompt-logprobs", CHAT, {"messages": MSG, "prompt_logprobs": 21}, 400),
+    ("priority-without-priority-policy", C, {"prompt": "hi", "priority": 5}, 400),
+    ("tool-without-function", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400),
+    ("tool-choice-auto", CHAT, {"messages": MSG, "tool_choice": "auto"}, 400),
+    ("parallel-tool-calls-not-bool", CHAT, {"messages": MSG, "parallel_tool_calls": "no"}, 400),
+    ("functions", CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400),
+    ("function-call", CHAT, {"messages": MSG, "function_call": "auto"}, 400),
+    ("history-tool-call-arguments-not-json", CHAT, {"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": "{oops"}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"}]}, 400),
+    ("guided-json", C, {"prompt": "hi", "guided_json": {"type": "object"}}, 400),
+    ("guided-choice-chat", CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400),
+    ("structured-outputs-bad-regex", C, {"prompt": "hi", "structured_outputs": {"regex": "(a"}},
+     400),
+    ("completion-unknown-response-format", C, {"prompt": "hi",
+                                               "response_format": {"type": "xml"}}, 400),
+    ("best-of", C, {"prompt": "hi", "best_of": 3}, 400),
+    ("json-schema-without-schema", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("forced-tool-choice-without-tools", CHAT, {"messages": MSG, "tool_choice": "required"},
+     400),
     ("unknown-model", C, {"model": "gpt-4", "prompt": "hi"}, 404),
     ("unknown-model-chat", CHAT, {"model": "gpt-4", "messages": MSG}, 404),
     ("empty-prompt", C, {"prompt": ""}, 400),

@@ -35,8 +35,10 @@ def profile_peak_memory(model: CausalLM, num_tokens: int, num_logit_rows: int,
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device) % max_model_len
 
-    def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    def attn(layer_idx: int, q: torch.Tensor, *rest) -> torch.Tensor:
+        # MLA's function takes (q_nope, q_rope, latent, projections) and returns v_head wide
+        width = rest[-1].w_uv.shape[1] if len(rest) == 3 else q.shape[-1]
+        return torch.zeros(q.shape[:-1] + (width,), dtype=q.dtype, device=q.device)
 
     hidden = model(ids, positions, attn)
     logits = model.compute_logits(hidden[: min(num_tokens, num_logit_rows)])

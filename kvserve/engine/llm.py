@@ -38,6 +38,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        for p in params:  # an invalid schema, regex or grammar: refused before anything runs
+            if p.structured_outputs is not None:
+                self.engine.grammars.compile(p.structured_outputs)
         ids: list[str] = []
         try:
             for prompt, p, prio in zip(prompts, params, priorities):
@@ -51,13 +54,15 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them (`tools`, as
+        in vLLM, go to the template; the output is not parsed for calls here)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
         prompts = [{"prompt_token_ids": tok.encode(
             tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                    **(chat_template_kwargs or {})),
+                                    tools=tools, **(chat_template_kwargs or {})),
             add_special_tokens=False)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -10,8 +10,10 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -24,8 +26,9 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
-                             kv_dtype_name, resolve_kv_dtype)
+from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, capacity_line,
+                             decoder_kv_spec, kv_dtype_name, mla_saving_line,
+                             resolve_kv_dtype)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -35,6 +38,7 @@ from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
+from kvserve.structured.grammar import GrammarCompiler, bitmask_words
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from kvserve.validation import (check_cache_salt, check_text_fits, check_token_ids, check_utf8,
                                 shorten)
@@ -81,7 +85,7 @@ class LLMEngine:
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
                                     *self._kv_scales(model_dir))
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.head_dim ** -0.5)
+                                              self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,
@@ -90,7 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
             logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
-        elif config.device == "cuda" and not config.enforce_eager:
+        elif config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
             self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
@@ -102,8 +106,19 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self._detok: dict[str, _Detok] = {}
         self._streaming: set[str] = set()
+        # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
+        # (the compile, its samples). They join the scheduler once it is done; the batch never
+        # waits for a compile.
+        self._compiling: dict[str, tuple[Future, list[Request]]] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len))
+        mla = self.model_config.mla
+        if mla is not None:
+            logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
+                                        self.model_config.num_attention_heads, mla.qk_head_dim,
+                                        mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -155,10 +170,14 @@ class LLMEngine:
         from kvserve.kv.tiers.tiered import TieredKVStore
 
         mc = self.model_config
+        # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's
+        # one latent vector.
+        layer_tensors = self.kv_spec.layer_specs()[0].tensors
+        heads, width = layer_tensors[0]
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 self.tensors.dtype, mc.num_hidden_layers,
-                                 mc.num_key_value_heads, mc.head_dim, self.config.block_size,
-                                 tier_config.chunk_size, kv_format=self.tensors.format_tag(),
+                                 self.tensors.dtype, mc.num_hidden_layers, heads, width,
+                                 self.config.block_size, tier_config.chunk_size,
+                                 len(layer_tensors), kv_format=self.tensors.format_tag(),
                                  page_bytes=self.tensors.page_bytes if self.tensors.packed
                                  else None)
         tiers = TieredKVStore(tier_config, identity)
@@ -169,8 +188,21 @@ class LLMEngine:
             + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
         return tiers
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler, made on first use (building the tokenizer's
+        table takes a moment; an engine that never sees a grammar never pays it). Thread-safe:
+        the server compiles from worker threads, off the engine loop."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 sorted(self.eos_token_ids))
+            return self._grammars
+
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.tiers is not None:
             self.runner.apply_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
@@ -196,7 +228,14 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {shorten(priority)}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
+                        self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
+        grammar: Future | None = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         blocks = self.kv.blocks_for_tokens(len(token_ids) + max_tokens)
         if blocks > self.kv.num_blocks:
@@ -227,8 +266,33 @@ class LLMEngine:
                 self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.skip_special_tokens))
             self.kv.start_prefetch(child)
-            self.scheduler.add(child)
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = (grammar, children)
+        else:
+            self._schedule_children(children, grammar)
         return request_id
+
+    def _schedule_children(self, children: list[Request], grammar: Future | None) -> None:
+        """Queue the samples of a request, each with its own matcher over the compiled
+        grammar when it has one."""
+        for child in children:
+            if grammar is not None:
+                child.grammar = self.grammars.new_state(grammar.result())
+            self.scheduler.add(child)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar finished compiling; a compile that failed fails
+        its request (the server compiles before adding, so that this is rare there)."""
+        outputs = []
+        for parent, (grammar, children) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[parent]
+            if grammar.exception() is not None:
+                outputs.append(self._fail_group(parent, children, grammar.exception()))
+            else:
+                self._schedule_children(children, grammar)
+        return outputs
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -257,6 +321,11 @@ class LLMEngine:
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.config.max_model_len
         assert limit is not None
+        if params.max_tokens == 0:  # prefill only: the prompt may fill the whole context
+            if prompt_len > limit:
+                raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is "
+                                 f"{limit}")
+            return 0
         if prompt_len >= limit:
             raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
                              "no room to generate")
@@ -270,23 +339,30 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
+        compiling = self._compiling.pop(request_id, None) is not None
         for child in self._groups.pop(request_id, ()):
-            if not child.finished:
+            if compiling:  # never queued: nothing to free
+                child.status = RequestStatus.FINISHED_ABORTED
+            elif not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
             self._detok.pop(child.request_id, None)
         self._streaming.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
+        compiled = self._admit_compiled() if self._compiling else []
         batch = self._schedule()
         if not batch.requests:
+            if self._compiling and not self.scheduler.has_unfinished():
+                _wait_any([f for f, _ in self._compiling.values()], 0.05)
+                return compiled + self._admit_compiled()
             if not self.kv.wait_for_prefetch(0.05):
-                return []
+                return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
         out = self.runner.execute(batch)
         self.scheduler.update(batch)
@@ -294,14 +370,17 @@ class LLMEngine:
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
-        if not out.sampled and not failed:
-            return []
+        now = time.time()
+        prefilled = self._finish_prefill_only(batch, failed, now)
+        if not out.sampled and not failed and not prefilled:
+            return compiled
         rows = [batch.requests[i] for i in out.sampled]
         tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
         failed = {**sample_failed, **failed}
-        now = time.time()
         # parent id -> its samples
         touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
+        for parent in prefilled:
+            touched.setdefault(parent, self._groups[parent])
         for request, token, logprobs in zip(rows, tokens, all_logprobs):
             parent = request.parent_id or request.request_id
             if parent not in touched:
@@ -312,7 +391,7 @@ class LLMEngine:
                 self._append_token(request, token, logprobs, now)
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[parent] = exc
-        outputs = []
+        outputs = compiled
         for parent, children in touched.items():
             if parent in failed or not (parent in self._streaming
                                         or all(c.finished for c in children)):
@@ -348,7 +427,7 @@ class LLMEngine:
         if not rows:
             return [], [], {}
         try:
-            result = self.sampler(logits, [_sampling_row(r) for r in rows])
+            result = self.sampler(logits, _sampling_rows(rows, logits.shape[1]))
             return result.token_ids, result.logprobs, {}
         except Exception:
             logger.exception("batched sampling failed; sampling row by row to isolate it")
@@ -357,7 +436,7 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for i, request in enumerate(rows):
             try:
-                one = self.sampler(logits[i:i + 1], [_sampling_row(request)])
+                one = self.sampler(logits[i:i + 1], _sampling_rows([request], logits.shape[1]))
                 tokens.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             except Exception as exc:
@@ -382,12 +461,30 @@ class LLMEngine:
                 assert len(request.prompt_logprobs) == span.first_token, \
                     "prompt logprobs out of step"
                 tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
-                entries, _ = self.sampler.token_logprobs(
+                entries, ranks = self.sampler.token_logprobs(
                     logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
                 request.prompt_logprobs.extend(entries)
+                request.prompt_logprob_ranks.extend(ranks)
             except Exception as exc:
                 failed[request.parent_id or request.request_id] = exc
         return failed
+
+    def _finish_prefill_only(self, batch: ScheduledBatch, failed: dict[str, Exception],
+                             now: float) -> list[str]:
+        """Finish ("length") the prefill-only requests (max_tokens 0) whose prompt this step
+        completed; their blocks go back to the pool (the full ones stay in the prefix cache).
+        Their output is ready now, which is what their first/last token times record. Returns
+        their parent ids."""
+        parents = []
+        for request in batch.requests:
+            parent = request.parent_id or request.request_id
+            if not request.prefill_only or request.finished or parent in failed \
+                    or request.num_computed_tokens < request.num_tokens:
+                continue
+            request.first_token_time = request.last_token_time = now
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            parents.append(parent)
+        return parents
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
@@ -424,7 +521,11 @@ class LLMEngine:
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
+        if request.grammar is not None and not request.grammar.accept(token):
+            raise ValueError(f"token {token} is not allowed by the request's grammar")
         status = self._check_stop(request, token)
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar has ended (its stop token)
         if status is not None:
             self._finish(request, status)
 
@@ -485,11 +586,14 @@ class LLMEngine:
                 finish_reason=c.status.value if c.finished else None,
                 stop_reason=c.stop_reason))
         first = children[0]
+        prompt_logprobs = _prompt_logprobs(first)
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=_group_metrics(children, finished),
                              num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=_prompt_logprobs(first))
+                             prompt_logprobs=prompt_logprobs,
+                             prompt_logprob_ranks=None if prompt_logprobs is None
+                             else list(first.prompt_logprob_ranks))
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -538,13 +642,25 @@ class LLMEngine:
 def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
                    kv_cache_dtype: str = "auto") -> KVCacheSpec:
     """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
-    the model's dtype; int4 keys grouped by block). The planner derives its figures from the
-    same spec classes."""
+    the model's dtype; int4 keys grouped by block), with each sliding layer's window, or MLA's
+    latent vector (the attention backends read the windows from this spec; the planner derives
+    its figures from the same spec classes)."""
     mc = model_config
-    name = resolve_kv_dtype(kv_cache_dtype, kv_dtype_name(dtype))
+    mla = mc.mla
+    model_kv = kv_dtype_name(dtype)
+    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
+    if mla is not None and name != model_kv:
+        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
+        # latents too): MLA's latent is stored as the model computes it, never quantized.
+        what = "a quantized" if KV_DTYPES[name].quantized else "another"
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
+                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
+                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
     storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
-                           block_size)
+                           block_size, mc.layer_windows,
+                           kv_lora_rank=mla.kv_lora_rank if mla else None,
+                           rope_dim=mla.qk_rope_head_dim if mla else 0)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
@@ -555,9 +671,22 @@ def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
     return list(first.prompt_logprobs)
 
 
-def _sampling_row(r: Request) -> SamplingRow:
-    return SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
-                       r.eos_token_ids)
+def _sampling_rows(requests: list[Request], vocab: int) -> list[SamplingRow]:
+    """The sampler's rows; a request with a grammar gets the bitmask of its allowed next
+    tokens (all of them filled into one tensor; the others have none and pay nothing)."""
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    masks: dict[int, torch.Tensor] = {}
+    if constrained:
+        bitmask = torch.full((len(constrained), bitmask_words(vocab)), -1, dtype=torch.int32)
+        for j, i in enumerate(constrained):
+            requests[i].grammar.fill_bitmask(bitmask, j)
+            masks[i] = bitmask[j]
+    return [SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
+                        r.eos_token_ids, masks.get(i)) for i, r in enumerate(requests)]
+
+
+def _wait_any(futures: list[Future], timeout: float) -> None:
+    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
 
 def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:

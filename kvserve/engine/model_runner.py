@@ -3,9 +3,10 @@
 The runner is the only piece that reads both the scheduler's view (requests, new-token counts)
 and the cache's (block tables); it translates them into the flat tensors of `AttentionMetadata`
 and returns logits only for the rows that sample this step (the last token of each request whose
-uncomputed tokens are all scheduled), so that a prefill chunk never pays for the LM head — except
-for a request that records prompt logprobs: every prompt position of its chunk whose logprobs
-are not recorded yet gets logits too (`PromptSpan`), in the same LM-head call.
+uncomputed tokens are all scheduled, unless it is prefill-only), so that a prefill chunk never
+pays for the LM head — except for a request that records prompt logprobs: every prompt position
+of its chunk whose logprobs are not recorded yet gets logits too (`PromptSpan`), in the same
+LM-head call.
 
 It is also the one place where KV memory is moved: the batch's step plan (saves to the storage
 tiers, loads from them, copy-on-write copies) runs here (`apply_plan`), in that order, before the
@@ -126,7 +127,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             seq = SequenceSlice(flat_start, n, end, table)
             (prefills if n > 1 else decodes).append(seq)
-            if end == request.num_tokens:
+            if end == request.num_tokens and not request.prefill_only:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(i)
             span = prompt_span(request, i, start, end)

@@ -273,6 +273,17 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
             f"per request: {tokens / max_model_len:.2f}x")
 
 
+def mla_saving_line(spec: MLALatentSpec, num_heads: int, qk_head_dim: int,
+                    v_head_dim: int) -> str:
+    """What the latent cache saves against the same model's decompressed K/V (every head's
+    key of qk_nope + qk_rope and value of v_head): the start-up line beside `capacity_line`."""
+    latent = spec.kv_lora_rank + spec.rope_dim
+    full = num_heads * (qk_head_dim + v_head_dim)
+    return (f"MLA latent cache: {latent:,} values per token per layer vs {full:,} for the "
+            f"decompressed K/V ({num_heads} heads x ({qk_head_dim} + {v_head_dim})): "
+            f"{full / latent:.1f}x the tokens in the same memory")
+
+
 def decoder_kv_spec(num_layers: int, num_kv_heads: int, head_dim: int, storage: KVStorage,
                     block_size: int, layer_windows: tuple[int | None, ...] = (),
                     kv_lora_rank: int | None = None, rope_dim: int = 0) -> KVCacheSpec:

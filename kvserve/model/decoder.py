@@ -1,4 +1,10 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3 and Mistral.
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text).
+
+Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
+sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weight, so the norm
+code is shared), the attention and MLP outputs normed before their residual adds, per-head q/k
+norms (as Qwen3), a GELU-tanh gate, the attention scale from `query_pre_attn_scalar`, a RoPE base
+per layer type (local and global layers), and tanh soft-capping of the final logits.
 
 The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
 dimension and no padding. Everything that depends on which sequence a token belongs to (the
@@ -50,12 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y if weight is None else y.mul_(weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None,
+                  scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling;
+    the config's (full layers') RoPE unless `theta` (and `scaling`) are given."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta
-                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -72,16 +80,44 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(theta, dim, factor, scaling)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")
 
 
-def rope_cache(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def _yarn_inv_freq(base: float, dim: int, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN (DeepSeek's rope_scaling): interpolated frequencies below the correction range,
+    extrapolated above, a linear ramp between; transformers' `_compute_yarn_parameters`."""
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling["original_max_position_embeddings"]
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def rope_cache(config: ModelConfig, device: torch.device | str | None = None,
+               theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
     """[max_position_embeddings, head_dim]: cos of each angle in the first half, sin in the
-    second, computed in float32 exactly as transformers computes them per step."""
-    inv_freq = rope_inv_freq(config)
+    second, computed in float32 exactly as transformers computes them per step (times YaRN's
+    attention factor, as transformers scales its cos/sin)."""
+    if theta is None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = rope_inv_freq(config, theta, scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    attention_factor = (scaling or {}).get("attention_factor", 1.0)
+    if attention_factor != 1.0:
+        cache = cache * attention_factor
     return cache if device is None else cache.to(device)
 
 
@@ -184,7 +220,13 @@ class DecoderLayer(nn.Module):
             if c.qk_norm else None
         self.o_proj = _param(h, c.q_size, **p)
         self.o_bias = _param(h, **p) if c.o_proj_bias else None
+        # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
+        # pre_feedforward_layernorm).
         self.post_attention_layernorm = _param(h, **p)
+        # Gemma 3: norms of the attention and MLP outputs, before their residual adds.
+        self.attn_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.mlp_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
         self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
         self.down_proj = _param(h, c.intermediate_size, **p)
@@ -201,7 +243,7 @@ class DecoderLayer(nn.Module):
 
         self._norm = gpu_ops.rms_norm
         self._rope = gpu_ops.apply_rope
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None and not self.gelu:
             self._swiglu = self._swiglu_triton
 
     def _swiglu_triton(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +272,20 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = None
         self._linear = _onednn_linear
         self._linear_add = _onednn_linear_add
-        self._swiglu = self._swiglu_fused
+        self._swiglu = self._geglu_packed if self.gelu else self._swiglu_fused
+
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs of this layer's projections per token (for the warm-up's budget)."""
+        h = self.input_layernorm.shape[0]
+        qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
+        return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
+
+    def warm_up_gemms(self, x: torch.Tensor) -> None:
+        """Run each projection once on zeros x [rows, hidden] (compiles its oneDNN kernel)."""
+        self._linear(x, self.qkv_proj, self.qkv_bias)
+        zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
+        self._linear_add(zeros, x.clone(), self.o_proj, self.o_bias)
+        self._linear_add(self._swiglu(x), x.clone(), self.down_proj, self.down_bias)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
@@ -246,16 +301,30 @@ class DecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
-        o = attn(self.layer_idx, q, k, v)
-        hidden = self._linear_add(o.reshape(t, self.q_size), hidden, self.o_proj, self.o_bias)
+        o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if self.attn_out_norm is None:
+            hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        else:
+            o = self._linear(o, self.o_proj, self.o_bias)
+            hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
 
         x = self._norm(hidden, self.post_attention_layernorm, self.eps)
-        return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        if self.mlp_out_norm is None:
+            return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
+        m = self._linear(self._swiglu(x), self.down_proj, self.down_bias)
+        return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
         gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
-        act = F.silu(gate_up[:, : self.intermediate_size])
+        gate = gate_up[:, : self.intermediate_size]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return act.mul_(gate_up[:, self.intermediate_size:])
+
+    def _geglu_packed(self, x: torch.Tensor) -> torch.Tensor:
+        gate = _onednn_linear(x, self.gate_proj, self.gate_bias)
+        return F.gelu(gate, approximate="tanh").mul_(_onednn_linear(x, self.up_proj,
+                                                                    self.up_bias))
 
     def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -295,17 +364,34 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
+        # Layers whose RoPE differs from the full layers' (Gemma 3's local layers) use a second
+        # table; layer i uses table self._rope_of_layer[i].
+        self._rope_of_layer = [0] * config.num_hidden_layers
+        local = None
+        if config.sliding_rope_theta is not None:
+            local = rope_cache(config, device, config.sliding_rope_theta,
+                               config.sliding_rope_scaling)
+            self._rope_of_layer = [int(w is not None) for w in config.windows]
+        self.register_buffer("rope_cos_sin_local", local, persistent=False)
+        self._embed_scale = config.embed_scale
+        self._softcap = config.final_logit_softcapping
         self.packed = False
         self._logits_linear = _dense_linear
         self._norm = rms_norm
         # With tied embeddings and packing: a packed copy of the embedding table for the head.
         self.register_buffer("_packed_head", None, persistent=False)
+
+    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                   device: torch.device | str | None) -> nn.Module:
+        """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
+        `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
+        return DecoderLayer(config, index, dtype, device)
 
     def pack_weights(self) -> bool:
         """Switch the projections and the LM head to oneDNN-packed weights when this build and
@@ -337,14 +423,14 @@ class CausalLM(nn.Module):
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
-        hours as rare batch sizes turn up, and no request waits on a compile. Every layer has
-        the same shapes, so one layer is enough."""
+        hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
+        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough."""
         if not self.packed or not self.layers:
             return 0
-        c, layer = self.config, self.layers[0]
-        h, inter = c.hidden_size, c.intermediate_size
-        qkv = c.q_size + 2 * c.kv_size
-        per_row = 2 * (h * qkv + c.q_size * h + 3 * h * inter)
+        c = self.config
+        h = c.hidden_size
+        layers = self.warm_up_layers()
+        per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
@@ -353,23 +439,29 @@ class CausalLM(nn.Module):
                 if spent + cost > max_flops:
                     break
                 x = torch.zeros(rows, h, **zeros)
-                layer._linear(x, layer.qkv_proj, layer.qkv_bias)
-                layer._linear_add(torch.zeros(rows, c.q_size, **zeros), x, layer.o_proj,
-                                  layer.o_bias)
-                layer._linear_add(layer._swiglu(x), x, layer.down_proj, layer.down_bias)
+                for layer in layers:
+                    layer.warm_up_gemms(x)
                 if rows <= max_logit_rows:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
         return warmed
 
+    def warm_up_layers(self) -> list[nn.Module]:
+        """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
+        return [self.layers[0]]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos_sin = self.rope_cos_sin.index_select(0, positions).to(self.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos_sin, attn)
+        if self._embed_scale is not None:  # in the weights' dtype, as transformers scales
+            hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
+        tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
+        if self.rope_cos_sin_local is not None:
+            tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
+        for layer, rope in zip(self.layers, self._rope_of_layer):
+            hidden = layer(hidden, tables[rope], attn)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def use_triton_ops(self) -> None:
@@ -388,4 +480,7 @@ class CausalLM(nn.Module):
             weight = self._packed_head
         else:
             weight = self.embed_tokens
-        return self._logits_linear(hidden, weight, None).float()
+        logits = self._logits_linear(hidden, weight, None).float()
+        if self._softcap is not None:
+            logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
+        return logits

@@ -2,8 +2,9 @@
 
 The model is built with uninitialised parameters, then every checkpoint tensor is copied (and
 cast) straight into its place: q/k/v into row ranges of `qkv_proj`, gate/up into `gate_up_proj`,
-Qwen3's q_norm/k_norm broadcast over their heads. Nothing is initialised twice and no
-intermediate concatenations are built.
+Qwen3's (and Gemma 3's) q_norm/k_norm broadcast over their heads. Nothing is initialised twice and
+no intermediate concatenations are built. Gemma's norm weights w are stored as 1 + w (its norms
+scale by 1 + w), so the decoder's one norm serves every architecture.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -36,6 +38,9 @@ INDEX_FILE = "model.safetensors.index.json"
 class _Target:
     dest: torch.Tensor  # a view into a model parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+    offset: float = 0.0  # added after the copy (Gemma's norms: 1 + w)
+    # Applied to the checkpoint tensor before the copy (DeepSeek's RoPE row permutation).
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -67,8 +72,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     device = torch.device(device)
     files = checkpoint_files(model_dir)
     with torch.no_grad():
-        model = CausalLM(config, torch_dtype, device)
-        targets = _targets(model, config)
+        if config.mla is not None:
+            from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
+
+            model = DeepseekCausalLM(config, torch_dtype, device)
+            targets = {name: _Target(dest, shape, transform=transform)
+                       for name, (dest, shape, transform)
+                       in checkpoint_targets(model, config).items()}
+        else:
+            model = CausalLM(config, torch_dtype, device)
+            targets = _targets(model, config)
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config)
@@ -149,7 +162,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key) or _KV_SCALE.match(key):
+            if _IGNORED.match(key) or _KV_SCALE.match(key) or _beyond_last_layer(key, config):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -177,8 +190,22 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                 raise ValueError(f"tensor {key!r} in {str(file)!r} has dtype {tensor.dtype}; "
                                  "expected a floating-point tensor (quantised checkpoints are "
                                  "not supported)")
-            target.dest.copy_(tensor)
+            target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
+            if target.offset:
+                target.dest.add_(target.offset)
             loaded.add(name)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _beyond_last_layer(key: str, config: ModelConfig) -> bool:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers numbered from
+    num_hidden_layers on; like transformers, inference leaves them out."""
+    if config.architecture != "DeepseekV3ForCausalLM":
+        return False
+    m = _LAYER.match(key)
+    return m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
 def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
@@ -191,14 +218,24 @@ def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
     def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape)
 
+    norm_offset = 1.0 if c.gemma_norms else 0.0
+
+    def add_norm(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+        t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape, norm_offset)
+
     add("model.embed_tokens.weight", model.embed_tokens)
-    add("model.norm.weight", model.norm)
+    add_norm("model.norm.weight", model.norm)
     if model.lm_head is not None:
         add("lm_head.weight", model.lm_head)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", layer.input_layernorm)
-        add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+        add_norm(p + "input_layernorm.weight", layer.input_layernorm)
+        if c.gemma_norms:  # Gemma's post_attention_layernorm norms the attention's output
+            add_norm(p + "post_attention_layernorm.weight", layer.attn_out_norm)
+            add_norm(p + "pre_feedforward_layernorm.weight", layer.post_attention_layernorm)
+            add_norm(p + "post_feedforward_layernorm.weight", layer.mlp_out_norm)
+        else:
+            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
         add(p + "self_attn.q_proj.weight", layer.qkv_proj[:q])
         add(p + "self_attn.k_proj.weight", layer.qkv_proj[q: q + kv])
         add(p + "self_attn.v_proj.weight", layer.qkv_proj[q + kv:])
@@ -207,8 +244,8 @@ def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
             add(p + "self_attn.k_proj.bias", layer.qkv_bias[q: q + kv])
             add(p + "self_attn.v_proj.bias", layer.qkv_bias[q + kv:])
         if layer.qk_norm is not None:
-            add(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
-            add(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
+            add_norm(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
+            add_norm(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
         add(p + "self_attn.o_proj.weight", layer.o_proj)
         if layer.o_bias is not None:
             add(p + "self_attn.o_proj.bias", layer.o_bias)

@@ -23,14 +23,20 @@ from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v2", "deepseek_v3")
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
 DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
 _HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
 
 _ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}
+# Gemma 3's hybrid layout: five sliding layers to one global, a window per size (the real
+# models' 1,024 would cover a tiny model's whole test prompts).
+GEMMA3_PATTERN = 6
+_GEMMA3_WINDOW = {"tiny": 64, "small": 512}
 _SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
@@ -58,28 +64,22 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if arch.startswith("deepseek"):
+        from kvserve.model.deepseek_checkpoint import deepseek_hf_config
+
+        return deepseek_hf_config(arch, size, _common_config(arch, size, dtype, bos_token_id,
+                                                              eos_token_id))
     s = dict(_SHAPES[size])
     layers = s["num_hidden_layers"]
     head_dim = s.pop("head_dim", s["hidden_size"] // s["num_attention_heads"])
     tied = s.pop("tie_word_embeddings", None)  # None: the architecture's usual choice
     if arch == "qwen3" and size == "tiny":
         head_dim = 32  # deliberately != hidden_size / num_attention_heads
+    if arch == "gemma3" and size == "tiny":
+        layers = s["num_hidden_layers"] = GEMMA3_PATTERN  # one whole local/global period
     common: dict[str, Any] = {
         "architectures": [_ARCHITECTURE[arch]],
-        "attention_dropout": 0.0,
-        "bos_token_id": bos_token_id,
-        "dtype": dtype,
-        "eos_token_id": eos_token_id,
-        "hidden_act": "silu",
-        # The tiny model's layers must be able to outvote the tied embedding: at std 0.02 its
-        # greedy output just repeats the last prompt token, and tests comparing its outputs
-        # could not tell a corrupted cache from a good one.
-        "initializer_range": 0.15 if size == "tiny" else 0.02,
-        "model_type": arch,
-        "pad_token_id": None,
-        "rms_norm_eps": 1e-06,
-        "transformers_version": _HF_VERSION,
-        "use_cache": True,
+        **_common_config(arch, size, dtype, bos_token_id, eos_token_id),
         **s,
     }
     if arch == "llama":
@@ -101,6 +101,24 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
             "sliding_window": None,  # full attention, as kvserve computes it
             "tie_word_embeddings": False,
         }
+    elif arch == "gemma3":
+        extra = {
+            "attention_bias": False,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "head_dim": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": ["sliding_attention" if (i + 1) % GEMMA3_PATTERN else "full_attention"
+                            for i in range(layers)],
+            "query_pre_attn_scalar": head_dim,
+            "rope_parameters": {
+                "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+            "sliding_window": _GEMMA3_WINDOW.get(size, 1024),
+            "tie_word_embeddings": True,
+            "use_bidirectional_attention": False,
+        }
+        del common["hidden_act"]
     else:  # qwen2, qwen3
         extra = {
             "layer_types": ["full_attention"] * layers,
@@ -119,6 +137,27 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
     return dict(sorted({**common, **extra}.items()))
 
 
+def _common_config(arch: str, size: str, dtype: str, bos_token_id: int,
+                   eos_token_id: int) -> dict[str, Any]:
+    """The config.json keys every architecture shares."""
+    return {
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "dtype": dtype,
+        "eos_token_id": eos_token_id,
+        "hidden_act": "silu",
+        # The tiny model's layers must be able to outvote the tied embedding: at std 0.02 its
+        # greedy output just repeats the last prompt token, and tests comparing its outputs
+        # could not tell a corrupted cache from a good one.
+        "initializer_range": 0.15 if size == "tiny" else 0.02,
+        "model_type": _MODEL_TYPE.get(arch, arch),
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "transformers_version": _HF_VERSION,
+        "use_cache": True,
+    }
+
+
 def random_weights(config: dict[str, Any], seed: int = 0,
                    dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -126,6 +165,10 @@ def random_weights(config: dict[str, Any], seed: int = 0,
 
     `device="cuda"` draws on the GPU (a 7B model in seconds instead of minutes; different
     numbers from the CPU draw for the same seed); the tensors are returned on the CPU."""
+    if config["model_type"].startswith("deepseek"):
+        from kvserve.model.deepseek_checkpoint import deepseek_random_weights
+
+        return deepseek_random_weights(config, seed, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     h = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -134,6 +177,8 @@ def random_weights(config: dict[str, Any], seed: int = 0,
     std = config.get("initializer_range", 0.02)
     qwen2 = config["model_type"] == "qwen2"
     qwen3 = config["model_type"] == "qwen3"
+    gemma = config["model_type"] == "gemma3_text"
+    norm = 0.0 if gemma else 1.0  # Gemma's norms scale by 1 + weight
     out: dict[str, torch.Tensor] = {}
 
     def normal(name: str, *shape: int) -> None:
@@ -146,7 +191,7 @@ def random_weights(config: dict[str, Any], seed: int = 0,
     normal("model.embed_tokens.weight", vocab, h)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        const(p + "input_layernorm.weight", 1.0, h)
+        const(p + "input_layernorm.weight", norm, h)
         normal(p + "self_attn.q_proj.weight", heads * head_dim, h)
         normal(p + "self_attn.k_proj.weight", kv_heads * head_dim, h)
         normal(p + "self_attn.v_proj.weight", kv_heads * head_dim, h)
@@ -154,15 +199,18 @@ def random_weights(config: dict[str, Any], seed: int = 0,
             const(p + "self_attn.q_proj.bias", 0.0, heads * head_dim)
             const(p + "self_attn.k_proj.bias", 0.0, kv_heads * head_dim)
             const(p + "self_attn.v_proj.bias", 0.0, kv_heads * head_dim)
-        if qwen3:
-            const(p + "self_attn.q_norm.weight", 1.0, head_dim)
-            const(p + "self_attn.k_norm.weight", 1.0, head_dim)
+        if qwen3 or gemma:
+            const(p + "self_attn.q_norm.weight", norm, head_dim)
+            const(p + "self_attn.k_norm.weight", norm, head_dim)
         normal(p + "self_attn.o_proj.weight", h, heads * head_dim)
-        const(p + "post_attention_layernorm.weight", 1.0, h)
+        const(p + "post_attention_layernorm.weight", norm, h)
+        if gemma:
+            const(p + "pre_feedforward_layernorm.weight", norm, h)
+            const(p + "post_feedforward_layernorm.weight", norm, h)
         normal(p + "mlp.gate_proj.weight", inter, h)
         normal(p + "mlp.up_proj.weight", inter, h)
         normal(p + "mlp.down_proj.weight", h, inter)
-    const("model.norm.weight", 1.0, h)
+    const("model.norm.weight", norm, h)
     if not config.get("tie_word_embeddings", False):
         normal("lm_head.weight", vocab, h)
     return out
@@ -203,9 +251,10 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     return out
 
 
-# Bump when make_model or the tokenizer trainer changes what they write, so that a cached default
+# Bump when make_model or the tokenizer trainer changes what they write (3: the chat
+# template renders tool calls and tool results), so that a cached default
 # model from an older kvserve is not reused.
-DEFAULT_MODEL_VERSION = 2
+DEFAULT_MODEL_VERSION = 3
 
 
 def default_model_path() -> Path:

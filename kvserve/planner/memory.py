@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.dtypes import short_dtype_name
-from kvserve.kv.spec import KV_DTYPES, KVCacheSpec, KVStorage, decoder_kv_spec
+from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, MLALatentSpec, decoder_kv_spec,
+                             mla_saving_line)
 from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype
 from kvserve.planner.model import ModelSpec
 
@@ -60,6 +61,15 @@ def kv_cache_spec(spec: ModelSpec, dtype: str, tp: int = 1, group_size: int | No
     return decoder_kv_spec(spec.num_layers, kv_heads_per_gpu(spec, tp), spec.head_dim, storage,
                            block_size, spec.layer_windows, spec.kv_lora_rank,
                            spec.qk_rope_head_dim)
+
+
+def _mla_saving(spec: ModelSpec) -> str | None:
+    """The engine's start-up line on what MLA saves, for an MLA model."""
+    m = spec.mla
+    if m is None:
+        return None
+    return mla_saving_line(MLALatentSpec(m.kv_lora_rank, m.qk_rope_head_dim),
+                           spec.num_attention_heads, m.qk_head_dim, m.v_head_dim)
 
 
 def kv_bytes_per_token_layer(spec: ModelSpec, dtype: str, tp: int = 1,
@@ -369,7 +379,7 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
                        tensor_parallel_size=tp),
         "capacity": dict(num_blocks=blocks, kv_cache_tokens=tokens,
                          max_concurrency=concurrency_x, max_concurrent_requests=max_requests,
-                         prefix_room=rooms),
+                         prefix_room=rooms, mla_saving=_mla_saving(spec)),
         "block_table": dict(bytes_per_request=blocks_per_request * 4,
                             frac_of_request_kv=(blocks_per_request * 4) / per_request_blocks
                             if per_request_blocks else 0.0,

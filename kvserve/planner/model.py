@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import short_dtype_name
-from kvserve.model.config import checkpoint_dtype, read_json_object
+from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
+from kvserve.model.deepseek_config import MLAConfig, parse_mla
 from kvserve.planner import presets
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -45,6 +46,7 @@ class ModelSpec:
     # One entry per layer: None = full attention, an int = a sliding window of that many tokens.
     layer_windows: tuple[int | None, ...] = ()
     quantization: dict[str, Any] = field(default_factory=dict)  # config.json's quantization_config
+    mla: MLAConfig | None = None  # every MLA dimension (the decompressed K/V it saves)
 
     @property
     def attention(self) -> str:
@@ -90,8 +92,12 @@ class ModelSpec:
             kv_heads = _opt_int(d, "num_key_value_heads", source, ("num_kv_heads",)) or heads
         head_dim = _opt_int(d, "head_dim", source) or hidden // heads
         vocab = _pos_int(d, "vocab_size", source)
-        kv_lora = _opt_int(d, "kv_lora_rank", source)
-        rope = _opt_int(d, "qk_rope_head_dim", source) or 0
+        try:  # the engine's reader of the MLA dimensions (one parser, one bytes-per-token)
+            mla = parse_mla(d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
+        kv_lora = mla.kv_lora_rank if mla else None
+        rope = mla.qk_rope_head_dim if mla else 0
         if not kv_lora and heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
@@ -110,7 +116,7 @@ class ModelSpec:
                    num_params=int(num_params), params_source=params_source, dtype=dtype,
                    kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
                    layer_windows=windows if any(w is not None for w in windows) else (),
-                   quantization=dict(d.get("quantization_config") or {}))
+                   quantization=dict(d.get("quantization_config") or {}), mla=mla)
 
     @classmethod
     def load(cls, what: str) -> "ModelSpec":
@@ -174,41 +180,12 @@ def _opt_int(d: dict[str, Any], key: str, source: str, aliases: tuple[str, ...] 
 
 
 def _layer_windows(d: dict[str, Any], layers: int, source: str) -> tuple[int | None, ...]:
-    """Per layer: None for full attention, else the sliding window in tokens, following the
-    rules transformers applies to each family."""
-    window = d.get("sliding_window")
-    types = d.get("layer_types")
-    model_type = str(d.get("model_type") or "")
-    if model_type.startswith("qwen") and not d.get("use_sliding_window", False):
-        window = None
-    if types is not None:
-        if not isinstance(types, list) or len(types) != layers:
-            raise ValueError(f"{source}: layer_types must list {layers} layer types")
-        out: list[int | None] = []
-        for t in types:
-            if t == "full_attention":
-                out.append(None)
-            elif t in ("sliding_attention", "chunked_attention"):
-                w = window or d.get("attention_chunk_size")
-                if not w:
-                    raise ValueError(f"{source}: layer type {t!r} without a sliding_window")
-                out.append(int(w))
-            else:
-                raise ValueError(f"{source}: layer type {t!r} is not supported by the planner "
-                                 "(full_attention, sliding_attention, chunked_attention)")
-        return tuple(out)
-    if not window:
-        return (None,) * layers
-    window = int(window)
-    if model_type.startswith("qwen"):
-        first = int(d.get("max_window_layers", layers))
-        return tuple(window if i >= first else None for i in range(layers))
-    if model_type == "gemma2":
-        return tuple(window if (i + 1) % 2 else None for i in range(layers))
-    pattern = d.get("sliding_window_pattern")
-    if pattern:
-        return tuple(window if (i + 1) % int(pattern) else None for i in range(layers))
-    return (window,) * layers
+    """Per layer: None for full attention, else the sliding window in tokens (the engine's
+    rules, `kvserve.model.config.layer_windows`), errors prefixed with the source."""
+    try:
+        return layer_windows(d, layers)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
 
 
 def estimate_params(d: dict[str, Any]) -> int:

@@ -100,6 +100,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "torch_dtype": "bfloat16",  # the dtype it is served in
         "num_params": 9_241_705_984,
     },
+    # Gemma 3 12B (its text model): five layers slide over 1,024 tokens for each global layer
+    # (layers 5, 11, ...); the engine runs this architecture (Gemma3ForCausalLM).
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        # The text decoder, counted from these shapes (q/k norms included); the published
+        # 12.2B adds the ~0.42B SigLIP vision tower.
+        "num_params": 11_766_034_176,
+    },
     # MLA: one compressed latent of kv_lora_rank (512) + qk_rope_head_dim (64) per token per
     # layer, shared by all 128 heads; num_key_value_heads (128) does not size the cache.
     "deepseek-v2": {
@@ -140,7 +153,8 @@ ALIASES = {
     "qwen/qwen2.5-72b": "qwen2.5-72b", "qwen/qwen2.5-72b-instruct": "qwen2.5-72b",
     "qwen/qwen3-0.6b": "qwen3-0.6b", "qwen/qwen3-8b": "qwen3-8b",
     "mistralai/mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.1": "mistral-7b",
-    "google/gemma-2-9b": "gemma-2-9b",
+    "google/gemma-2-9b": "gemma-2-9b", "google/gemma-3-12b-it": "gemma-3-12b",
+    "google/gemma-3-12b-pt": "gemma-3-12b",
     "deepseek-ai/deepseek-v2": "deepseek-v2", "deepseek-ai/deepseek-v3": "deepseek-v3",
 }
 

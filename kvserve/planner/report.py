@@ -60,6 +60,8 @@ def format_plan(plan: dict) -> str:
                f"blocks), Maximum concurrency for {L:,} tokens per request: "
                f"{cap['max_concurrency']:.2f}x")
     out.append(f"  = {cap['max_concurrent_requests']:,} concurrent requests of {L:,} tokens")
+    if cap.get("mla_saving"):
+        out.append(f"  {cap['mla_saving']}")
     for room in cap["prefix_room"]:
         out.append(f"  with {room['concurrency']:,} running at full length, room left for "
                    f"cached prefixes: {room['tokens']:,} tokens ({room['frac'] * 100:.1f}% of "

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -331,7 +332,7 @@ class Gateway:
             await upstream.aclose()
 
     async def get_from_any(self, path: str, request: Request) -> Response:
-        """A GET answered by the first available replica (/v1/models)."""
+        """A GET answered by the first available replica (/v1/models, /v1/models/{id})."""
         assert self.client is not None
         headers = self.upstream_auth(request.headers)
         for replica in self.replicas:
@@ -386,6 +387,12 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         if not gateway.authorized(request):
             return unauthorized()
         return await gateway.get_from_any("/v1/models", request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request) -> Response:
+        if not gateway.authorized(request):
+            return unauthorized()
+        return await gateway.get_from_any(f"/v1/models/{quote(model_id, safe='/')}", request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -61,6 +61,11 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or "-" in part or part in ("str", "int"))
 
 
+# An unknown field is refused (OpenAI's behaviour) rather than ignored (vLLM's): protocol.py.
+UNKNOWN_FIELD_MESSAGE = "unknown field: kvserve does not implement it, and refuses the " \
+    "fields it does not implement rather than ignoring them"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line per offending field. A union reports one error per variant; the one kept is the
     first that is not a plain type mismatch, since it says what is wrong with a value of the
@@ -79,6 +84,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(str(x) for x in best.get("loc", ())
                          if x != "body" and not _is_union_tag(x))
         msg = best.get("msg", "invalid value")
+        if best.get("type") == "extra_forbidden":
+            msg = UNKNOWN_FIELD_MESSAGE
         by_field[field] = (f"{where}: {msg}" if where else msg, len(errs))
     parts = []
     for field, (msg, count) in list(by_field.items())[:5]:
@@ -313,12 +320,20 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         except PackageNotFoundError:
             return {"version": "unknown"}
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                "root": engine.config.model, "parent": None,
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", responses=_ERROR_RESPONSES)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-             "root": engine.config.model, "parent": None,
-             "max_model_len": engine.max_model_len} for name in served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """OpenAI's model retrieval (`client.models.retrieve`); 404 model_not_found for a
+        name this server does not serve. `:path`, since served names may hold a '/'."""
+        return model_card(serving.check_model(model_id))
 
     @app.get("/v1/kv_events")
     async def get_kv_events(since: int = -1, timeout: float = 0.0) -> dict[str, Any]:

@@ -12,7 +12,11 @@ Latency figures per request:
 * Inter-token latency: a streaming request reports after every step that gave it a token, so each
   gap is observed as it happens. A non-streaming request reports once, at the end, so its mean gap
   ((last token - first token) / (tokens - 1)) is observed once per gap.
-* End-to-end latency (`e2e_request_latency_seconds`) on finish.
+* End-to-end latency (`e2e_request_latency_seconds`) on finish, and its parts after the queue,
+  so a user can tell queueing from prefill from decode (vLLM's names): prefill time
+  (`request_prefill_time_seconds`, first scheduled to first token; to finish for a prefill-only
+  request), decode time (`request_decode_time_seconds`, first token to last token) and inference
+  time (`request_inference_time_seconds`, first scheduled to finish).
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ class PrometheusStatLogger:
         self.queue_time = histogram("kvserve:request_queue_time_seconds",
                                     "Histogram of time spent in the waiting queue (arrival to "
                                     "first scheduled) in seconds.", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("kvserve:request_prefill_time_seconds",
+                                      "Histogram of time spent in the prefill phase (first "
+                                      "scheduled to first token) in seconds.", _LATENCY_BUCKETS)
+        self.decode_time = histogram("kvserve:request_decode_time_seconds",
+                                     "Histogram of time spent in the decode phase (first token "
+                                     "to last token) in seconds.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("kvserve:request_inference_time_seconds",
+                                        "Histogram of time spent running (first scheduled to "
+                                        "finished) in seconds.", _LATENCY_BUCKETS)
         # Storage tiers (kv/tiers): labelled by where KV came from or went to.
         self.hits_by_source = counter("kvserve:prefix_cache_hits_by_source",
                                       "Prefix cache hits in tokens, by where the KV was found: "
@@ -185,6 +198,17 @@ class PrometheusStatLogger:
         for tier, used in tiers.usage().items():
             self.tier_usage.labels(**self._label, tier=tier).set(used)
 
+    def _phase_times(self, met) -> None:
+        """A finished request's time after the queue, split at its first token."""
+        start = met.first_scheduled_time
+        if start is None:  # aborted while waiting: it never ran
+            return
+        first = met.first_token_time
+        self.m("prefill_time").observe(max(0.0, (first or met.finished_time) - start))
+        if first is not None and met.last_token_time is not None:
+            self.m("decode_time").observe(max(0.0, met.last_token_time - first))
+        self.m("inference_time").observe(max(0.0, met.finished_time - start))
+
     def on_idle(self, engine: LLMEngine) -> None:
         self._engine_gauges(engine)
 
@@ -228,6 +252,7 @@ class PrometheusStatLogger:
             if out.finished:
                 if met.finished_time is not None:
                     self.m("e2e").observe(max(0.0, met.finished_time - met.arrival_time))
+                    self._phase_times(met)
                 for c in out.outputs:
                     self.request_success.labels(model_name=self._label["model_name"],
                                                 finished_reason=c.finish_reason or "abort").inc()

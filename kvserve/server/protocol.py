@@ -6,15 +6,21 @@ ranges of the sampling fields are repeated here so that the OpenAPI schema docum
 checks that need the model (prompt length against max_model_len, token ids against the
 vocabulary) and cache_salt's rules stay in `LLMEngine.add_request`, and `SamplingParams`
 re-checks everything: their ValueError is a 400 too. Some bounds are the server's own (how many
-samples, how many logprobs, the seed's width, how many stop strings), and the OpenAI fields
-kvserve does not implement are refused rather than silently ignored.
+samples, how many logprobs, the seed's width, how many stop strings).
+
+No field is accepted and ignored (tests/test_api_fields.py walks every field of every model
+here): each one is either honoured or refused with a 400 that names it, and so is a field this
+module does not know (OpenAI's behaviour; vLLM would log a warning and go on, which lets a
+misspelt option pass unnoticed). As in OpenAI's API, JSON null in an optional field means its
+default (the SDK sends null for an argument passed as None); only completions' `max_tokens`
+gives null a meaning of its own (vLLM's: up to the context length).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sampling import MAX_LOGPROBS
 
@@ -22,28 +28,45 @@ from kvserve.sampling import MAX_LOGPROBS
 MAX_N = 128
 MAX_STOP = 16
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request
+MAX_LOGIT_BIAS_ENTRIES = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 MaxTokens = Annotated[int, Field(ge=1)]
 StopString = Annotated[str, Field(min_length=1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+
+# Fields to which null does not mean "the default" (see the module docstring).
+_NULL_IS_MEANINGFUL = frozenset({"max_tokens"})
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    @model_validator(mode="after")
+    def _null_means_default(self):
+        """JSON null in an optional field is its default (OpenAI's rule), so that every handler
+        sees one value per meaning."""
+        for name, info in type(self).model_fields.items():
+            if getattr(self, name) is None and info.default is not None \
+                    and name not in _NULL_IS_MEANINGFUL:
+                object.__setattr__(self, name, info.get_default(call_default_factory=True))
+        return self
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
 
 
 class _SamplingFields(_Strict):
     """Fields common to both endpoints (OpenAI's, then vLLM's extensions)."""
 
     model: Optional[str] = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1
     temperature: Optional[Annotated[float, Field(ge=0)]] = None
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
     presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
@@ -51,21 +74,33 @@ class _SamplingFields(_Strict):
     seed: Optional[Seed] = None
     stop: Optional[Union[StopString, Annotated[list[StopString],
                                                Field(max_length=MAX_STOP)]]] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[LogitBias] = None
     # vLLM's extra sampling parameters
     top_k: Optional[Annotated[int, Field(ge=-1)]] = None
     min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
     repetition_penalty: Optional[Annotated[float, Field(gt=0)]] = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: Optional[bool] = False
+    min_tokens: Optional[Annotated[int, Field(ge=0)]] = 0
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=1024)]] = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
     cache_salt: Optional[str] = None
-    priority: int = 0
+    priority: Optional[int] = 0
+    prompt_logprobs: Optional[NumLogprobs] = None
+    # Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
+    # structured_outputs {json, regex, choice, grammar, json_object, ...}; at most one of them.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's names before 0.12, which removed them: refused with a 400 naming the new field.
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -73,9 +108,10 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]]
-    max_tokens: Optional[MaxTokens] = 16
-    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    echo: bool = False
+    # 0 is allowed with echo or prompt_logprobs (score the prompt, generate nothing)
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16
+    logprobs: Optional[NumLogprobs] = None
+    echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -89,19 +125,25 @@ class ChatMessage(_Strict):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[MaxTokens] = None
     max_completion_tokens: Optional[MaxTokens] = None
-    logprobs: bool = False
-    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[NumLogprobs] = None
+    add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # tool calling (kvserve/server/structured_request.py: tool_plan)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming the new ones.
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -25,7 +25,12 @@ from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
                                          EngineStepError, RequestStream)
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                     StreamOptions)
+from kvserve.server.structured_request import (ToolPlan, history_tool_calls,
+                                               structured_outputs_of, tool_plan)
+from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import holdback
 from kvserve.validation import check_text_fits, shorten
 
@@ -94,6 +99,7 @@ class _ChoiceCursor:
     num_tokens: int = 0
     text_offset: int = 0
     done: bool = False
+    echoed: bool = False  # echo: the prompt went out (in this choice's first chunk)
 
 
 class OpenAIServing:
@@ -159,15 +165,48 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt" if num_prompts > 1 else "n") from None
 
+    async def _check_grammar(self, structured: StructuredOutputsParams | None,
+                             param: str) -> None:
+        """Compile the request's grammar before it is queued (on the compiler's thread, never
+        the event loop's nor the engine's): an invalid schema, regex or grammar is a 400 with
+        the library's reason, and the engine then finds it in the cache."""
+        if structured is None:
+            return
+        core = self.engine.engine
+        future = await asyncio.to_thread(lambda: core.grammars.submit(structured))
+        try:
+            await asyncio.wrap_future(future)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+    def _check_common(self, req: CompletionRequest | ChatCompletionRequest, rid: str) -> None:
+        """Checks both endpoints share, before anything is tokenized."""
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
+        if req.priority and self.engine.config.eviction_policy != "priority":
+            # as vLLM refuses a priority its scheduling policy does not use
+            raise APIError(400, "priority has an effect only with --eviction-policy priority "
+                           f"(this server uses {self.engine.config.eviction_policy!r})",
+                           param="priority")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream (with "
+                           "/v1/completions, echo with logprobs streams them)",
+                           param="prompt_logprobs")
+        if req.user is not None:  # what OpenAI keeps it for: telling abusers apart, in logs
+            logger.info("request %s from user %s", rid, shorten(req.user))
+
     @staticmethod
-    def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         kw: dict[str, Any] = dict(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req.logit_bias),
+            structured_outputs=structured)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -280,6 +319,13 @@ class OpenAIServing:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    @staticmethod
+    def _choice_usage(num_prompt_tokens: int, c: CompletionOutput | None) -> dict[str, int]:
+        """vLLM's continuous_usage_stats: one choice's prompt and its tokens so far."""
+        completion = len(c.token_ids) if c is not None else 0
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": num_prompt_tokens + completion}
+
     def _text_delta(self, c: CompletionOutput, cur: _ChoiceCursor,
                     stop_list: list[str]) -> str:
         """New text of a choice, holding back a possible stop-string prefix while it runs."""
@@ -297,35 +343,54 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
         model = self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        self._check_common(req, cid)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must be equal to n (or unset)", param="best_of")
+        if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+            raise APIError(400, "max_tokens 0 generates nothing: it is allowed with echo or "
+                           "prompt_logprobs (to score the prompt)", param="max_tokens")
         self._check_size(_num_prompts(req.prompt), req.n)
+        structured = structured_outputs_of(req)
+        await self._check_grammar(structured, "structured_outputs"
+                                  if req.structured_outputs is not None else "response_format")
         prompts = await _off_loop(_text_size(req.prompt), self._completion_prompts, req.prompt)
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        # echo with logprobs reports the prompt tokens' logprobs too (OpenAI's legacy API)
+        echo_lps = req.logprobs if req.echo else None
+        prompt_lps = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None),
+                         default=None)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
+                                       structured)
         prep = _Prepared(prompts, params, params.stop_list)
-        cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _event_stream(self._completion_events(prep, streams, cid, created, model,
-                                                         req, include_usage),
+                                                         req),
                                  lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
         choices = []
         for p, out in enumerate(outputs):
+            prompt_text = self._echo_text(prep.prompts[p], req) if req.echo else ""
             for c in out.outputs:
-                choices.append({
-                    "index": p * req.n + c.index, "text": c.text,
-                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0)[0]
-                    if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                logprobs = None
+                if req.logprobs is not None:
+                    ids, entries = list(c.token_ids), list(c.logprobs or ())
+                    if req.echo:
+                        ids = list(out.prompt_token_ids) + ids
+                        entries = list(out.prompt_logprobs or ()) + entries
+                    logprobs = self._completion_logprobs(ids, entries, 0, req.logprobs)[0]
+                choice = {"index": p * req.n + c.index, "text": prompt_text + c.text,
+                          "logprobs": logprobs, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                        out, req.prompt_logprobs)
+                choices.append(choice)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created,
                              "model": model, "choices": choices,
                              "usage": self._usage(outputs)})
@@ -339,31 +404,75 @@ class OpenAIServing:
                 out.append({"prompt_token_ids": list(item)})
         return out
 
+    def _echo_text(self, prompt: dict[str, Any], req: CompletionRequest) -> str:
+        """The prompt as echo returns it: the caller's text, or token ids decoded (as the
+        completion is, honouring skip_special_tokens)."""
+        if prompt.get("prompt") is not None:
+            return prompt["prompt"]
+        return self.tokenizer.decode(prompt["prompt_token_ids"],
+                                     skip_special_tokens=req.skip_special_tokens)
+
     def _completion_logprobs(self, token_ids: Sequence[int],
-                             logprobs: Sequence[dict[int, float]] | None,
-                             text_offset: int) -> tuple[dict[str, Any] | None, int]:
+                             logprobs: Sequence[dict[int, float] | None] | None,
+                             text_offset: int, top_n: int | None = None
+                             ) -> tuple[dict[str, Any] | None, int]:
+        """OpenAI's legacy logprobs object. An entry of None (the first prompt token under
+        echo: nothing predicts it) gives null token_logprobs and top_logprobs. `top_n` keeps
+        that many alternatives (and the token itself) of entries that hold more (prompt
+        entries computed for a larger prompt_logprobs)."""
         if logprobs is None:
             return None, text_offset
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lps in zip(token_ids, logprobs):
-            s = self.token_str(tid)
-            tokens.append(s)
-            token_lps.append(_lp(lps.get(tid, _MIN_LOGPROB)))
-            top: dict[str, float] = {}
-            for t, v in sorted(lps.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_str(t), _lp(v))
-            tops.append(top)
+            tokens.append(self.token_str(tid))
             offsets.append(text_offset)
             text_offset += self.token_text_len(tid)
+            if lps is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(_lp(lps.get(tid, _MIN_LOGPROB)))
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1])
+            if top_n is not None and len(ranked) > top_n + 1:
+                ranked = ranked[:top_n] + [(tid, lps[tid])]
+            top: dict[str, float] = {}
+            for t, v in ranked:
+                top.setdefault(self.token_str(t), _lp(v))
+            tops.append(top)
         return ({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                  "text_offset": offsets}, text_offset)
 
+    def _vllm_prompt_logprobs(self, out: RequestOutput, k: int
+                              ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
+        {"logprob", "rank", "decoded_token"}} for the actual token and the top k (ranks 1..k
+        in order; the actual token's own rank from the engine)."""
+        if out.prompt_logprobs is None:
+            return None
+        result: list[dict[str, dict[str, Any]] | None] = []
+        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+        for tid, entry, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
+            if entry is None:
+                result.append(None)
+                continue
+            item: dict[str, dict[str, Any]] = {}
+            item[str(tid)] = {"logprob": _lp(entry[tid]), "rank": rank,
+                              "decoded_token": self.token_str(tid)}
+            tops = sorted(((t, v) for t, v in entry.items()), key=lambda kv: -kv[1])[:k]
+            for r, (t, v) in enumerate(tops, start=1):
+                item.setdefault(str(t), {"logprob": _lp(v), "rank": r,
+                                         "decoded_token": self.token_str(t)})
+            result.append(item)
+        return result
+
     async def _completion_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
-                                 created: int, model: str, req: CompletionRequest,
-                                 include_usage: bool) -> AsyncIterator[str]:
+                                 created: int, model: str, req: CompletionRequest
+                                 ) -> AsyncIterator[str]:
         n = req.n
+        opts = req.stream_options or StreamOptions()
         cursors = [[_ChoiceCursor() for _ in range(n)] for _ in streams]
         last: list[RequestOutput | None] = [None] * len(streams)
+        echo_texts = [self._echo_text(pr, req) if req.echo else "" for pr in prep.prompts]
         try:
             async for p, out in self._merge(streams):
                 last[p] = out
@@ -371,6 +480,15 @@ class OpenAIServing:
                     cur = cursors[p][c.index]
                     if cur.done:
                         continue
+                    head, head_lp = "", None
+                    if req.echo and not cur.echoed:
+                        if req.logprobs is not None and out.prompt_logprobs is None:
+                            continue  # a sibling ran ahead of the prompt's logprobs: wait
+                        cur.echoed = True
+                        head = echo_texts[p]
+                        if req.logprobs is not None:
+                            head_lp, cur.text_offset = self._completion_logprobs(
+                                out.prompt_token_ids, out.prompt_logprobs, 0, req.logprobs)
                     delta = self._text_delta(c, cur, prep.stop_list)
                     lp = None
                     if req.logprobs is not None and c.logprobs is not None \
@@ -379,17 +497,21 @@ class OpenAIServing:
                             c.token_ids[cur.num_tokens:], c.logprobs[cur.num_tokens:],
                             cur.text_offset)
                         cur.num_tokens = len(c.token_ids)
+                    lp = _join_logprobs(head_lp, lp)
                     finished = c.finish_reason is not None
-                    if not delta and lp is None and not finished:
+                    if not head and not delta and lp is None and not finished:
                         continue
                     cur.done = finished
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": model, "choices": [{
-                                    "index": p * n + c.index, "text": delta,
-                                    "logprobs": lp if req.logprobs is not None else None,
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason}]})
-            if include_usage:
+                    chunk = {"id": cid, "object": "text_completion", "created": created,
+                             "model": model, "choices": [{
+                                 "index": p * n + c.index, "text": head + delta,
+                                 "logprobs": lp if req.logprobs is not None else None,
+                                 "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason}]}
+                    if opts.continuous_usage_stats:
+                        chunk["usage"] = self._choice_usage(len(out.prompt_token_ids), c)
+                    yield _sse(chunk)
+            if opts.include_usage:
                 yield _sse({"id": cid, "object": "text_completion", "created": created,
                             "model": model, "choices": [], "usage": self._usage(last)})
             yield "data: [DONE]\n\n"
@@ -404,42 +526,57 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
         model = self.check_model(req.model)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_common(req, cid)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported",
-                           param="response_format")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported",
-                           param="tool_choice")
+        structured = structured_outputs_of(req)
+        tools = tool_plan(req, structured)
+        if tools.grammar is not None:
+            structured = tools.grammar
         self._check_size(1, req.n)
+        await self._check_grammar(structured, "tool_choice" if tools.grammar is not None
+                                  else "structured_outputs" if req.structured_outputs is not None
+                                  else "response_format")
         prompt = await _off_loop(_text_size([m.content for m in req.messages]),
                                  self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs)
+        params = self._sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
+                                       structured)
         prep = _Prepared([prompt], params, params.stop_list)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _event_stream(self._chat_events(prep, streams, cid, created, model, req,
-                                                   include_usage),
+                                                   tools),
                                  lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
         out = outputs[0]
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs)
-                    if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in out.outputs]
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
-                             "model": model, "choices": choices, "usage": self._usage(outputs)})
+        choices = []
+        for c in out.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if tools.parse:
+                content, calls = parse_tool_calls(c.text)
+                calls = calls[:tools.max_calls]
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs,
+                                                            req.top_logprobs)
+                            if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": self._usage(outputs)}
+        if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+        return JSONResponse(body)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         messages = []
@@ -453,13 +590,17 @@ class OpenAIServing:
             msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                   if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools if req.tools else None, **kwargs)
+                tools=req.tools or None, **kwargs)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # a template is user-supplied code: any failure is a 400
@@ -487,15 +628,22 @@ class OpenAIServing:
 
     async def _chat_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
                            created: int, model: str, req: ChatCompletionRequest,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           tools: ToolPlan) -> AsyncIterator[str]:
         cursors = [_ChoiceCursor() for _ in range(req.n)]
+        parsers = [ToolCallStream() for _ in range(req.n)] if tools.parse else None
         last: RequestOutput | None = None
+        opts = req.stream_options or StreamOptions()
+        num_prompt = len(prep.prompts[0]["prompt_token_ids"])
 
-        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None):
-            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                         "model": model, "choices": [{
-                             "index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish, "stop_reason": stop}]})
+        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None,
+                  c: CompletionOutput | None = None):
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [{
+                        "index": index, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": finish, "stop_reason": stop}]}
+            if opts.continuous_usage_stats:
+                body["usage"] = self._choice_usage(num_prompt, c)
+            return _sse(body)
 
         try:
             for i in range(req.n):
@@ -514,12 +662,21 @@ class OpenAIServing:
                                                  c.logprobs[cur.num_tokens:], req.top_logprobs)
                         cur.num_tokens = len(c.token_ids)
                     finished = c.finish_reason is not None
+                    finish = c.finish_reason
+                    if parsers is not None:
+                        parser = parsers[c.index]
+                        delta, calls = parser.feed(delta, final=finished)
+                        for entry in calls:
+                            if tools.max_calls is None or entry["index"] < tools.max_calls:
+                                yield chunk(c.index, {"tool_calls": [entry]}, c=c)
+                        if finish == "stop" and parser.num_calls:
+                            finish = "tool_calls"
                     if not delta and lp is None and not finished:
                         continue
                     cur.done = finished
                     yield chunk(c.index, {"content": delta} if delta or not finished else {},
-                                lp, c.finish_reason, c.stop_reason)
-            if include_usage:
+                                lp, finish, c.stop_reason, c)
+            if opts.include_usage:
                 yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                             "model": model, "choices": [], "usage": self._usage([last])})
             yield "data: [DONE]\n\n"
@@ -555,6 +712,27 @@ class _EventStreamResponse(StreamingResponse):
 def _event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
     return _EventStreamResponse(events, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings ("50"); the engine checks
+    the ids against the vocabulary."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids written as strings "
+                           f"(\"50\"), got {shorten(key)}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects of consecutive tokens as one."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {key: a[key] + b[key] for key in a}
 
 
 def _prompt_items(prompt) -> list:

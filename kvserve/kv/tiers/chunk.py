@@ -49,6 +49,7 @@ class ChunkIdentity:
     head_dim: int
     block_size: int
     chunk_size: int
+    tensors_per_layer: int = 2  # K and V; 1 for MLA's latent vector (then heads 1, its width)
     # The KV pool's storage format (KVTensorPool.format_tag: dtype, groups, fp8 scales).
     kv_format: str = ""
     # Set for a packed (int8/int4) pool: a chunk is [layers, 1, blocks, 1, page_bytes] uint8.
@@ -56,9 +57,13 @@ class ChunkIdentity:
 
     @cached_property
     def digest(self) -> str:
+        # Each extension adds fields only when it departs from the default, so the keys of
+        # plain K/V chunks stay what they were.
         fields = [self.model, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
                   self.block_size, self.chunk_size, FORMAT_VERSION]
-        if self.kv_format:  # unquantized pools keep the keys they had before
+        if self.tensors_per_layer != 2:
+            fields += [self.tensors_per_layer]
+        if self.kv_format:
             fields += [self.kv_format, self.page_bytes]
         return xxhash.xxh3_64_hexdigest(json.dumps(fields).encode())
 
@@ -66,7 +71,8 @@ class ChunkIdentity:
     def shape(self) -> tuple[int, int, int, int, int]:
         if self.page_bytes is not None:
             return (self.num_layers, 1, self.chunk_size // self.block_size, 1, self.page_bytes)
-        return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.tensors_per_layer, self.chunk_size, self.num_kv_heads,
+                self.head_dim)
 
     @property
     def chunk_bytes(self) -> int:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from kvserve.kv.spec import SlidingWindowSpec
 from kvserve.kv.tensors import KVTensorPool
 
 # (layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]
@@ -48,6 +49,11 @@ class AttentionMetadata:
         return self.num_prefill_tokens + len(self.decodes)
 
 
+def first_visible(query_pos: int, window: int | None) -> int:
+    """The first key position a query at `query_pos` attends to (0 without a window)."""
+    return 0 if window is None else max(0, query_pos - window + 1)
+
+
 class AttentionBackend(ABC):
     """Computes attention over the KV tensor pool's per-layer (K, V) tensors; owns no storage."""
 
@@ -56,6 +62,11 @@ class AttentionBackend(ABC):
         self.kv_caches = pool.layers  # per layer: (k, v), each [num_blocks, block_size, Hkv, D]
         self.block_size = pool.block_size
         self.scale = scale
+        # Per layer: None (full attention) or W, the layer attends to the last W positions, its
+        # own included (key k is visible to query q iff q - W < k <= q, transformers' rule).
+        self.windows: list[int | None] = [
+            s.window if isinstance(s, SlidingWindowSpec) else None
+            for s in pool.spec.layer_specs()]
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> object:

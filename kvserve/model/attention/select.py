@@ -12,7 +12,18 @@ BACKENDS = ("torch", "triton")
 
 def make_attention_backend(name: str, pool: KVTensorPool, scale: float) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
-    for tests)."""
+    for tests); an MLA latent pool gets the MLA variant of either."""
+    from kvserve.model.attention.mla import TorchMLABackend, is_mla_pool
+
+    if is_mla_pool(pool) and name == "torch":
+        return TorchMLABackend(pool, scale)
+    if is_mla_pool(pool) and name == "triton":
+        try:
+            from kvserve.model.attention.mla_triton import TritonMLABackend
+        except ImportError as e:
+            raise ValueError("attention_backend='triton' needs the triton package "
+                             f"(pip install triton): {e}") from e
+        return TritonMLABackend(pool, scale)
     if name == "torch":
         from kvserve.model.attention.torch_backend import TorchAttentionBackend
 

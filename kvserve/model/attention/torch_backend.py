@@ -7,10 +7,17 @@ mask. Prefill chunks run one SDPA call each: with no cached context the new K/V 
 are (plain causal attention), otherwise the context blocks are gathered and a causal mask offset
 by the context length is applied.
 
+Sliding-window layers (`AttentionBackend.windows`) get their own gather indices and masks, built
+once per step for each distinct window: only the blocks that hold a position some query of the
+step can see are gathered (so a windowed layer reads about W tokens, not the whole context, and
+never a block older than its window), and the mask also hides keys more than W - 1 positions
+behind their query.
+
 A quantized pool (kv/quant.py) is read through `KVTensorPool.gather`, which dequantizes only the
 blocks a step reads, straight into the dtype attention runs in; and every prefill then attends
 over the stored (quantized) K/V of its own tokens too, as decodes do, so a token's attention
 never depends on whether its context came from this chunk, an earlier one or the prefix cache.
+It uses the same per-window gather indices and masks, so windowed layers stay in their window.
 """
 
 from __future__ import annotations
@@ -22,26 +29,36 @@ import torch.nn.functional as F
 
 from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                          first_visible)
 
 
 @dataclass
 class _PrefillPlan:
     seq: SequenceSlice
-    gather_index: torch.Tensor | None  # block ids covering seq_len; None when no context
-    mask: torch.Tensor | None  # [query_len, padded_len] bool, True = attend
+    # Block ids from the first block a query can see up to seq_len; None: no context, the new
+    # K/V are used as they are (never through a codec: it always reads the stored K/V).
+    gather_index: torch.Tensor | None
+    # [query_len, gathered_len] bool, True = attend; None with no context and causal alone.
+    mask: torch.Tensor | None
     residual_at: ResidualAt = None  # int4 keys read from the residual (quantized pools)
-    blocks: torch.Tensor | None = None  # block ids covering seq_len, always
 
 
 @dataclass
-class _StepState:
+class _WindowState:
+    """A step's gather indices and masks for the layers of one window (None = full)."""
+
     prefills: list[_PrefillPlan]
     decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
     decode_max_blocks: int
-    kivi: KIVIStep | None = None  # int4: the step's residual plan
-    decode_residual_at: ResidualAt = None
+    decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
+
+
+@dataclass
+class _StepState:
+    by_window: dict[int | None, _WindowState]
+    kivi: KIVIStep | None = None  # int4: the step's residual plan (every layer, every window)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -57,48 +74,66 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> _StepState:
         kivi = None
         if self.pool.residual is not None:
+            # Before any gather index is planned: `residual_lookup` reads this step's rows.
             seqs = sorted(meta.prefills + meta.decodes, key=lambda s: s.start)
             kivi = self.pool.begin_step(
                 [(s.block_table, s.seq_len - s.query_len, s.seq_len) for s in seqs],
                 meta.num_tokens)
-        prefills = [self._plan_prefill(seq) for seq in meta.prefills]
+        return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)}, kivi)
+
+    def _prepare_window(self, meta: AttentionMetadata, window: int | None) -> _WindowState:
+        prefills = [self._plan_prefill(seq, window, self.pool.quantized) for seq in meta.prefills]
         if not meta.decodes:
-            return _StepState(prefills, None, None, 0, kivi)
+            return _WindowState(prefills, None, None, 0)
         bs = self.block_size
-        max_blocks = max(len(s.block_table[: _ceil_div(s.seq_len, bs)]) for s in meta.decodes)
-        table = torch.zeros(len(meta.decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(meta.decodes):
-            blocks = s.block_table[: _ceil_div(s.seq_len, bs)]
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
+        max_blocks = max(last - first for first, last in spans)
+        # Short rows are padded with their own last block (masked out): a padding entry never
+        # points at a block the sequence does not hold.
+        table = torch.tensor([s.block_table[first:last]
+                              + [s.block_table[last - 1]] * (max_blocks - last + first)
+                              for s, (first, last) in zip(meta.decodes, spans)],
+                             dtype=torch.long)
         lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
-        positions = torch.arange(max_blocks * bs)
+        firsts = torch.tensor([first_visible(s.seq_len - 1, window) for s in meta.decodes],
+                              dtype=torch.long)
+        key_pos = torch.tensor([first * bs for first, _ in spans], dtype=torch.long)[:, None] \
+            + torch.arange(max_blocks * bs)[None, :]
+        hidden = (key_pos >= lens[:, None]) | (key_pos < firsts[:, None])
         mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=torch.float32)
-        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
         index = table.view(-1)
         if self.pool.quantized:
-            return _StepState(prefills, index, mask, max_blocks, kivi,
-                              self.pool.residual_lookup(index))
+            return _WindowState(prefills, index, mask, max_blocks,
+                                self.pool.residual_lookup(index))
         self._ensure_scratch(len(meta.decodes) * max_blocks)
-        return _StepState(prefills, index, mask, max_blocks)
+        return _WindowState(prefills, index, mask, max_blocks)
 
-    def _plan_prefill(self, seq: SequenceSlice) -> _PrefillPlan:
+    def _plan_prefill(self, seq: SequenceSlice, window: int | None, over_cache: bool = False
+                      ) -> _PrefillPlan:
+        """`over_cache`: gather the stored K/V even without context (the codec path: a
+        quantized pool, or one stored in another float type than the model's)."""
         context = seq.seq_len - seq.query_len
-        bs = self.block_size
-        blocks = torch.tensor(seq.block_table[: _ceil_div(seq.seq_len, bs)], dtype=torch.long)
-        if context == 0 and not self.pool.quantized:
-            # Plain causal attention over the new K/V (unless they are stored in another
-            # float type than the model's: `_causal_mask` then builds the mask on demand).
-            return _PrefillPlan(seq, None, None, blocks=blocks)
-        return _PrefillPlan(seq, blocks, _causal_mask(seq, len(blocks) * bs),
-                            self.pool.residual_lookup(blocks), blocks)
+        if context == 0 and not over_cache:
+            if window is None or seq.query_len <= window:
+                return _PrefillPlan(seq, None, None)  # plain causal over the new tokens
+            pos = torch.arange(seq.query_len)
+            return _PrefillPlan(seq, None, _window_mask(pos, pos, window))
+        first, last = _block_span(context, seq.seq_len, window, self.block_size)
+        blocks = torch.tensor(seq.block_table[first:last], dtype=torch.long)
+        q_pos = torch.arange(context, seq.seq_len)
+        k_pos = torch.arange(first * self.block_size, last * self.block_size)
+        return _PrefillPlan(seq, blocks, _window_mask(q_pos, k_pos, window),
+                            self.pool.residual_lookup(blocks))
 
     # -- per layer --------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, state: _StepState) -> torch.Tensor:
+                meta: AttentionMetadata, step: _StepState) -> torch.Tensor:
         if self.pool.quantized or k.dtype != self._dtype():
             # Through the codec: quantized, or stored in another float type than the model's.
-            return self._forward_quantized(layer_idx, q, k, v, meta, state)
+            return self._forward_quantized(layer_idx, q, k, v, meta, step)
         k_cache, v_cache = self.kv_caches[layer_idx]
+        state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
@@ -117,7 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.gather_index is None:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask,
+                                               is_causal=plan.mask is None, scale=self.scale,
                                                enable_gqa=True)
         else:
             hkv, d = self._num_kv_heads, self._head_dim
@@ -128,7 +164,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                state: _StepState) -> torch.Tensor:
+                state: _WindowState) -> torch.Tensor:
         n = q.shape[0]
         hkv, d = self._num_kv_heads, self._head_dim
         rows = state.decode_index.numel()
@@ -146,17 +182,22 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2).to(q.dtype)
 
     def _forward_quantized(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, meta: AttentionMetadata, state: _StepState
+                           v: torch.Tensor, meta: AttentionMetadata, step: _StepState
                            ) -> torch.Tensor:
-        """Store (quantizing), then attend over the dequantized blocks each sequence reads."""
-        self.pool.store(layer_idx, k, v, meta.slot_mapping, state.kivi)
+        """Store (quantizing), then attend over the dequantized blocks each sequence reads:
+        the layer's window's gather indices and masks, as in `forward`."""
+        self.pool.store(layer_idx, k, v, meta.slot_mapping, step.kivi)
+        window = self.windows[layer_idx]
+        state = step.by_window[window]
         hkv, d = self._num_kv_heads, self._head_dim
         out = torch.empty_like(q)
-        for plan in state.prefills:
+        for i, plan in enumerate(state.prefills):
             rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
-            if plan.mask is None:
-                plan.mask = _causal_mask(plan.seq, len(plan.blocks) * self.block_size)
-            kb, vb = self.pool.gather(layer_idx, plan.blocks, q.dtype, plan.residual_at)
+            if plan.gather_index is None:
+                # A float pool of another type than the model's: planned at prepare for the
+                # plain path; re-planned over the cache once, for this window's other layers.
+                plan = state.prefills[i] = self._plan_prefill(plan.seq, window, True)
+            kb, vb = self.pool.gather(layer_idx, plan.gather_index, q.dtype, plan.residual_at)
             kh = kb.view(1, -1, hkv, d).transpose(1, 2)
             vh = vb.view(1, -1, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), kh, vh,
@@ -188,11 +229,20 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch_v = torch.empty(shape, dtype=self._dtype())
 
 
-def _causal_mask(seq: SequenceSlice, padded: int) -> torch.Tensor:
-    """[query_len, padded] bool, True = attend: each new token sees the context and itself."""
-    context = seq.seq_len - seq.query_len
-    return torch.arange(padded)[None, :] <= torch.arange(context, seq.seq_len)[:, None]
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _block_span(first_query: int, seq_len: int, window: int | None, block_size: int
+                ) -> tuple[int, int]:
+    """[first, last) indices into a block table: the blocks holding a key that some query at
+    positions >= `first_query` can see, up to the end of a sequence of `seq_len` tokens."""
+    return first_visible(first_query, window) // block_size, _ceil_div(seq_len, block_size)
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool, True = attend: causal, and within the window if any."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    return visible

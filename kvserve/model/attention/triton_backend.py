@@ -112,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Store k/v, then attention for the prefill rows and the decode tail. Depends only on
         `state` (no host metadata), so the CUDA-graph runner can capture it."""
         k_cache, v_cache = self.kv_caches[layer_idx][:2]
+        window = self.windows[layer_idx]
         quant = self.quant[layer_idx]
         if quant.kind == tk.KV_PLAIN:
             tk.store_kv(k, v, k_cache, v_cache, state.slot_mapping)
@@ -122,13 +123,14 @@ class TritonAttentionBackend(AttentionBackend):
         p = state.prefill
         if p is not None:
             tk.extend_attention(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens,
-                                p.seq_lens, p.max_query_len, self.scale, out=out, quant=quant)
+                                p.seq_lens, p.max_query_len, self.scale, out=out,
+                                window=window, quant=quant)
         d = state.decode
         if d is not None:
             start = 0 if p is None else p.num_tokens
             tk.decode_attention(q[start:], k_cache, v_cache, d.block_tables, d.seq_lens,
                                 self.scale, out=out[start:], num_splits=d.num_splits,
-                                quant=quant)
+                                window=window, quant=quant)
         return out
 
     # -- block copies -------------------------------------------------------------------------

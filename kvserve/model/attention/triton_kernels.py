@@ -14,6 +14,10 @@ be contiguous:
   attending causally to its cached prefix plus itself. New K/V are stored first, so prefix and
   new tokens are read by the same paged loop (one code path for a cold prefill, a chunk, and an
   extension of a cached prefix).
+* Sliding windows: both attention kernels take `window` (W: a query at position q sees keys
+  q - W < k <= q, transformers' rule; `NO_WINDOW` for full attention) and start their loops at
+  the first visible key, so a windowed layer reads about W tokens of KV and no block before its
+  window.
 * `copy_blocks`: copy whole blocks (src -> dst) in every layer's K and V in one launch, through a
   table of the per-layer cache pointers (copy-on-write of a shared partial block).
 
@@ -42,6 +46,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 MIN_HEAD_DIM = 16  # tl.dot needs an inner dimension of at least 16
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the `window` of a full-attention layer: larger than any context
+
+
+def window_arg(window: int | None) -> int:
+    """A layer's window as the kernels take it."""
+    return NO_WINDOW if window is None else window
 
 
 # QuantKV.kind: how the kernels read a cache tile.
@@ -266,9 +276,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # Arguments that change from step to step (block-table width, split count) are not specialised:
 # a new value must not compile a new kernel in the middle of serving.
 @triton.jit(do_not_specialize=["stride_tb", "stride_mob", "stride_moh", "stride_mlb",
-                               "stride_mlh"])
+                               "stride_mlh", "window"])
 def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_lse,
-                         qk_scale,
+                         qk_scale, window,
                          stride_qt, stride_qh,
                          stride_kcb, stride_kcs, stride_kch,
                          stride_vcb, stride_vcs, stride_vch,
@@ -287,8 +297,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_l
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)  # int32 or int64 buffers: one loop type
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = tl.maximum(seq_len - window, 0)  # the first key inside the window
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -379,8 +390,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int = 64,
-                     quant: QuantKV = PLAIN) -> torch.Tensor:
-    """q [B, H, D] (one token per sequence) over the paged cache -> [B, H, D].
+                     window: int | None = None, quant: QuantKV = PLAIN) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence) over the paged cache -> [B, H, D]; with `window`,
+    over its last `window` keys only; `quant` says how a quantized cache is read.
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (KV length including this token,
     already stored). `num_splits` fixes the split count (CUDA graphs need one per bucket); else
@@ -404,7 +416,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     on_gpu = _on_gpu(q)
     _decode_split_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
-        scale * _LOG2E,
+        scale * _LOG2E, window_arg(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -430,9 +442,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ------------------------------------------------------------------------------------------------
 # (c) extend / prefill attention over a cached prefix plus the new tokens
 # ------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["stride_tb"])
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, seq_lens,
-                   qk_scale,
+                   qk_scale, window,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kcb, stride_kcs, stride_kch,
                    stride_vcb, stride_vcs, stride_vch,
@@ -470,7 +482,8 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = tables + s * stride_tb
     end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # the last row sees up to its own position
-    for n0 in range(0, end, BLOCK_N):
+    lo = tl.maximum(ctx + m0 - window + 1, 0)  # the first row's first visible key
+    for n0 in range(lo, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
@@ -479,7 +492,8 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
                      stride_kch, ksz_b, ksz_s, ksz_h, k_scale, KV_KIND, FP8_EXP, FP8_MANT,
                      FP8_BIAS, GROUP_DIM).to(q.dtype)
         qk = _dot(q, tl.trans(k), IEEE)
-        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) \
+            & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         v = _load_kv(v_cache, v_sz, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
                      stride_vch, vsz_b, vsz_s, vsz_h, v_scale, KV_KIND, FP8_EXP, FP8_MANT,
@@ -494,12 +508,14 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                      seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                     out: torch.Tensor | None = None, quant: QuantKV = PLAIN) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     quant: QuantKV = PLAIN) -> torch.Tensor:
     """Prefill/extend attention for S sequences in one launch.
 
     q [T, H, D] holds every sequence's new tokens (rows q_starts[i] .. + q_lens[i]); their K/V
     are already in the cache. Sequence i attends to its first seq_lens[i] - q_lens[i] cached
-    tokens plus its new ones, causally. block_tables [S, max_blocks] int32; the other per-
+    tokens plus its new ones, causally (with `window`, only the last `window` positions up to
+    each query's own). block_tables [S, max_blocks] int32; the other per-
     sequence tensors [S] int32. Rows of q not covered by any sequence are left untouched."""
     t, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -521,7 +537,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, h)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
-        scale * _LOG2E,
+        scale * _LOG2E, window_arg(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

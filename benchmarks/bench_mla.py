@@ -1,0 +1,202 @@
+"""MLA (DeepSeek-V2) on the CPU: decode throughput, kvserve vs transformers, and absorbed vs
+decompressing decode.
+
+1. Decode throughput at batch 1 and 64 on the random-weight `make-model --arch deepseek_v2
+   --size small` checkpoint (8 layers, hidden 512, 8 heads, kv_lora_rank 128 + rope 32, 16
+   routed experts top-2 + 1 shared, vocab 32000), float32, prompts of --prompt-len random
+   tokens. Decode time: for kvserve the engine steps after every request has its first token;
+   for transformers time(generate N tokens) - time(generate 1 token); tok/s = batch x (N - 1) /
+   decode time, prefill left out of both.
+   transformers runs `generate` (greedy, its DynamicCache, which for DeepSeek-V2 also keeps the
+   latent and decompresses every step); kvserve runs `LLM.generate`.
+2. Absorbed vs decompressing decode, one attention layer with DeepSeek-V2's real shape (128
+   heads, kv_lora_rank 512 + rope 64, qk_nope 128, v_head 128) over the paged latent cache, for a
+   batch of sequences at a short and a long context: `TorchMLABackend(decode="absorbed")` against
+   `decode="decompress"` on the same pool and queries.
+3. The same choice end to end: the small model's decode step at a short and a long context,
+   with the engine's backend switched between the two modes.
+
+Every figure is a median of --repeats runs, the two sides of a ratio interleaved in one process.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_mla.py [--threads 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.spec import KVStorage, decoder_kv_spec
+from kvserve.kv.tensors import KVTensorPool
+from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
+from kvserve.model.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.model.make_model import make_model
+
+
+def cpu_line() -> str:
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} threads, ISA: {' '.join(isa) or 'baseline'}, "
+            f"torch {torch.__version__}")
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+# -- 1. decode throughput, kvserve vs transformers ---------------------------------------------
+def kvserve_decode_time(llm: LLM, ps: list[list[int]], new: int) -> float:
+    """Seconds of the engine steps after every request has its first token (pure decode
+    steps: batch x (new - 1) tokens)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in ps]
+    running = {r.request_id: r for r in engine.scheduler.running}
+    while engine.has_unfinished_requests():
+        running.update({r.request_id: r for r in engine.scheduler.running})
+        if len(running) == len(ids) and all(r.output_token_ids for r in running.values()):
+            break
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def hf_time(model, ps: list[list[int]], new: int) -> float:
+    ids = torch.tensor(ps)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def decode_throughput(path: Path, batches: list[int], prompt_len: int, new: int,
+                      repeats: int) -> None:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    llm = LLM(model=str(path), dtype="float32", max_model_len=prompt_len + new + 16,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
+              enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    print(f"\n1. decode throughput: {prompt_len}-token prompts, {new} new tokens, float32")
+    print(f"   {'batch':>5} {'kvserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>7}")
+    for batch in batches:
+        ps = prompts(batch, prompt_len, vocab, seed=batch)
+        kvserve_decode_time(llm, ps, 3)  # warm-up (oneDNN compiles its kernels)
+        hf_time(hf, ps, 2)
+        ours, theirs = [], []
+        for _ in range(repeats):
+            ours.append(kvserve_decode_time(llm, ps, new))
+            theirs.append(hf_time(hf, ps, new) - hf_time(hf, ps, 1))
+        a = batch * (new - 1) / statistics.median(ours)
+        b = batch * (new - 1) / statistics.median(theirs)
+        print(f"   {batch:>5} {a:>14.1f} {b:>19.1f} {a / b:>6.2f}x")
+
+
+# -- 2. absorbed vs decompressing, one layer of DeepSeek-V2's shape ----------------------------
+def layer_setup(batch: int, context: int, heads: int, rank: int, rope: int, nope: int,
+                v_dim: int, block_size: int = 16):
+    blocks = -(-context // block_size)
+    spec = decoder_kv_spec(1, 1, 1, KVStorage("fp32"), block_size, kv_lora_rank=rank,
+                           rope_dim=rope)
+    pool = KVTensorPool(spec, batch * blocks)
+    pool.layers[0][0].normal_()
+    decodes = [SequenceSlice(i, 1, context, list(range(i * blocks, (i + 1) * blocks)))
+               for i in range(batch)]
+    slots = torch.tensor([(i * blocks) * block_size + context - 1 for i in range(batch)])
+    meta = AttentionMetadata(slots, [], decodes, 0)
+    proj = MLAProjections.of(torch.randn(heads * (nope + v_dim), rank) * 0.05, heads, nope, v_dim)
+    q_nope, q_rope = torch.randn(batch, heads, nope), torch.randn(batch, heads, rope)
+    new = torch.randn(batch, rank + rope)
+    return pool, meta, proj, q_nope, q_rope, new
+
+
+def absorbed_vs_decompress_layer(batch: int, contexts: list[int], repeats: int) -> None:
+    shape = dict(heads=128, rank=512, rope=64, nope=128, v_dim=128)
+    print(f"\n2. one MLA layer, DeepSeek-V2's shape ({shape}), batch {batch}, float32: decode "
+          "attention incl. the up-projections")
+    print(f"   {'context':>7} {'absorbed ms':>12} {'decompress ms':>14} {'absorbed wins by':>17}")
+    for context in contexts:
+        pool, meta, proj, q_nope, q_rope, new = layer_setup(batch, context, **shape)
+        fns = {mode: TorchMLABackend(pool, 0.07, decode=mode) for mode in ("absorbed",
+                                                                           "decompress")}
+        times: dict[str, list[float]] = {m: [] for m in fns}
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first round warms up
+                for mode, backend in fns.items():
+                    attend = backend.bind(meta)
+                    start = time.perf_counter()
+                    attend(0, q_nope, q_rope, new, proj)
+                    times[mode].append(time.perf_counter() - start)
+        a = statistics.median(times["absorbed"][1:])
+        d = statistics.median(times["decompress"][1:])
+        print(f"   {context:>7} {a * 1e3:>12.2f} {d * 1e3:>14.2f} {d / a:>16.1f}x")
+
+
+# -- 3. the same, end to end --------------------------------------------------------------------
+def absorbed_vs_decompress_engine(path: Path, batch: int, contexts: list[int], new: int,
+                                  repeats: int) -> None:
+    print(f"\n3. the small model end to end, batch {batch}, {new} new tokens: decode tok/s "
+          "with the engine's MLA backend absorbed vs decompressing")
+    print(f"   {'context':>7} {'absorbed':>9} {'decompress':>11} {'absorbed wins by':>17}")
+    for context in contexts:
+        llm = LLM(model=str(path), dtype="float32", max_model_len=context + new + 16,
+                  max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
+                  enable_prefix_caching=False)
+        ps = prompts(batch, context, llm.engine.model_config.vocab_size, seed=context)
+        backend = llm.engine.backend
+        times: dict[str, list[float]] = {"absorbed": [], "decompress": []}
+        kvserve_decode_time(llm, ps, 3)
+        for _ in range(repeats):
+            for mode in times:
+                backend.decode_mode = mode
+                times[mode].append(kvserve_decode_time(llm, ps, new))
+        a = batch * (new - 1) / statistics.median(times["absorbed"])
+        d = batch * (new - 1) / statistics.median(times["decompress"])
+        print(f"   {context:>7} {a:>9.1f} {d:>11.1f} {a / d:>16.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--layer-batch", type=int, default=4)
+    p.add_argument("--layer-contexts", type=int, nargs="+", default=[256, 4096])
+    p.add_argument("--engine-batch", type=int, default=8)
+    p.add_argument("--engine-contexts", type=int, nargs="+", default=[128, 2048])
+    p.add_argument("--skip", nargs="*", default=[], choices=["1", "2", "3"])
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(cpu_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(Path(tmp) / "ds", arch="deepseek_v2", size="small")
+        if "1" not in args.skip:
+            decode_throughput(path, args.batches, args.prompt_len, args.new, args.repeats)
+        if "2" not in args.skip:
+            absorbed_vs_decompress_layer(args.layer_batch, args.layer_contexts, args.repeats)
+        if "3" not in args.skip:
+            absorbed_vs_decompress_engine(path, args.engine_batch, args.engine_contexts,
+                                          args.new, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): multi-head latent
+attention and mixture-of-experts layers on top of `CausalLM`'s embedding, norm, RoPE table
+and LM head.
+
+Per layer, as transformers computes it:
+  * attention: x -> [q_a | kv_a] in one GEMM (`qkv_a_proj`: q's low-rank down-projection, or the
+    full q_proj when `q_lora_rank` is None, stacked over `kv_a_proj_with_mqa`); q = q_b_proj(
+    RMSNorm(q_a)) split into nope and rope parts per head; the cached vector per token is
+    [RMSNorm(latent) | RoPE(k_rope)]. The attention backend (`attention/mla.py`) stores it and
+    attends, absorbed or decompressing; o_proj adds the result into the residual stream.
+  * RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... The loader
+    permutes the RoPE rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa to (x0, x2, ..., x1,
+    x3, ...), after which the rotation is the rotate-half form every other model here uses
+    (`_apply_rope`); dot products between q and k are unchanged by a permutation applied to
+    both, so the attention is exactly transformers'.
+  * MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then routed experts plus
+    shared experts (`MoE`), the routed part computed with the tokens grouped by expert.
+The softmax scale (1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2) is
+`ModelConfig.attention_scale`; the backend applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention.mla import MLAAttentionFn, MLAProjections
+from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import (CausalLM, _apply_rope, _dense_linear, _dense_linear_add,
+                                   _onednn_linear, _onednn_linear_add, _onednn_pack, _param,
+                                   rms_norm)
+from kvserve.model.deepseek_config import MoEConfig
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of `n_routed_experts`, gated as the config says) plus shared ones.
+
+    The routed experts run grouped: the (token, expert) pairs are sorted by expert, each expert
+    runs one SwiGLU over its contiguous rows, the rows are scaled by their gate weight and added
+    back to their tokens. Experts use `F.linear` (MKL has no per-shape kernel cache to grow with
+    the ragged row counts); the shared experts are a dense SwiGLU over every token, packed for
+    oneDNN like the other projections."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        self.cfg = moe
+        e, i = moe.n_routed_experts, moe.moe_intermediate_size
+        p = dict(dtype=dtype, device=device)
+        # The router in float32, as transformers keeps it (`_keep_in_fp32_modules_strict`).
+        self.gate = _param(e, hidden, dtype=torch.float32, device=device)
+        self.e_score_correction_bias = _param(e, dtype=torch.float32, device=device) \
+            if moe.scoring == "sigmoid" else None
+        self.w13 = _param(e, 2 * i, hidden, **p)  # per expert [gate; up]
+        self.w2 = _param(e, hidden, i, **p)
+        shared = moe.n_shared_experts * i
+        self.shared = SwiGLU(hidden, shared, dtype, device) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) for each token."""
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate)
+        e, g = c.n_routed_experts, c.n_group
+        if c.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+            if c.topk_method == "group_limited_greedy":
+                scores = self._mask_groups(scores, scores.view(-1, g, e // g).amax(dim=-1), 0.0)
+            weights, ids = torch.topk(scores, c.num_experts_per_tok, dim=-1, sorted=False)
+        else:  # DeepSeek-V3's noaux_tc
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            ids = torch.topk(choice, c.num_experts_per_tok, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if c.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+    def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor,
+                     fill: float) -> torch.Tensor:
+        """scores with every expert outside the `topk_group` best groups set to `fill`."""
+        c = self.cfg
+        keep = torch.topk(group_scores, c.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(c.n_routed_experts // c.n_group, dim=1)
+        return scores.masked_fill(~expert_mask, fill)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token [T, hidden]."""
+        weights, ids = self.route(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
+        xs = x.index_select(0, tokens)
+        out = torch.empty_like(xs)
+        i = self.cfg.moe_intermediate_size
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            gate_up = F.linear(xs[rows], self.w13[expert])
+            act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
+            out[rows] = F.linear(act, self.w2[expert])
+            start += n
+        out.mul_(weights.flatten().index_select(0, order).to(out.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + shared(x) + routed(x)."""
+        if self.shared is not None:
+            hidden = self.shared.forward_add(x, hidden)
+        return hidden.add_(self.routed(x))
+
+    def pack_weights(self) -> None:
+        if self.shared is not None:
+            self.shared.pack_weights()
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP: down(silu(gate(x)) * up(x)), added into the residual stream."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = _param(2 * intermediate, hidden, dtype=dtype, device=device)
+        self.down_proj = _param(hidden, intermediate, dtype=dtype, device=device)
+        self._linear = _dense_linear
+        self._linear_add = _dense_linear_add
+
+    def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self._linear(x, self.gate_up_proj, None)
+        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        return self._linear_add(act, hidden, self.down_proj, None)
+
+    def pack_weights(self) -> None:
+        self.gate_up_proj = nn.Parameter(_onednn_pack(self.gate_up_proj), requires_grad=False)
+        self.down_proj = nn.Parameter(_onednn_pack(self.down_proj), requires_grad=False)
+        self._linear = _onednn_linear  # rows rounded by gemm_rows: a bounded set of kernels
+        self._linear_add = _onednn_linear_add
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        c, m = config, config.mla
+        assert m is not None
+        self.layer_idx = layer_idx
+        self.num_heads = h = c.num_attention_heads
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.rank = m.kv_lora_rank
+        self.q_lora = m.q_lora_rank
+        self.eps = c.rms_norm_eps
+        p = dict(dtype=dtype, device=device)
+        hidden = c.hidden_size
+        self.q_a_size = m.q_lora_rank or h * m.qk_head_dim
+        self.input_layernorm = _param(hidden, **p)
+        self.qkv_a_proj = _param(self.q_a_size + m.latent_dim, hidden, **p)
+        self.q_a_layernorm = _param(m.q_lora_rank, **p) if m.q_lora_rank else None
+        self.q_b_proj = _param(h * m.qk_head_dim, m.q_lora_rank, **p) if m.q_lora_rank else None
+        self.kv_a_layernorm = _param(m.kv_lora_rank, **p)
+        self.kv_b_proj = _param(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, **p)
+        self.o_proj = _param(hidden, h * m.v_head_dim, **p)
+        self.post_attention_layernorm = _param(hidden, **p)
+        moe = c.moe
+        if moe is not None and moe.is_moe_layer(layer_idx):
+            self.mlp: MoE | SwiGLU = MoE(moe, hidden, dtype, device)
+        else:
+            self.mlp = SwiGLU(hidden, c.intermediate_size, dtype, device)
+        self._linear = _dense_linear
+        self._linear_add = _dense_linear_add
+        self._norm = rms_norm
+        self._proj: MLAProjections | None = None
+
+    @property
+    def projections(self) -> MLAProjections:
+        """Views of kv_b_proj per head (built once: the weights never move after loading)."""
+        if self._proj is None:
+            self._proj = MLAProjections.of(self.kv_b_proj, self.num_heads, self.nope, self.v_dim)
+        return self._proj
+
+    def pack_weights(self) -> None:
+        """oneDNN-packed q/kv down-projections, q up-projection, o_proj and dense MLPs; kv_b_proj
+        stays dense (the backend slices it per head for absorption)."""
+        for name in ("qkv_a_proj", "q_b_proj", "o_proj"):
+            w = getattr(self, name)
+            if w is not None:
+                setattr(self, name, nn.Parameter(_onednn_pack(w), requires_grad=False))
+        self.mlp.pack_weights()
+        self._linear = _onednn_linear
+        self._linear_add = _onednn_linear_add
+
+    def use_triton_ops(self) -> None:
+        """The GPU path keeps the plain PyTorch element-wise ops (no fused MLA kernels yet)."""
+
+    def gemm_flops_per_row(self) -> int:
+        """FLOPs per token of the packed projections (routed experts run through F.linear)."""
+        hidden = self.input_layernorm.shape[0]
+        qk = self.num_heads * (self.nope + self.rope)
+        params = hidden * (self.q_a_size + self.rank + self.rope) \
+            + (self.q_lora * qk if self.q_lora else 0) + self.num_heads * self.v_dim * hidden
+        mlp = self.mlp.shared if isinstance(self.mlp, MoE) else self.mlp
+        if mlp is not None:
+            params += 3 * hidden * mlp.intermediate
+        return 2 * params
+
+    def warm_up_gemms(self, x: torch.Tensor) -> None:
+        """Run each packed projection once on zeros x [rows, hidden] (compiles its kernel)."""
+        rows = x.shape[0]
+        self._linear(x, self.qkv_a_proj, None)
+        if self.q_b_proj is not None:
+            self._linear(x.new_zeros(rows, self.q_lora), self.q_b_proj, None)
+        self._linear_add(x.new_zeros(rows, self.num_heads * self.v_dim), x.clone(), self.o_proj,
+                         None)
+        mlp = self.mlp.shared if isinstance(self.mlp, MoE) else self.mlp
+        if mlp is not None:
+            mlp.forward_add(x, x.clone())
+
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
+                attn: MLAAttentionFn) -> torch.Tensor:
+        t = hidden.shape[0]
+        x = self._norm(hidden, self.input_layernorm, self.eps)
+        a = self._linear(x, self.qkv_a_proj, None)
+        if self.q_lora:
+            q_a = self._norm(a[:, : self.q_a_size], self.q_a_layernorm, self.eps)
+            q = self._linear(q_a, self.q_b_proj, None)
+        else:
+            q = a[:, : self.q_a_size]
+        q = q.reshape(t, self.num_heads, self.nope + self.rope)
+        q_rope = _apply_rope(q[..., self.nope:], cos_sin)
+        latent = self._norm(a[:, self.q_a_size: self.q_a_size + self.rank], self.kv_a_layernorm,
+                            self.eps)
+        k_rope = _apply_rope(a[:, None, self.q_a_size + self.rank:], cos_sin)
+        c = torch.cat((latent, k_rope[:, 0]), dim=-1)
+        o = attn(self.layer_idx, q[..., : self.nope], q_rope, c, self.projections)
+        hidden = self._linear_add(o.reshape(t, -1), hidden, self.o_proj, None)
+        x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+        return self.mlp.forward_add(x, hidden)
+
+
+class DeepseekCausalLM(CausalLM):
+    """`CausalLM` with DeepSeek's layers; embedding, final norm, RoPE table (the RoPE dim, with
+    YaRN when configured) and LM head are the shared ones."""
+
+    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                   device: torch.device | str | None) -> nn.Module:
+        return DeepseekLayer(config, index, dtype, device)
+
+    def warm_up_layers(self) -> list[nn.Module]:
+        """The first layer (dense MLP) and the first MoE layer (shared experts): every packed
+        GEMM shape the model has."""
+        first_moe = next((layer for layer in self.layers if isinstance(layer.mlp, MoE)), None)
+        return [self.layers[0]] + ([first_moe] if first_moe is not None else [])
+
+
+# (destination view, checkpoint shape, transform or None) per checkpoint tensor name
+Where = tuple[torch.Tensor, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None]
+
+
+def deinterleave_rows(rope_dim: int, blocks: int, block: int) -> Callable[[torch.Tensor],
+                                                                          torch.Tensor]:
+    """A transform for a weight whose rows are `blocks` groups of `block` rows each ending in
+    `rope_dim` RoPE rows stored as interleaved pairs: those rows reordered evens first, odds
+    after (see the module docstring)."""
+    perm = torch.arange(rope_dim).view(-1, 2).t().flatten()
+    index = torch.arange(blocks * block).view(blocks, block)
+    index[:, block - rope_dim:] = index[:, block - rope_dim:][:, perm]
+    flat = index.flatten()
+    return lambda w: w.index_select(0, flat)
+
+
+def checkpoint_targets(model: DeepseekCausalLM, config: ModelConfig) -> dict[str, Where]:
+    """Checkpoint tensor name -> where it goes: transformers' names, with routed experts stored
+    per expert (`mlp.experts.{e}.gate_proj.weight`, as save_pretrained writes them)."""
+    m = config.mla
+    assert m is not None
+    h = config.num_attention_heads
+    t: dict[str, Where] = {}
+
+    def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None,
+            transform=None) -> None:
+        t[name] = (dest, tuple(dest.shape) if shape is None else shape, transform)
+
+    rope_q = rope_kv = None
+    if m.rope_interleave:
+        rope_q = deinterleave_rows(m.qk_rope_head_dim, h, m.qk_head_dim)
+        rope_kv = deinterleave_rows(m.qk_rope_head_dim, 1, m.latent_dim)
+    add("model.embed_tokens.weight", model.embed_tokens)
+    add("model.norm.weight", model.norm)
+    if model.lm_head is not None:
+        add("lm_head.weight", model.lm_head)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = f"{p}self_attn."
+        add(p + "input_layernorm.weight", layer.input_layernorm)
+        add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+        q_a = layer.qkv_a_proj[: layer.q_a_size]
+        if m.q_lora_rank:
+            add(a + "q_a_proj.weight", q_a)
+            add(a + "q_a_layernorm.weight", layer.q_a_layernorm)
+            add(a + "q_b_proj.weight", layer.q_b_proj, transform=rope_q)
+        else:
+            add(a + "q_proj.weight", q_a, transform=rope_q)
+        add(a + "kv_a_proj_with_mqa.weight", layer.qkv_a_proj[layer.q_a_size:],
+            transform=rope_kv)
+        add(a + "kv_a_layernorm.weight", layer.kv_a_layernorm)
+        add(a + "kv_b_proj.weight", layer.kv_b_proj)
+        add(a + "o_proj.weight", layer.o_proj)
+        mlp = layer.mlp
+        if isinstance(mlp, SwiGLU):
+            _add_swiglu(add, p + "mlp.", mlp)
+            continue
+        add(p + "mlp.gate.weight", mlp.gate)
+        if mlp.e_score_correction_bias is not None:
+            add(p + "mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias)
+        inter = mlp.cfg.moe_intermediate_size
+        for e in range(mlp.cfg.n_routed_experts):
+            x = f"{p}mlp.experts.{e}."
+            add(x + "gate_proj.weight", mlp.w13[e, :inter])
+            add(x + "up_proj.weight", mlp.w13[e, inter:])
+            add(x + "down_proj.weight", mlp.w2[e])
+        if mlp.shared is not None:
+            _add_swiglu(add, p + "mlp.shared_experts.", mlp.shared)
+    return t
+
+
+def _add_swiglu(add, prefix: str, mlp: SwiGLU) -> None:
+    i = mlp.intermediate
+    add(prefix + "gate_proj.weight", mlp.gate_up_proj[:i])
+    add(prefix + "up_proj.weight", mlp.gate_up_proj[i:])
+    add(prefix + "down_proj.weight", mlp.down_proj)

@@ -1,0 +1,199 @@
+"""Tool calls in a chat completion's text: the Hermes / Qwen2.5 `<tool_call>{...}</tool_call>`
+format (kvserve.structured.tool_calls writes the grammar of the same format).
+
+`parse_tool_calls` splits a finished text into the content outside the calls and the calls;
+`ToolCallStream` does the same incrementally for streaming: it releases content as soon as it
+cannot be the start of a call, and a call once its closing tag has arrived (as OpenAI's chunks:
+first the id, type and name with empty arguments, then the arguments). A block that does not
+parse as `{"name": str, "arguments": object}` stays content, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.structured.tool_calls import TOOL_CALL_END, TOOL_CALL_START
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body, strict=False)  # raw control characters in strings too
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_BLOCK = re.compile(re.escape(TOOL_CALL_START) + "(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """(content outside the calls, stripped; the calls in order). A block that does not parse,
+    and an unclosed one (cut by max_tokens), stay content."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    at = 0
+    for block in _BLOCK.finditer(text):
+        call = _parse_call(block.group(1))
+        content.append(text[at:block.start()] if call is not None else text[at:block.end()])
+        at = block.end()
+        if call is not None:
+            calls.append(call)
+    content.append(text[at:])
+    return "".join(content).strip(), calls
+
+
+# The head of a call in the Hermes format, up to where its arguments' value begins.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class _OpenCall:
+    index: int
+    id: str
+    args_at: int  # where the arguments' text begins in the buffer
+    sent: int = 0  # characters of it sent
+
+
+class ToolCallStream:
+    """Incremental parser. `feed(delta)` returns (content to send now, the `delta.tool_calls`
+    entries to send now): a call's first entry carries its index, id, type and name (with
+    empty arguments), as soon as its name and the start of its arguments have arrived; later
+    entries carry fragments of the arguments' text (the raw text the model wrote, held back
+    from its last "}" on, which may close the call rather than the arguments). `calls` holds
+    the completed calls (arguments re-serialised)."""
+
+    def __init__(self) -> None:
+        self._buffer = ""  # text not yet released: a possible call start, or an open call
+        self._open: _OpenCall | None = None
+        self.calls: list[ToolCall] = []
+        self.num_started = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.num_started
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buffer += delta
+        content: list[str] = []
+        events: list[dict[str, Any]] = []
+        while self._buffer:
+            if self.num_started and self._open is None:  # between calls: whitespace is no content
+                stripped = self._buffer.lstrip()
+                if not stripped and not final:
+                    break
+                if TOOL_CALL_START.startswith(stripped[:len(TOOL_CALL_START)]) and stripped:
+                    self._buffer = stripped
+            start = self._buffer.find(TOOL_CALL_START)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self._buffer, TOOL_CALL_START)
+                content.append(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                break
+            content.append(self._buffer[:start])
+            self._buffer = self._buffer[start:]
+            end = self._buffer.find(TOOL_CALL_END)
+            self._start_call(events)
+            if end < 0:
+                if self._open is not None:
+                    self._send_args(events, self._buffer, closing=False)
+                elif final:  # an unclosed call that never began: it is content
+                    content.append(self._buffer)
+                    self._buffer = ""
+                break
+            block = self._buffer[:end]
+            self._buffer = self._buffer[end + len(TOOL_CALL_END):]
+            call = _parse_call(block[len(TOOL_CALL_START):])
+            if self._open is not None:  # streamed already: finish it with the rest
+                if block[self._open.args_at:].lstrip().startswith('"'):
+                    if call is not None:  # arguments written as a JSON string: sent decoded
+                        events.append({"index": self._open.index,
+                                       "function": {"arguments": call.arguments}})
+                else:
+                    self._send_args(events, block, closing=True)
+                if call is not None:
+                    call.id = self._open.id
+                    self.calls.append(call)
+                self._open = None
+            elif call is None:
+                content.append(block + TOOL_CALL_END)
+            else:  # a block whose head did not match: sent whole
+                self._open = _OpenCall(self.num_started, call.id, len(block))
+                self.num_started += 1
+                events.append(_first_event(self._open, call.name))
+                events.append({"index": self._open.index,
+                               "function": {"arguments": call.arguments}})
+                self.calls.append(call)
+                self._open = None
+        if final and self._open is not None:  # cut off inside a call (max_tokens)
+            self._send_args(events, self._buffer, closing=False, final=True)
+            self._buffer, self._open = "", None
+        return "".join(content), events
+
+    def _start_call(self, events: list[dict[str, Any]]) -> None:
+        if self._open is not None:
+            return
+        head = _CALL_HEAD.match(self._buffer, len(TOOL_CALL_START))
+        if head is None:
+            return
+        name = json.loads(f'"{head.group(1)}"')
+        self._open = _OpenCall(self.num_started, ToolCall(name, "").id, head.end())
+        self.num_started += 1
+        events.append(_first_event(self._open, name))
+
+    def _send_args(self, events: list[dict[str, Any]], text: str, closing: bool,
+                   final: bool = False) -> None:
+        """Send what is known of the open call's arguments: all of them when the call has
+        closed (up to its closing brace), else all but what may still turn out to be the
+        call's own end (a trailing "}", whitespace, a partial closing tag)."""
+        call = self._open
+        assert call is not None
+        args = text[call.args_at:]
+        if args.lstrip().startswith('"'):  # a JSON string: sent decoded once the call closes
+            return
+        if closing:
+            args = args[:max(args.rfind("}"), 0)].rstrip()
+        elif not final:
+            args = args[:len(args) - _partial_suffix(args, TOOL_CALL_END)].rstrip()
+            if args.endswith("}"):
+                args = args[:-1]
+        if len(args) > call.sent:
+            events.append({"index": call.index, "function": {"arguments": args[call.sent:]}})
+            call.sent = len(args)
+
+
+def _first_event(call: _OpenCall, name: str) -> dict[str, Any]:
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": name, "arguments": ""}}
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

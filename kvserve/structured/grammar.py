@@ -1,0 +1,198 @@
+"""Grammars for structured outputs, with xgrammar (docs/structured_output.md says why).
+
+`GrammarCompiler` turns a `StructuredOutputsParams` into a compiled grammar on a worker thread
+(never on the engine step) and caches the result by the grammar's key, so that a thousand
+requests with one schema compile it once; the cache holds futures, so requests that arrive
+while it compiles wait for the same compile. A request's `GrammarState` is a matcher over it:
+it fills the packed bitmask of the tokens allowed next (int32 words, bit t of word t // 32 for
+token t, as `kvserve.sampler` reads it), advances on each accepted token and says when the
+grammar has ended (its stop token was accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvserve.structured.params import StructuredOutputsParams
+
+# Whitespace a JSON grammar allows between tokens, at most, unless disable_any_whitespace: an
+# unbounded run would let a weak model emit spaces until max_tokens.
+MAX_JSON_WHITESPACE = 2
+CACHE_SIZE = 512  # compiled grammars kept (LRU)
+
+_REGEX_SPECIAL = set("\\.^$*+?{}[]|()/")
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (regex metacharacters escaped)."""
+    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c)
+                          for c in choices) + ")"
+
+
+def vocab_type(tokenizer) -> int:
+    """How the tokenizer writes bytes in its vocabulary: byte-level (GPT-2 style), byte
+    fallback (<0xNN> pieces, SentencePiece style) or raw text."""
+    xgr = _xgr()
+    spec = json.loads(tokenizer.backend.to_str())
+    text = json.dumps(spec.get("decoder"))
+    if "ByteLevel" in text:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in text:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and model vocabulary size."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 max_workers: int = 1) -> None:
+        xgr = _xgr()
+        special = set(tokenizer.all_special_ids) - set(stop_token_ids)
+        # An empty string marks a token the grammar never allows (special tokens, and the
+        # model's padding ids past the tokenizer's vocabulary).
+        vocab = [("" if i in special else (tokenizer.id_to_token(i) or ""))
+                 for i in range(vocab_size)]
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo(vocab, vocab_type(tokenizer), vocab_size=vocab_size,
+                                      stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_workers,
+                                             cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers,
+                                        thread_name_prefix="kvserve-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar for `params`, as a future (done at once on a cache hit). Its
+        exception is a ValueError with the library's reason for an invalid grammar."""
+        key = params.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, params)
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        fut.add_done_callback(lambda f: self._forget_failure(key, f))
+        return fut
+
+    def compile(self, params: StructuredOutputsParams):
+        """Blocking form of `submit`."""
+        return self.submit(params).result()
+
+    def _forget_failure(self, key: tuple, fut: Future) -> None:
+        if fut.exception() is not None:  # a bad grammar is not worth keeping
+            with self._lock:
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
+
+    def _compile(self, params: StructuredOutputsParams):
+        self.num_compiles += 1
+        try:
+            return self._compiler.compile_grammar(self.grammar(params))
+        except Exception as exc:  # xgrammar raises RuntimeError / its own errors: say why
+            raise ValueError(f"invalid {params.kind} for structured outputs: "
+                             f"{library_reason(exc)}") from None
+
+    def grammar(self, params: StructuredOutputsParams):
+        """The (uncompiled) xgrammar Grammar for `params`."""
+        xgr = _xgr()
+        kind = params.kind
+        ws = dict(any_whitespace=not params.disable_any_whitespace,
+                  max_whitespace_cnt=None if params.disable_any_whitespace
+                  else MAX_JSON_WHITESPACE)
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            return strict_json_strings(xgr.Grammar.from_json_schema(schema, **ws))
+        if kind == "json_object":
+            return strict_json_strings(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, **ws))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_regex(choice_regex(list(params.choice)))
+        if kind == "grammar":
+            return _grammar_from_text(params.grammar)
+        if kind == "tool_calls":
+            from kvserve.structured.tool_calls import tool_call_grammar
+
+            return strict_json_strings(tool_call_grammar(json.loads(params.tool_calls), **ws))
+        raise AssertionError(kind)
+
+    def new_state(self, compiled) -> "GrammarState":
+        return GrammarState(_xgr().GrammarMatcher(compiled))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength) as
+# [^"\\\r\n], which lets raw control characters through, and JSON forbids them (a strict
+# json.loads refuses such output). This is the class its unbounded strings use.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def strict_json_strings(grammar):
+    """`grammar` with every JSON string character class excluding control characters."""
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+
+
+def library_reason(exc: BaseException) -> str:
+    """xgrammar's message without its log prefix ("[11:10:03] /project/cpp/x.cc:94: ")."""
+    text = str(exc).strip()
+    text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)
+    return text[:500]
+
+
+def _grammar_from_text(text: str):
+    """EBNF (GBNF as xgrammar reads it) or, when that fails and it looks like Lark, Lark."""
+    xgr = _xgr()
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as ebnf_error:
+        if ":" in text and "::=" not in text:
+            return xgr.Grammar.from_lark(text)
+        raise ebnf_error
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-next-token bits into row `row` of an int32 [rows, words] tensor."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self._matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

@@ -1,0 +1,106 @@
+"""StructuredOutputsParams: vLLM's request-level description of a constrained output.
+
+Exactly one kind is set: `json` (a JSON schema, dict or string), `regex`, `choice` (the output is
+one of these strings), `grammar` (EBNF, in xgrammar's dialect of GBNF, or Lark), `json_object`
+(any JSON object), or `tool_calls` (kvserve's own: the chat template's tool-call format, built by
+the server for `tool_choice` required or named). The check here is only of shapes; whether a
+schema, regex or grammar is valid is the grammar library's call, made when it compiles
+(`kvserve.structured.grammar`), and its reason is the error message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.validation import shorten
+
+# Fields vLLM's StructuredOutputsParams has that kvserve refuses, with why.
+_REFUSED = {
+    "whitespace_pattern": "whitespace_pattern is not supported (use disable_any_whitespace)",
+    "structural_tag": "structural_tag is not supported (use tools with tool_choice)",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's flag; False (its default) allows whitespace between JSON tokens, at most
+    # MAX_JSON_WHITESPACE characters of it in a row so that any model ends its JSON.
+    disable_any_whitespace: bool = False
+    # Internal: the tool-call grammar's source (see kvserve.structured.tool_calls).
+    tool_calls: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "tool_calls")
+                 if getattr(self, k) is not None] + ["json_object"] * bool(self.json_object)
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {', '.join(kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), "
+                             f"got {type(self.json).__name__}")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("structured_outputs.json must be a JSON object (a schema)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {shorten(value)}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {shorten(self.choice)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StructuredOutputsParams":
+        """From a request's `structured_outputs` object (vLLM's names); unknown keys and the
+        ones kvserve does not implement are refused by name."""
+        if not isinstance(data, dict):
+            raise ValueError("structured_outputs must be an object")
+        data = {k: v for k, v in data.items() if v is not None}
+        for key in data:
+            if key in _REFUSED:
+                raise ValueError(f"structured_outputs.{key}: {_REFUSED[key]}")
+            if key not in ("json", "regex", "choice", "grammar", "json_object",
+                           "disable_any_whitespace", "disable_fallback",
+                           "disable_additional_properties"):
+                raise ValueError(f"structured_outputs has no field {shorten(key)}")
+        if data.pop("disable_additional_properties", False):
+            raise ValueError("structured_outputs.disable_additional_properties is not supported:"
+                             " state additionalProperties in the schema")
+        data.pop("disable_fallback", None)  # one backend: there is never a fallback
+        return cls(**data)
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar", "tool_calls"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else ""
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif isinstance(value, str) and self.kind == "json":
+            value = json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
+        elif isinstance(value, (list, tuple)):
+            value = json.dumps(list(value))
+        return self.kind, value, self.disable_any_whitespace

@@ -1,0 +1,66 @@
+"""A `kvserve serve` process for the tests (`python -m kvserve.cli serve` on a free port), its
+log in a file, stopped with SIGINT as a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+MAX_MODEL_LEN = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, name: str, args: list[str], log_dir: Path,
+                 max_model_len: int = MAX_MODEL_LEN, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        env = dict(os.environ, KVSERVE_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="2", **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+             "--max-model-len", str(max_model_len), "--num-threads", "2", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} server not ready in {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int | None:
+        alive = self.proc.poll() is None
+        if alive:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return None if alive else self.proc.returncode

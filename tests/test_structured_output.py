@@ -1,0 +1,158 @@
+"""Structured outputs in the engine and the sampler, and the tool-call parser.
+
+The sampler's masking is checked against a plain-PyTorch reference (softmax of the logits with
+the forbidden tokens at -inf); the engine's outputs against independent validators (jsonschema,
+Python's `re`), through batching with unconstrained neighbours, n > 1 and preemption."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from helpers import kv_bytes_per_token
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.make_model import ensure_default_model
+from kvserve.sampler import Sampler, SamplingRow, unpack_bitmask
+from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
+from kvserve.structured import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "s": {"type": "string", "maxLength": 5},
+    "e": {"enum": ["a", "b c"]},
+    "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["n", "s", "e"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=str(ensure_default_model()), max_model_len=512, seed=0)
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [rows, vocab] -> int32 [rows, words], bit t % 32 of word t // 32 (reference)."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    out = torch.zeros(rows, words, dtype=torch.int64)
+    for t in range(vocab):
+        out[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def test_bitmask_unpacks_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(3, 100, generator=g) < 0.3
+    assert torch.equal(unpack_bitmask(_pack(allowed), 100), allowed)
+    assert not unpack_bitmask(_pack(allowed), 130)[:, 100:].any()  # past the mask: forbidden
+
+
+def test_sampler_masks_constrained_rows_only():
+    g = torch.Generator().manual_seed(1)
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=g) * 3
+    allowed = torch.rand(4, vocab, generator=g) < 0.2
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_p=0.9)]
+    masks = [_pack(allowed[i:i + 1])[0] if i in (0, 2) else None for i in range(4)]
+    rows = [SamplingRow(p, token_bitmask=m) for p, m in zip(params, masks)]
+    dist = Sampler().distribution(logits, rows)
+    ref0 = torch.softmax(logits[0].masked_fill(~allowed[0], float("-inf")) / 0.7, dim=-1)
+    torch.testing.assert_close(dist[0], ref0)
+    assert int(dist[2].argmax()) == int(logits[2].masked_fill(~allowed[2], -1e9).argmax())
+    # the unconstrained rows are what they are without any constrained neighbour
+    alone = Sampler().distribution(logits[[1, 3]], [rows[1], rows[3]])
+    torch.testing.assert_close(dist[[1, 3]], alone)
+    tokens = Sampler(seed=3)(logits, rows).token_ids
+    assert allowed[0, tokens[0]] and allowed[2, tokens[2]]
+
+
+def test_json_schema_regex_choice_in_a_mixed_batch(llm):
+    so = StructuredOutputsParams(json=SCHEMA)
+    prompts = ["a", "b", "c", "d"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, n=2,
+                             structured_outputs=so) if i % 2 == 0 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(4)]
+    params[3] = SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                               structured_outputs={"regex": r"[a-z]{3}-\d{2}"})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i in (0, 2):
+        assert len(outs[i].outputs) == 2
+        for c in outs[i].outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", outs[3].outputs[0].text)
+    assert len(outs[1].outputs[0].token_ids) == 12  # unconstrained: ran to max_tokens
+    choice = llm.generate("x", SamplingParams(max_tokens=10, structured_outputs={
+        "choice": ["a.b", "(x)", "c|d"]}), use_tqdm=False)[0].outputs[0].text
+    assert choice in ("a.b", "(x)", "c|d")
+
+
+def test_constrained_requests_survive_preemption():
+    model = ensure_default_model()
+    small = LLM(model=str(model), max_model_len=256, block_size=4, max_num_seqs=8,
+                kv_cache_memory_bytes=48 * 4 * kv_bytes_per_token(model))
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    outs = small.generate([" ".join(f"w{i}{j}" for j in range(12)) for i in range(8)],
+                          [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                                          structured_outputs=so) for i in range(8)],
+                          use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for o in outs:
+        value = json.loads(o.outputs[0].text)
+        jsonschema.validate(value, SCHEMA)
+        # no free whitespace: exactly json.dumps' separators
+        assert o.outputs[0].text == json.dumps(value, ensure_ascii=False)
+    small.engine.check_invariants()
+
+
+def test_bad_grammar_is_a_value_error_and_queues_nothing(llm):
+    for so in ({"regex": "(unclosed"}, {"json": {"type": "objekt"}}, {"grammar": "root ::= "}):
+        with pytest.raises(ValueError, match="invalid"):
+            llm.generate(["a", "b"], SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"json": {}, "regex": "a"})
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        SamplingParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.usage == 0.0
+
+
+def test_compiles_are_cached_and_a_compiling_request_can_be_aborted(llm):
+    engine = llm.engine
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}
+    before = engine.grammars.num_compiles
+    rid = engine.add_request("x", SamplingParams(structured_outputs={"json": schema}))
+    engine.abort_request(rid)  # whether compiled yet or not: gone, nothing held
+    assert not engine.has_unfinished_requests()
+    llm.generate(["a", "b"], SamplingParams(max_tokens=30, structured_outputs={
+        "json": dict(reversed(list(schema.items())))}), use_tqdm=False)  # same schema, reordered
+    assert engine.grammars.num_compiles == before + 1
+
+
+def test_tool_call_parser():
+    text = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": "{\\"b\\": 2}"}\n</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {"b": 2})]
+    assert all(c.id.startswith("call_") for c in calls)
+    stream, streamed, pieces = ToolCallStream(), [], []
+    for i in range(0, len(text), 5):
+        piece, new = stream.feed(text[i:i + 5])
+        pieces.append(piece)
+        streamed += new
+    pieces.append(stream.feed("", final=True)[0])
+    assert "".join(pieces).strip() == "Let me check." and "<" not in "".join(pieces)
+    # OpenAI's delta.tool_calls: index, id, type and name first, then argument fragments
+    assert [e["function"]["name"] for e in streamed if "id" in e] == ["f", "g"]
+    args = {k: "".join(e["function"]["arguments"] for e in streamed if e["index"] == k)
+            for k in (0, 1)}
+    assert json.loads(args[0]) == {"a": 1} and json.loads(args[1]) == {"b": 2}
+    assert len(streamed) > 4  # the arguments came in more than one fragment each
+    # what does not parse stays content; nothing is lost
+    assert parse_tool_calls("<tool_call>{oops}</tool_call> <tool") == \
+        ("<tool_call>{oops}</tool_call> <tool", [])
