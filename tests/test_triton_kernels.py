@@ -259,17 +259,19 @@ def test_fused_elementwise_ops_match_torch(dtype):
 
 
 # -- quantized caches (kv/quant.py): dequantized as the kernels load them ----------------------
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
-def test_backend_reads_quantized_caches_like_the_torch_backend(kv_dtype):
+def test_backend_reads_quantized_caches_like_the_torch_backend(kv_dtype, window):
     """A mixed step over a quantized pool: the Triton kernels' dequantize-on-load gives the
     torch backend's outputs (itself checked against a reference of each scheme in
-    test_kv_quant.py) and leaves the same stored bytes and scales."""
+    test_kv_quant.py, windows included) and leaves the same stored bytes and scales; with a
+    sliding window of 5, shorter than the longest sequences (9 and 10 tokens)."""
     from kvserve.kv.spec import KVStorage, decoder_kv_spec
     from kvserve.kv.tensors import KVTensorPool
 
     gen = torch.Generator().manual_seed(7)
     h, hkv, d, bs, nb = 4, 2, 32, 4, 24
-    spec = decoder_kv_spec(1, hkv, d, KVStorage(kv_dtype), bs)
+    spec = decoder_kv_spec(1, hkv, d, KVStorage(kv_dtype), bs, (window,))
     scales = torch.tensor([[0.02, 0.01]])  # per-tensor fp8 scales, as from a checkpoint
     seqs = [(0, 7), (5, 4), (9, 1), (2, 1)]
     tables = _tables([c + n for c, n in seqs], bs, nb, gen)
@@ -303,7 +305,7 @@ def test_backend_reads_quantized_caches_like_the_torch_backend(kv_dtype):
         assert torch.equal(a, b.cpu())
     # the quantization is not a no-op: the same step over an unquantized cache differs
     plain = TorchAttentionBackend(pool_over([tuple(
-        torch.zeros(nb, bs, hkv, d) for _ in range(2))]), d ** -0.5)
+        torch.zeros(nb, bs, hkv, d) for _ in range(2))], windows=(window,)), d ** -0.5)
     plain.pool.store(0, ctx_k, ctx_v, ctx_slots)
     assert (plain.bind(meta)(0, q, k, v) - expected).abs().max() > 1e-4
 
