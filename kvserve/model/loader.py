@@ -29,6 +29,11 @@ logger = logging.getLogger("kvserve")
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# fp8 KV-cache scales (vLLM's spellings: self_attn.k_scale, self_attn.attn.k_scale,
+# self_attn.k_proj.k_scale, compressed-tensors' self_attn.k_proj.output_scale): read by
+# `read_kv_scales`, not weights.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?"
+                       r"(?:([kv])_scale|output_scale)$")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -131,6 +136,35 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     return model, config
 
 
+def read_kv_scales(model_dir: str | Path, num_layers: int) -> torch.Tensor | None:
+    """The checkpoint's fp8 KV scales as [layers, 2] (k_scale, v_scale), or None when it has
+    none; a checkpoint with some but not all of them is refused (ValueError)."""
+    found: dict[tuple[int, int], float] = {}
+    for file in checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                m = _KV_SCALE.match(key)
+                if m is None:
+                    continue
+                which = m.group(3) or m.group(2)
+                if which is None:
+                    continue
+                found[(int(m.group(1)), "kv".index(which))] = float(f.get_tensor(key).float()
+                                                                      .reshape(-1)[0])
+    if not found:
+        return None
+    missing = [f"layer {i} {'kv'[j]}_scale" for i in range(num_layers) for j in range(2)
+               if (i, j) not in found]
+    if missing:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} has KV scales for some layers but "
+                         f"not {', '.join(missing[:6])}")
+    bad = [v for v in found.values() if not 0 < v < float("inf")]  # NaN fails too
+    if bad:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} has KV scales that are not "
+                         f"positive and finite: {bad[:4]}")
+    return torch.tensor([[found[(i, 0)], found[(i, 1)]] for i in range(num_layers)])
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """model.safetensors, or the shards named by model.safetensors.index.json, or (failing
     both) every *.safetensors file in the directory."""
@@ -168,7 +202,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key) or _beyond_last_layer(key, config):
+            if _IGNORED.match(key) or _KV_SCALE.match(key) or _beyond_last_layer(key, config):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:
