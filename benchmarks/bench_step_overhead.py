@@ -16,6 +16,7 @@ is running.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.scheduler import Scheduler  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
+from kvserve.model.cpu_features import cpu_info  # noqa: E402
 from kvserve.request import Request  # noqa: E402
 from kvserve.sampling import SamplingParams  # noqa: E402
 
@@ -70,11 +72,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args()
+    print(f"cpu: {cpu_info().summary()}; load average {os.getloadavg()[0]:.1f} "
+          f"(1 min) at start")
     print(f"{'running':>8} {'decode steps':>13} {'median ms/step':>15} {'p90 ms/step':>12}")
     for n in (int(x) for x in args.running.split(",")):
         r = run(n, args.steps, args.block_size)
         print(f"{r['running']:>8} {r['decode_steps']:>13} {r['median_ms']:>15.3f} "
               f"{r['p90_ms']:>12.3f}")
+    print(f"load average {os.getloadavg()[0]:.1f} (1 min) at end")
     return 0
 
 

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
+from kvserve.model.cpu_features import cpu_info
 
 REPO = Path(__file__).resolve().parent.parent
 # The script `run_worker` starts with `--worker`; a benchmark that reuses this runner for its own
@@ -220,10 +221,15 @@ def worker_ceiling(args: argparse.Namespace) -> dict:
     import torch
 
     _set_threads(args.threads)
+    from kvserve.model.cpu_features import cpu_info
+
     n = 2048
     out: dict = {"threads": torch.get_num_threads()}
     noise = Interference().__enter__()
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    # bf16 without bf16 instructions is emulated: a 2048^3 matmul does not finish in minutes
+    dtypes = (("float32", torch.float32), ("bfloat16", torch.bfloat16)) if cpu_info().has_bf16 \
+        else (("float32", torch.float32),)
+    for name, dt in dtypes:
         a = torch.randn(n, n).to(dt)
         b = torch.randn(n, n).to(dt)
         c = torch.empty(n, n, dtype=dt)
@@ -237,9 +243,77 @@ def worker_ceiling(args: argparse.Namespace) -> dict:
         gflops = [2.0 * n ** 3 / t / 1e9 for t in times]
         out[name] = {"median_gflops": statistics.median(gflops), "min_gflops": min(gflops),
                      "max_gflops": max(gflops), "samples": len(gflops)}
+    out["copy_gbps"] = copy_bandwidth(args.samples)
+    if args.model:
+        out["gemm"] = model_gemm_ceiling(args)
     noise.__exit__(None, None, None)
     out.update(noise.result)
     return out
+
+
+def copy_bandwidth(samples: int, mib: int = 256) -> dict:
+    """Memory copy bandwidth, GB/s counted as bytes read + bytes written, of a `mib` MiB
+    buffer (far beyond the caches of a 2-core VM slice): median and max of `samples`."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    rates = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        rates.append(2 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return {"median": statistics.median(rates), "max": max(rates), "samples": len(rates)}
+
+
+def model_gemm_ceiling(args: argparse.Namespace) -> dict:
+    """The reference model's own projections (qkv, o, gate/up + SwiGLU, down; LM head) at the
+    best kernel this CPU offers for each shape: min time of F.linear (MKL) and oneDNN with
+    packed weights, exact row counts, best of --samples. Rows: 1 and the main workload's
+    decode batch, its prefill step and the prefill's sampled rows. Seconds per call."""
+    import torch
+
+    from kvserve.model.gemm_select import time_once
+    from kvserve.model.loader import load_model
+
+    model, config = load_model(args.model, "float32", pack_weights=False)
+    cands = model.gemm_candidates()
+    prefill = min(args.num_prompts * args.prompt_len, args.max_batched_tokens)
+    out: dict = {"layers": config.num_hidden_layers, "rows": {}}
+    with torch.inference_mode():
+        for rows in sorted({1, args.num_prompts, prefill}):
+            per: dict = {}
+            for proj, kernels in cands.items():
+                per[proj] = {}
+                for kernel, factory in kernels.items():
+                    run = factory(rows)
+                    run()
+                    calls = max(1, min(20, int(2e-3 / max(time_once(run, 1), 1e-7))))
+                    per[proj][kernel] = min(time_once(run, calls) for _ in range(args.samples))
+            out["rows"][str(rows)] = per
+    return out
+
+
+def gemm_ceiling_seconds(gemm: dict, n: int, plen: int, gen: int, max_batched: int) -> float:
+    """Seconds the workload's projections alone take at the best kernel per shape: the prefill
+    in steps of max_batched rows (LM head on the n sampled rows), then gen - 1 decode steps
+    of n rows (all layers + LM head)."""
+    def best(rows: int, proj: str) -> float:
+        return min(gemm["rows"][str(rows)][proj].values())
+
+    layers = gemm["layers"]
+
+    def step(rows: int) -> float:
+        return layers * sum(best(rows, p) for p in ("qkv", "o", "mlp", "down"))
+
+    total, left = 0.0, n * plen
+    while left > 0:
+        rows = min(left, max_batched)
+        total += step(rows) * (rows / min(n * plen, max_batched))  # last chunk: pro rata
+        left -= rows
+    total += best(n, "head") + (gen - 1) * (step(n) + best(n, "head"))
+    return total
 
 
 def _result(args, wall: float, outputs: list[list[int]], load_s: float, **extra) -> dict:
@@ -437,6 +511,64 @@ def measure(argv: list[str], args: argparse.Namespace, label: str, write) -> dic
     return kept
 
 
+def machine_ceilings(ceilings: list[dict], params: dict[str, int], n: int, plen: int,
+                     gen: int) -> dict:
+    """In-run ceilings (medians over the ceiling runs): the main workload's projections at the
+    best GEMM per shape (seconds), the best GEMM GFLOP/s per row count, the copy bandwidth
+    and the batch-1 decode limit it implies (fp32 weights read once per token)."""
+    out: dict = {}
+    gemms = [c["gemm"] for c in ceilings if "gemm" in c]
+    if gemms:
+        out["gemm_ceiling_s"] = statistics.median(
+            gemm_ceiling_seconds(g, n, plen, gen, 8192) for g in gemms)
+        per_rows = {}
+        for rows in gemms[0]["rows"]:
+            choices = {}
+            for proj, kernels in gemms[0]["rows"][rows].items():
+                med = {k: statistics.median(g["rows"][rows][proj][k] for g in gemms)
+                       for k in kernels}
+                choices[proj] = {k: round(v * 1e6, 1) for k, v in med.items()}
+            per_rows[rows] = choices
+        out["gemm_us"] = per_rows
+    copies = [c["copy_gbps"]["median"] for c in ceilings if "copy_gbps" in c]
+    if copies:
+        out["copy_gbps"] = statistics.median(copies)
+        out["bytes_per_token"] = 4 * (params["non_embedding"] + params["lm_head"])
+        out["batch1_limit_tok_s"] = out["copy_gbps"] * 1e9 / out["bytes_per_token"]
+    return out
+
+
+def print_machine_ceilings(machine: dict, table: list[dict], engines: list[str],
+                           params: dict[str, int]) -> None:
+    if "gemm_us" in machine:
+        print("best GEMM per shape (us per call, min over samples; dense = F.linear/MKL, "
+              "onednn = packed):")
+        for rows, per in machine["gemm_us"].items():
+            cells = ", ".join(f"{p} " + "/".join(f"{k} {v:.0f}" for k, v in ks.items())
+                              for p, ks in per.items())
+            print(f"  {rows:>5} rows: {cells}")
+    for row in table:
+        if row["dtype"] != "float32":
+            continue
+        for eng in engines:
+            wall = row[eng]["wall_s"]
+            if row["workload"] == "main" and wall and "gemm_ceiling_s" in machine:
+                frac = machine["gemm_ceiling_s"] / wall["median"]
+                row[eng]["frac_gemm_ceiling"] = frac
+                print(f"  {eng:<13} main float32: {100 * frac:.1f}% of the in-run GEMM ceiling "
+                      f"(the model's projections alone at the best kernel per shape: "
+                      f"{machine['gemm_ceiling_s']:.2f} s; the run took {wall['median']:.2f} s)")
+            dec = row[eng]["decode_tok_s"]
+            if row["workload"] == "batch1" and dec and "batch1_limit_tok_s" in machine:
+                frac = dec["median"] / machine["batch1_limit_tok_s"]
+                row[eng]["frac_bandwidth_limit"] = frac
+                print(f"  {eng:<13} batch-1 float32 decode: {dec['median']:.1f} tok/s = "
+                      f"{100 * frac:.1f}% of the in-run memory-bandwidth limit "
+                      f"({machine['bytes_per_token'] / 1e6:.0f} MB of weights per token / "
+                      f"{machine['copy_gbps']:.1f} GB/s copy = "
+                      f"{machine['batch1_limit_tok_s']:.0f} tok/s)")
+
+
 def summarize(values: list[float]) -> dict | None:
     if not values:
         return None
@@ -487,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--samples", type=int, default=9, help=argparse.SUPPRESS)
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help=argparse.SUPPRESS)
     p.add_argument("--profile", metavar="FILE",
                    help="worker only: torch-profile the timed generate, write the top ops here")
     p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
@@ -536,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, job in bar:
         if kind == "ceiling":
             bar.set_postfix_str("matmul ceiling")
-            res = measure(["ceiling"], args, "matmul ceiling", write)
+            res = measure(["ceiling", "--model", str(model_dir), "--num-prompts", str(n_main),
+                           "--prompt-len", str(plen)], args, "matmul ceiling", write)
             ceilings.append(res)
             if "error" in res:
                 tqdm.write(f"ceiling run failed: {res['error']}", file=sys.stderr)
@@ -627,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{params['non_embedding'] / 1e6:.2f} M non-embedding, LM head "
           f"{params['lm_head'] / 1e6:.2f} M{', tied' if params['tied'] else ''})")
     print(f"host: {platform.node()}, python {platform.python_version()}, cpus {os.cpu_count()}")
+    print(f"cpu: {cpu_info().summary()}")
     hdr = (f"{'workload':<18} {'dtype':<9} {'engine':<13} {'tok/s':>24} {'decode tok/s':>24} "
            f"{'prefill/TTFT s':>15} {'others':>6} {'kv/hf':>6}")
     print()
@@ -688,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {eng:<13} {row['dtype']:<9} {e['gflops']:7.1f} GFLOP/s = {meas_s} of the "
                   f"measured {row['dtype']} ceiling, {100 * e['frac_anchor_ceiling']:.1f}% of "
                   f"the nominal {ANCHOR_FP32_GFLOPS if row['dtype'] == 'float32' else ANCHOR_BF16_GFLOPS:.0f}")
+    machine = machine_ceilings(ceil_ok, params, n_main, plen, gen)
+    print_machine_ceilings(machine, table, engines, params)
     errors = [r for r in results if "error" in r]
     if errors:
         print(f"\n{len(errors)} run(s) failed; first error:\n{errors[0]['error']}")
@@ -698,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
                           "dtypes": dtypes, "engines": engines, "model": str(model_dir),
                           "seed": args.seed, "argv": sys.argv},
                "params": params, "flops_main": flops_main, "ceilings": ceilings,
-               "ceiling": ceiling, "table": table, "runs": results, "elapsed_s": elapsed}
+               "ceiling": ceiling, "machine": machine, "table": table, "runs": results,
+               "elapsed_s": elapsed}
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"\nwrote {args.json}")
     return 1 if errors and not any("error" not in r for r in results) else 0

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvserve.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
+from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
 
 SUPPORTED_DTYPES = ("auto", *DTYPES)
 DEVICES = ("cpu", "cuda", "auto")
@@ -56,6 +57,13 @@ class EngineConfig:
                                          "KV pool (on CPU: of available RAM, capped)")
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: torch's "
                                    "choice)")
+    kv_cache_dtype: str = _arg("auto", "KV cache storage: auto (the model's dtype), fp8 (= "
+                               "fp8_e4m3, per-layer scales), fp8_e5m2, int8 (per token and head), "
+                               "int4 (KIVI: keys per channel over a block)",
+                               choices=KV_CACHE_DTYPE_CHOICES)
+    calculate_kv_scales: bool = _arg(False, "fp8_e4m3 without k_scale/v_scale in the "
+                                     "checkpoint: take each layer's scales from the first K/V "
+                                     "it stores (else 1.0)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
     eviction_policy: str = _arg("lru", "which idle cached blocks are evicted first",
                                 choices=ONLINE_POLICIES)
@@ -99,6 +107,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
         make_eviction_policy(self.eviction_policy)  # the registry names the valid ones
+        if not isinstance(self.kv_cache_dtype, str):
+            raise TypeError(f"kv_cache_dtype must be a string, got {self.kv_cache_dtype!r}")
+        resolve_kv_dtype(self.kv_cache_dtype)  # ValueError listing the valid names
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', "
                              f"got {self.scheduling_policy!r}")
@@ -108,6 +119,10 @@ class EngineConfig:
         if self.kv_tier_config is not None:
             if not self.enable_prefix_caching:
                 raise ValueError("kv_tier_config needs prefix caching (enable_prefix_caching)")
+            if self.calculate_kv_scales:
+                raise ValueError("calculate_kv_scales cannot be combined with kv_tier_config: "
+                                 "stored chunks need scales fixed at start-up (put "
+                                 "k_scale/v_scale in the checkpoint)")
             if self.kv_tier_config.chunk_size % self.block_size:
                 raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                                  f"must be a multiple of block_size ({self.block_size})")

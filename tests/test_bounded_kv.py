@@ -465,3 +465,9 @@ def test_attention_policies_do_not_read_the_prefix_cache(checkpoint, policy):
     [cold] = generate_checked(_llm(checkpoint, enable_prefix_caching=False, **kwargs),
                               [{"prompt_token_ids": p}], params)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_bounded_cache_refused_on_a_quantized_kv_cache(checkpoint):
+    with pytest.raises(ValueError, match="model's own dtype"):
+        _llm(checkpoint, kv_cache_dtype="int8", bounded_kv_policy="streaming_llm",
+             bounded_kv_budget=64)

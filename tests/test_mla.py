@@ -233,6 +233,20 @@ def test_capacity_line_shows_the_mla_saving(checkpoints, caplog):
     assert any("MLA latent cache" in r.message and "4.0x" in r.message for r in caplog.records)
 
 
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "float16"])
+def test_kv_cache_dtype_other_than_the_models_is_refused(checkpoints, kv_cache_dtype):
+    """The latent cache is never quantized (nor stored in another float type): a clear
+    ValueError before any memory is sized; the codec refuses a quantized latent on its own."""
+    from kvserve.kv.quant import make_codec
+    from kvserve.kv.spec import KVStorage, MLALatentSpec
+
+    with pytest.raises(ValueError, match="MLA models .* keep their latent cache"):
+        LLM(model=str(checkpoints["v2_moe"]), dtype="float32", max_model_len=512,
+            kv_cache_dtype=kv_cache_dtype)
+    with pytest.raises(ValueError, match="quantized KV .* not MLALatentSpec"):
+        make_codec(MLALatentSpec(32, 8, KVStorage("int8")), 16, None, None)
+
 # -- the backend alone: absorbed and decompressing decode against a per-head reference -------
 def reference_mla(q_nope, q_rope, ctx, w_uk, w_uv, scale, rank):
     """Per head, per sequence: decompressed keys/values, softmax over the context (fp64)."""

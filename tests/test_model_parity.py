@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -139,13 +140,19 @@ def saved(tmp_path_factory):
 
 
 # -- float32 parity ---------------------------------------------------------------------------
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "dense"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_match_transformers(saved, variant, pack):
+@pytest.mark.parametrize("variant,gemm", [(v, g) for v in sorted(VARIANTS)
+                                          for g in ("onednn", "dense")]
+                         + [("llama_bias", "auto"), ("qwen3", "auto")])
+def test_logits_match_transformers(saved, variant, gemm):
+    """Every GEMM kernel choice: all oneDNN-packed, all dense (F.linear), and what this CPU's
+    measurement picks (gemm_select.py; two variants, as it measures at load)."""
     hf, path = saved(variant)
-    model, config = load_model(path, pack_weights=pack)
+    model, config = load_model(path, gemm=gemm)
     assert next(model.parameters()).dtype == torch.float32
-    assert model.packed == (pack and onednn_available(torch.float32, torch.device("cpu")))
+    if gemm != "auto":
+        assert model.packed == (gemm == "onednn"
+                                and onednn_available(torch.float32, torch.device("cpu")))
+    assert model.gemm_plan is not None
     for i, n in enumerate(LENGTHS):
         ids = token_ids(n, seed=100 + i)
         ref = hf_logits(hf, ids)
@@ -167,6 +174,40 @@ def test_logits_match_transformers(saved, variant, pack):
         assert torch.equal(rope_inv_freq(config), rotary.full_attention_inv_freq)
         assert torch.equal(rope_inv_freq(config, config.sliding_rope_theta),
                            rotary.sliding_attention_inv_freq)
+
+
+@pytest.mark.skipif(not onednn_available(torch.float32, torch.device("cpu")),
+                    reason="oneDNN cannot pack float32 weights here")
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3"])
+def test_mixed_gemm_plan_matches_transformers(saved, variant):
+    """A plan that switches kernel between row buckets, differently per projection, gives
+    transformers' logits at a row count in every bucket (so each bucket's bound ops are the
+    right ones, biases and residual adds included; Gemma 3: the GELU-tanh gate and the output
+    norms before the residual adds, on both kernels)."""
+    from kvserve.model.gemm_select import BUCKETS, GemmPlan
+
+    hf, path = saved(variant)
+    model, config = load_model(path, pack_weights=False)
+    n = len(BUCKETS)
+    kinds = ("dense", "onednn")
+    plan = GemmPlan({"qkv": [kinds[b % 2] for b in range(n)],
+                     "o": [kinds[(b + 1) % 2] for b in range(n)],
+                     "mlp": [kinds[b // 2 % 2] for b in range(n)],
+                     "down": [kinds[(b + 1) // 2 % 2] for b in range(n)],
+                     "head": [kinds[b % 2] for b in range(n)]}, "test")
+    model.gemm_plan = None
+    model.apply_gemm_plan(plan)
+    assert model.packed
+    for i, (limit, probe) in enumerate(BUCKETS):
+        t = min(probe + 3, int(limit)) if limit != float("inf") else 600
+        ids = token_ids(t, seed=200 + i)
+        pos = torch.arange(t) % config.max_position_embeddings
+        with torch.inference_mode():
+            out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
+        with torch.no_grad():
+            ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
+        diff = (out - ref).abs().max().item()
+        assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
 
 
 def test_config_fields_from_transformers(saved):
@@ -273,6 +314,40 @@ def test_auto_dtype_follows_config(tmp_path):
     assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     model32, _ = load_model(tmp_path, dtype="float32")
     assert next(model32.parameters()).dtype == torch.float32
+
+
+def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
+    """dtype="auto" keeps a bf16 checkpoint in bf16 only where the CPU has bf16 instructions;
+    without them it runs in float32 (and matches transformers' float32 logits), and an
+    explicit bfloat16 there is honoured with a warning that states the measured cost."""
+    import logging
+
+    from kvserve.model import loader
+    from kvserve.model.cpu_features import CpuInfo
+
+    build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)
+    hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    monkeypatch.setattr(loader, "cpu_info", lambda: CpuInfo("test CPU", frozenset({"avx2"}), 2))
+    logger = logging.getLogger("kvserve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            model, config = load_model(tmp_path)
+            assert next(model.parameters()).dtype == torch.float32
+            ids = token_ids(7, 8)
+            diff = (kv_logits(model, config, ids) - hf_logits(hf32, ids)).abs().max().item()
+            assert diff < ATOL
+            model16, _ = load_model(tmp_path, dtype="bfloat16")
+            assert next(model16.parameters()).dtype == torch.bfloat16
+    finally:
+        logger.removeHandler(caplog.handler)
+    # (a set: the record may reach caplog twice, through its handler and the root logger)
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
+    assert len(warnings) == 1, warnings
+    assert re.search(r"takes [0-9.]+x as long as in float32 here", warnings.pop())
+    monkeypatch.setattr(loader, "cpu_info",
+                        lambda: CpuInfo("test CPU", frozenset({"avx512_bf16"}), 2))
+    assert next(load_model(tmp_path)[0].parameters()).dtype == torch.bfloat16
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -112,9 +112,12 @@ def test_block_size_fragmentation_seed_figures():
 
 # -- hand-checkable cases: every attention type and dtype -----------------------------------------
 
-# per token per layer: 2 (K, V) x kv_heads x bytes of one head vector of 8 elements, where
-# int8/int4 add a 4-byte fp16 scale + zero point per vector
-VECTOR_BYTES = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8 + 4, "int4": 4 + 4}
+# per token per layer: kv_heads x (bytes of one key + one value vector of 8 elements), where
+# int8 adds a 4-byte fp16 scale + zero point per vector; int4 (KIVI) does so for values, while
+# its keys share one scale + zero point per channel over a group of 16 tokens (the default
+# block): 8 x 4 / 16 = 2 bytes per token
+VECTOR_BYTES = {"fp32": 2 * 32, "fp16": 2 * 16, "bf16": 2 * 16, "fp8": 2 * 8,
+                "fp8_e5m2": 2 * 8, "int8": 2 * (8 + 4), "int4": (4 + 2) + (4 + 4)}
 
 
 @pytest.mark.parametrize("dtype", list(VECTOR_BYTES))
@@ -122,7 +125,7 @@ VECTOR_BYTES = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8 + 4, "in
 def test_standard_attention_every_dtype(dtype, kv_heads, kind):
     spec = tiny(num_key_value_heads=kv_heads)
     assert spec.attention == kind
-    per_layer = 2 * kv_heads * VECTOR_BYTES[dtype]
+    per_layer = kv_heads * VECTOR_BYTES[dtype]
     assert kv_bytes_per_token_layer(spec, dtype) == per_layer
     assert kv_bytes_per_token(spec, dtype) == 2 * per_layer
     assert kv_bytes_per_request(spec, dtype, 10) == 10 * 2 * per_layer
@@ -154,8 +157,11 @@ def test_deepseek_mla_presets():
 
 def test_int_group_size_override():
     spec = tiny()
-    # int4 with groups of 4 elements: 8 elements = 4 bytes + 2 groups x 4 bytes
-    assert kv_bytes_per_token_layer(spec, "int4", group_size=4) == 2 * 4 * (4 + 8)
+    # int4 values with groups of 4 elements: 8 elements = 4 bytes + 2 groups x 4 bytes; keys
+    # per channel over 16 tokens (4 + 8 x 4 / 16 bytes), or over 32 tokens (4 + 1)
+    assert kv_bytes_per_token_layer(spec, "int4", group_size=4) == 4 * ((4 + 2) + (4 + 8))
+    assert kv_bytes_per_token_layer(spec, "int4", group_size=4, key_group_tokens=32) == \
+        4 * ((4 + 1) + (4 + 8))
 
 
 def test_sliding_window_caps_each_layer():
@@ -320,7 +326,7 @@ def test_cli_json_has_stable_keys(capsys):
                          "dtypes", "warnings"}
     assert plan["kv"]["bytes_per_request"] == 234_881_024
     assert plan["capacity"]["max_concurrent_requests"] == 287
-    assert set(plan["dtypes"]) == {"fp32", "fp16", "bf16", "fp8", "int8", "int4"}
+    assert set(plan["dtypes"]) == {"fp32", "fp16", "bf16", "fp8", "fp8_e5m2", "int8", "int4"}
 
 
 def test_cli_plot_and_presets(tmp_path, capsys):

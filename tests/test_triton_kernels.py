@@ -256,3 +256,87 @@ def test_fused_elementwise_ops_match_torch(dtype):
     gate_up = torch.randn(5, 2 * 40, generator=gen).to(DEVICE, dtype)
     ref = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
     torch.testing.assert_close(gpu_ops.silu_mul(gate_up), ref, **tol)
+
+
+# -- quantized caches (kv/quant.py): dequantized as the kernels load them ----------------------
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
+def test_backend_reads_quantized_caches_like_the_torch_backend(kv_dtype, window):
+    """A mixed step over a quantized pool: the Triton kernels' dequantize-on-load gives the
+    torch backend's outputs (itself checked against a reference of each scheme in
+    test_kv_quant.py, windows included) and leaves the same stored bytes and scales; with a
+    sliding window of 5, shorter than the longest sequences (9 and 10 tokens)."""
+    from kvserve.kv.spec import KVStorage, decoder_kv_spec
+    from kvserve.kv.tensors import KVTensorPool
+
+    gen = torch.Generator().manual_seed(7)
+    h, hkv, d, bs, nb = 4, 2, 32, 4, 24
+    spec = decoder_kv_spec(1, hkv, d, KVStorage(kv_dtype), bs, (window,))
+    scales = torch.tensor([[0.02, 0.01]])  # per-tensor fp8 scales, as from a checkpoint
+    seqs = [(0, 7), (5, 4), (9, 1), (2, 1)]
+    tables = _tables([c + n for c, n in seqs], bs, nb, gen)
+    # the cached prefixes: written by a first step through the same (torch) store path
+    prefix = [(t, 0, c) for (c, _), t in zip(seqs, tables) if c]
+    ctx_slots = torch.tensor([t[p // bs] * bs + p % bs for t, _, c in prefix for p in range(c)])
+    ctx_k = torch.randn(len(ctx_slots), hkv, d, generator=gen) * 0.5
+    ctx_v = torch.randn(len(ctx_slots), hkv, d, generator=gen) * 0.5
+    slices, slots, start = [], [], 0
+    for (c, n), table in zip(seqs, tables):
+        slices.append(SequenceSlice(start, n, c + n, table))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+        start += n
+    meta = AttentionMetadata(torch.tensor(slots), prefills=slices[:2], decodes=slices[2:],
+                             num_prefill_tokens=11)
+    q = torch.randn(start, h, d, generator=gen)
+    k = torch.randn(start, hkv, d, generator=gen) * 0.5
+    v = torch.randn(start, hkv, d, generator=gen) * 0.5
+    pools = []
+    for _ in range(2):
+        pool = KVTensorPool(spec, nb, kv_scales=scales if kv_dtype == "fp8" else None)
+        pool.store(0, ctx_k, ctx_v, ctx_slots)
+        pools.append(pool)
+    expected = TorchAttentionBackend(pools[0], d ** -0.5).bind(meta)(0, q, k, v)
+    if DEVICE != "cpu":
+        pools[1].layers = [tuple(t.to(DEVICE) for t in ts) for ts in pools[1].layers]
+    backend = TritonAttentionBackend(pools[1], d ** -0.5)
+    got = backend.bind(meta)(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+    for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
+        assert torch.equal(a, b.cpu())
+    # the quantization is not a no-op: the same step over an unquantized cache differs
+    plain = TorchAttentionBackend(pool_over([tuple(
+        torch.zeros(nb, bs, hkv, d) for _ in range(2))], windows=(window,)), d ** -0.5)
+    plain.pool.store(0, ctx_k, ctx_v, ctx_slots)
+    assert (plain.bind(meta)(0, q, k, v) - expected).abs().max() > 1e-4
+
+
+def test_fp8_bits_decode_every_byte():
+    """The kernels' fp8 decoder, applied to all 256 bytes, equals PyTorch's float8 dtypes
+    (NaN/inf codes excluded: the codec saturates and never stores them)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(src, dst, FP8_EXP: tl.constexpr, FP8_MANT: tl.constexpr,
+               FP8_BIAS: tl.constexpr):
+        offs = tl.arange(0, 256)
+        x = tl.load(src + offs)
+        tl.store(dst + offs, tk._fp8_bits_to_f32(x, FP8_EXP, FP8_MANT, FP8_BIAS))
+
+    raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    for kind, dtype in ((tk.KV_FP8_E4M3, torch.float8_e4m3fn), (tk.KV_FP8_E5M2, torch.float8_e5m2)):
+        out = torch.empty(256, device=DEVICE)
+        exp, mant, bias = tk._FP8_BITS[kind]
+        decode[(1,)](raw, out, FP8_EXP=exp, FP8_MANT=mant, FP8_BIAS=bias)
+        want = raw.cpu().view(dtype).float()
+        finite = want.isfinite()
+        assert torch.equal(out.cpu()[finite], want[finite])
+
+
+def test_int4_pools_stay_on_the_torch_backend():
+    from kvserve.kv.spec import KVStorage, decoder_kv_spec
+    from kvserve.kv.tensors import KVTensorPool
+
+    pool = KVTensorPool(decoder_kv_spec(1, 2, 32, KVStorage("int4", key_group_tokens=4), 4), 4)
+    with pytest.raises(ValueError, match="torch backend"):
+        TritonAttentionBackend(pool, 0.1)

@@ -29,8 +29,9 @@ from kvserve.kv.bounded import (ATTENTION_POLICIES, BoundedKV, BoundedKVConfig,
                                 resolve_bounded_kv)
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import (KVCacheSpec, KVStorage, capacity_line, decoder_kv_spec,
-                             kv_dtype_name, mla_saving_line)
+from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, capacity_line,
+                             decoder_kv_spec, kv_dtype_name, mla_saving_line,
+                             resolve_kv_dtype)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -81,9 +82,11 @@ class LLMEngine:
         config.finalize(self.model_config.max_position_embeddings)
         self.dtype = next(self.model.parameters()).dtype
 
-        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size)
+        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size,
+                                      config.kv_cache_dtype)
         num_blocks = self._num_kv_blocks()
-        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device)
+        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
+                                    *self._kv_scales(model_dir))
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
                                               self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
@@ -93,7 +96,9 @@ class LLMEngine:
                                  kv_events_capacity=KV_EVENTS_CAPACITY,
                                  window=self._release_window())
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
-        if config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
+        if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
+            logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
+        elif config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
             self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
@@ -162,6 +167,26 @@ class LLMEngine:
                              "kv_cache_memory_bytes")
         return blocks
 
+    def _kv_scales(self, model_dir: str) -> tuple[torch.Tensor | None, bool]:
+        """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
+        first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
+        storage = self.kv_spec.layer_specs()[0].storage
+        if storage.dtype != "fp8":
+            return None, False
+        from kvserve.model.loader import read_kv_scales
+
+        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
+        if scales is not None:
+            logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
+        elif self.config.calculate_kv_scales:
+            logger.info("fp8 KV cache: scales computed from the first batch "
+                        "(calculate_kv_scales)")
+        else:
+            logger.warning("fp8_e4m3 KV cache without k_scale/v_scale in the checkpoint: "
+                           "using 1.0 (set calculate_kv_scales=True to compute them); "
+                           "accuracy may suffer")
+        return scales, self.config.calculate_kv_scales
+
     def _make_tiers(self, model_dir: str):
         """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
         tier_config = self.config.kv_tier_config
@@ -178,7 +203,9 @@ class LLMEngine:
         identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
                                  self.tensors.dtype, mc.num_hidden_layers, heads, width,
                                  self.config.block_size, tier_config.chunk_size,
-                                 len(layer_tensors))
+                                 len(layer_tensors), kv_format=self.tensors.format_tag(),
+                                 page_bytes=self.tensors.page_bytes if self.tensors.packed
+                                 else None)
         tiers = TieredKVStore(tier_config, identity)
         logger.info("KV storage tiers: %s", ", ".join(
             [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
@@ -327,6 +354,11 @@ class LLMEngine:
         if self.model_config.mla is not None:
             raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
                              "cache is compressed already)")
+        if self.tensors.quantized or self.tensors.dtype != self.dtype:
+            raise ValueError("a bounded KV cache needs the KV cache in the model's own dtype "
+                             f"(kv_cache_dtype=auto), got kv_cache_dtype="
+                             f"{self.config.kv_cache_dtype!r}: compaction and the attention "
+                             "weights of SnapKV/H2O read the cache unquantized")
         bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
         if bound.policy in ATTENTION_POLICIES and not hasattr(self.backend, "observed"):
             raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
@@ -671,14 +703,26 @@ class LLMEngine:
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
 
 
-def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in the model's dtype, with each
-    sliding layer's window (the attention backends read the windows from this spec; the planner
-    derives its figures from the same spec classes)."""
+def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
+    the model's dtype; int4 keys grouped by block), with each sliding layer's window, or MLA's
+    latent vector (the attention backends read the windows from this spec; the planner derives
+    its figures from the same spec classes)."""
     mc = model_config
     mla = mc.mla
-    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           KVStorage(kv_dtype_name(dtype)), block_size, mc.layer_windows,
+    model_kv = kv_dtype_name(dtype)
+    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
+    if mla is not None and name != model_kv:
+        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
+        # latents too): MLA's latent is stored as the model computes it, never quantized.
+        what = "a quantized" if KV_DTYPES[name].quantized else "another"
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
+                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
+                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
+    storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
+    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
+                           block_size, mc.layer_windows,
                            kv_lora_rank=mla.kv_lora_rank if mla else None,
                            rope_dim=mla.qk_rope_head_dim if mla else 0)
 

@@ -105,6 +105,7 @@ class ModelRunner:
         and of the prompt positions whose logprobs are wanted."""
         if not batch.requests:
             return RunnerOutput(torch.empty(0), [])
+        self.tensors.release_unused(self.kv.pool.ref_counts)  # int4: rows of freed blocks
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -23,21 +23,34 @@ class KVDType:
     name: str
     bits: int
     grouped: bool  # an fp16 scale and an fp16 zero point per group of elements
-    torch_dtype: torch.dtype | None  # None: packed, needs a quantized cache layout
+    # The element type of the stored data: the float itself, or uint8 for the integer codes
+    # (int4 packs two per byte). kvserve/kv/quant.py holds the layouts that use it.
+    torch_dtype: torch.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether reading it back needs a dequantization (anything narrower than 16 bits)."""
+        return self.bits < 16
 
 
 KV_DTYPES = {
     "fp32": KVDType("fp32", 32, False, torch.float32),
     "fp16": KVDType("fp16", 16, False, torch.float16),
     "bf16": KVDType("bf16", 16, False, torch.bfloat16),
-    "fp8": KVDType("fp8", 8, False, None),
-    "int8": KVDType("int8", 8, True, None),
-    "int4": KVDType("int4", 4, True, None),
+    "fp8": KVDType("fp8", 8, False, torch.float8_e4m3fn),  # vLLM's fp8 = fp8_e4m3
+    "fp8_e5m2": KVDType("fp8_e5m2", 8, False, torch.float8_e5m2),
+    "int8": KVDType("int8", 8, True, torch.uint8),
+    "int4": KVDType("int4", 4, True, torch.uint8),
 }
 # fp8's spellings; the float dtypes' spellings come from kvserve.dtypes (the one alias table).
-_FP8_ALIASES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8", "e4m3": "fp8",
-                "e5m2": "fp8"}
+_FP8_ALIASES = {"fp8_e4m3": "fp8", "fp8_ds_mla": "fp8", "e4m3": "fp8", "e5m2": "fp8_e5m2"}
+# The names `--kv-cache-dtype` accepts (vLLM's, plus int8 and int4), for messages and --help.
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16",
+                          "float16", "float32")
 SCALE_BYTES_PER_GROUP = 4  # fp16 scale + fp16 zero point
+# int4 keys (KIVI) are quantized per channel over this many tokens unless told otherwise: the
+# engine's default block size, since the engine makes one block one group.
+DEFAULT_KEY_GROUP_TOKENS = 16
 
 
 def resolve_kv_dtype(name: str, model_dtype: str = "bf16") -> str:
@@ -47,8 +60,8 @@ def resolve_kv_dtype(name: str, model_dtype: str = "bf16") -> str:
         key = model_dtype
     key = short_dtype_name(key) or _FP8_ALIASES.get(key, key)
     if key not in KV_DTYPES:
-        raise ValueError(f"KV cache dtype must be auto or one of {', '.join(KV_DTYPES)} "
-                         f"(or fp8_e4m3, fp8_e5m2), got {name!r}")
+        raise ValueError(f"KV cache dtype (kv_cache_dtype) must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                         f"got {name!r}")
     return key
 
 
@@ -63,13 +76,40 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class KVStorage:
     """How one stored vector's elements are kept: a dtype and, for int8/int4, a scale and a zero
-    point per `group_size` elements (None: one group per vector)."""
+    point per `group_size` elements (None: one group per vector).
+
+    int4 follows KIVI: values like any grouped vector, keys per channel over groups of
+    `key_group_tokens` tokens (the engine uses one block), since keys' outliers sit in fixed
+    channels. Such a key costs width/2 bytes plus a scale and zero point per channel shared by
+    the group's tokens: 4 x width / key_group_tokens bytes per token."""
 
     dtype: str = "bf16"
     group_size: int | None = None
+    key_group_tokens: int | None = None  # int4 only; None: DEFAULT_KEY_GROUP_TOKENS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_kv_dtype(self.dtype))
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if self.key_group_tokens is not None and self.key_group_tokens <= 0:
+            raise ValueError(f"key_group_tokens must be positive, got {self.key_group_tokens}")
+
+    @property
+    def format(self) -> KVDType:
+        return KV_DTYPES[self.dtype]
+
+    @property
+    def kivi(self) -> bool:
+        """Keys quantized per channel over tokens (int4), not per token like values."""
+        return self.dtype == "int4"
+
+    def groups(self, width: int) -> int:
+        """Scale groups in one vector of `width` elements (grouped formats)."""
+        return math.ceil(width / (self.group_size or width))
+
+    def data_bytes(self, width: int) -> float:
+        """Bytes of a vector's elements alone, without scales (the planner's overhead figure)."""
+        return width * KV_DTYPES[self.dtype].bits / 8
 
     def vector_bytes(self, width: int) -> int:
         """Bytes of one stored vector of `width` elements, with its quantization scales."""
@@ -79,16 +119,26 @@ class KVStorage:
             raise ValueError(f"{width} elements of {d.name} do not fill whole bytes")
         size = data_bits // 8
         if d.grouped:
-            size += math.ceil(width / (self.group_size or width)) * SCALE_BYTES_PER_GROUP
+            size += self.groups(width) * SCALE_BYTES_PER_GROUP
         return size
+
+    def key_vector_bytes(self, width: int) -> int:
+        """Bytes per token of one stored key vector: `vector_bytes` except under KIVI, where a
+        group of tokens shares one scale and zero point per channel."""
+        if not self.kivi:
+            return self.vector_bytes(width)
+        tokens = self.key_group_tokens or DEFAULT_KEY_GROUP_TOKENS
+        scale_bytes = width * SCALE_BYTES_PER_GROUP
+        if scale_bytes % tokens:
+            raise ValueError(f"int4 keys of {width} channels over groups of {tokens} tokens do "
+                             "not take whole bytes per token; use a block size that divides "
+                             f"{scale_bytes}")
+        return width * KV_DTYPES[self.dtype].bits // 8 + scale_bytes // tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dtype = KV_DTYPES[self.dtype].torch_dtype
-        if dtype is None:
-            raise ValueError(f"the engine's KV tensor pool cannot store {self.dtype} yet: "
-                             "quantized KV (fp8/int8/int4) is planned, not built")
-        return dtype
+        """The element type of the stored data (uint8 codes for int8/int4)."""
+        return KV_DTYPES[self.dtype].torch_dtype
 
 
 # -- what a layer stores per token ----------------------------------------------------------
@@ -102,7 +152,12 @@ class FullAttentionSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.storage.vector_bytes(self.head_dim)
+        return self.num_kv_heads * (self.storage.key_vector_bytes(self.head_dim)
+                                    + self.storage.vector_bytes(self.head_dim))
+
+    @property
+    def data_bytes_per_token(self) -> float:
+        return 2 * self.num_kv_heads * self.storage.data_bytes(self.head_dim)
 
     @property
     def tensors(self) -> tuple[tuple[int, int], ...]:
@@ -136,6 +191,10 @@ class MLALatentSpec:
     @property
     def bytes_per_token(self) -> int:
         return self.storage.vector_bytes(self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def data_bytes_per_token(self) -> float:
+        return self.storage.data_bytes(self.kv_lora_rank + self.rope_dim)
 
     @property
     def tensors(self) -> tuple[tuple[int, int], ...]:
@@ -189,6 +248,11 @@ class KVCacheSpec:
     def bytes_per_token(self) -> int:
         """Every layer, one token (before any sliding-window cap)."""
         return sum(len(g.layers) * g.spec.bytes_per_token for g in self.groups)
+
+    @property
+    def data_bytes_per_token(self) -> float:
+        """Every layer, one token, the elements alone (no quantization scales)."""
+        return sum(len(g.layers) * g.spec.data_bytes_per_token for g in self.groups)
 
     @property
     def bytes_per_block(self) -> int:

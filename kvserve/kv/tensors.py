@@ -1,35 +1,69 @@
 """The KV tensor pool: the memory the cache's block ids index.
 
-It allocates, per layer, the tensors its spec names (K and V for attention, one latent for MLA),
-each [num_blocks, block_size, heads, width], and moves whole blocks: reads (saves to the storage
-tiers), writes (loads from them) and copies (copy-on-write; a backend with a faster kernel for
-its device, like the Triton one, copies through that instead). Attention backends compute over
-these tensors and own none; the runner executes a step plan's memory operations, in the plan's
-order, through this pool and the backend.
+It allocates, per layer, the tensors its spec's storage format names (kv/quant.py: K and V, and
+for int8/int4 their scales; one latent for MLA), each [num_blocks, ...per block], and moves whole
+blocks: reads (saves to the storage tiers), writes (loads from them) and copies (copy-on-write; a
+backend with a faster kernel for its device, like the Triton one, copies through that instead).
+New tokens go in (`store`) and blocks come back out dequantized (`gather`) through the layer's
+codec, so a backend never needs to know the format. Attention backends compute over these
+tensors and own none; the runner executes a step plan's memory operations, in the plan's order,
+through this pool and the backend.
+
+A tier chunk of an unquantized or fp8 pool is [layers, tensors, tokens, heads, width] in the
+stored dtype; a pool with scale parts (int8, int4) is packed per block, so a chunk is bytes,
+[layers, 1, blocks, 1, page_bytes] uint8 (one page = every part of one block of one layer): the
+tiers store exactly the quantized bytes and scales.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from kvserve.kv.quant import KIVIResidual, KIVIStep, KVScales, make_codec
 from kvserve.kv.spec import KVCacheSpec
+
+logger = logging.getLogger("kvserve")
 
 
 class KVTensorPool:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu"
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
+                 kv_scales: torch.Tensor | None = None, calculate_kv_scales: bool = False
                  ) -> None:
+        """`kv_scales` [layers, 2] are fp8's per-layer (k_scale, v_scale), from the checkpoint;
+        without them `calculate_kv_scales` takes them from the first K/V stored, else 1.0."""
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
-        self.spec = spec
-        self.num_blocks = num_blocks
-        self.block_size = spec.block_size
+        self._setup(spec, num_blocks, kv_scales, calculate_kv_scales)
         # Zeroed, not empty: masked-out slots still take part in the attention matmuls (weight
         # 0), and 0 x NaN from uninitialised memory would poison the output.
         self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros((num_blocks, spec.block_size, heads, width),
-                              dtype=layer.storage.torch_dtype, device=device)
-                  for heads, width in layer.tensors)
-            for layer in spec.layer_specs()]
+            tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
+                  for p in codec.parts())
+            for codec in self.codecs]
+
+    def _setup(self, spec: KVCacheSpec, num_blocks: int, kv_scales: torch.Tensor | None,
+               calculate_kv_scales: bool) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        specs = spec.layer_specs()
+        self.scales: KVScales | None = None
+        self.residual: KIVIResidual | None = None
+        if any(s.storage.dtype in ("fp8", "fp8_e5m2") for s in specs):
+            values = torch.ones(len(specs), 2) if kv_scales is None else \
+                kv_scales.detach().float().cpu().clone()
+            if tuple(values.shape) != (len(specs), 2):
+                raise ValueError(f"kv_scales must be [layers, 2], got {tuple(values.shape)}")
+            self.scales = KVScales(values, calculate=kv_scales is None and calculate_kv_scales)
+        int4 = [s for s in specs if s.storage.kivi]
+        if int4:
+            heads, width = int4[0].tensors[0]
+            self.residual = KIVIResidual(len(specs), spec.block_size, heads, width)
+        self.codecs = [make_codec(s, spec.block_size, self.scales, self.residual) for s in specs]
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.quantized = any(c.quantized for c in self.codecs)
 
     @classmethod
     def wrap(cls, spec: KVCacheSpec, layers: list[tuple[torch.Tensor, ...]]) -> "KVTensorPool":
@@ -39,14 +73,14 @@ class KVTensorPool:
         if len(layers) != len(specs):
             raise ValueError(f"{len(layers)} layers of KV tensors for a spec of {len(specs)}")
         num_blocks = layers[0][0].shape[0]
-        for tensors, layer in zip(layers, specs):
-            want = [(num_blocks, spec.block_size, h, w) for h, w in layer.tensors]
+        pool = cls.__new__(cls)
+        pool._setup(spec, num_blocks, None, False)
+        for tensors, codec in zip(layers, pool.codecs):
+            want = [(num_blocks, *p.shape) for p in codec.parts()]
             got = [tuple(t.shape) for t in tensors]
             if got != want:
                 raise ValueError(f"KV tensors of shapes {got} do not fit block_size "
                                  f"{spec.block_size} and the spec's {want}")
-        pool = cls.__new__(cls)
-        pool.spec, pool.num_blocks, pool.block_size = spec, num_blocks, spec.block_size
         pool.layers = list(layers)
         return pool
 
@@ -56,11 +90,83 @@ class KVTensorPool:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The element type of the stored K/V data (uint8: fp8 bytes, int8/int4 codes)."""
         return self.layers[0][0].dtype
+
+    @property
+    def packed(self) -> bool:
+        """Whether a block's parts differ in shape or dtype (scales beside codes), so that tier
+        chunks carry it as bytes."""
+        parts = self.codecs[0].parts()
+        return any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer, every part (equal across layers)."""
+        return sum(t[0].numel() * t.element_size() for t in self.layers[0])
+
+    def format_tag(self) -> str:
+        """What besides shapes makes two pools' chunks incompatible: the storage format and,
+        for fp8, the scales (part of a tier chunk's identity); "" for unquantized pools."""
+        if not self.quantized:
+            return ""
+        storage = self.spec.layer_specs()[0].storage
+        tag = f"{storage.dtype}:g{storage.group_size}:kg{storage.key_group_tokens}"
+        if self.scales is not None:
+            if self.scales.calculate:
+                raise ValueError("calculate_kv_scales cannot be combined with storage tiers: a "
+                                 "stored chunk needs scales fixed at start-up (give the "
+                                 "checkpoint k_scale/v_scale)")
+            tag += ":scales=" + ",".join(f"{x:.8g}" for x in self.scales.values.flatten().tolist())
+        return tag
 
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=self.device)
 
+    # -- a step's K/V ------------------------------------------------------------------------
+    def begin_step(self, writes: list[tuple[list[int], int, int]], num_tokens: int
+                   ) -> KIVIStep | None:
+        """Plan what this step's stores do beyond writing slots (int4's residual rows):
+        (block table, first position, end) per sequence, in the flat batch's order."""
+        if self.residual is None:
+            return None
+        return self.residual.plan(writes, num_tokens)
+
+    def release_unused(self, ref_counts: list[int]) -> None:
+        """Forget per-block state of blocks nobody holds (int4's residual rows)."""
+        if self.residual is not None:
+            self.residual.drop_unused(ref_counts)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              step: KIVIStep | None = None) -> None:
+        """Write new K/V [T, H, D] of `layer` into their slots, quantizing as the format says."""
+        self.codecs[layer].store(layer, self.layers[layer], k, v, slots, step)
+
+    def residual_lookup(self, blocks: torch.Tensor):
+        """Once per step and gather index, after `begin_step`: where int4 keys come from the
+        full-precision residual instead of the codes (None: nowhere)."""
+        return None if self.residual is None else self.residual.lookup(blocks)
+
+    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype, residual_at=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` [n] (int64), dequantized into `dtype`: [n, block_size, H, D]
+        each. Only these blocks are read: never a dequantized copy of the whole pool. The
+        result lives in two reused buffers (fresh tensors would pay page faults every layer of
+        every step): it is valid until the next `gather`."""
+        codec = self.codecs[layer]
+        shape = (blocks.shape[0], self.block_size, codec.heads, codec.head_dim)
+        out = (self._buffer(0, shape, dtype), self._buffer(1, shape, dtype))
+        return codec.load(layer, self.layers[layer], blocks, dtype, residual_at, out)
+
+    def _buffer(self, which: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        buf = self._buffers.get((which, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._buffers[(which, dtype)] = buf
+        return buf[:numel].view(shape)
+
+    # -- whole blocks ------------------------------------------------------------------------
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks in every layer (copy-on-write of a shared block)."""
         if not src:
@@ -69,11 +175,20 @@ class KVTensorPool:
         for tensors in self.layers:
             for t in tensors:
                 t[d] = t[s]
+        if self.residual is not None:
+            for a, b in zip(src, dst):
+                self.residual.copy(a, b)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """The KV of whole blocks, every layer, as one contiguous host tensor
-        [layers, tensors per layer, len(blocks) * block_size, heads, width] (what a tier saves)."""
+        [layers, tensors per layer, len(blocks) * block_size, heads, width] (what a tier saves),
+        or for a packed pool [layers, 1, len(blocks), 1, page_bytes] uint8."""
         idx = self._index(blocks)
+        if self.packed:
+            n = len(blocks)
+            pages = [torch.cat([t.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                                for t in tensors], 1) for tensors in self.layers]
+            return torch.stack(pages)[:, None, :, None, :].cpu()
         out = torch.stack([torch.stack([t.index_select(0, idx) for t in tensors])
                            for tensors in self.layers])
         return out.flatten(2, 3).cpu()
@@ -81,6 +196,18 @@ class KVTensorPool:
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
         idx = self._index(blocks)
+        if self.residual is not None:
+            self.residual.drop(blocks)
+        if self.packed:
+            pages = data.to(self.device)[:, 0, :, 0, :]  # [layers, n, page_bytes]
+            for layer, tensors in enumerate(self.layers):
+                at = 0
+                for t in tensors:
+                    size = t[0].numel() * t.element_size()
+                    part = pages[layer, :, at:at + size].contiguous().view(t.dtype)
+                    t.index_copy_(0, idx, part.view(len(blocks), *t.shape[1:]))
+                    at += size
+            return
         data = data.to(device=self.device, dtype=self.dtype, non_blocking=True)
         data = data.unflatten(2, (len(blocks), self.block_size))
         for layer, tensors in enumerate(self.layers):

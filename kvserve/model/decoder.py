@@ -14,27 +14,38 @@ Layout, chosen for the CPU hot path:
   * q, k and v projections are one matrix `qkv_proj` ([q; k; v] rows), gate and up are one
     matrix `gate_up_proj` ([gate; up] rows), so each layer runs four GEMMs;
   * the residual add is folded into the o_proj and down_proj GEMMs (`addmm_` with beta=1 writes
-    straight into the residual stream, or oneDNN's "add" post-op, below);
+    straight into the residual stream, or oneDNN's "add" post-op, below), except with Gemma's
+    output norms, which sit between the GEMM and the add;
   * RoPE uses Hugging Face's rotate-half convention (the first half of each head pairs with the
     second half), with cos/sin precomputed once in float32 and gathered once per step;
-  * on x86 CPUs `CausalLM.pack_weights()` (called by the loader) re-lays the four projection
-    matrices and the LM head out in oneDNN's blocked format and routes the GEMMs through
-    oneDNN, with the residual add as a fused post-op. On this project's reference CPU (AMD
-    Zen 5, 2 threads) that runs the projections about 2x faster than `F.linear` (MKL, which
-    does not use AVX-512 fully on AMD) in float32; in bfloat16 `F.linear` already goes through
-    oneDNN and packing gains 10-30%.
+  * on the CPU `CausalLM.pack_weights()` (called by the loader) gives each projection and the
+    LM head the GEMM kernel that measures fastest on this CPU for each row bucket
+    (gemm_select.py): `F.linear` (MKL in float32) or oneDNN on weights packed in its blocked
+    layout with the gate's SiLU (or GELU-tanh), the gated product and the residual add as
+    fused epilogues. Which wins
+    depends on the CPU and the batch: on a Zen 5 oneDNN was ~2x faster at every size; on an
+    AVX-512 Xeon MKL wins at batch 1; on an AVX2 EPYC oneDNN loses at batch 1 and wins at
+    batch 64 for some shapes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import gemm_select
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.config import ModelConfig
+from kvserve.model.cpu_features import cpu_info
+from kvserve.model.gemm_select import GemmPlan
+
+logger = logging.getLogger("kvserve")
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -133,18 +144,22 @@ def _dense_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
 
 
 def gemm_rows(t: int) -> int:
-    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16, else `t` rounded up to
-    one of 8 sizes per doubling (at most 12.5% padding).
+    """The row count a oneDNN GEMM of `t` rows runs with: `t` up to 16; else `t` rounded up to
+    one of 8 sizes per doubling up to 256 rows (at most 12.5% padding) and of 16 sizes per
+    doubling above (at most 6.25%).
 
     Why: oneDNN JIT-compiles a primitive for every distinct input shape and keeps it in two LRU
     caches of 1,024 entries each (its primitive cache and ideep's), at ~0.7 MB apiece on this
     project's CPU. A server's steps carry every token count from 1 to max_num_batched_tokens,
     so with exact shapes most steps compiled new kernels and RSS grew by ~12 MB per round of
-    256 concurrent requests (see docs/soak.md). With these sizes there are 88 row counts up to
-    8,192 (5 GEMMs each, plus the LM head's), which all stay cached."""
+    256 concurrent requests (see docs/soak.md). With these sizes there are 128 row counts up
+    to 8,192 (5 GEMMs each, plus the LM head's up to max_num_seqs: under 700 primitives),
+    which all stay cached. The finer steps above 256 rows are for prefill: 8 sizes per
+    doubling padded a 2,112-token prompt to 2,304 rows and cost ~10% of its TTFT."""
     if t <= 16:
         return t
-    step = 1 << (t.bit_length() - 4)
+    shift = 4 if t <= 256 else 5
+    step = 1 << max(t.bit_length() - shift, 0)
     return -(-t // step) * step
 
 
@@ -235,6 +250,7 @@ class DecoderLayer(nn.Module):
         self._linear_add = _dense_linear_add
         self._norm = rms_norm
         self._rope = _apply_rope
+        self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
 
     def use_triton_ops(self) -> None:
         """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
@@ -251,28 +267,52 @@ class DecoderLayer(nn.Module):
 
         return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
-    def pack_weights(self) -> None:
-        """Replace the projection matrices by oneDNN-packed copies (frees the dense ones).
+    # -- GEMM kernels per row bucket (gemm_select.py) ---------------------------------------
+    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+        """For each projection and kernel, a factory(rows) -> run-once callable on this layer's
+        own weights (oneDNN-packed copies made here and dropped after): what `gemm_select`
+        times. Call before `set_gemm_plan`, while the dense weights are all there."""
+        kernels = {"dense": _dense_ops(self)}
+        if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
+            kernels["onednn"] = _onednn_ops(self)
+        p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
+        h, q = self.qkv_proj.shape[1], self.q_size
+
+        def factory(kind: str, ops: dict[str, Callable]) -> gemm_select.RunFactory:
+            def make(rows: int) -> Callable[[], object]:
+                x = torch.randn(rows, h, **p)
+                if kind == "qkv":
+                    return lambda: ops["qkv"](x)
+                if kind == "o":
+                    xo, r = torch.randn(rows, q, **p), torch.zeros(rows, h, **p)
+                    return lambda: ops["o"](xo, r)
+                if kind == "mlp":
+                    return lambda: ops["mlp"](x)
+                xd = torch.randn(rows, self.intermediate_size, **p)
+                r = torch.zeros(rows, h, **p)
+                return lambda: ops["down"](xd, r)
+            return make
+
+        return {kind: {k: factory(kind, ops) for k, ops in kernels.items()} for kind in _PROJS}
+
+    def set_gemm_plan(self, plan: GemmPlan) -> None:
+        """Bind one set of projection ops per row bucket as `plan` says: pack (oneDNN) the
+        weights some bucket runs through oneDNN, free the dense ones no bucket uses.
 
         Gate and up are packed apart: SiLU then runs as the gate GEMM's epilogue and the product
         as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
-        SwiGLU element-wise work was ~12% of a decode step).
-        """
-        for name in ("qkv_proj", "o_proj", "down_proj"):
-            setattr(self, name, nn.Parameter(_onednn_pack(getattr(self, name)),
-                                             requires_grad=False))
-        i = self.intermediate_size
-        gate, up = self.gate_up_proj[:i], self.gate_up_proj[i:]
-        self.gate_proj = nn.Parameter(_onednn_pack(gate), requires_grad=False)
-        self.up_proj = nn.Parameter(_onednn_pack(up), requires_grad=False)
-        bias = self.gate_up_bias
-        self.gate_bias = None if bias is None else bias[:i].contiguous()
-        self.up_bias = None if bias is None else bias[i:].contiguous()
-        del self.gate_up_proj
-        self.gate_up_proj = None
-        self._linear = _onednn_linear
-        self._linear_add = _onednn_linear_add
-        self._swiglu = self._geglu_packed if self.gelu else self._swiglu_fused
+        SwiGLU element-wise work was ~12% of a decode step)."""
+        built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
+                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn")))}
+        self._ops = []
+        for b in range(len(gemm_select.BUCKETS)):
+            ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
+            self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"]))
+        # free the dense weights no bucket reads (the closures hold what they need)
+        for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
+                           ("down", "down_proj")):
+            if not plan.uses(proj, "dense"):
+                setattr(self, name, None)
 
     def gemm_flops_per_row(self) -> int:
         """FLOPs of this layer's projections per token (for the warm-up's budget)."""
@@ -280,20 +320,24 @@ class DecoderLayer(nn.Module):
         qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
         return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
 
-    def warm_up_gemms(self, x: torch.Tensor) -> None:
-        """Run each projection once on zeros x [rows, hidden] (compiles its oneDNN kernel)."""
-        self._linear(x, self.qkv_proj, self.qkv_bias)
+    def warm_up_gemms(self, x: torch.Tensor, bucket: int) -> None:
+        """Run each projection of row bucket `bucket` once on zeros x [rows, hidden] (compiles
+        its oneDNN kernel; a dense one compiles nothing and costs little)."""
+        ops = self._ops[bucket]
+        ops.qkv(x)
         zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
-        self._linear_add(zeros, x.clone(), self.o_proj, self.o_bias)
-        self._linear_add(self._swiglu(x), x.clone(), self.down_proj, self.down_bias)
+        ops.o_add(zeros, x.clone())
+        ops.down_add(ops.mlp(x), x.clone())
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
-        """hidden [T, hidden_size] is the residual stream; it may be updated in place."""
+                attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
+        """hidden [T, hidden_size] is the residual stream; it may be updated in place.
+        `bucket` (gemm_select.bucket_of(T)) picks the GEMM kernels bound for this size."""
         t = hidden.shape[0]
         d = self.head_dim
+        ops = self._ops[bucket] if self._ops else None
         x = self._norm(hidden, self.input_layernorm, self.eps)
-        qkv = self._linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = ops.qkv(x) if ops else self._linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
         if self.qk_norm is not None:
             qk = self._norm(qk, self.qk_norm, self.eps)  # per-head weight [heads, D]
@@ -302,12 +346,15 @@ class DecoderLayer(nn.Module):
         k = qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
         o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if ops:
+            hidden = ops.o_add(o, hidden)
+            x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+            return ops.down_add(ops.mlp(x), hidden)
         if self.attn_out_norm is None:
             hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
         else:
             o = self._linear(o, self.o_proj, self.o_bias)
             hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
-
         x = self._norm(hidden, self.post_attention_layernorm, self.eps)
         if self.mlp_out_norm is None:
             return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
@@ -316,25 +363,103 @@ class DecoderLayer(nn.Module):
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
-        gate_up = self._linear(x, self.gate_up_proj, self.gate_up_bias)
-        gate = gate_up[:, : self.intermediate_size]
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return act.mul_(gate_up[:, self.intermediate_size:])
+        return _gated(self._linear(x, self.gate_up_proj, self.gate_up_bias),
+                      self.intermediate_size, self.gelu)
 
-    def _geglu_packed(self, x: torch.Tensor) -> torch.Tensor:
-        gate = _onednn_linear(x, self.gate_proj, self.gate_bias)
-        return F.gelu(gate, approximate="tanh").mul_(_onednn_linear(x, self.up_proj,
-                                                                    self.up_bias))
 
-    def _swiglu_fused(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
-        if rows != t:
-            x = _pad_rows(x, rows)
-        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_proj, self.gate_bias, "swish",
-                                                  [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_proj, self.up_bias,
-                                                         "mul")[:t]
+def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
+    """[T, 2i] gate | up -> act(gate) * up, act SiLU or (Gemma) GELU-tanh; reuses the gate."""
+    gate = gate_up[:, :i]
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return act.mul_(gate_up[:, i:])
+
+
+
+@dataclass
+class _LayerOps:
+    """One layer's four projections for one row bucket: qkv(x), o_add(x, residual),
+    mlp(x) (gate/up + the gated activation), down_add(x, residual). With Gemma's output norms
+    the adds are residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+    down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_PROJS = ("qkv", "o", "mlp", "down")
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                     torch.Tensor]
+
+
+def _output_add(linear: Linear, linear_add: LinearAdd, w: torch.Tensor, b: torch.Tensor | None,
+                out_norm: torch.Tensor | None, eps: float
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(x, residual) -> residual + x W^T + b, the add fused into the GEMM; with an output norm
+    (Gemma 3) residual + out_norm(x W^T + b): GEMM, then norm, then add."""
+    if out_norm is None:
+        return lambda x, r: linear_add(x, r, w, b)
+    return lambda x, r: r.add_(rms_norm(linear(x, w, b), out_norm, eps))
+
+
+def _dense_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """F.linear / addmm_ on the row-major weights (MKL for float32), for `projs` only (a
+    closure keeps its weight alive)."""
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = layer.qkv_proj, layer.qkv_bias
+        ops["qkv"] = lambda x: F.linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        ops["o"] = _output_add(_dense_linear, _dense_linear_add, layer.o_proj, layer.o_bias,
+                               layer.attn_out_norm, layer.eps)
+    if "mlp" in projs:
+        gu_w, gu_b, i = layer.gate_up_proj, layer.gate_up_bias, layer.intermediate_size
+        gelu = layer.gelu
+
+        ops["mlp"] = lambda x: _gated(F.linear(x, gu_w, gu_b), i, gelu)
+    if "down" in projs:
+        ops["down"] = _output_add(_dense_linear, _dense_linear_add, layer.down_proj,
+                                  layer.down_bias, layer.mlp_out_norm, layer.eps)
+    return ops
+
+
+def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """oneDNN on packed copies of the weights (made here), for `projs` only: the gate's
+    activation (SiLU, or Gemma's GELU-tanh: oneDNN's "gelu" with the "tanh" algorithm) and the
+    product with up fused as GEMM epilogues, and the residual adds too where no output norm
+    sits between GEMM and add."""
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = _onednn_pack(layer.qkv_proj), layer.qkv_bias
+        ops["qkv"] = lambda x: _onednn_linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        ops["o"] = _output_add(_onednn_linear, _onednn_linear_add, _onednn_pack(layer.o_proj),
+                               layer.o_bias, layer.attn_out_norm, layer.eps)
+    if "mlp" in projs:
+        i = layer.intermediate_size
+        gate_w = _onednn_pack(layer.gate_up_proj[:i])
+        up_w = _onednn_pack(layer.gate_up_proj[i:])
+        bias = layer.gate_up_bias
+        gate_b = None if bias is None else bias[:i].contiguous()
+        up_b = None if bias is None else bias[i:].contiguous()
+        act, algorithm = ("gelu", "tanh") if layer.gelu else ("swish", "")
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[0]
+            rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
+            if rows != t:
+                x = _pad_rows(x, rows)
+            gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, act, [], algorithm)
+            return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul")[:t]
+
+        ops["mlp"] = mlp
+    if "down" in projs:
+        ops["down"] = _output_add(_onednn_linear, _onednn_linear_add,
+                                  _onednn_pack(layer.down_proj), layer.down_bias,
+                                  layer.mlp_out_norm, layer.eps)
+    return ops
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -381,11 +506,11 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos_sin_local", local, persistent=False)
         self._embed_scale = config.embed_scale
         self._softcap = config.final_logit_softcapping
-        self.packed = False
-        self._logits_linear = _dense_linear
+        self.packed = False  # whether any GEMM runs on oneDNN-packed weights
+        self.gemm_plan: GemmPlan | None = None  # set by pack_weights
+        # per gemm_select bucket: (GEMM function, weight) of the LM head
+        self._head_ops: list[tuple[Callable, torch.Tensor]] = []
         self._norm = rms_norm
-        # With tied embeddings and packing: a packed copy of the embedding table for the head.
-        self.register_buffer("_packed_head", None, persistent=False)
 
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:
@@ -393,55 +518,131 @@ class CausalLM(nn.Module):
         `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
         return DecoderLayer(config, index, dtype, device)
 
-    def pack_weights(self) -> bool:
-        """Switch the projections and the LM head to oneDNN-packed weights when this build and
-        CPU support it for the model's dtype; returns whether it did. Call once, after the
-        weights are loaded: packed weights can no longer be sliced or copied into.
+    def pack_weights(self, kernel: str = "auto") -> bool:
+        """Choose the GEMM kernel of every projection and the LM head per row bucket and
+        re-lay the weights out for it (gemm_select.py); returns whether any weight now runs
+        through oneDNN. Call once, after the weights are loaded: packed weights can no longer
+        be sliced or copied into.
 
-        Memory stays the same except with tied embeddings: the lookup needs the dense table, so
-        the head gets a packed copy (vocab_size x hidden_size more), which runs the LM head
-        about 1.4x faster than oneDNN on the dense table and 3x faster than `F.linear`."""
-        if self.packed:
-            return True
-        if not onednn_available(self.dtype, self.embed_tokens.device):
+        kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
+        shapes) and packs everything in other dtypes, "onednn" packs everything, "dense"
+        packs nothing. On a build or dtype oneDNN cannot
+        pack, everything stays dense. With tied embeddings a oneDNN LM head needs a packed
+        copy of the embedding table (vocab_size x hidden_size more memory)."""
+        if self.gemm_plan is not None:
+            return self.packed
+        if kernel not in ("auto", *gemm_select.KERNELS):
+            raise ValueError(f"GEMM kernel must be 'auto' or one of {gemm_select.KERNELS}, "
+                             f"got {kernel!r}")
+        device = self.embed_tokens.device
+        if device.type != "cpu" or not self.layers:
             return False
+        if not onednn_available(self.dtype, device):
+            kernel = "dense"
+        elif kernel == "auto" and self.dtype != torch.float32:
+            # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
+            # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
+            kernel = "onednn"
+        plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
+        return self.apply_gemm_plan(plan)
+
+    def apply_gemm_plan(self, plan: GemmPlan) -> bool:
+        """Re-lay the weights out as `plan` says and bind its kernels (see pack_weights)."""
+        if any(plan.uses(p, "onednn") for p in (*_PROJS, "head")) and \
+                not onednn_available(self.dtype, self.embed_tokens.device):
+            raise ValueError(f"oneDNN cannot pack {self.dtype} weights on this machine")
         for layer in self.layers:
-            layer.pack_weights()
-        if self.lm_head is not None:
-            self.lm_head = nn.Parameter(_onednn_pack(self.lm_head), requires_grad=False)
-        else:
-            self._packed_head = _onednn_pack(self.embed_tokens)
-        self._logits_linear = _onednn_linear
-        self.packed = True
-        return True
+            layer.set_gemm_plan(plan)
+        head_dense = self.lm_head if self.lm_head is not None else self.embed_tokens
+        head_packed = _onednn_pack(head_dense) if plan.uses("head", "onednn") else None
+        if self.lm_head is not None and not plan.uses("head", "dense"):
+            self.lm_head = None  # the packed copy is the head now
+        self._head_ops = [
+            (_onednn_linear, head_packed) if k == "onednn" else (_dense_linear, head_dense)
+            for k in plan.kernels["head"]]
+        self.gemm_plan = plan
+        self.packed = any("onednn" in ks for ks in plan.kernels.values())
+        if plan.source != "forced":
+            logger.info("GEMM kernels (%s; %s, %s, %d threads; row buckets %s): %s",
+                        plan.source, cpu_info().model_name, str(self.dtype).split(".")[-1],
+                        torch.get_num_threads(), "/".join(gemm_select.BUCKET_LABELS),
+                        plan.describe())
+        return self.packed
+
+    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+        """projection -> kernel -> factory(rows) -> run-once callable, on layer 0's weights
+        and the LM head (oneDNN-packed copies made here): what `gemm_select` times, and what
+        benchmarks time for the machine's GEMM ceiling. Needs the dense weights (before
+        `pack_weights`, or with kernel "dense")."""
+        h = self.config.hidden_size
+        factories = self.layers[0].gemm_candidates()
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
+        p = {"dtype": self.dtype, "device": head.device}
+
+        def head_run(kind: str) -> gemm_select.RunFactory:
+            def make(rows: int) -> Callable[[], object]:
+                x = torch.randn(rows, h, **p)
+                if kind == "onednn":
+                    return lambda: _onednn_linear(x, packed_head, None)
+                return lambda: _dense_linear(x, head, None)
+            return make
+
+        factories["head"] = {k: head_run(k) for k in factories["qkv"]}
+        return factories
+
+    def _measure_gemms(self) -> GemmPlan:
+        """Time the candidates on layer 0's weights and the LM head (or read the cache)."""
+        c = self.config
+        h = c.hidden_size
+        factories = self.gemm_candidates()
+        qkv = c.q_size + 2 * c.kv_size
+        shapes = {"qkv": (qkv, h), "o": (h, c.q_size), "mlp": (2 * c.intermediate_size, h),
+                  "down": (h, c.intermediate_size), "head": (c.vocab_size, h)}
+        # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows
+        max_bucket = {k: len(gemm_select.BUCKETS) - 1 for k in shapes}
+        max_bucket["head"] = gemm_select.bucket_of(128)
+        key = gemm_select.cache_key(str(self.dtype).split(".")[-1], torch.get_num_threads(),
+                                    shapes, torch.__version__)
+        with torch.inference_mode():
+            return gemm_select.choose(key, factories, max_bucket)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
-        """Run each packed GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
-        LM head up to max_logit_rows), smallest first, while the FLOPs spent stay under
-        `max_flops`; returns how many row counts were warmed (0 without packed weights).
+        """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
+        LM head up to max_logit_rows) in the buckets the GEMM plan runs through oneDNN,
+        smallest first, while the FLOPs spent stay under `max_flops`; returns how many row
+        counts were warmed (0 without packed weights).
 
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
         of the process (about 0.7 MB each on this project's CPU). Compiling them all before
         serving makes a server reach its steady memory at start-up, instead of creeping up for
         hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
-        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough."""
+        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough.
+        (The dense kernels, MKL, compile nothing.)"""
         if not self.packed or not self.layers:
             return 0
         c = self.config
         h = c.hidden_size
+        kernels = self.gemm_plan.kernels
         layers = self.warm_up_layers()
         per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
         spent, warmed = 0.0, 0
         with torch.inference_mode():
             for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
-                cost = rows * (per_row + (2 * h * c.vocab_size if rows <= max_logit_rows else 0))
+                b = gemm_select.bucket_of(rows)
+                head = rows <= max_logit_rows and kernels["head"][b] == "onednn"
+                body = any(kernels[p][b] == "onednn" for p in _PROJS)
+                if not (head or body):
+                    continue
+                cost = rows * ((per_row if body else 0) + (2 * h * c.vocab_size if head else 0))
                 if spent + cost > max_flops:
                     break
                 x = torch.zeros(rows, h, **zeros)
-                for layer in layers:
-                    layer.warm_up_gemms(x)
-                if rows <= max_logit_rows:
+                if body:
+                    for layer in layers:
+                        layer.warm_up_gemms(x, b)
+                if head:
                     self.compute_logits(x)
                 spent += cost
                 warmed += 1
@@ -460,8 +661,9 @@ class CausalLM(nn.Module):
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
+        bucket = gemm_select.bucket_of(hidden.shape[0])
         for layer, rope in zip(self.layers, self._rope_of_layer):
-            hidden = layer(hidden, tables[rope], attn)
+            hidden = layer(hidden, tables[rope], attn, bucket)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def use_triton_ops(self) -> None:
@@ -474,13 +676,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        if self.lm_head is not None:
-            weight = self.lm_head
-        elif self._packed_head is not None:
-            weight = self._packed_head
+        if self._head_ops:
+            fn, weight = self._head_ops[gemm_select.bucket_of(hidden.shape[0])]
         else:
-            weight = self.embed_tokens
-        logits = self._logits_linear(hidden, weight, None).float()
+            fn, weight = _dense_linear, self.lm_head if self.lm_head is not None \
+                else self.embed_tokens
+        logits = fn(hidden, weight, None).float()
         if self._softcap is not None:
             logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
         return logits

@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import gemm_select
 from kvserve.model.attention.mla import MLAAttentionFn, MLAProjections
 from kvserve.model.config import ModelConfig
-from kvserve.model.decoder import (CausalLM, _apply_rope, _dense_linear, _dense_linear_add,
-                                   _onednn_linear, _onednn_linear_add, _onednn_pack, _param,
-                                   rms_norm)
+from kvserve.model.decoder import (_PROJS, CausalLM, _apply_rope, _dense_linear,
+                                   _dense_linear_add, _onednn_linear, _onednn_linear_add,
+                                   _onednn_pack, _param, rms_norm)
 from kvserve.model.deepseek_config import MoEConfig
+from kvserve.model.gemm_select import GemmPlan
 
 
 class MoE(nn.Module):
@@ -187,6 +189,17 @@ class DeepseekLayer(nn.Module):
             self._proj = MLAProjections.of(self.kv_b_proj, self.num_heads, self.nope, self.v_dim)
         return self._proj
 
+    def set_gemm_plan(self, plan: GemmPlan) -> None:
+        """Bind `plan`'s kernel: these layers have one set of ops for every row bucket (the
+        per-bucket choice of gemm_select.py is measured on DecoderLayer's projections), so a
+        plan must give every projection and bucket the same kernel (the LM head may differ)."""
+        kernels = {k for p in _PROJS for k in plan.kernels[p]}
+        if len(kernels) != 1:
+            raise ValueError("DeepSeek layers run one GEMM kernel for every projection and "
+                             f"batch size; the plan mixes {sorted(kernels)}")
+        if kernels == {"onednn"}:
+            self.pack_weights()
+
     def pack_weights(self) -> None:
         """oneDNN-packed q/kv down-projections, q up-projection, o_proj and dense MLPs; kv_b_proj
         stays dense (the backend slices it per head for absorption)."""
@@ -212,8 +225,9 @@ class DeepseekLayer(nn.Module):
             params += 3 * hidden * mlp.intermediate
         return 2 * params
 
-    def warm_up_gemms(self, x: torch.Tensor) -> None:
-        """Run each packed projection once on zeros x [rows, hidden] (compiles its kernel)."""
+    def warm_up_gemms(self, x: torch.Tensor, bucket: int = 0) -> None:
+        """Run each packed projection once on zeros x [rows, hidden] (compiles its kernel); the
+        same ops serve every row bucket."""
         rows = x.shape[0]
         self._linear(x, self.qkv_a_proj, None)
         if self.q_b_proj is not None:
@@ -225,7 +239,8 @@ class DeepseekLayer(nn.Module):
             mlp.forward_add(x, x.clone())
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                attn: MLAAttentionFn) -> torch.Tensor:
+                attn: MLAAttentionFn, bucket: int = 0) -> torch.Tensor:
+        """As DecoderLayer.forward; `bucket` is ignored (one set of ops for every row count)."""
         t = hidden.shape[0]
         x = self._norm(hidden, self.input_layernorm, self.eps)
         a = self._linear(x, self.qkv_a_proj, None)
@@ -253,6 +268,11 @@ class DeepseekCausalLM(CausalLM):
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:
         return DeepseekLayer(config, index, dtype, device)
+
+    def _measure_gemms(self) -> GemmPlan:
+        """"auto" on DeepSeek: oneDNN for every projection and the LM head, as before the
+        per-bucket choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
+        return gemm_select.forced_plan("onednn")
 
     def warm_up_layers(self) -> list[nn.Module]:
         """The first layer (dense MLP) and the first MoE layer (shared experts): every packed

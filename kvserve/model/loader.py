@@ -10,6 +10,8 @@ scale by 1 + w), so the decoder's one norm serves every architecture.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +22,18 @@ from safetensors import safe_open
 
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
+from kvserve.model.cpu_features import cpu_info
 from kvserve.model.decoder import CausalLM
+
+logger = logging.getLogger("kvserve")
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# fp8 KV-cache scales (vLLM's spellings: self_attn.k_scale, self_attn.attn.k_scale,
+# self_attn.k_proj.k_scale, compressed-tensors' self_attn.k_proj.output_scale): read by
+# `read_kv_scales`, not weights.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?"
+                       r"(?:([kv])_scale|output_scale)$")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,32 +48,67 @@ class _Target:
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    """"auto" takes config.json's dtype (float32 when absent); else float32/bfloat16/float16."""
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig,
+                  device: str | torch.device = "cpu") -> torch.dtype:
+    """"auto" takes config.json's dtype (float32 when absent), except that on a CPU without
+    bf16 instructions (AVX512_BF16 or AMX) a bf16/fp16 checkpoint runs in float32: there half
+    precision is emulated, many times slower, not faster. An explicit "bfloat16" on such a
+    CPU is honoured with a warning that says what it costs (`half_precision_cost`)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in [to_torch_dtype(name) for name in DTYPES]:
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
-        return dtype
-    name = (config.torch_dtype or "float32") if dtype == "auto" else canonical_dtype(dtype)
-    if name is None:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return to_torch_dtype(name)
+        chosen, auto = dtype, False
+    else:
+        name = (config.torch_dtype or "float32") if dtype == "auto" else canonical_dtype(dtype)
+        if name is None:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        chosen, auto = to_torch_dtype(name), dtype == "auto"
+    if torch.device(device).type != "cpu" or chosen == torch.float32 or cpu_info().has_bf16:
+        return chosen
+    if auto:
+        logger.info("dtype auto: this CPU has no bf16 instructions (AVX512_BF16/AMX), so the "
+                    "%s checkpoint runs in float32", str(chosen).split(".")[-1])
+        return torch.float32
+    logger.warning("dtype=%s on a CPU without bf16 instructions (%s): a GEMM takes %.1fx as long "
+                   "as in float32 here (measured); dtype='float32' or 'auto' is faster",
+                   str(chosen).split(".")[-1], cpu_info().summary(), half_precision_cost(chosen))
+    return chosen
+
+
+def half_precision_cost(dtype: torch.dtype, n: int = 256) -> float:
+    """How many times longer an n x n x n matmul takes in `dtype` than in float32 on this CPU
+    (best of 3; small enough to finish fast where the half-precision path is emulated)."""
+    import time
+
+    def best(dt: torch.dtype) -> float:
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        torch.mm(a, b)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(dtype) / max(best(torch.float32), 1e-9)
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
-               pack_weights: bool = True) -> tuple[CausalLM, ModelConfig]:
+               pack_weights: bool = True, gemm: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`; raises ValueError on any
     problem with the checkpoint, naming the file or tensor at fault.
 
-    With `pack_weights` (the default) the projections are re-laid out for oneDNN where the CPU
-    and dtype allow it (see `CausalLM.pack_weights`); the logits are the same up to float
-    rounding either way."""
+    With `pack_weights` (the default) each projection gets the GEMM kernel that measures
+    fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn" or
+    "dense", default $KVSERVE_GEMM or "auto"); the logits are the same up to float rounding
+    either way. Without it every GEMM stays dense (F.linear)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    torch_dtype = resolve_dtype(dtype, config)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = resolve_dtype(dtype, config, device)
     device = torch.device(device)
     files = checkpoint_files(model_dir)
     with torch.no_grad():
@@ -87,8 +132,37 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
     if pack_weights:
-        model.pack_weights()
+        model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"))
     return model, config
+
+
+def read_kv_scales(model_dir: str | Path, num_layers: int) -> torch.Tensor | None:
+    """The checkpoint's fp8 KV scales as [layers, 2] (k_scale, v_scale), or None when it has
+    none; a checkpoint with some but not all of them is refused (ValueError)."""
+    found: dict[tuple[int, int], float] = {}
+    for file in checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                m = _KV_SCALE.match(key)
+                if m is None:
+                    continue
+                which = m.group(3) or m.group(2)
+                if which is None:
+                    continue
+                found[(int(m.group(1)), "kv".index(which))] = float(f.get_tensor(key).float()
+                                                                      .reshape(-1)[0])
+    if not found:
+        return None
+    missing = [f"layer {i} {'kv'[j]}_scale" for i in range(num_layers) for j in range(2)
+               if (i, j) not in found]
+    if missing:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} has KV scales for some layers but "
+                         f"not {', '.join(missing[:6])}")
+    bad = [v for v in found.values() if not 0 < v < float("inf")]  # NaN fails too
+    if bad:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} has KV scales that are not "
+                         f"positive and finite: {bad[:4]}")
+    return torch.tensor([[found[(i, 0)], found[(i, 1)]] for i in range(num_layers)])
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -128,7 +202,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key) or _beyond_last_layer(key, config):
+            if _IGNORED.match(key) or _KV_SCALE.match(key) or _beyond_last_layer(key, config):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:

@@ -53,10 +53,11 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
 
 
 def kv_cache_spec(spec: ModelSpec, dtype: str, tp: int = 1, group_size: int | None = None,
-                  block_size: int = 1) -> KVCacheSpec:
+                  block_size: int = 1, key_group_tokens: int | None = None) -> KVCacheSpec:
     """What one GPU stores per token for this model: the engine's spec objects (kvserve.kv.spec),
-    so the planner and the engine cannot disagree."""
-    storage = KVStorage(resolve_kv_dtype(dtype, spec), group_size)
+    so the planner and the engine cannot disagree. `key_group_tokens` is int4's (KIVI) key
+    group; the engine makes it the block size."""
+    storage = KVStorage(resolve_kv_dtype(dtype, spec), group_size, key_group_tokens)
     return decoder_kv_spec(spec.num_layers, kv_heads_per_gpu(spec, tp), spec.head_dim, storage,
                            block_size, spec.layer_windows, spec.kv_lora_rank,
                            spec.qk_rope_head_dim)
@@ -72,22 +73,26 @@ def _mla_saving(spec: ModelSpec) -> str | None:
 
 
 def kv_bytes_per_token_layer(spec: ModelSpec, dtype: str, tp: int = 1,
-                             group_size: int | None = None) -> int:
+                             group_size: int | None = None,
+                             key_group_tokens: int | None = None) -> int:
     """One layer, one token, on one GPU."""
-    return kv_cache_spec(spec, dtype, tp, group_size).groups[0].spec.bytes_per_token
+    return kv_cache_spec(spec, dtype, tp, group_size,
+                         key_group_tokens=key_group_tokens).groups[0].spec.bytes_per_token
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str, tp: int = 1,
-                       group_size: int | None = None) -> int:
+                       group_size: int | None = None, key_group_tokens: int | None = None) -> int:
     """All layers, one token, on one GPU, before any sliding-window cap."""
-    return kv_cache_spec(spec, dtype, tp, group_size).bytes_per_token
+    return kv_cache_spec(spec, dtype, tp, group_size,
+                         key_group_tokens=key_group_tokens).bytes_per_token
 
 
 def kv_bytes_per_request(spec: ModelSpec, dtype: str, seq_len: int, block_size: int | None = None,
-                         tp: int = 1, group_size: int | None = None) -> int:
+                         tp: int = 1, group_size: int | None = None,
+                         key_group_tokens: int | None = None) -> int:
     """One request of `seq_len` tokens: each layer holds min(seq_len, its window) tokens, rounded
     up to whole blocks when `block_size` is given."""
-    kv = kv_cache_spec(spec, dtype, tp, group_size, block_size or 1)
+    kv = kv_cache_spec(spec, dtype, tp, group_size, block_size or 1, key_group_tokens)
     return kv.bytes_per_request(seq_len, whole_blocks=bool(block_size))
 
 
@@ -283,9 +288,11 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
         warnings.append(f"context length {L:,} exceeds the model's max_position_embeddings "
                         f"({spec.max_position_embeddings:,})")
 
-    per_token = kv_bytes_per_token(spec, kv_dtype, tp, kv_group_size)
-    per_request = kv_bytes_per_request(spec, kv_dtype, L, None, tp, kv_group_size)
-    per_request_blocks = kv_bytes_per_request(spec, kv_dtype, L, block_size, tp, kv_group_size)
+    kg = block_size  # int4 keys: one block is one group of tokens, as in the engine
+    per_token = kv_bytes_per_token(spec, kv_dtype, tp, kv_group_size, kg)
+    per_request = kv_bytes_per_request(spec, kv_dtype, L, None, tp, kv_group_size, kg)
+    per_request_blocks = kv_bytes_per_request(spec, kv_dtype, L, block_size, tp, kv_group_size,
+                                              kg)
     block_bytes = per_token * block_size
 
     fmt, default_group = resolve_weight_format(weight_format, spec)
@@ -334,19 +341,16 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
 
     dtypes = {}
     for name in KV_DTYPES:
-        pt = kv_bytes_per_token(spec, name, tp, kv_group_size)
-        pr = kv_bytes_per_request(spec, name, L, None, tp, kv_group_size)
-        prb = kv_bytes_per_request(spec, name, L, block_size, tp, kv_group_size)
+        pt = kv_bytes_per_token(spec, name, tp, kv_group_size, kg)
+        pr = kv_bytes_per_request(spec, name, L, None, tp, kv_group_size, kg)
+        prb = kv_bytes_per_request(spec, name, L, block_size, tp, kv_group_size, kg)
         bb = pt * block_size
         nb = int(max(0, pool) // bb) if num_gpu_blocks is None else \
             int(num_gpu_blocks * block_bytes // bb)
         dtypes[name] = dict(bytes_per_token=pt, bytes_per_request=pr,
                             max_concurrency=nb * bb / prb if prb else 0.0)
 
-    d = KV_DTYPES[kv_dtype]
-    data_only = spec.num_layers * (
-        (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla"
-        else 2 * kv_heads_per_gpu(spec, tp) * spec.head_dim) * d.bits / 8
+    data_only = kv_cache_spec(spec, kv_dtype, tp, kv_group_size, 1, kg).data_bytes_per_token
 
     return {
         "model": dict(name=spec.name, source=spec.source, architecture=spec.architecture,
@@ -362,7 +366,7 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
         "kv": dict(dtype=kv_dtype, context_len=L, block_size=block_size,
                    tensor_parallel_size=tp,
                    bytes_per_token_per_layer=kv_bytes_per_token_layer(spec, kv_dtype, tp,
-                                                                      kv_group_size),
+                                                                      kv_group_size, kg),
                    bytes_per_token=per_token, bytes_per_request=per_request,
                    bytes_per_request_blocks=per_request_blocks, bytes_per_block=block_bytes,
                    scale_overhead_frac=per_token / data_only - 1 if data_only else 0.0),

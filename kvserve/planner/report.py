@@ -121,8 +121,8 @@ def plot_plan(spec: ModelSpec, plan: dict, path: str, kv_group_size: int | None 
         if name == "bf16":
             continue  # the same bytes as fp16: one line for both
         label = "fp16 / bf16" if name == "fp16" else name
-        per = [kv_bytes_per_request(spec, name, n, None, tp, kv_group_size) for n in lengths]
-        blk = [kv_bytes_per_request(spec, name, n, bs, tp, kv_group_size) for n in lengths]
+        per = [kv_bytes_per_request(spec, name, n, None, tp, kv_group_size, bs) for n in lengths]
+        blk = [kv_bytes_per_request(spec, name, n, bs, tp, kv_group_size, bs) for n in lengths]
         style = "-" if name == kv["dtype"] or (name, kv["dtype"]) == ("fp16", "bf16") else "--"
         ax1.plot(lengths, [p / 2**30 for p in per], style, marker=".", label=label)
         ax2.plot(lengths, [pool_d / b if b else 0 for b in blk], style, marker=".", label=label)

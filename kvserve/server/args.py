@@ -1,5 +1,6 @@
 """The `kvserve serve` flags beyond the shared engine flags of `kvserve.cli.add_engine_args`
-(vLLM's names). Only argparse here, so that building the CLI parser stays cheap."""
+(vLLM's names; --kv-cache-dtype is an engine flag, EngineConfig.kv_cache_dtype). Only argparse
+here, so that building the CLI parser stays cheap."""
 
 from __future__ import annotations
 
@@ -8,22 +9,10 @@ import argparse
 from kvserve.validation import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST,
                                 DEFAULT_MAX_WAITING_REQUESTS)
 
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
-
-
-def kv_cache_dtype(value: str) -> str:
-    if value not in SUPPORTED_KV_CACHE_DTYPES:
-        raise argparse.ArgumentTypeError(
-            f"kv cache dtype {value!r} is not supported yet; only 'auto' (the KV cache uses the "
-            "model's dtype) is")
-    return value
-
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
-                        help="only 'auto' for now")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) the API answers to (default: MODEL, or 'default' "
                         "for the embedded default model); the first one is used in responses")

@@ -124,8 +124,16 @@ class PrometheusStatLogger:
                                            labels + ["tier"], buckets=_ITL_BUCKETS, registry=r)
         self.tier_usage = Gauge("kvserve:kv_tier_usage_bytes", "Bytes held by a storage tier.",
                                 labels + ["tier"], registry=r, multiprocess_mode="mostrecent")
+        # vLLM's cache_config_info: the pool as configured, in labels (value 1); and its size in
+        # tokens, the figure of the start-up capacity line and of `kvserve plan`.
+        self.cache_config_info = Gauge("kvserve:cache_config_info",
+                                       "Information of the KV cache configuration.",
+                                       labels + ["block_size", "cache_dtype", "num_gpu_blocks"],
+                                       registry=r, multiprocess_mode="mostrecent")
+        self.kv_cache_size_tokens = gauge("kvserve:kv_cache_size_tokens",
+                                          "Tokens the KV pool holds (blocks x block size).")
         self._label = {"model_name": model_name}
-        labelled = {"request_success", "hits_by_source", "tier_bytes_saved", "tier_bytes_loaded",
+        labelled = {"cache_config_info", "request_success", "hits_by_source", "tier_bytes_saved", "tier_bytes_loaded",
                     "tier_errors", "tier_skipped_saves", "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
                           if isinstance(m, (Counter, Gauge, Histogram)) and name not in labelled}
@@ -145,6 +153,11 @@ class PrometheusStatLogger:
     # -- StatLogger -------------------------------------------------------------------------
     def _engine_gauges(self, engine: LLMEngine) -> None:
         stats = engine.stats()
+        cfg = engine.config
+        self.cache_config_info.labels(**self._label, block_size=str(cfg.block_size),
+                                      cache_dtype=cfg.kv_cache_dtype,
+                                      num_gpu_blocks=str(engine.kv.num_blocks)).set(1)
+        self.m("kv_cache_size_tokens").set(engine.kv.num_blocks * cfg.block_size)
         self.m("kv_cache_usage").set(stats.kv_cache_usage)
         self.m("num_running").set(stats.num_running)
         self.m("num_waiting").set(stats.num_waiting)

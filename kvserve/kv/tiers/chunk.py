@@ -30,7 +30,7 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHBB16s5IQQQ")  # magic ver serde dtype key shape[5] raw payload checksum
 _SERDE_IDS = {"naive": 0, "zlib": 1}
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
-              torch.uint8: 4, torch.float8_e4m3fn: 5}
+              torch.uint8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 _DTYPES = {v: k for k, v in _DTYPE_IDS.items()}
 
 
@@ -50,17 +50,27 @@ class ChunkIdentity:
     block_size: int
     chunk_size: int
     tensors_per_layer: int = 2  # K and V; 1 for MLA's latent vector (then heads 1, its width)
+    # The KV pool's storage format (KVTensorPool.format_tag: dtype, groups, fp8 scales).
+    kv_format: str = ""
+    # Set for a packed (int8/int4) pool: a chunk is [layers, 1, blocks, 1, page_bytes] uint8.
+    page_bytes: int | None = None
 
     @cached_property
     def digest(self) -> str:
-        fields = (self.model, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
-                  self.block_size, self.chunk_size, FORMAT_VERSION)
-        if self.tensors_per_layer != 2:  # (keys of K/V chunks stay what they were)
-            fields += (self.tensors_per_layer,)
+        # Each extension adds fields only when it departs from the default, so the keys of
+        # plain K/V chunks stay what they were.
+        fields = [self.model, str(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim,
+                  self.block_size, self.chunk_size, FORMAT_VERSION]
+        if self.tensors_per_layer != 2:
+            fields += [self.tensors_per_layer]
+        if self.kv_format:
+            fields += [self.kv_format, self.page_bytes]
         return xxhash.xxh3_64_hexdigest(json.dumps(fields).encode())
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
+        if self.page_bytes is not None:
+            return (self.num_layers, 1, self.chunk_size // self.block_size, 1, self.page_bytes)
         return (self.num_layers, self.tensors_per_layer, self.chunk_size, self.num_kv_heads,
                 self.head_dim)
 

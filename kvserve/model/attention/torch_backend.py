@@ -12,6 +12,12 @@ once per step for each distinct window: only the blocks that hold a position som
 step can see are gathered (so a windowed layer reads about W tokens, not the whole context, and
 never a block older than its window), and the mask also hides keys more than W - 1 positions
 behind their query.
+
+A quantized pool (kv/quant.py) is read through `KVTensorPool.gather`, which dequantizes only the
+blocks a step reads, straight into the dtype attention runs in; and every prefill then attends
+over the stored (quantized) K/V of its own tokens too, as decodes do, so a token's attention
+never depends on whether its context came from this chunk, an earlier one or the prefix cache.
+It uses the same per-window gather indices and masks, so windowed layers stay in their window.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.bounded import snapkv_votes
+from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.tensors import KVTensorPool
+from kvserve.model.attention import cpu_paged
 from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                           first_visible)
 
@@ -31,10 +39,11 @@ from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, S
 class _PrefillPlan:
     seq: SequenceSlice
     # Block ids from the first block a query can see up to seq_len; None: no context, the new
-    # K/V are used as they are.
+    # K/V are used as they are (never through a codec: it always reads the stored K/V).
     gather_index: torch.Tensor | None
     # [query_len, gathered_len] bool, True = attend; None with no context and causal alone.
     mask: torch.Tensor | None
+    residual_at: ResidualAt = None  # int4 keys read from the residual (quantized pools)
 
 
 @dataclass
@@ -45,35 +54,55 @@ class _WindowState:
     decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
     decode_max_blocks: int
+    # Paged-kernel hook (cpu_paged.py): block tables [num_decodes, max_blocks] and lengths
+    # [num_decodes], set instead of decode_index / decode_mask when the kernel runs.
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
 
 
 @dataclass
 class _StepState:
     by_window: dict[int | None, _WindowState]
+    kivi: KIVIStep | None = None  # int4: the step's residual plan (every layer, every window)
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
         k0 = self.kv_caches[0][0]
-        self._num_kv_heads = k0.shape[2]
-        self._head_dim = k0.shape[3]
+        self._num_kv_heads = pool.codecs[0].heads
+        self._head_dim = pool.codecs[0].head_dim
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
-        # SnapKV votes of the sequences that asked (SequenceSlice.observe): request id -> one
-        # [kv_heads, seq_len] tensor per layer, taken by the engine after the step.
+        # SnapKV / H2O votes of the sequences that asked (SequenceSlice.observe_len): request
+        # id -> one [kv_heads, seq_len] tensor per layer, taken by the engine after the step.
         self.observed: dict[str, list[torch.Tensor]] = {}
+        # --- paged decode kernel hook: decodes read the cache in place (cpu_paged.py) when the
+        # cache is unquantized float32/bfloat16; otherwise (or without a compiler) the gather
+        # path below. Setting `paged_kernel = None` forces the gather path.
+        self.paged_kernel = None
+        if not pool.quantized and cpu_paged.PagedDecodeKernel.supports(k0):
+            self.paged_kernel = cpu_paged.load_kernel()
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
         self.observed = {}  # nothing a failed step left behind
-        return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)})
+        kivi = None
+        if self.pool.residual is not None:
+            # Before any gather index is planned: `residual_lookup` reads this step's rows.
+            seqs = sorted(meta.prefills + meta.decodes, key=lambda s: s.start)
+            kivi = self.pool.begin_step(
+                [(s.block_table, s.seq_len - s.query_len, s.seq_len) for s in seqs],
+                meta.num_tokens)
+        return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)}, kivi)
 
     def _prepare_window(self, meta: AttentionMetadata, window: int | None) -> _WindowState:
-        prefills = [self._plan_prefill(seq, window) for seq in meta.prefills]
+        prefills = [self._plan_prefill(seq, window, self.pool.quantized) for seq in meta.prefills]
         if not meta.decodes:
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
+        if self.paged_kernel is not None and window is None:  # paged kernel hook (full layers)
+            return _WindowState(prefills, None, None, 0, cpu_paged.decode_tables(meta.decodes, bs))
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
         # Short rows are padded with their own last block (masked out): a padding entry never
@@ -90,26 +119,41 @@ class TorchAttentionBackend(AttentionBackend):
         hidden = (key_pos >= lens[:, None]) | (key_pos < firsts[:, None])
         mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=torch.float32)
         mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        index = table.view(-1)
+        if self.pool.quantized:
+            return _WindowState(prefills, index, mask, max_blocks,
+                                self.pool.residual_lookup(index))
         self._ensure_scratch(len(meta.decodes) * max_blocks)
-        return _WindowState(prefills, table.view(-1), mask, max_blocks)
+        return _WindowState(prefills, index, mask, max_blocks)
 
-    def _plan_prefill(self, seq: SequenceSlice, window: int | None) -> _PrefillPlan:
+    def _plan_prefill(self, seq: SequenceSlice, window: int | None, over_cache: bool = False
+                      ) -> _PrefillPlan:
+        """`over_cache`: gather the stored K/V even without context (the codec path: a
+        quantized pool, or one stored in another float type than the model's)."""
         context = seq.seq_len - seq.query_len
-        if context == 0:
+        if context == 0 and not over_cache:
             if window is None or seq.query_len <= window:
                 return _PrefillPlan(seq, None, None)  # plain causal over the new tokens
             pos = torch.arange(seq.query_len)
             return _PrefillPlan(seq, None, _window_mask(pos, pos, window))
         first, last = _block_span(context, seq.seq_len, window, self.block_size)
-        blocks = seq.block_table[first:last]
+        blocks = torch.tensor(seq.block_table[first:last], dtype=torch.long)
         q_pos = torch.arange(context, seq.seq_len)
         k_pos = torch.arange(first * self.block_size, last * self.block_size)
-        return _PrefillPlan(seq, torch.tensor(blocks, dtype=torch.long),
-                            _window_mask(q_pos, k_pos, window))
+        return _PrefillPlan(seq, blocks, _window_mask(q_pos, k_pos, window),
+                            self.pool.residual_lookup(blocks))
 
     # -- per layer --------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, step: _StepState) -> torch.Tensor:
+        if self.pool.quantized or k.dtype != self._dtype():
+            # Through the codec: quantized, or stored in another float type than the model's.
+            if any(ws.paged is not None for ws in step.by_window.values()):
+                # The paged kernel reads a cache of the model's own dtype only: found out at the
+                # first layer call, so turn it off and plan this step again for the gather path.
+                self.paged_kernel = None
+                step = self.prepare(meta)
+            return self._forward_quantized(layer_idx, q, k, v, meta, step)
         k_cache, v_cache = self.kv_caches[layer_idx]
         state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
@@ -121,12 +165,21 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan)
             if plan.seq.observe_len:
                 self._observe(layer_idx, q[rows], k_cache, v_cache, plan.seq)
-        if state.decode_index is not None:
+        if state.paged is not None:  # paged kernel hook
+            start = meta.num_prefill_tokens
+            dst = out[start:]
+            direct = dst.dtype == torch.float32 and dst.is_contiguous()
+            o = self.paged_kernel(q[start:], k_cache, v_cache, *state.paged, self.scale,
+                                  out=dst if direct else None)
+            if not direct:
+                dst.copy_(o)
+        elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
-            for j, seq in enumerate(meta.decodes):
-                if seq.observe_len:  # H2O: this decode's attention weights
-                    self._observe(layer_idx, q[start + j:start + j + 1], k_cache, v_cache, seq)
+        for j, seq in enumerate(meta.decodes):
+            if seq.observe_len:  # H2O: this decode's attention weights
+                row = meta.num_prefill_tokens + j
+                self._observe(layer_idx, q[row:row + 1], k_cache, v_cache, seq)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -185,6 +238,43 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=state.decode_mask,
                                            scale=self.scale, enable_gqa=True)
         return o.squeeze(2).to(q.dtype)
+
+    def _forward_quantized(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, meta: AttentionMetadata, step: _StepState
+                           ) -> torch.Tensor:
+        """Store (quantizing), then attend over the dequantized blocks each sequence reads:
+        the layer's window's gather indices and masks, as in `forward`."""
+        self.pool.store(layer_idx, k, v, meta.slot_mapping, step.kivi)
+        window = self.windows[layer_idx]
+        state = step.by_window[window]
+        hkv, d = self._num_kv_heads, self._head_dim
+        out = torch.empty_like(q)
+        for i, plan in enumerate(state.prefills):
+            rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
+            if plan.gather_index is None:
+                # A float pool of another type than the model's: planned at prepare for the
+                # plain path; re-planned over the cache once, for this window's other layers.
+                plan = state.prefills[i] = self._plan_prefill(plan.seq, window, True)
+            kb, vb = self.pool.gather(layer_idx, plan.gather_index, q.dtype, plan.residual_at)
+            kh = kb.view(1, -1, hkv, d).transpose(1, 2)
+            vh = vb.view(1, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), kh, vh,
+                                               attn_mask=plan.mask, scale=self.scale,
+                                               enable_gqa=True)
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        if state.decode_index is not None:
+            start = meta.num_prefill_tokens
+            n = q.shape[0] - start
+            # Straight into float32: the decode SDPA runs in it anyway (see _decode).
+            kb, vb = self.pool.gather(layer_idx, state.decode_index, torch.float32,
+                                      state.decode_residual_at)
+            kh = kb.view(n, -1, hkv, d).transpose(1, 2)
+            vh = vb.view(n, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[start:].float().unsqueeze(2), kh, vh,
+                                               attn_mask=state.decode_mask, scale=self.scale,
+                                               enable_gqa=True)
+            out[start:] = o.squeeze(2).to(q.dtype)
+        return out
 
     # -- helpers ----------------------------------------------------------------------------
     def _dtype(self) -> torch.dtype:

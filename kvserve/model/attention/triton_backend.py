@@ -54,16 +54,20 @@ class TritonStepState:
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
-        k0, v0 = self.kv_caches[0]
-        tk.check_kv_cache(k0, v0)
+        if pool.residual is not None:
+            raise ValueError("int4 (KIVI) KV caches run on the torch backend only; the Triton "
+                             "kernels read fp8 and int8 caches")
+        self.quant = [_quant_of(pool, layer) for layer in range(len(pool.layers))]
+        k0, v0 = self.kv_caches[0][:2]
+        tk.check_kv_cache(k0, v0, self.quant[0])
         self.device = k0.device
         if self.device.type == "cpu" and not tk.INTERPRETED:
             raise ValueError("the Triton backend runs on CPU tensors only under Triton's "
                              "interpreter (TRITON_INTERPRET=1 set before triton is imported); "
                              "use attention_backend='torch' on the CPU")
-        self.num_kv_heads = k0.shape[2]
-        self.head_dim = k0.shape[3]
-        self._pointer_table = tk.cache_pointer_table(self.kv_caches)
+        self.num_kv_heads = pool.codecs[0].heads
+        self.head_dim = pool.codecs[0].head_dim
+        self._pointer_table = None if pool.quantized else tk.cache_pointer_table(self.kv_caches)
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> TritonStepState:
@@ -109,21 +113,26 @@ class TritonAttentionBackend(AttentionBackend):
                state: TritonStepState) -> torch.Tensor:
         """Store k/v, then attention for the prefill rows and the decode tail. Depends only on
         `state` (no host metadata), so the CUDA-graph runner can capture it."""
-        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache, v_cache = self.kv_caches[layer_idx][:2]
         window = self.windows[layer_idx]
-        tk.store_kv(k, v, k_cache, v_cache, state.slot_mapping)
+        quant = self.quant[layer_idx]
+        if quant.kind == tk.KV_PLAIN:
+            tk.store_kv(k, v, k_cache, v_cache, state.slot_mapping)
+        else:  # quantized by the pool's codec (no CUDA graphs: slots are never padding here)
+            self.pool.store(layer_idx, k, v, state.slot_mapping)
+            quant = self.quant[layer_idx] = _quant_of(self.pool, layer_idx)  # fp8 calibration
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         p = state.prefill
         if p is not None:
             tk.extend_attention(q, k_cache, v_cache, p.block_tables, p.q_starts, p.q_lens,
                                 p.seq_lens, p.max_query_len, self.scale, out=out,
-                                window=window)
+                                window=window, quant=quant)
         d = state.decode
         if d is not None:
             start = 0 if p is None else p.num_tokens
             tk.decode_attention(q[start:], k_cache, v_cache, d.block_tables, d.seq_lens,
                                 self.scale, out=out[start:], num_splits=d.num_splits,
-                                window=window)
+                                window=window, quant=quant)
         return out
 
     # -- block copies -------------------------------------------------------------------------
@@ -131,6 +140,24 @@ class TritonAttentionBackend(AttentionBackend):
         """Copy-on-write of shared blocks: every layer's K and V in one launch."""
         if not src:
             return
+        if self.pool.quantized:  # parts of several shapes: the pool copies them
+            self.pool.copy_blocks(src, dst)
+            return
         s = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
         d = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
         tk.copy_blocks(self.kv_caches, s, d, self._pointer_table)
+
+
+def _quant_of(pool: KVTensorPool, layer: int) -> tk.QuantKV:
+    """How the kernels read this layer's cache (kv/quant.py's layouts)."""
+    dtype = pool.spec.layer_specs()[layer].storage.dtype
+    if dtype in ("fp8", "fp8_e5m2"):
+        ks, vs = pool.scales.get(layer)
+        kind = tk.KV_FP8_E4M3 if dtype == "fp8" else tk.KV_FP8_E5M2
+        return tk.QuantKV(kind, ks, vs)
+    if dtype == "int8":
+        parts = pool.layers[layer]
+        codec = pool.codecs[layer]
+        return tk.QuantKV(tk.KV_INT8, k_sz=parts[2], v_sz=parts[3],
+                          group_dim=codec.head_dim // codec.groups)
+    return tk.PLAIN

@@ -22,6 +22,11 @@ be contiguous:
   table of the per-layer cache pointers (copy-on-write of a shared partial block).
 
 The cache layout is the engine's: per layer `k, v` of shape [num_blocks, block_size, Hkv, D].
+A quantized cache (kv/quant.py; `QuantKV` says which) is read by the attention kernels and
+dequantized tile by tile as it is loaded: fp8 (e4m3 or e5m2 bytes, one scale per tensor) decoded
+from its bits, int8 as code x scale + zero with the fp16 scale/zero of each token, head and
+group. New K/V are quantized into such a cache by the pool's codec (PyTorch ops), not
+`store_kv`; int4 (KIVI) is not read here.
 Any block size works (slots are addressed per token); head_dim may be any size from 16 to 256
 (tiles are padded to a power of two and masked). The kernels also run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`), which is how they are tested without a GPU.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,9 +54,48 @@ def window_arg(window: int | None) -> int:
     return NO_WINDOW if window is None else window
 
 
-def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+# QuantKV.kind: how the kernels read a cache tile.
+KV_PLAIN, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8 = 0, 1, 2, 3
+_FP8_BITS = {KV_FP8_E4M3: (4, 3, 7), KV_FP8_E5M2: (5, 2, 15)}  # exponent, mantissa, bias
+
+
+@dataclass
+class QuantKV:
+    """A quantized layer cache as the kernels read it: fp8 bytes with a per-tensor scale
+    (`k_scale`, `v_scale`), or int8 codes with fp16 (scale, zero) per token, head and group of
+    `group_dim` channels in `k_sz`/`v_sz` [num_blocks, block_size, Hkv, groups, 2]."""
+
+    kind: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    k_sz: torch.Tensor | None = None
+    v_sz: torch.Tensor | None = None
+    group_dim: int = 1 << 30
+
+    def args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """Positional kernel arguments: the scale tensors (the caches themselves as stand-ins
+        when there are none) and their strides, then the two scales."""
+        k_sz = self.k_sz if self.k_sz is not None else k_cache
+        v_sz = self.v_sz if self.v_sz is not None else v_cache
+        return (k_sz, v_sz, k_sz.stride(0), k_sz.stride(1), k_sz.stride(2),
+                v_sz.stride(0), v_sz.stride(1), v_sz.stride(2), self.k_scale, self.v_scale)
+
+    def constexprs(self) -> dict:
+        exp, mant, bias = _FP8_BITS.get(self.kind, (4, 3, 7))
+        return {"KV_KIND": self.kind, "FP8_EXP": exp, "FP8_MANT": mant, "FP8_BIAS": bias,
+                "GROUP_DIM": min(self.group_dim, 1 << 30)}
+
+
+PLAIN = QuantKV(KV_PLAIN)
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   quant: QuantKV = PLAIN) -> None:
     """Raise ValueError unless the cache is something these kernels handle."""
-    if k_cache.dtype not in SUPPORTED_DTYPES:
+    if quant.kind != KV_PLAIN:
+        if k_cache.dtype != torch.uint8:
+            raise ValueError(f"a quantized KV cache holds bytes (uint8), got {k_cache.dtype}")
+    elif k_cache.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Triton attention supports {[str(d) for d in SUPPORTED_DTYPES]} KV "
                          f"caches, got {k_cache.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -127,6 +172,38 @@ def _load_paged(cache, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h
     """One KV head's [BLOCK_N, BLOCK_D] tile of K or V from scattered cache slots."""
     return tl.load(cache + blk[:, None] * stride_b + tok[:, None] * stride_s + kvh * stride_h
                    + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _fp8_bits_to_f32(b, FP8_EXP: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
+    """fp8 bytes (as stored: e4m3fn or e5m2, never NaN/inf, the codec saturates) -> float32,
+    from the bits: exact, and the same code under the interpreter and on a GPU."""
+    b = b.to(tl.int32)
+    e = (b >> FP8_MANT) & ((1 << FP8_EXP) - 1)
+    m = b & ((1 << FP8_MANT) - 1)
+    # normal: (2^M + m) * 2^(e - bias - M); subnormal (e = 0): m * 2^(1 - bias - M)
+    mant = tl.where(e == 0, m, m + (1 << FP8_MANT)).to(tl.float32)
+    mag = mant * tl.math.exp2((tl.maximum(e, 1) - FP8_BIAS - FP8_MANT).to(tl.float32))
+    return tl.where((b >> 7) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_kv(cache, sz, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h,
+             sz_b, sz_s, sz_h, scale, KV_KIND: tl.constexpr, FP8_EXP: tl.constexpr,
+             FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, GROUP_DIM: tl.constexpr):
+    """One KV head's [BLOCK_N, BLOCK_D] tile, dequantized (float32) if the cache is quantized:
+    only the tiles attention reads are ever dequantized."""
+    x = _load_paged(cache, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h)
+    if KV_KIND == 0:
+        return x
+    elif KV_KIND == 3:
+        at = sz + blk[:, None] * sz_b + tok[:, None] * sz_s + kvh * sz_h \
+            + (offs_d // GROUP_DIM)[None, :] * 2
+        s = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32)
+        return x.to(tl.float32) * s + z
+    else:
+        return _fp8_bits_to_f32(x, FP8_EXP, FP8_MANT, FP8_BIAS) * scale
 
 
 @triton.jit
@@ -208,10 +285,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_l
                          stride_tb,
                          stride_mob, stride_moh, stride_mos,
                          stride_mlb, stride_mlh,
+                         k_sz, v_sz, ksz_b, ksz_s, ksz_h, vsz_b, vsz_s, vsz_h,
+                         k_scale, v_scale,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, KV_KIND: tl.constexpr, FP8_EXP: tl.constexpr,
+                         FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+                         GROUP_DIM: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -239,12 +320,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_l
         n_mask = pos < end
         blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_paged(k_cache, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
-                        stride_kch)
+        k = _load_kv(k_cache, k_sz, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
+                     stride_kch, ksz_b, ksz_s, ksz_h, k_scale, KV_KIND, FP8_EXP, FP8_MANT,
+                     FP8_BIAS, GROUP_DIM).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        v = _load_paged(v_cache, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
-                        stride_vch)
+        v = _load_kv(v_cache, v_sz, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
+                     stride_vch, vsz_b, vsz_s, vsz_h, v_scale, KV_KIND, FP8_EXP, FP8_MANT,
+                     FP8_BIAS, GROUP_DIM).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     has = l_i > 0.0
@@ -307,9 +390,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int = 64,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, quant: QuantKV = PLAIN) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) over the paged cache -> [B, H, D]; with `window`,
-    over its last `window` keys only.
+    over its last `window` keys only; `quant` says how a quantized cache is read.
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (KV length including this token,
     already stored). `num_splits` fixes the split count (CUDA graphs need one per bucket); else
@@ -340,9 +423,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        *quant.args(k_cache, v_cache),
         GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        IEEE=_ieee(q),
+        IEEE=_ieee(q), **quant.constexprs(),
         **({"num_warps": 4, "num_stages": 2} if on_gpu else {}))
     _decode_merge_kernel[(b, h)](
         mid_o, mid_lse, out,
@@ -365,9 +449,12 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
                    stride_kcb, stride_kcs, stride_kch,
                    stride_vcb, stride_vcs, stride_vch,
                    stride_tb,
+                   k_sz, v_sz, ksz_b, ksz_s, ksz_h, vsz_b, vsz_s, vsz_h,
+                   k_scale, v_scale,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, KV_KIND: tl.constexpr, FP8_EXP: tl.constexpr,
+                   FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, GROUP_DIM: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -401,14 +488,16 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
         n_mask = pos < end
         blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_paged(k_cache, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
-                        stride_kch)
+        k = _load_kv(k_cache, k_sz, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
+                     stride_kch, ksz_b, ksz_s, ksz_h, k_scale, KV_KIND, FP8_EXP, FP8_MANT,
+                     FP8_BIAS, GROUP_DIM).to(q.dtype)
         qk = _dot(q, tl.trans(k), IEEE)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) \
             & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        v = _load_paged(v_cache, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
-                        stride_vch)
+        v = _load_kv(v_cache, v_sz, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
+                     stride_vch, vsz_b, vsz_s, vsz_h, v_scale, KV_KIND, FP8_EXP, FP8_MANT,
+                     FP8_BIAS, GROUP_DIM).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -419,8 +508,8 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                      seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                     out: torch.Tensor | None = None, window: int | None = None
-                     ) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     quant: QuantKV = PLAIN) -> torch.Tensor:
     """Prefill/extend attention for S sequences in one launch.
 
     q [T, H, D] holds every sequence's new tokens (rows q_starts[i] .. + q_lens[i]); their K/V
@@ -453,8 +542,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        *quant.args(k_cache, v_cache),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, IEEE=_ieee(q), **launch)
+        BLOCK_SIZE=block_size, IEEE=_ieee(q), **quant.constexprs(), **launch)
     return out
 
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Decode attention for one layer: the paged kernel (kvserve/model/attention/cpu_paged.py)
+against the gather + SDPA path it replaces, through TorchAttentionBackend, same inputs.
+
+Each figure is the minimum over --repeats calls of bind (the per-step prepare) + one layer's
+forward: on a shared machine the minimum is the sample other processes disturbed least.
+Reference-model shapes by default (8 query heads, 2 KV heads, head dim 64, block 16).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from kvserve.kv.spec import KVStorage, decoder_kv_spec  # noqa: E402
+from kvserve.kv.tensors import KVTensorPool  # noqa: E402
+from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.model.cpu_features import cpu_info  # noqa: E402
+
+
+def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int) -> dict:
+    per = -(-(ctx + 1) // bs)
+    k = torch.randn(n * per + 1, bs, kv_heads, dim)
+    v = torch.randn_like(k)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+    decodes = [SequenceSlice(i, 1, ctx, tables[i]) for i in range(n)]
+    slots = [tables[i][(ctx - 1) // bs] * bs + (ctx - 1) % bs for i in range(n)]
+    meta = AttentionMetadata(torch.tensor(slots), [], decodes, 0)
+    q, nk, nv = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    spec = decoder_kv_spec(1, kv_heads, dim, KVStorage("fp32"), bs)
+    out = {}
+    for mode in ("kernel", "gather"):
+        backend = TorchAttentionBackend(KVTensorPool.wrap(spec, [(k, v)]), dim ** -0.5)
+        if mode == "gather":
+            backend.paged_kernel = None
+        elif backend.paged_kernel is None:
+            out[mode] = float("nan")
+            continue
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                backend.bind(meta)(0, q, nk, nv)
+                best = min(best, time.perf_counter() - t0)
+        out[mode] = best
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--cases", default="64x200,1x200,256x600", help="decodes x context, ...")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"cpu: {cpu_info().summary()}; {args.threads} thread(s); load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'decodes x ctx':>14} {'kernel':>10} {'gather':>10} {'speed-up':>9}")
+    for case in args.cases.split(","):
+        n, ctx = (int(x) for x in case.split("x"))
+        r = one(n, ctx, 8, 2, 64, 16, args.repeats)
+        print(f"{case:>14} {r['kernel'] * 1e3:>8.2f}ms {r['gather'] * 1e3:>8.2f}ms "
+              f"{r['gather'] / r['kernel']:>8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

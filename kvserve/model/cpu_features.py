@@ -1,0 +1,65 @@
+"""What this CPU is and which instructions it has that matter for inference speed.
+
+Why: the right GEMM kernel, whether bf16 is a speed-up or a trap, and how a benchmark figure is
+to be read all depend on the CPU. x86 machines of the same kind differ (AVX2-only EPYCs,
+AVX-512 Xeons, Zen 5 with bf16): a bf16 matmul on a CPU without bf16 instructions runs in
+software, orders of magnitude slower. No torch import: the CLI and benchmarks' drivers use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# The flags that change which kernels are fast (Linux /proc/cpuinfo names).
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    flags: frozenset[str]
+    logical_cpus: int
+
+    @property
+    def has_bf16(self) -> bool:
+        """Native bf16 arithmetic (AVX512_BF16 or AMX-BF16): where bf16 runs faster than fp32
+        rather than in emulation."""
+        return any(f in self.flags for f in BF16_FLAGS)
+
+    def summary(self) -> str:
+        """One line for logs and benchmark headers, e.g. 'Intel(R) Xeon(R) ... | AVX2 yes,
+        AVX-512 yes, AVX512_BF16 yes, AMX no'."""
+        def yes(*names: str) -> str:
+            return "yes" if any(n in self.flags for n in names) else "no"
+
+        return (f"{self.model_name} ({self.logical_cpus} logical CPUs) | AVX2 {yes('avx2')}, "
+                f"AVX-512 {yes('avx512f')}, AVX512_BF16 {yes('avx512_bf16')}, "
+                f"AMX {yes('amx_bf16', 'amx_tile')}")
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """CpuInfo from the text of /proc/cpuinfo (the first processor's model name and flags)."""
+    model, flags, cpus = "", frozenset(), 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            cpus += 1
+        elif key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return CpuInfo(model or platform.processor() or platform.machine(), flags, max(cpus, 1))
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> CpuInfo:
+    """This machine's CPU (empty flags off Linux, where /proc/cpuinfo is missing)."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)

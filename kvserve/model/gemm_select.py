@@ -1,0 +1,237 @@
+"""Which GEMM kernel each projection uses at each batch size, chosen by measuring this CPU.
+
+Why: the fastest kernel depends on the CPU and on the number of rows. On a Zen 5 oneDNN with
+pre-packed weights ran the projections ~2x faster than `F.linear` (MKL); on an AVX2-only EPYC it
+was 1.3-4x *slower* at batch 1 and faster at batch 64 for some shapes; on an AVX-512 Xeon MKL
+wins at batch 1 and they are level at prefill sizes. Picking by availability left up to a third
+of the CPU's speed on the table, so at load the model times both candidates on its own weights
+(`choose`), for each projection and each row bucket, and keeps the faster.
+
+Candidates: "dense" (`F.linear` / `addmm_` on the row-major weight: MKL for float32) and
+"onednn" (`torch.ops.mkldnn._linear_pointwise` on weights packed in oneDNN's blocked layout,
+with SiLU, the SwiGLU product and the residual add fused as epilogues; its row counts are
+rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded).
+
+A projection keeps both layouts (twice its weight memory) only where the minority kernel wins
+its buckets by at least `MIXED_MIN_GAIN`; otherwise it takes the one kernel that is best over
+all buckets. Results are cached per CPU model, flags, torch version, threads, dtype and weight
+shapes in `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
+`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.model.cpu_features import cpu_info
+
+logger = logging.getLogger("kvserve")
+
+KERNELS = ("dense", "onednn")
+PROJECTIONS = ("qkv", "o", "mlp", "down", "head")
+# Row buckets: (largest row count in the bucket, the row count measured for it). A decode step
+# has as many rows as running sequences; a prefill step up to max_num_batched_tokens. The
+# probe of the last bucket is deliberately not a rounded size, so oneDNN's padding is paid.
+BUCKETS: tuple[tuple[float, int], ...] = ((4, 1), (32, 16), (128, 64), (512, 256),
+                                          (float("inf"), 1000))
+BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
+MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
+DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
+CACHE_VERSION = 1
+
+# factory(rows) -> a zero-argument callable running the projection once on `rows` rows
+RunFactory = Callable[[int], Callable[[], object]]
+
+
+def bucket_of(rows: int) -> int:
+    """Index into BUCKETS of a GEMM with `rows` rows."""
+    for i, (limit, _) in enumerate(BUCKETS):
+        if rows <= limit:
+            return i
+    return len(BUCKETS) - 1
+
+
+@dataclass
+class GemmPlan:
+    """kernels[projection][bucket] in KERNELS; times_us[projection][kernel][bucket] measured
+    (empty when forced or cached without them)."""
+
+    kernels: dict[str, list[str]]
+    source: str  # "measured", "cached" or "forced"
+    times_us: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
+
+    def uses(self, projection: str, kernel: str) -> bool:
+        return kernel in self.kernels[projection]
+
+    def describe(self) -> str:
+        """e.g. 'qkv dense/dense/onednn/onednn/onednn; o dense; ...' (one kernel per bucket of
+        BUCKET_LABELS where they differ)."""
+        return "; ".join(f"{p} {'/'.join(ks) if len(set(ks)) > 1 else ks[0]}"
+                         for p in PROJECTIONS for ks in [self.kernels[p]])
+
+
+def forced_plan(kernel: str) -> GemmPlan:
+    if kernel not in KERNELS:
+        raise ValueError(f"GEMM kernel must be one of {KERNELS}, got {kernel!r}")
+    return GemmPlan({p: [kernel] * len(BUCKETS) for p in PROJECTIONS}, "forced")
+
+
+def time_once(run: Callable[[], object], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - t0) / calls
+
+
+def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, int],
+            repeats: int = 5, target_s: float = 1e-3) -> dict[str, dict[str, list[float | None]]]:
+    """Seconds per call, min over `repeats` alternating rounds (the minimum is the figure least
+    disturbed by other processes), for each projection, kernel and bucket up to
+    max_bucket[projection]. Each sample runs as many calls as fill about `target_s` (from
+    the first, warm-up call), at most 20, so the whole measurement stays near a second."""
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for proj, per_kernel in factories.items():
+        out[proj] = {k: [None] * len(BUCKETS) for k in per_kernel}
+        for b, (_, rows) in enumerate(BUCKETS):
+            if b > max_bucket[proj]:
+                break
+            runs = {k: f(rows) for k, f in per_kernel.items()}
+            for run in runs.values():
+                run()  # compile / first touch
+            first = min(time_once(run, 1) for run in runs.values())
+            calls = max(1, min(20, int(target_s / max(first, 1e-7))))
+            best = {k: float("inf") for k in runs}
+            for r in range(repeats):
+                order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+                for k in order:
+                    best[k] = min(best[k], time_once(runs[k], calls))
+            for k in runs:
+                out[proj][k][b] = best[k]
+    return out
+
+
+def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[str]]:
+    """Per projection: the faster kernel per bucket where that gains >= MIXED_MIN_GAIN in every
+    bucket the minority wins, else the single kernel with the lowest summed relative cost.
+    Buckets past the last measured one take its choice."""
+    kernels: dict[str, list[str]] = {}
+    for proj, per_kernel in times.items():
+        names = list(per_kernel)
+        measured = [b for b in range(len(BUCKETS))
+                    if all(per_kernel[k][b] is not None for k in names)]
+        if len(names) == 1 or not measured:
+            kernels[proj] = [names[0]] * len(BUCKETS)
+            continue
+        best = {b: min(names, key=lambda k: per_kernel[k][b]) for b in measured}
+        rel = {k: sum(per_kernel[k][b] / per_kernel[best[b]][b] for b in measured)
+               for k in names}
+        single = min(names, key=lambda k: rel[k])
+        mixed_ok = all(
+            best[b] == single
+            or per_kernel[single][b] >= (1 + MIXED_MIN_GAIN) * per_kernel[best[b]][b]
+            for b in measured)
+        per_bucket = [best[b] if mixed_ok else single for b in measured]
+        per_bucket += [per_bucket[-1]] * (len(BUCKETS) - len(per_bucket))
+        kernels[proj] = per_bucket
+    return kernels
+
+
+# -- cache ------------------------------------------------------------------------------------
+def cache_path() -> Path:
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "kvserve") / "gemm-choice.json"
+
+
+def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],
+              torch_version: str) -> str:
+    info = cpu_info()
+    flags = ",".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma"))))
+    shape_s = ",".join(f"{p}={o}x{i}" for p, (o, i) in sorted(shapes.items()))
+    return (f"v{CACHE_VERSION}|{info.model_name}|{flags}|torch {torch_version}|"
+            f"threads {threads}|{dtype}|{shape_s}")
+
+
+def load_cached(key: str) -> GemmPlan | None:
+    try:
+        entry = json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if not entry or set(entry.get("kernels", {})) != set(PROJECTIONS):
+        return None
+    kernels = entry["kernels"]
+    if any(len(v) != len(BUCKETS) or set(v) - set(KERNELS) for v in kernels.values()):
+        return None
+    return GemmPlan(kernels, "cached", entry.get("times_us", {}))
+
+
+def store_cached(key: str, plan: GemmPlan) -> None:
+    """Best effort (a read-only cache directory only costs a measurement next time)."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = {"kernels": plan.kernels, "times_us": plan.times_us}
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("could not cache the GEMM choice in %s: %s", path, e)
+
+
+def _busy_cpu_s() -> float | None:
+    """CPU seconds all processes have used (from /proc/stat), None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def choose(key: str, factories: dict[str, dict[str, RunFactory]],
+           max_bucket: dict[str, int]) -> GemmPlan:
+    """The cached plan for `key`, else measure, decide, cache and return it.
+
+    A measurement during which other processes kept more than DISTURBED_CORES cores busy is
+    used for this process but not cached (source "measured, disturbed"): a choice made on a
+    loaded machine is not one to keep for ever."""
+    cached = load_cached(key)
+    if cached is not None:
+        return cached
+    t0, busy0, own0 = time.perf_counter(), _busy_cpu_s(), time.process_time()
+    times = measure(factories, max_bucket)
+    wall = time.perf_counter() - t0
+    busy1, own = _busy_cpu_s(), time.process_time() - own0
+    others = None if busy0 is None or busy1 is None else max(busy1 - busy0 - own, 0) / wall
+    kernels = decide(times)
+    times_us = {p: {k: [None if t is None else round(t * 1e6, 2) for t in ts]
+                    for k, ts in per.items()} for p, per in times.items()}
+    disturbed = others is not None and others > DISTURBED_CORES
+    plan = GemmPlan(kernels, "measured, disturbed" if disturbed else "measured", times_us)
+    logger.debug("GEMM choice measured in %.2f s (other processes: %s cores)", wall,
+                 "?" if others is None else f"{others:.2f}")
+    if not disturbed:
+        store_cached(key, plan)
+    return plan
+
+
+def speedup_summary(plan: GemmPlan) -> str:
+    """Median over measured buckets of (oneDNN time / dense time) per projection, for logs."""
+    out = []
+    for proj, per in plan.times_us.items():
+        if "dense" in per and "onednn" in per:
+            ratios = [o / d for d, o in zip(per["dense"], per["onednn"]) if d and o]
+            if ratios:
+                out.append(f"{proj} {statistics.median(ratios):.2f}")
+    return ", ".join(out)

@@ -1,0 +1,103 @@
+"""GEMM kernel choice by measurement (kvserve/model/gemm_select.py): the decision rule, the
+per-CPU cache, and that the engine runs with what was chosen.
+
+Logits under every kernel choice (all dense, all oneDNN, measured, and a plan mixing kernels
+across row buckets) are checked against transformers in test_model_parity.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kvserve.model import gemm_select as gs
+
+N = len(gs.BUCKETS)
+
+
+def _times(dense, onednn):
+    return {"qkv": {"dense": dense, "onednn": onednn}}
+
+
+def test_bucket_of_covers_every_row_count():
+    assert [gs.bucket_of(r) for r in (1, 4, 5, 32, 33, 128, 129, 512, 513, 10**6)] == \
+        [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert all(gs.bucket_of(probe) == i for i, (_, probe) in enumerate(gs.BUCKETS))
+
+
+def test_decide_mixes_kernels_only_for_a_real_gain():
+    # oneDNN 2x slower at small rows, 2x faster at large: both layouts are worth their memory
+    assert gs.decide(_times([1, 1, 1, 2, 2], [2, 2, 1.05, 1, 1]))["qkv"] == \
+        ["dense", "dense", "dense", "onednn", "onednn"]
+    # oneDNN 3% faster at large rows only: not worth a second copy of the weights
+    assert gs.decide(_times([1, 1, 1, 1, 1.03], [2, 2, 2, 1.1, 1]))["qkv"] == ["dense"] * N
+
+
+def test_decide_extends_the_last_measured_bucket():
+    assert gs.decide(_times([2, 2, 2, None, None], [1, 1, 1, None, None]))["qkv"] == \
+        ["onednn"] * N
+
+
+def test_forced_plan_and_bad_names():
+    assert gs.forced_plan("dense").kernels["mlp"] == ["dense"] * N
+    with pytest.raises(ValueError, match="GEMM kernel"):
+        gs.forced_plan("mkl")
+
+
+def test_choose_caches_an_undisturbed_measurement(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))  # this machine is shared
+    calls = []
+
+    def factory(kernel):
+        def make(rows):
+            calls.append((kernel, rows))
+            return lambda: None
+        return make
+
+    factories = {p: {"dense": factory("dense"), "onednn": factory("onednn")}
+                 for p in gs.PROJECTIONS}
+    max_bucket = {p: N - 1 for p in gs.PROJECTIONS}
+    plan = gs.choose("key-a", factories, max_bucket)
+    assert plan.source == "measured" and set(plan.kernels) == set(gs.PROJECTIONS)
+    assert {rows for _, rows in calls} == {probe for _, probe in gs.BUCKETS}
+    stored = json.loads((tmp_path / "gemm-choice.json").read_text())
+    assert stored["key-a"]["kernels"] == plan.kernels
+    calls.clear()
+    again = gs.choose("key-a", factories, max_bucket)
+    assert again.source == "cached" and again.kernels == plan.kernels and not calls
+    # a corrupt cache file is a miss, not an error
+    (tmp_path / "gemm-choice.json").write_text("{not json")
+    assert gs.choose("key-a", factories, max_bucket).source == "measured"
+
+
+def test_disturbed_measurement_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", -1.0)  # everything counts as disturbed
+    factories = {p: {"dense": lambda rows: (lambda: None)} for p in gs.PROJECTIONS}
+    plan = gs.choose("key-b", factories, {p: 0 for p in gs.PROJECTIONS})
+    assert plan.source == "measured, disturbed"
+    assert plan.kernels["qkv"] == ["dense"] * N
+    assert not (tmp_path / "gemm-choice.json").exists()
+
+
+def test_engine_logs_and_uses_the_choice(tmp_path, monkeypatch, caplog):
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.make_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    logger = logging.getLogger("kvserve")  # does not propagate: attach caplog to it
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, num_threads=1)
+    finally:
+        logger.removeHandler(caplog.handler)
+    plan = llm.engine.model.gemm_plan
+    assert plan is not None and plan.source.startswith("measured")
+    assert any("GEMM kernels" in r.getMessage() for r in caplog.records)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
