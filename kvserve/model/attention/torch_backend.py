@@ -54,10 +54,10 @@ class _WindowState:
     decode_index: torch.Tensor | None  # [num_decodes * max_blocks] block ids
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
     decode_max_blocks: int
+    decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
     # Paged-kernel hook (cpu_paged.py): block tables [num_decodes, max_blocks] and lengths
     # [num_decodes], set instead of decode_index / decode_mask when the kernel runs.
     paged: tuple[torch.Tensor, torch.Tensor] | None = None
-    decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
 
 
 @dataclass
@@ -102,7 +102,8 @@ class TorchAttentionBackend(AttentionBackend):
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
         if self.paged_kernel is not None and window is None:  # paged kernel hook (full layers)
-            return _WindowState(prefills, None, None, 0, cpu_paged.decode_tables(meta.decodes, bs))
+            return _WindowState(prefills, None, None, 0,
+                                paged=cpu_paged.decode_tables(meta.decodes, bs))
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
         # Short rows are padded with their own last block (masked out): a padding entry never
