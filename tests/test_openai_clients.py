@@ -238,11 +238,11 @@ def test_legacy_functions_are_refused_by_name(client):
 def test_langchain_with_structured_output(server, method):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused",
-                     max_tokens=MAX_TOKENS, max_retries=0, timeout=300)
-
     def ask(item):
         i, schema = item
+        # seeded per schema, as the SDK test above, so that a failure reproduces
+        llm = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused",
+                         max_tokens=MAX_TOKENS, max_retries=0, timeout=300, seed=i)
         named = {"title": f"Thing{i}", "description": "a thing", **schema}
         return schema, llm.with_structured_output(named, method=method, strict=True).invoke(
             "Describe a thing.")
