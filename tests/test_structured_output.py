@@ -156,3 +156,42 @@ def test_tool_call_parser():
     # what does not parse stays content; nothing is lost
     assert parse_tool_calls("<tool_call>{oops}</tool_call> <tool") == \
         ("<tool_call>{oops}</tool_call> <tool", [])
+
+
+def _byte_token_ids(tokenizer, data: bytes) -> list[int]:
+    """The ids of the single-byte tokens of a byte-level BPE vocabulary (GPT-2's byte-to-
+    character table, written out here so the test does not share the code it checks)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [tokenizer.backend.token_to_id(chars[b]) for b in data]
+
+
+@pytest.mark.parametrize("body, valid", [(b"a", True), ("é".encode(), True),
+                                         ("\U0001F600".encode(), True),
+                                         (b"\xed\xa0\x80", False), (b"\xed\xbf\xbf", False)])
+def test_json_strings_hold_only_valid_utf8(body, valid):
+    """A JSON string's characters are valid UTF-8: the three-byte forms of UTF-16 surrogates
+    (which xgrammar's own string classes accept, and which decode to three U+FFFD) are refused,
+    bounded (maxLength) and unbounded strings alike."""
+    import xgrammar as xgr
+
+    from kvserve.structured.grammar import GrammarCompiler, strict_json_strings
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir("kvserve/models/stdlib-coder")
+    compiler = GrammarCompiler(tok, tok.backend.get_vocab_size(), [])
+    for prop in ({"type": "string", "maxLength": 1}, {"type": "string"}):
+        schema = {"type": "object", "properties": {"t": prop}, "required": ["t"],
+                  "additionalProperties": False}
+        grammar = strict_json_strings(xgr.Grammar.from_json_schema(schema,
+                                                                    any_whitespace=False))
+        matcher = xgr.GrammarMatcher(compiler._compiler.compile_grammar(grammar))
+        assert all(matcher.accept_token(t) for t in _byte_token_ids(tok, b'{"t": "'))
+        accepted = all(matcher.accept_token(t) for t in _byte_token_ids(tok, body + b'"}'))
+        assert accepted == valid, (prop, body)

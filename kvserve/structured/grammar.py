@@ -145,17 +145,23 @@ class GrammarCompiler:
 
 # xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength) as
 # [^"\\\r\n], which lets raw control characters through, and JSON forbids them (a strict
-# json.loads refuses such output). This is the class its unbounded strings use.
-_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+# json.loads refuses such output). Both that class and the one of its unbounded strings also
+# accept the three-byte forms of UTF-16 surrogates (ED A0 80 .. ED BF BF), which are not valid
+# UTF-8: a random-weight model wrote one as a "one-character" string that decodes to three
+# U+FFFD. The strict class excludes control characters and surrogates.
+_LOOSE_STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+_STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
 def strict_json_strings(grammar):
-    """`grammar` with every JSON string character class excluding control characters."""
+    """`grammar` with every JSON string character class excluding control characters and
+    UTF-16 surrogates (so a string's characters are valid UTF-8 and JSON)."""
     text = str(grammar)
-    if _LOOSE_STRING_CHAR not in text:
+    if not any(loose in text for loose in _LOOSE_STRING_CHARS):
         return grammar
-    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+    for loose in _LOOSE_STRING_CHARS:
+        text = text.replace(loose, _STRICT_STRING_CHAR)
+    return _xgr().Grammar.from_ebnf(text)
 
 
 def library_reason(exc: BaseException) -> str:
