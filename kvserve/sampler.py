@@ -391,9 +391,7 @@ def _chunk_rows(vocab: int) -> int:
 
 
 def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """A fresh contiguous copy of x[index]."""
-    if x.device.type == "cpu":  # NumPy's gather: single-threaded, no torch thread-pool wake-up
-        return torch.from_numpy(np.ascontiguousarray(x.numpy()[index]))
+    """A fresh contiguous copy of x[index] (off the CPU; the CPU copies into a kept buffer)."""
     if index == list(range(x.shape[0])):
         return x.clone(memory_format=torch.contiguous_format)
     return x.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))

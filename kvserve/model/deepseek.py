@@ -30,7 +30,7 @@ from torch import nn
 from kvserve.model import gemm_select
 from kvserve.model.attention.mla import MLAAttentionFn, MLAProjections
 from kvserve.model.config import ModelConfig
-from kvserve.model.decoder import (_PROJS, CausalLM, _apply_rope, _dense_linear,
+from kvserve.model.decoder import (_PROJS, CausalLM, _apply_rope, _dense_linear, _gated,
                                    _dense_linear_add, _onednn_linear, _onednn_linear_add,
                                    _onednn_pack, _param, rms_norm)
 from kvserve.model.deepseek_config import MoEConfig
@@ -108,7 +108,7 @@ class MoE(nn.Module):
                 continue
             rows = slice(start, start + n)
             gate_up = F.linear(xs[rows], self.w13[expert])
-            act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
+            act = _gated(gate_up, i, False)
             out[rows] = F.linear(act, self.w2[expert])
             start += n
         out.mul_(weights.flatten().index_select(0, order).to(out.dtype)[:, None])
@@ -139,7 +139,7 @@ class SwiGLU(nn.Module):
 
     def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(x, self.gate_up_proj, None)
-        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        act = _gated(gate_up, self.intermediate, False)
         return self._linear_add(act, hidden, self.down_proj, None)
 
     def pack_weights(self) -> None:
