@@ -55,11 +55,6 @@ class AttentionMetadata:
         return self.num_prefill_tokens + len(self.decodes)
 
 
-def first_visible(query_pos: int, window: int | None) -> int:
-    """The first key position a query at `query_pos` attends to (0 without a window)."""
-    return 0 if window is None else max(0, query_pos - window + 1)
-
-
 class AttentionBackend(ABC):
     """Computes attention over the KV tensor pool's per-layer (K, V) tensors; owns no storage."""
 
