@@ -559,3 +559,5 @@ class KVCacheManager:
         self.pool.check_invariants(holders)
         for g in self.groups:
             g.index.check_invariants()
+        assert sum(self.pool.cached) == sum(g.index.num_cached_blocks for g in self.groups), \
+            "cached flags disagree with the indexes"

@@ -262,8 +262,9 @@ class KVCacheSpec:
         if len(self.groups) < 2 or self.release_window is not None:
             return None
         shapes = {(g.spec.tensors, g.spec.storage) for g in self.groups}
-        if len(shapes) != 1 or any(isinstance(g.spec, MLALatentSpec) for g in self.groups):
-            return None
+        if len(shapes) != 1 or any(isinstance(g.spec, MLALatentSpec) or g.spec.storage.kivi
+                                   for g in self.groups):
+            return None  # int4 keeps per-block residual rows per layer: one table
         size = math.gcd(*(len(g.layers) for g in self.groups))
         ordered = sorted(self.groups, key=lambda g: isinstance(g.spec, SlidingWindowSpec))
         return tuple(KVGroup(g.layers[i:i + size], g.spec) for g in ordered
