@@ -132,7 +132,8 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
-                                  self.kv.final_blocks(config.max_model_len)))
+                                  self.kv.final_blocks(config.max_model_len),
+                                  self.kv.num_groups))
         mla = self.model_config.mla
         if mla is not None:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],

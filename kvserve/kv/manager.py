@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
-from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.events import KVEvent, KVEventLog
+from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
 from kvserve.kv.spec import first_needed_block
 from kvserve.kv.tiers.link import NoTiers, Tiers
+
 
 class CachedSeq(Protocol):
     """What the cache reads of a request (the engine's `Request`, the simulator's `SimSeq`)."""
@@ -276,7 +277,10 @@ class KVCacheManager:
     # -- admission --------------------------------------------------------------------------
     def _group_hits(self, match: PrefixMatch) -> list[tuple[int, list[Node]]]:
         """Per group: the first block of the hit that admission holds, and the matched nodes."""
-        nodes = match.group_nodes if match.group_nodes is not None else [match.nodes]
+        nodes = match.group_nodes
+        if nodes is None:  # one group, or no hit at all (prefix caching off)
+            assert len(self.groups) == 1 or not match.nodes, "a hybrid hit without its groups"
+            nodes = [match.nodes] + [[] for _ in self.groups[1:]]
         assert len(nodes) == len(self.groups), "a match from a manager of other groups"
         return [(self._hit_start(len(n), match.num_tokens, g), n) for g, n in enumerate(nodes)]
 
@@ -384,19 +388,25 @@ class KVCacheManager:
         return self.pool.allocate(n)
 
     def _evict(self, n: int) -> list[Node]:
-        """Up to `n` idle blocks out of the indexes: with several groups, a share from each in
-        turn (each index in its own policy order) until enough are free."""
+        """Up to `n` idle blocks out of the indexes. With several groups, windowed groups give
+        first, a share from each in turn (each index in its own policy order: LRU hollows the
+        oldest, shallowest entries, which no deep hit needs), and full groups only when they
+        have nothing left: a full group can only drop a path's deepest blocks, which shortens
+        every hit through it, and a hit needs every group."""
         if len(self.groups) == 1:
             return self.index.evict(n)
         out: list[Node] = []
-        while len(out) < n:
-            before = len(out)
-            for g in self.groups:
-                if len(out) >= n:
+        windowed = [g for g in self.groups if g.window is not None]
+        full = [g for g in self.groups if g.window is None]
+        for tier in (windowed, full):
+            while len(out) < n and tier:
+                before = len(out)
+                for g in tier:
+                    if len(out) >= n:
+                        break
+                    out.extend(g.index.evict(max(1, (n - len(out)) // len(tier))))
+                if len(out) == before:
                     break
-                out.extend(g.index.evict(max(1, (n - len(out)) // len(self.groups))))
-            if len(out) == before:
-                break
         return out
 
     def _release_outside_window(self, seq: CachedSeq) -> None:

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
-from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
+from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.spec import first_needed_block
 
 if TYPE_CHECKING:

@@ -318,11 +318,12 @@ class KVCacheSpec:
 
 
 def capacity_line(num_blocks: int, block_size: int, max_model_len: int,
-                  blocks_per_request: int | None = None) -> str:
+                  blocks_per_request: int | None = None, num_groups: int = 1) -> str:
     """vLLM's start-up line: the pool in tokens, and how many max-length requests it holds
     (each `blocks_per_request` blocks when given: a windowed cache holds fewer than
-    max_model_len / block_size, the count `kvserve plan` uses too)."""
-    tokens = num_blocks * block_size
+    max_model_len / block_size, the count `kvserve plan` uses too). With `num_groups` per-group
+    tables a block is one group's page, so a token of every layer takes one block per group."""
+    tokens = num_blocks * block_size // num_groups
     concurrency = tokens / max_model_len if blocks_per_request is None \
         else num_blocks / blocks_per_request
     return (f"KV cache size: {tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens "

@@ -51,7 +51,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     # Per-group tables (a hybrid layout, KVTensorPool.page_groups): group g's own metadata
     # (its slots and block tables; self is groups[0]); layer l reads groups[pool.layer_group[l]].
-    groups: list["AttentionMetadata"] | None = None
+    groups: list[AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:
