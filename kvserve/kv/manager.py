@@ -230,8 +230,9 @@ class KVCacheManager:
             return self.index.match(tokens, hashes, extra)
         # Hybrid: each group's path, and the deepest depth every group can serve. No partial
         # hit (a copy would be needed in every group at once).
-        paths = [g.index.walk(tokens, hashes, extra) for g in self.groups]  # type: ignore[union-attr]
-        valid = [g.index.valid_depths(p) for g, p in zip(self.groups, paths)]  # type: ignore[union-attr]
+        indexes: list[PrefixIndex] = [g.index for g in self.groups]  # type: ignore[misc]
+        paths = [index.walk(tokens, hashes, extra) for index in indexes]
+        valid = [index.valid_depths(p) for index, p in zip(indexes, paths)]
         depth = max(d for d in range(min(len(p) for p in paths) + 1)
                     if all(v[d] for v in valid))
         return PrefixMatch(paths[0][:depth], block_size=self.block_size,
