@@ -6,7 +6,8 @@ Through the engine, against transformers on the same weights:
 * every block on the pool's free list (in every slot tensor, so in every group) is filled with
   NaN before each step: a backend that read a released block, or another group's block, would
   return NaN, and greedy tokens must still equal transformers'. Block sizes 16 and 7, chunked
-  prefill, preemption and prefix hits over evicted history;
+  prefill, preemption and prefix hits over evicted history; the Triton backend too (under
+  Triton's interpreter without a GPU, as tests/test_sliding_window.py runs it);
 * the layout: a 4 + 2 layer model makes groups of 2 layers (the gcd), full groups first;
 * at its last step a request holds, per windowed group, its window's blocks plus at most one,
   every block in a full group: the planner's figure (`KVCacheSpec.bytes_per_request`) up to one
@@ -17,17 +18,27 @@ Through the engine, against transformers on the same weights:
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
-from helpers import generate_checked, hf_greedy, kv_bytes_per_token, save_random_checkpoint
 
-from kvserve import LLM, SamplingParams
-from kvserve.kv.block_pool import NULL_BLOCK
-from kvserve.kv.spec import FullAttentionSpec, SlidingWindowSpec
-from kvserve.planner.memory import make_plan
-from kvserve.planner.model import ModelSpec
+if not torch.cuda.is_available():  # Triton's interpreter, before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import (  # noqa: E402
+    generate_checked,
+    hf_greedy,
+    kv_bytes_per_token,
+    save_random_checkpoint,
+)
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
+from kvserve.kv.spec import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from kvserve.planner.memory import make_plan  # noqa: E402
+from kvserve.planner.model import ModelSpec  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -262,3 +273,21 @@ def test_concurrency_at_a_fixed_pool(checkpoints):
         assert [o.outputs[0].token_ids for o in outs] == expected
         peak[keep_all] = max(running)
     assert peak[False] > peak[True], peak
+
+
+def test_triton_backend_released_blocks_are_never_read(checkpoints):
+    """The Triton kernels with per-group tables: Gemma 3 (three groups), an odd block size,
+    chunked prefill next to decodes, NaN in every free block, prompts past the window."""
+    pytest.importorskip("triton")
+    path = checkpoints["gemma3"]
+    prompts = _prompts([5, 45, 90], seed=7)
+    expected = hf_greedy(path, prompts, 6)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = _llm(path, block_size=5, attention_backend="triton", device=device,
+               enforce_eager=True, max_num_batched_tokens=24, enable_prefix_caching=False)
+    assert llm.engine.kv.num_groups == 3
+    tables = _watch(llm, poison=device == "cpu")  # the poison helper fills CPU tensors
+    outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(NULL_BLOCK in t for t in tables[outs[-1].request_id][1:])
