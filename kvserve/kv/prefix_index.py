@@ -270,12 +270,16 @@ class PrefixIndex:
         return evicted
 
     def _hollow(self, node: Node) -> None:
-        """Evict an interior node's block but keep the node (windowed caches)."""
+        """Evict an interior node's block but keep the node (windowed caches). No event: a
+        gateway counts a request's leading block hashes until the first one it misses (hashes
+        are chained), and hits past a hollow node stay valid (they need only the window's
+        blocks), so the hash stays in its picture until the node leaves the tree (`_remove`
+        records its BlockRemoved then). Filling it again records a BlockStored, which a
+        picture that has the hash already takes as a touch."""
         del self._node_of_block[node.block]
         self.pool.uncache(node.block)
         node.block = NULL_BLOCK
         assert node.parent is not None
-        self.events.record(BLOCK_REMOVED, node.block_hash, node.parent.block_hash)
 
     def _remove(self, node: Node) -> None:
         parent = node.parent
@@ -285,10 +289,9 @@ class PrefixIndex:
         siblings.remove(node)
         if not siblings:
             del parent.by_first_token[node.tokens[0]]
-        if node.block == NULL_BLOCK:
-            return  # hollow: its block was uncached when it was hollowed
-        del self._node_of_block[node.block]
-        self.pool.uncache(node.block)
+        if node.block != NULL_BLOCK:  # a hollow node's block was uncached when hollowed
+            del self._node_of_block[node.block]
+            self.pool.uncache(node.block)
         self.events.record(BLOCK_REMOVED, node.block_hash, parent.block_hash)
 
     def reset(self) -> None:
