@@ -92,3 +92,36 @@ def test_h2o_keeps_what_a_plain_reference_keeps():
                 assert torch.allclose(request.kv_votes[layer, h],
                                       torch.tensor(weights), rtol=1e-5, atol=1e-6)
     assert compactions >= 3, "too few compactions to test the weights that move with tokens"
+
+
+def test_backend_observation_matches_per_head_reference():
+    """The torch backend's SnapKV/H2O votes (`_observe`, query heads grouped per KV head)
+    against one softmax per query head, written out with the GQA rule (query head j reads KV
+    head j // group); block table out of order, a chunk's observation rows in its middle."""
+    from helpers import pool_over
+
+    from kvserve.model.attention.base import SequenceSlice
+    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+
+    heads, hkv, d, bs, blocks = 8, 2, 16, 4, 6
+    gen = torch.Generator().manual_seed(2)
+    caches = [(torch.randn(blocks, bs, hkv, d, generator=gen),
+               torch.randn(blocks, bs, hkv, d, generator=gen))]
+    scale = d ** -0.5
+    backend = TorchAttentionBackend(pool_over(caches), scale)
+    table = [4, 1, 5, 0, 2]
+    seq_len, query_len, observe_start, observe_len = 19, 9, 3, 5
+    seq = SequenceSlice(0, query_len, seq_len, table, observe_start, observe_len, key="r")
+    q = torch.randn(query_len, heads, d, generator=gen)
+    backend._observe(0, q, *caches[0], seq)
+    [got] = backend.observed["r"]
+
+    keys = torch.cat([caches[0][0][b] for b in table])[:seq_len]  # [seq_len, hkv, d]
+    want = torch.zeros(hkv, seq_len)
+    first = seq_len - query_len + observe_start
+    for j in range(heads):
+        for i in range(observe_len):
+            visible = first + i + 1
+            s = keys[:visible, j // (heads // hkv)] @ q[observe_start + i, j] * scale
+            want[j // (heads // hkv), :visible] += s.softmax(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

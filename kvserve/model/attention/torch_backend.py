@@ -215,8 +215,12 @@ class TorchAttentionBackend(AttentionBackend):
                               dtype=torch.long)
         keys = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq.seq_len].float()
         qo = q[seq.observe_start:seq.observe_start + n].float()  # [n, H, D]
-        keys = keys.repeat_interleave(qo.shape[1] // hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qo, keys) * self.scale
+        # GQA: query head j reads KV head j // group; grouping the query heads reads each key
+        # once instead of expanding the keys per query head (a copy of the whole sequence's
+        # keys, per layer, every step an H2O sequence decodes).
+        qg = qo.view(n, hkv, qo.shape[1] // hkv, d)
+        scores = torch.einsum("qhgd,khd->hgqk", qg, keys).reshape(qo.shape[1], n, -1)
+        scores *= self.scale
         q_pos = torch.arange(first, first + n)[:, None]
         scores.masked_fill_(torch.arange(seq.seq_len)[None, :] > q_pos, float("-inf"))
         self.observed.setdefault(seq.key, []).append(
