@@ -491,7 +491,7 @@ class LLMEngine:
         if not rows:
             return [], [], {}
         try:
-            result = self.sampler(logits, _sampling_rows(rows, logits.shape[1]))
+            result = self.sampler(logits, *_sampling_rows(rows, logits.shape[1]))
             return result.token_ids, result.logprobs, {}
         except Exception:
             logger.exception("batched sampling failed; sampling row by row to isolate it")
@@ -500,7 +500,7 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for i, request in enumerate(rows):
             try:
-                one = self.sampler(logits[i:i + 1], _sampling_rows([request], logits.shape[1]))
+                one = self.sampler(logits[i:i + 1], *_sampling_rows([request], logits.shape[1]))
                 tokens.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             except Exception as exc:
@@ -735,18 +735,20 @@ def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
     return list(first.prompt_logprobs)
 
 
-def _sampling_rows(requests: list[Request], vocab: int) -> list[SamplingRow]:
-    """The sampler's rows; a request with a grammar gets the bitmask of its allowed next
-    tokens (all of them filled into one tensor; the others have none and pay nothing)."""
+def _sampling_rows(requests: list[Request], vocab: int
+                   ) -> tuple[list[SamplingRow], torch.Tensor | None]:
+    """The sampler's rows, and the step's grammar bitmask: the requests with a grammar fill one
+    row each of one int32 tensor, in batch order (`SamplingRow.bitmask_row`), which the sampler
+    applies as it is; the others have none and pay nothing."""
     constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-    masks: dict[int, torch.Tensor] = {}
+    bitmask = None
     if constrained:
         bitmask = torch.full((len(constrained), bitmask_words(vocab)), -1, dtype=torch.int32)
         for j, i in enumerate(constrained):
             requests[i].grammar.fill_bitmask(bitmask, j)
-            masks[i] = bitmask[j]
+    rows_of = {i: j for j, i in enumerate(constrained)}
     return [SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
-                        r.eos_token_ids, masks.get(i)) for i, r in enumerate(requests)]
+                        r.eos_token_ids, rows_of.get(i)) for i, r in enumerate(requests)], bitmask
 
 
 def _wait_any(futures: list[Future], timeout: float) -> None:
