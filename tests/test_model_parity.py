@@ -306,7 +306,7 @@ def test_gemma_embedding_scale_is_one_buffer_in_the_weights_dtype(saved):
     rounded to the weights' dtype as transformers rounds its own (bfloat16: 45.25, not 45.2548
     for hidden 2048; here the tiny config's)."""
     hf, path = saved("gemma3")
-    model, config = load_model(path, dtype="bfloat16")
+    model, _ = load_model(path, dtype="bfloat16")
     assert dict(model.named_buffers())["embed_scale"] is model.embed_scale
     assert model.embed_scale.dtype == torch.bfloat16
     assert model.embed_scale.item() == hf.model.embed_tokens.embed_scale.to(torch.bfloat16).item()
