@@ -360,7 +360,7 @@ class LLMEngine:
                              f"{self.config.kv_cache_dtype!r}: compaction and the attention "
                              "weights of SnapKV/H2O read the cache unquantized")
         bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not hasattr(self.backend, "observed"):
+        if bound.policy in ATTENTION_POLICIES and not self.backend.observes_attention:
             raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
                              "which only the torch attention backend computes (this engine "
                              f"runs {self.config.attention_backend})")
@@ -427,7 +427,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV is copied after the plan below (the plan may save blocks the move evicted).
-        moves = compact_bounded(batch.requests, self.kv, getattr(self.backend, "observed", {}))
+        moves = compact_bounded(batch.requests, self.kv, self.backend.observed)
         # Write-through: the chunks this forward completed are saved now, not a step later (an
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())

@@ -67,6 +67,8 @@ class _StepState:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    observes_attention = True  # `_observe`: SnapKV / H2O votes into `observed`
+
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
         k0 = self.kv_caches[0][0]
@@ -74,9 +76,6 @@ class TorchAttentionBackend(AttentionBackend):
         self._head_dim = pool.codecs[0].head_dim
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
-        # SnapKV / H2O votes of the sequences that asked (SequenceSlice.observe_len): request
-        # id -> one [kv_heads, seq_len] tensor per layer, taken by the engine after the step.
-        self.observed: dict[str, list[torch.Tensor]] = {}
         # --- paged decode kernel hook: decodes read the cache in place (cpu_paged.py) when the
         # cache is unquantized float32/bfloat16; otherwise (or without a compiler) the gather
         # path below. Setting `paged_kernel = None` forces the gather path.
