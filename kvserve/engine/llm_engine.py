@@ -369,8 +369,9 @@ class LLMEngine:
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
         """The most blocks a request can hold at once: what the manager counts (all its tokens,
         or its window's), or for a bounded cache its prompt, or budget + one block plus the
-        budget's fresh blocks while it compacts."""
-        total = prompt_len + max_tokens
+        budget's fresh blocks while it compacts. Its tokens are those whose KV is ever
+        computed: the last sampled token never is (the simulator counts the same)."""
+        total = prompt_len + max(max_tokens - 1, 0)
         if bound is None:
             return self.kv.peak_blocks(prompt_len, total)
         grown = min(total, max(prompt_len, bound.budget + self.config.block_size))
