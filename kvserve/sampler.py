@@ -560,10 +560,8 @@ _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axi
 
 
 def _bitmask_backend(device: torch.device) -> str:
-    """xgrammar's kernel for a device: its CPU one, Triton on CUDA when Triton is there, else
-    plain torch (no compilation step)."""
-    if device.type == "cpu":
-        return "cpu"
+    """xgrammar's kernel for a device other than the CPU: Triton on CUDA when Triton is there,
+    else plain torch (no compilation step)."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
