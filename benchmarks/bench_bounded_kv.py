@@ -54,7 +54,7 @@ class ForcedSampler:
         self.logprob: dict[int, list[float]] = {k: [] for k in texts}
         self.argmax: dict[int, list[int]] = {k: [] for k in texts}
 
-    def __call__(self, logits: torch.Tensor, rows) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows, token_bitmask=None) -> SampleResult:
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = []
         for i, row in enumerate(rows):

@@ -55,9 +55,9 @@ class Timers:
         sampler = engine.sampler
         original_rows = llm_engine._sampling_rows
 
-        def timed_sampler(logits, rows):
+        def timed_sampler(logits, rows, token_bitmask=None):
             t = time.perf_counter()
-            out = sampler(logits, rows)
+            out = sampler(logits, rows, token_bitmask)
             self.sampler.append(time.perf_counter() - t)
             return out
 
@@ -120,10 +120,11 @@ def sampler_only(batch: int, constrained: int, vocab: int, temperature: float,
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, vocab, generator=g)
     words = (vocab + 31) // 32
-    mask = torch.randint(-2**31, 2**31 - 1, (words,), generator=g, dtype=torch.int32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (constrained, words), generator=g,
+                            dtype=torch.int32)
     params = SamplingParams(temperature=temperature)
     plain = [SamplingRow(params) for _ in range(batch)]
-    masked = [SamplingRow(params, token_bitmask=mask if i < constrained else None)
+    masked = [SamplingRow(params, bitmask_row=i if i < constrained else None)
               for i in range(batch)]
     sampler = Sampler(seed=0)
     times: dict[str, list[float]] = {"plain": [], "masked": []}
@@ -131,7 +132,7 @@ def sampler_only(batch: int, constrained: int, vocab: int, temperature: float,
         for name in (("plain", "masked") if i % 2 == 0 else ("masked", "plain")):
             rows = plain if name == "plain" else masked
             t = time.perf_counter()
-            sampler(logits, rows)
+            sampler(logits, rows, bitmask if name == "masked" else None)
             times[name].append(time.perf_counter() - t)
     return 1e3 * statistics.median(times["plain"]), 1e3 * statistics.median(times["masked"])
 

@@ -57,10 +57,10 @@ class Request:
     # Tokens a bounded cache dropped: the KV holds num_computed_tokens - this many (compacted
     # into the first slots), while positions go on at their true values.
     num_dropped_tokens: int = 0
-    # Attention votes per layer ([kv_heads, KV length] each) of a bounded cache that selects by
-    # attention: SnapKV's observation window (summed over the prefill chunks that hold it;
+    # Attention votes ([layers, kv_heads, KV length], one tensor) of a bounded cache that selects
+    # by attention: SnapKV's observation window (summed over the prefill chunks that hold it;
     # used, then dropped, after the prompt), H2O's accumulated attention of every query.
-    kv_votes: list[Any] | None = None
+    kv_votes: Any | None = None
     stop_reason: int | str | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # vLLM's prompt_logprobs, one entry per prompt token computed so far (entry 0 is None: no

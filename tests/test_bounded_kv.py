@@ -371,6 +371,32 @@ def test_snapkv_refused_without_torch_backend_weights(checkpoint):
              bounded_kv_observation_window=16)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_attention_policies_refused_on_a_backend_that_does_not_observe(checkpoint, policy):
+    """The engine asks the backend interface (`AttentionBackend.observes_attention`): the torch
+    backend computes observation weights, the Triton and MLA ones do not."""
+    from kvserve.model.attention.mla import TorchMLABackend
+    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+
+    assert TorchAttentionBackend.observes_attention
+    assert not TorchMLABackend.observes_attention
+    try:
+        from kvserve.model.attention.triton_backend import TritonAttentionBackend
+    except ImportError:  # no triton here: nothing to say about its backend
+        pass
+    else:
+        assert not TritonAttentionBackend.observes_attention
+    llm = _llm(checkpoint)
+    llm.engine.backend.observes_attention = False  # as a backend without weights says
+    with pytest.raises(ValueError, match="only the torch attention backend computes"):
+        llm.engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY,
+                               bounded_kv=BoundedKVConfig(policy, BUDGET, SINKS, WINDOW))
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY,  # StreamingLLM needs none
+                           bounded_kv=BoundedKVConfig("streaming_llm", BUDGET, SINKS))
+    assert llm.engine.has_unfinished_requests()
+
+
 # -- H2O --------------------------------------------------------------------------------------
 def h2o_reference(model, prompt: list[int], seq: list[int], budget: int, block_size: int
                   ) -> torch.Tensor:

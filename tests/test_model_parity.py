@@ -301,6 +301,17 @@ def test_half_precision_load(saved, dtype):
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
 
 
+def test_gemma_embedding_scale_is_one_buffer_in_the_weights_dtype(saved):
+    """Gemma's sqrt(hidden_size) is built once, as a buffer that moves with the model, and
+    rounded to the weights' dtype as transformers rounds its own (bfloat16: 45.25, not 45.2548
+    for hidden 2048; here the tiny config's)."""
+    hf, path = saved("gemma3")
+    model, _ = load_model(path, dtype="bfloat16")
+    assert dict(model.named_buffers())["embed_scale"] is model.embed_scale
+    assert model.embed_scale.dtype == torch.bfloat16
+    assert model.embed_scale.item() == hf.model.embed_tokens.embed_scale.to(torch.bfloat16).item()
+
+
 def test_auto_dtype_follows_config(tmp_path):
     hf = build_hf("qwen2").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)

@@ -456,6 +456,40 @@ def test_lru_evicts_least_recently_used_leaf_first():
     assert d.kv.index.num_cached_blocks == 0
 
 
+class _SameKey:
+    """A policy under which every block ties: the index's tie rule alone decides."""
+
+    name, online = "same_key", True
+
+    def key(self, node) -> tuple[int, ...]:
+        return (0,)
+
+
+def test_ties_go_to_the_block_that_became_evictable_first():
+    """Equal keys evict in the order the leaves went idle, whatever their block ids, hashes or
+    insertion order (a, b, c inserted; freed c, a, b)."""
+    d = Driver(policy=_SameKey())
+    seqs = {"a": _seq(1, 1), "b": _seq(2, 1), "c": _seq(3, 1)}
+    held = {name: d.run(s, keep=True) for name, s in seqs.items()}
+    for name in ("c", "a", "b"):
+        d.kv.free(held[name])
+    order = []
+    for _ in range(3):
+        assert len(d.kv.index.evict(1)) == 1
+        order += [name for name, s in seqs.items() if d.cached(s) == 0 and name not in order]
+    assert order == ["c", "a", "b"]
+    # the same leaves idle again in another order: the new order wins, not the old one
+    for name in ("b", "c", "a"):
+        held[name] = d.run(seqs[name], keep=True)
+    for name in ("a", "b", "c"):
+        d.kv.free(held[name])
+    order = []
+    for _ in range(3):
+        d.kv.index.evict(1)
+        order += [name for name, s in seqs.items() if d.cached(s) == 0 and name not in order]
+    assert order == ["a", "b", "c"]
+
+
 def test_lfu_evicts_least_hit_first():
     d = Driver(policy="lfu")
     a, b, c = _seq(1, 1), _seq(2, 1), _seq(3, 1)

@@ -232,9 +232,9 @@ def test_prefill_only_scores_the_prompt_and_samples_nothing(arch, hf_checkpoints
     original = llm.engine.sampler.__call__
 
     class Spy(type(llm.engine.sampler)):
-        def __call__(self, logits, rows):
+        def __call__(self, logits, rows, token_bitmask=None):
             sampled_rows.append(len(rows))
-            return original(logits, rows)
+            return original(logits, rows, token_bitmask)
 
     llm.engine.sampler.__class__ = Spy
     score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=TOP, n=2)

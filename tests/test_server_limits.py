@@ -114,10 +114,10 @@ class _FaultySampler:
     def __init__(self, real) -> None:
         self.real = real
 
-    def __call__(self, logits, rows):
+    def __call__(self, logits, rows, token_bitmask=None):
         if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("sampler fault")
-        return self.real(logits, rows)
+        return self.real(logits, rows, token_bitmask)
 
 
 def test_a_failing_sampler_row_fails_only_its_request(llm, alone, monkeypatch):

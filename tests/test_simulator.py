@@ -324,3 +324,37 @@ def test_engine_and_simulator_count_the_same_hits(tiny_model_dir, policy):
     assert sim["hit_tokens"] == kv.prefix_cache_hits
     assert sim["query_tokens"] == kv.prefix_cache_queries
     assert sim["evicted_blocks"] == kv.index.num_evicted_blocks
+
+
+@pytest.mark.parametrize("prompt_len,output_len", [(10, 7), (10, 8), (16, 1), (17, 1),
+                                                   (13, 4), (13, 5)])
+def test_engine_and_simulator_agree_on_what_fits_the_pool(tiny_model_dir, prompt_len,
+                                                          output_len):
+    """One request against a pool of 4 blocks of 4 tokens, through the engine's admission
+    check (add_request) and the simulator's (submit), with the same numbers. The KV a request
+    ever holds is prompt + output - 1 tokens (the last sampled token is never computed), so
+    both accept exactly when that fits 16 tokens, and an accepted one runs to its full length
+    in the engine without a preemption."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.planner import ModelSpec, kv_bytes_per_token
+
+    bs, num_blocks = 4, 4
+    block_bytes = kv_bytes_per_token(ModelSpec.load(str(tiny_model_dir)), "fp32") * bs
+    llm = LLM(model=str(tiny_model_dir), block_size=bs, max_model_len=64,
+              kv_cache_memory_bytes=num_blocks * block_bytes)
+    assert llm.engine.kv.num_blocks == num_blocks
+    prompt = [5 + i for i in range(prompt_len)]
+    fits = prompt_len + output_len - 1 <= num_blocks * bs
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    try:
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    except ValueError as exc:
+        assert "KV blocks" in str(exc)
+        engine_fits = False
+    else:
+        engine_fits = True
+        assert len(out.outputs[0].token_ids) == output_len
+        assert llm.engine.scheduler.num_preemptions == 0
+    sim = replay(Trace([TraceRequest(prompt_len, output_len, None, prompt)]),
+                 SimConfig(capacity_tokens=num_blocks * bs, block_size=bs, lifetime="immediate"))
+    assert (engine_fits, sim["admitted"] == 1) == (fits, fits)

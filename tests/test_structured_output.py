@@ -16,7 +16,7 @@ from helpers import kv_bytes_per_token
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.make_model import ensure_default_model
-from kvserve.sampler import Sampler, SamplingRow, unpack_bitmask
+from kvserve.sampler import Sampler, SamplingRow, apply_bitmask
 from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
 from kvserve.structured import StructuredOutputsParams
 
@@ -43,11 +43,31 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
     return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
-def test_bitmask_unpacks_bit_for_bit():
+@pytest.mark.parametrize("backend", [None, "torch_native"])
+def test_bitmask_masks_bit_for_bit(backend):
+    """apply_bitmask against masked_fill with the bool mask the bitmask was packed from: bits
+    past the vocabulary ignored, tokens past the bitmask forbidden, and a logits row paired with
+    another bitmask row (the sampler's copy orders rows its own way). None: the CPU's NumPy
+    path; torch_native: the xgrammar route other devices take (Triton on CUDA shares it)."""
     g = torch.Generator().manual_seed(0)
     allowed = torch.rand(3, 100, generator=g) < 0.3
-    assert torch.equal(unpack_bitmask(_pack(allowed), 100), allowed)
-    assert not unpack_bitmask(_pack(allowed), 130)[:, 100:].any()  # past the mask: forbidden
+    allowed[:, 96:] = True  # the last word's bits 0-3 in the vocabulary, 4-31 past it (set)
+    packed = _pack(torch.cat([allowed, torch.ones(3, 28, dtype=torch.bool)], dim=1))
+    logits = torch.randn(5, 100, generator=g)
+    work = logits.clone()
+    apply_bitmask(work, packed, [(0, 0), (1, 1), (2, 2)], backend)  # bitmask as it is
+    torch.testing.assert_close(work[:3], logits[:3].masked_fill(~allowed, float("-inf")))
+    assert torch.equal(work[3:], logits[3:])
+    work = logits.clone()
+    apply_bitmask(work, packed, [(4, 0), (1, 2)], backend)  # gathered into the logits' order
+    torch.testing.assert_close(work[4], logits[4].masked_fill(~allowed[0], float("-inf")))
+    torch.testing.assert_close(work[1], logits[1].masked_fill(~allowed[2], float("-inf")))
+    assert torch.equal(work[[0, 2, 3]], logits[[0, 2, 3]])
+    wide = torch.randn(2, 130, generator=g)  # past the mask's 4 words (128 tokens): forbidden
+    work = wide.clone()
+    apply_bitmask(work, packed, [(0, 1), (1, 0)], backend)
+    assert torch.isinf(work[:, 128:]).all()
+    torch.testing.assert_close(work[0, :100], wide[0, :100].masked_fill(~allowed[1], -torch.inf))
 
 
 def test_sampler_masks_constrained_rows_only():
@@ -57,17 +77,21 @@ def test_sampler_masks_constrained_rows_only():
     allowed = torch.rand(4, vocab, generator=g) < 0.2
     params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7),
               SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_p=0.9)]
-    masks = [_pack(allowed[i:i + 1])[0] if i in (0, 2) else None for i in range(4)]
-    rows = [SamplingRow(p, token_bitmask=m) for p, m in zip(params, masks)]
-    dist = Sampler().distribution(logits, rows)
+    bitmask = _pack(allowed[[0, 2]])  # one stacked bitmask for the step's constrained rows
+    rows = [SamplingRow(p, bitmask_row={0: 0, 2: 1}.get(i)) for i, p in enumerate(params)]
+    dist = Sampler().distribution(logits, rows, bitmask)
     ref0 = torch.softmax(logits[0].masked_fill(~allowed[0], float("-inf")) / 0.7, dim=-1)
     torch.testing.assert_close(dist[0], ref0)
     assert int(dist[2].argmax()) == int(logits[2].masked_fill(~allowed[2], -1e9).argmax())
     # the unconstrained rows are what they are without any constrained neighbour
     alone = Sampler().distribution(logits[[1, 3]], [rows[1], rows[3]])
     torch.testing.assert_close(dist[[1, 3]], alone)
-    tokens = Sampler(seed=3)(logits, rows).token_ids
+    tokens = Sampler(seed=3)(logits, rows, bitmask).token_ids
     assert allowed[0, tokens[0]] and allowed[2, tokens[2]]
+    with pytest.raises(ValueError, match="token_bitmask must be"):
+        Sampler()(logits, rows)
+    with pytest.raises(ValueError, match="bitmask_row must be in"):
+        Sampler()(logits, rows, bitmask[:1])
 
 
 def test_json_schema_regex_choice_in_a_mixed_batch(llm):

@@ -34,7 +34,8 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
                     observed: dict[str, list[torch.Tensor]]) -> list[KVMove]:
     """Compact every bounded request of the step that is due; returns the KV copies to make.
     `observed`: attention votes (SnapKV, H2O) the backend computed this step, by request id, one
-    [kv_heads, keys] tensor per layer (taken here, and added to the request's)."""
+    [kv_heads, keys] tensor per layer (taken here, stacked once and added in place to the
+    request's `kv_votes`, one [layers, kv_heads, keys] tensor)."""
     moves = []
     for request in requests:
         bound = request.bounded_kv
@@ -50,9 +51,9 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
         if snap:
             votes_now, request.kv_votes = request.kv_votes, None
         if snap and kv_len > bound.budget:
-            keep = snapkv_keep(torch.stack(votes_now), bound)  # once, right after the prompt
+            keep = snapkv_keep(votes_now, bound)  # once, right after the prompt
         elif bound.policy == "h2o" and due:
-            keep = h2o_keep(torch.stack(request.kv_votes), bound)
+            keep = h2o_keep(request.kv_votes, bound)
         elif due:
             keep = streaming_keep(kv_len, bound)
         else:
@@ -62,6 +63,6 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
             continue
         request.num_dropped_tokens += kv_len - bound.budget
         if bound.policy == "h2o":  # the kept tokens' accumulated weights move with them
-            request.kv_votes = list(torch.stack(request.kv_votes).gather(-1, keep))
+            request.kv_votes = request.kv_votes.gather(-1, keep)
         moves.append(KVMove(tables[0], keep, tables[1]))
     return moves

@@ -388,7 +388,7 @@ class LLMEngine:
                              f"{self.config.kv_cache_dtype!r}: compaction and the attention "
                              "weights of SnapKV/H2O read the cache unquantized")
         bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not hasattr(self.backend, "observed"):
+        if bound.policy in ATTENTION_POLICIES and not self.backend.observes_attention:
             raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
                              "which only the torch attention backend computes (this engine "
                              f"runs {self.config.attention_backend})")
@@ -397,8 +397,9 @@ class LLMEngine:
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
         """The most blocks a request can hold at once: what the manager counts (all its tokens,
         or its window's), or for a bounded cache its prompt, or budget + one block plus the
-        budget's fresh blocks while it compacts."""
-        total = prompt_len + max_tokens
+        budget's fresh blocks while it compacts. Its tokens are those whose KV is ever
+        computed: the last sampled token never is (the simulator counts the same)."""
+        total = prompt_len + max(max_tokens - 1, 0)
         if bound is None:
             return self.kv.peak_blocks(prompt_len, total)
         grown = min(total, max(prompt_len, bound.budget + self.config.block_size))
@@ -455,7 +456,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV is copied after the plan below (the plan may save blocks the move evicted).
-        moves = compact_bounded(batch.requests, self.kv, getattr(self.backend, "observed", {}))
+        moves = compact_bounded(batch.requests, self.kv, self.backend.observed)
         # Write-through: the chunks this forward completed are saved now, not a step later (an
         # engine that goes idle or shuts down next would never save them).
         self.runner.apply_plan(self.kv.end_step())
@@ -519,7 +520,7 @@ class LLMEngine:
         if not rows:
             return [], [], {}
         try:
-            result = self.sampler(logits, _sampling_rows(rows, logits.shape[1]))
+            result = self.sampler(logits, *_sampling_rows(rows, logits.shape[1]))
             return result.token_ids, result.logprobs, {}
         except Exception:
             logger.exception("batched sampling failed; sampling row by row to isolate it")
@@ -528,7 +529,7 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         for i, request in enumerate(rows):
             try:
-                one = self.sampler(logits[i:i + 1], _sampling_rows([request], logits.shape[1]))
+                one = self.sampler(logits[i:i + 1], *_sampling_rows([request], logits.shape[1]))
                 tokens.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             except Exception as exc:
@@ -763,18 +764,20 @@ def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
     return list(first.prompt_logprobs)
 
 
-def _sampling_rows(requests: list[Request], vocab: int) -> list[SamplingRow]:
-    """The sampler's rows; a request with a grammar gets the bitmask of its allowed next
-    tokens (all of them filled into one tensor; the others have none and pay nothing)."""
+def _sampling_rows(requests: list[Request], vocab: int
+                   ) -> tuple[list[SamplingRow], torch.Tensor | None]:
+    """The sampler's rows, and the step's grammar bitmask: the requests with a grammar fill one
+    row each of one int32 tensor, in batch order (`SamplingRow.bitmask_row`), which the sampler
+    applies as it is; the others have none and pay nothing."""
     constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-    masks: dict[int, torch.Tensor] = {}
+    bitmask = None
     if constrained:
         bitmask = torch.full((len(constrained), bitmask_words(vocab)), -1, dtype=torch.int32)
         for j, i in enumerate(constrained):
             requests[i].grammar.fill_bitmask(bitmask, j)
-            masks[i] = bitmask[j]
+    rows_of = {i: j for j, i in enumerate(constrained)}
     return [SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
-                        r.eos_token_ids, masks.get(i)) for i, r in enumerate(requests)]
+                        r.eos_token_ids, rows_of.get(i)) for i, r in enumerate(requests)], bitmask
 
 
 def _wait_any(futures: list[Future], timeout: float) -> None:

@@ -142,19 +142,19 @@ def snapkv_votes(attn: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return attn.float().sum(1).view(num_kv_heads, heads // num_kv_heads, keys).sum(1)
 
 
-def add_votes(total: list[torch.Tensor] | None, votes: list[torch.Tensor]
-              ) -> list[torch.Tensor]:
-    """Per layer, `total + votes`, the shorter padded with zeros (keys it did not see)."""
+def add_votes(total: torch.Tensor | None, votes: list[torch.Tensor]) -> torch.Tensor:
+    """A step's votes (one [kv_heads, keys] tensor per layer) stacked once into [layers,
+    kv_heads, keys] and added to the running `total` (the same shape, perhaps fewer keys: the
+    shorter is padded with zeros, the keys it did not see). The sum is made **in place** in the
+    longer of the two (both are the caller's to give up: the backend's fresh votes, the
+    request's own total), since H2O adds a step's votes on every layer at every decode step and
+    a copy per layer and step would cost more than the sum."""
+    new = torch.stack(votes)
     if total is None:
-        return votes
-    out = []
-    for a, b in zip(total, votes):
-        if a.shape[-1] < b.shape[-1]:
-            a, b = b, a
-        a = a.clone()
-        a[:, :b.shape[-1]] += b
-        out.append(a)
-    return out
+        return new
+    long, short = (new, total) if new.shape[-1] >= total.shape[-1] else (total, new)
+    long[..., :short.shape[-1]] += short
+    return long
 
 
 def h2o_keep(scores: torch.Tensor, bound: BoundedKV) -> torch.Tensor:

@@ -4,6 +4,11 @@ the CLI and the simulator.
 A policy maps a prefix-index node to a heap key (smallest evicted first). The key is taken when a
 leaf becomes evictable and stays right until the node is used again (a use locks it; its release
 pushes a fresh key), so policies need no bookkeeping of their own.
+
+Equal keys are broken by the index (kv/prefix_index.py), the same way on every run: the
+shallower node first (in a windowed cache, the one furthest before the windows; otherwise every
+candidate is a leaf), then the one that became evictable first (a counter of heap pushes), so
+never by block id, hash or object identity. A policy's key therefore need not be unique.
 """
 
 from __future__ import annotations

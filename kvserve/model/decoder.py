@@ -504,7 +504,11 @@ class CausalLM(nn.Module):
                                config.sliding_rope_scaling)
             self._rope_of_layer = [int(w is not None) for w in config.windows]
         self.register_buffer("rope_cos_sin_local", local, persistent=False)
-        self._embed_scale = config.embed_scale
+        # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype as transformers
+        # scales them; a buffer, built once and moved with the model, not a tensor per forward.
+        self.register_buffer("embed_scale", None if config.embed_scale is None else
+                             torch.tensor(config.embed_scale, dtype=dtype, device=device),
+                             persistent=False)
         self._softcap = config.final_logit_softcapping
         self.packed = False  # whether any GEMM runs on oneDNN-packed weights
         self.gemm_plan: GemmPlan | None = None  # set by pack_weights
@@ -656,8 +660,8 @@ class CausalLM(nn.Module):
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        if self._embed_scale is not None:  # in the weights' dtype, as transformers scales
-            hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))

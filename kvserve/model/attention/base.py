@@ -61,8 +61,18 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention over the KV tensor pool's per-layer (K, V) tensors; owns no storage."""
 
+    # Whether the backend computes the attention weights of a sequence's observation queries
+    # (SequenceSlice.observe_len: SnapKV and H2O select the tokens they keep by them). SDPA and
+    # the fused kernels return no weights, so a backend says it does, and the engine refuses
+    # those policies on one that does not.
+    observes_attention: bool = False
+
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         self.pool = pool
+        # The votes of the step's observation queries (a backend that observes fills it):
+        # request id -> one [kv_heads, seq_len] tensor per layer, taken by the engine after the
+        # step (engine/bounded_kv.py). Always empty in a backend that does not observe.
+        self.observed: dict[str, list[torch.Tensor]] = {}
         self.kv_caches = pool.layers  # per layer: (k, v), each [num_blocks, block_size, Hkv, D]
         self.block_size = pool.block_size
         self.scale = scale

@@ -67,6 +67,8 @@ class _StepState:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    observes_attention = True  # `_observe`: SnapKV / H2O votes into `observed`
+
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
         k0 = self.kv_caches[0][0]
@@ -74,9 +76,6 @@ class TorchAttentionBackend(AttentionBackend):
         self._head_dim = pool.codecs[0].head_dim
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
-        # SnapKV / H2O votes of the sequences that asked (SequenceSlice.observe_len): request
-        # id -> one [kv_heads, seq_len] tensor per layer, taken by the engine after the step.
-        self.observed: dict[str, list[torch.Tensor]] = {}
         # --- paged decode kernel hook: decodes read the cache in place (cpu_paged.py) when the
         # cache is unquantized float32/bfloat16; otherwise (or without a compiler) the gather
         # path below. Setting `paged_kernel = None` forces the gather path.
@@ -215,8 +214,12 @@ class TorchAttentionBackend(AttentionBackend):
                               dtype=torch.long)
         keys = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq.seq_len].float()
         qo = q[seq.observe_start:seq.observe_start + n].float()  # [n, H, D]
-        keys = keys.repeat_interleave(qo.shape[1] // hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qo, keys) * self.scale
+        # GQA: query head j reads KV head j // group; grouping the query heads reads each key
+        # once instead of expanding the keys per query head (a copy of the whole sequence's
+        # keys, per layer, every step an H2O sequence decodes).
+        qg = qo.view(n, hkv, qo.shape[1] // hkv, d)
+        scores = torch.einsum("qhgd,khd->hgqk", qg, keys).reshape(qo.shape[1], n, -1)
+        scores *= self.scale
         q_pos = torch.arange(first, first + n)[:, None]
         scores.masked_fill_(torch.arange(seq.seq_len)[None, :] > q_pos, float("-inf"))
         self.observed.setdefault(seq.key, []).append(

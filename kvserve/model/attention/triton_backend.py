@@ -52,6 +52,8 @@ class TritonStepState:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    observes_attention = False  # fused kernels, no attention weights: no SnapKV / H2O
+
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
         if pool.residual is not None:
