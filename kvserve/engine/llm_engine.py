@@ -143,9 +143,9 @@ class LLMEngine:
     # -- sizing -----------------------------------------------------------------------------
     def _page_groups(self):
         """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
-        size, windowed groups releasing what falls out of their window), unless disabled,
-        storage tiers are on (their chunks hold every layer of a block) or a bounded cache is
-        configured (it compacts one table); None keeps one table for every layer."""
+        size, windowed groups releasing what falls out of their window), unless disabled or
+        storage tiers are on (their chunks hold every layer of a block); None keeps one table
+        for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
         groups = self.kv_spec.page_groups()
         if groups is None or self.config.disable_hybrid_kv_cache_manager:
             return None
@@ -158,6 +158,7 @@ class LLMEngine:
         return groups
 
     def _group_windows(self) -> list[int | None] | None:
+        """Each KV group's window (None: full attention), for the manager's per-group tables."""
         if self.page_groups is None:
             return None
         return [getattr(g.spec, "window", None) for g in self.page_groups]

@@ -5,7 +5,12 @@ for int8/int4 their scales; one latent for MLA), each [num_blocks, ...per block]
 blocks: reads (saves to the storage tiers), writes (loads from them) and copies (copy-on-write; a
 backend with a faster kernel for its device, like the Triton one, copies through that instead).
 New tokens go in (`store`) and blocks come back out dequantized (`gather`) through the layer's
-codec, so a backend never needs to know the format. Attention backends compute over these
+codec, so a backend never needs to know the format.
+
+A hybrid model (kv/spec.py's `page_groups`: equal-size groups of layers, one block table each)
+gets S tensors per part instead of one per layer: layer l stores into the tensor of its position
+in its group, so a block id is one page of one group's S layers and `layers[l]` is shared
+(`storage()` lists each tensor once; `layer_group[l]` names the group whose tables l reads). Attention backends compute over these
 tensors and own none; the runner executes a step plan's memory operations, in the plan's order,
 through this pool and the backend.
 
