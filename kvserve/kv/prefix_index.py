@@ -172,6 +172,8 @@ class PrefixIndex:
     def valid_depths(self, path: Sequence[Node]) -> list[bool]:
         """For each depth 0..len(path): whether a hit there has all its needed blocks present
         (depth 0, no hit, always has)."""
+        if self.window is None:  # a full-attention index has no hollow nodes
+            return [True] * (len(path) + 1)
         valid, last_hollow = [True], -1
         for d, node in enumerate(path, start=1):
             if node.block == NULL_BLOCK:
@@ -181,6 +183,8 @@ class PrefixIndex:
 
     def _valid_depth(self, path: Sequence[Node]) -> int:
         """The deepest hit point along a matched path whose needed blocks are all present."""
+        if self.window is None:  # a full-attention index has no hollow nodes
+            return len(path)
         valid = self.valid_depths(path)
         return max(d for d, ok in enumerate(valid) if ok)
 
