@@ -27,18 +27,18 @@ import torch
 if not torch.cuda.is_available():  # Triton's interpreter, before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import (  # noqa: E402
+from helpers import (
     generate_checked,
     hf_greedy,
     kv_bytes_per_token,
     save_random_checkpoint,
 )
 
-from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
-from kvserve.kv.spec import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from kvserve.planner.memory import make_plan  # noqa: E402
-from kvserve.planner.model import ModelSpec  # noqa: E402
+from kvserve import LLM, SamplingParams
+from kvserve.kv.block_pool import NULL_BLOCK
+from kvserve.kv.spec import FullAttentionSpec, SlidingWindowSpec
+from kvserve.planner.memory import make_plan
+from kvserve.planner.model import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -260,12 +260,12 @@ def test_concurrency_at_a_fixed_pool(checkpoints):
         llm = _llm(path, block_size=8, num_blocks=90, enable_prefix_caching=False,
                    disable_hybrid_kv_cache_manager=keep_all)
         engine = llm.engine
-        running = []
-        step = engine.scheduler.schedule
+        running: list[int] = []
 
-        def spy(*a, **k):
-            batch = step(*a, **k)
-            running.append(len(engine.scheduler.running))
+        def spy(*a, _step=engine.scheduler.schedule, _scheduler=engine.scheduler,
+                _running=running, **k):
+            batch = _step(*a, **k)
+            _running.append(len(_scheduler.running))
             return batch
 
         engine.scheduler.schedule = spy
