@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Memory that follows the window (issue 15 part 3, acceptance 2), in one run:
+"""Memory that follows the window (issue 15 part 2, acceptance 2), in one run:
 
-A. Blocks a --length-token request holds at its last step, per layer group, next to what
-   `kvserve plan`'s code computes for the same checkpoint (planner/memory.py:
-   kv_bytes_per_request over the group's bytes per block), for a Mistral-style model (a window
-   on every layer) and the hybrid Gemma 3 (five local layers to one global), with release on
-   (the default) and off (`disable_hybrid_kv_cache_manager`, every block kept: the previous
-   behaviour).
+A. Blocks a --length-token request holds at its last step, per KV group (the engine's block
+   tables: one for Mistral-style, one per group of equal size for a hybrid), next to what
+   `kvserve plan`'s code computes for the same checkpoint (the spec's tokens held per layer, in
+   blocks), for a Mistral-style model (a window on every layer) and the hybrid Gemma 3 (seven
+   local layers, one global: eight groups of one layer), with release on (the default) and off
+   (`disable_hybrid_kv_cache_manager`, one table, every block kept), and the bytes in all.
 B. Concurrency at a fixed pool: --requests requests of --length tokens (prompt + --output)
-   against a pool of --pool-requests full-length requests, on the Mistral-style model: the most
+   against a pool of --pool-requests full-length requests (in bytes), on both models: the most
    requests running at once, preemptions, and wall time, release on vs off.
 
 Random weights (kvserve.model.make_model); float32; CPU. The Mistral-style model is the tiny
@@ -56,25 +56,26 @@ def _llm(path: Path, keep_all: bool, max_len: int, **kwargs) -> LLM:
                num_threads=2, disable_hybrid_kv_cache_manager=keep_all, **kwargs)
 
 
-def held_at_end(path: Path, length: int, keep_all: bool) -> int:
-    """Blocks the request's table holds after its last step (the engine's one table)."""
+def held_at_end(path: Path, length: int, keep_all: bool) -> tuple[list[int], LLM]:
+    """Blocks each of the request's tables holds at its last step, and the engine."""
     llm = _llm(path, keep_all, length, enable_prefix_caching=False, max_num_batched_tokens=1024)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     engine.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length - 8)]},
                        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
-    held = [0]
+    held: list[int] = []
     execute = engine.runner.execute
 
-    def recording(batch, *a, **kw):  # the table as the step's forward reads it
-        held[0] = sum(b != NULL_BLOCK for b in engine.kv.block_table(batch.requests[0]))
+    def recording(batch, *a, **kw):  # the tables as the step's forward reads them
+        held[:] = [sum(b != NULL_BLOCK for b in t)
+                   for t in engine.kv.group_block_tables(batch.requests[0])]
         return execute(batch, *a, **kw)
 
     engine.runner.execute = recording
     while engine.has_unfinished_requests():
         engine.step()
-    return held[0]
+    return held, llm
 
 
 def table_a(paths: dict[str, Path], length: int) -> None:
@@ -82,14 +83,22 @@ def table_a(paths: dict[str, Path], length: int) -> None:
     print(f"{'layout':16} {'group':26} {'planner':>8} {'release':>8} {'keep all':>9} "
           f"{'release/full':>13}")
     for name, path in paths.items():
-        engine_blocks = {keep: held_at_end(path, length, keep) for keep in (False, True)}
-        spec = kv_cache_spec(ModelSpec.load(str(path)), "fp32", block_size=BLOCK)
-        for g in spec.groups:
+        released, llm = held_at_end(path, length, False)
+        (kept,), _ = held_at_end(path, length, True)
+        engine = llm.engine
+        spec = engine.kv_spec
+        groups = engine.page_groups or spec.groups  # the engine's tables' groups
+        for g, n in zip(groups, released):
             window = getattr(g.spec, "window", None)
             planned = -(-g.spec.tokens_held(length) // BLOCK)
-            label = f"{len(g.layers)} layers, " + (f"window {window}" if window else "full")
-            print(f"{name:16} {label:26} {planned:>8} {engine_blocks[False]:>8} "
-                  f"{engine_blocks[True]:>9} {engine_blocks[False] / engine_blocks[True]:>12.3f}x")
+            label = f"layers {','.join(map(str, g.layers))}: " + \
+                (f"window {window}" if window else "full")
+            print(f"{name:16} {label:26} {planned:>8} {n:>8} {kept:>9} {n / kept:>12.3f}x")
+        page = spec.page_bytes(engine.page_groups)
+        mib = 2 ** 20
+        print(f"{name:16} {'all layers, MiB':26} {spec.bytes_per_request(length) / mib:>8.2f} "
+              f"{sum(released) * page / mib:>8.2f} {kept * spec.bytes_per_block / mib:>9.2f} "
+              f"{sum(released) * page / (kept * spec.bytes_per_block):>12.3f}x")
 
 
 def run_workload(path: Path, keep_all: bool, args) -> dict:
@@ -99,7 +108,8 @@ def run_workload(path: Path, keep_all: bool, args) -> dict:
                max_num_batched_tokens=2048, max_num_seqs=args.requests,
                kv_cache_memory_bytes=pool_tokens * bytes_per_token)
     engine = llm.engine
-    assert engine.kv.num_blocks * BLOCK == pool_tokens, "the pool is not the size asked for"
+    assert engine.kv.num_blocks * BLOCK == pool_tokens * engine.kv.num_groups, \
+        "the pool is not the size asked for"
     rng = random.Random(1)
     prompt_len = args.length - args.output
     params = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0.0)
@@ -113,17 +123,18 @@ def run_workload(path: Path, keep_all: bool, args) -> dict:
         peak = max(peak, len(engine.scheduler.running))
     return dict(peak=peak, preemptions=engine.scheduler.num_preemptions,
                 seconds=time.perf_counter() - t, blocks=engine.kv.num_blocks,
-                line_x=engine.kv.num_blocks / engine.kv.final_blocks(args.length))
+                line_x=engine.kv.num_blocks / engine.kv.final_blocks(args.length),
+                pool_bytes=pool_tokens * bytes_per_token)
 
 
-def table_b(path: Path, args) -> None:
+def table_b(name: str, path: Path, args) -> None:
     res = {keep: run_workload(path, keep, args) for keep in (True, False)}
     plan = make_plan(ModelSpec.load(str(path)), kv_dtype="fp32", context_len=args.length,
-                     block_size=BLOCK, num_gpu_blocks=res[False]["blocks"])
+                     block_size=BLOCK, kv_cache_memory=res[False]["pool_bytes"])
     planner_x = plan["capacity"]["max_concurrency"]
     print(f"\nB. {args.requests} requests of {args.length - args.output:,} + {args.output} tokens, "
-          f"pool {res[False]['blocks']:,} blocks = {args.pool_requests} full-length requests, "
-          f"Mistral-style window {args.window}")
+          f"pool = {args.pool_requests} full-length requests ({res[True]['blocks']:,} blocks of "
+          f"every layer, {res[False]['blocks']:,} with release), {name}")
     print(f"{'':10} {'start-up line':>14} {'peak running':>13} {'preemptions':>12} {'wall s':>8}")
     for keep, label in ((True, "keep all"), (False, "release")):
         r = res[keep]
@@ -151,7 +162,8 @@ def main() -> None:
         config = json.loads((gemma / "config.json").read_text())
         table_a({"mistral-style": mistral,
                  f"gemma3 ({config['num_hidden_layers']} layers)": gemma}, args.length)
-        table_b(mistral, args)
+        table_b(f"Mistral-style window {args.window}", mistral, args)
+        table_b(f"Gemma 3 hybrid, window {config['sliding_window']}", gemma, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

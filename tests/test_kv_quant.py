@@ -6,7 +6,8 @@
    same scheme run on transformers' weights (transformers' own model with an attention function
    that fake-quantizes K/V as the scheme says), and the engine's logprobs agree with it; for a
    sliding-window model too (Qwen2 layer_types), past its window, where the reference applies
-   the window and a reference without it differs (the quantized path honours windows).
+   the window and a reference without it differs (the quantized path honours windows; that
+   model runs with per-group block tables, the hybrid layout).
 3. Capacity: tokens per pool equal `kvserve plan`'s figure and the textbook bytes.
 4. Prefix caching and the storage tiers serve quantized blocks: the same tokens as from the
    device pool, with chunks of the quantized size.
@@ -325,6 +326,8 @@ def test_windowed_model_equals_the_reference_scheme(name, windowed_checkpoint):
               kv_cache_memory_bytes=8 * 2**20, enable_prefix_caching=False)
     assert set(llm.engine.backend.windows) == {WINDOW, None}
     assert llm.engine.tensors.quantized
+    # The hybrid layout: per-group tables over shared slot tensors, each layer's own codec.
+    assert llm.engine.kv.num_groups == 3 and len(llm.engine.tensors.storage()) == 1
     _check_against_reference(model, llm, prompts, name)
     # The control, on the first prompt's sequence (past the window from its first token on).
     out = llm.generate([{"prompt_token_ids": prompts[0]}],

@@ -17,6 +17,11 @@ every block wholly before a request's window: the model then checks only the pos
 can still read, that they sit in blocks it holds, that an idle interior block of the index can be
 evicted (it turns hollow) and that a hit never serves a hollow block a query could read.
 
+Hybrid layouts (issue 15 part 2; the machine draws one): a full group and two windowed groups
+over one pool, each with its own table and index. The model then tracks every group's slots
+(block ids never repeat across groups), checks each group's readable positions, each group's part
+of a hit, and that a hit is valid in every group at once.
+
 Then unit tests for the eviction policies (lru / lfu / priority), leaf-first eviction, and the
 cost of eviction with many idle leaves.
 """
@@ -70,11 +75,14 @@ def check_index_evictable(kv: KVCacheManager) -> None:
     """What the pool counts as available must really be obtainable: every idle cached block can
     be evicted, leaves first. So a held node's parent is held (or a root), and every idle leaf
     has a live heap entry. With a window, any idle node has one (it turns hollow when evicted
-    with children), and a hollow node always leads to another node."""
-    index = kv.index
-    if not index.enabled:
+    with children), and a hollow node always leads to another node. Every group's index."""
+    if not kv.index.enabled:
         return
-    refs = kv.pool.ref_counts
+    idle = sum(_idle_evictable(g.index, kv.pool.ref_counts) for g in kv.groups)
+    assert idle == kv.pool.num_cached_idle
+
+
+def _idle_evictable(index: PrefixIndex, refs: list[int]) -> int:
     live_entries = {(id(node), version) for *_, version, node in index._heap}
     idle = 0
     for node in _tree_nodes(index):
@@ -97,20 +105,25 @@ def check_index_evictable(kv: KVCacheManager) -> None:
             if not node.children:
                 assert (id(node), node.version) in live_entries, \
                     f"idle leaf {node.block} has no heap entry: it can never be evicted"
-    assert idle == kv.pool.num_cached_idle
+    return idle
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 3, 4]),
                 policy=st.sampled_from(["lru", "lfu", "priority"]),
-                window=st.sampled_from([None, None, 1, 2, 3, 5, 8]))
-    def setup(self, num_blocks, block_size, policy, window):
-        self.kv = KVCacheManager(num_blocks, block_size, True, policy, window=window)
+                window=st.sampled_from([None, None, 1, 2, 3, 5, 8]), hybrid=st.booleans())
+    def setup(self, num_blocks, block_size, policy, window, hybrid):
+        if hybrid and window is not None:  # a full group and two windowed ones
+            self.kv = KVCacheManager(num_blocks * 2, block_size, True, policy,
+                                     group_windows=(None, window, window))
+        else:
+            self.kv = KVCacheManager(num_blocks, block_size, True, policy, window=window)
         self.bs = block_size
+        self.groups = range(self.kv.num_groups)
         self.live: dict[str, Request] = {}
         self.preempted: list[Request] = []
         self.history: list[tuple[list[int], str | None]] = []  # computed prefixes, for reuse
-        self.tables: dict[str, list[int]] = {}  # our copy of every live block table
+        self.tables: dict[str, list[list[int]]] = {}  # our copy of every live table, per group
         self.slots: dict[tuple[int, int], tuple] = {}  # (block, offset) -> identity
         self.next_id = 0
         self.queries = 0
@@ -118,15 +131,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # -- helpers ----------------------------------------------------------------------------
     def _held_by_others(self, rid: str) -> set[int]:
-        return {b for r, t in self.tables.items() if r != rid for b in t if b != NULL_BLOCK}
+        return {b for r, ts in self.tables.items() if r != rid for t in ts for b in t
+                if b != NULL_BLOCK}
 
-    def _readable(self, req: Request) -> range:
-        """The computed positions a request can still read: from its window's first block."""
-        first = self.kv.first_held_block(req.num_computed_tokens) * self.bs
+    def _readable(self, req: Request, g: int = 0) -> range:
+        """The computed positions a request can still read in a group: from its window's
+        first block."""
+        first = self.kv.first_held_block(req.num_computed_tokens, group=g) * self.bs
         return range(first, req.num_computed_tokens)
 
-    def _slot(self, req: Request, pos: int) -> tuple[int, int]:
-        table = self.kv.block_tables[req.request_id]
+    def _slot(self, req: Request, pos: int, g: int = 0) -> tuple[int, int]:
+        table = self.kv.groups[g].tables[req.request_id]
         return table[pos // self.bs], pos % self.bs
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
@@ -147,19 +162,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _compute(self, req: Request, n: int) -> None:
         """The forward pass: write the KV of the next n tokens, then insert full blocks."""
         for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
-            self.slots[self._slot(req, pos)] = _identity(req.cache_salt, req.token_ids, pos)
+            for g in self.groups:
+                self.slots[self._slot(req, pos, g)] = _identity(req.cache_salt, req.token_ids,
+                                                                pos)
         req.num_computed_tokens += n
         self.history.append((req.token_ids[: req.num_computed_tokens], req.cache_salt))
-        before = list(self.kv.block_tables[req.request_id])
+        before = [list(t) for t in self.kv.group_block_tables(req)]
         self.kv.cache_full_blocks(req)
-        after = self.kv.block_tables[req.request_id]
-        assert len(after) == len(before)
-        for i, (old, new) in enumerate(zip(before, after)):
-            if old != new:  # a duplicate full block swapped for the cached one of equal content
-                assert (i + 1) * self.bs <= req.num_computed_tokens
-                assert self.kv.pool.cached[new]
-                assert new not in before
-        self.tables[req.request_id] = list(after)
+        afters = self.kv.group_block_tables(req)
+        for g_before, after in zip(before, afters):
+            assert len(after) == len(g_before)
+            for i, (old, new) in enumerate(zip(g_before, after)):
+                if old != new:  # a duplicate full block swapped for the cached one of equal
+                    assert (i + 1) * self.bs <= req.num_computed_tokens  # content
+                    assert self.kv.pool.cached[new]
+                    assert new not in g_before
+        self.tables[req.request_id] = [list(t) for t in afters]
 
     def _new_prompt(self, data) -> tuple[list[int], str | None]:
         """A fresh random prompt, or (mostly) one that repeats or extends what an earlier
@@ -184,15 +202,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert match.num_tokens <= max(limit, 0)
         assert len(match.nodes) * self.bs + match.partial_len == match.num_tokens
         # The match serves exactly this request's prefix: matched blocks and the partial
-        # source hold its own KV, in its own salt namespace.
-        first = kv.hit_start(match)
-        for pos in range(first * self.bs, match.num_tokens):
-            i, off = divmod(pos, self.bs)
-            block = match.nodes[i].block if i < len(match.nodes) else match.partial.block
-            assert self.slots.get((block, off)) == _identity(req.cache_salt, req.token_ids, pos), \
-                f"prefix hit at position {pos} serves someone else's KV"
+        # source hold its own KV, in its own salt namespace; in every group, from the group's
+        # window at the hit point (a hit must be valid in every group at once).
+        group_nodes = match.group_nodes or [match.nodes]
+        assert len(group_nodes) == len(self.groups) or not match.nodes
+        firsts = []
+        for g, nodes in enumerate(group_nodes):
+            assert len(nodes) == len(match.nodes)
+            first = kv._hit_start(len(nodes), match.num_tokens, g)
+            firsts.append(first)
+            for pos in range(first * self.bs, match.num_tokens):
+                i, off = divmod(pos, self.bs)
+                block = nodes[i].block if i < len(nodes) else match.partial.block
+                assert block != NULL_BLOCK, f"a hit serves a hollow block in group {g}"
+                assert self.slots.get((block, off)) == \
+                    _identity(req.cache_salt, req.token_ids, pos), \
+                    f"prefix hit at position {pos} serves someone else's KV (group {g})"
         if match.partial is not None:
-            assert 0 < match.partial_len < self.bs
+            assert 0 < match.partial_len < self.bs and len(self.groups) == 1
         remaining = req.num_tokens - match.num_tokens
         n = data.draw(st.integers(1, remaining))
         free_before = kv.pool.num_free
@@ -208,17 +235,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.hits += match.num_tokens
         assert admission.num_computed_tokens == match.num_tokens
         req.num_computed_tokens = admission.num_computed_tokens  # the scheduler's part
-        table = kv.block_tables[req.request_id]
-        assert table[first: len(match.nodes)] == match.blocks[first:]
-        assert table[:first] == [NULL_BLOCK] * first, "a hit holds blocks before its window"
-        fresh = table[len(match.nodes):]
-        assert not set(fresh) & others, "a block held by a live request was handed out again"
-        held = [b for b in table if b != NULL_BLOCK]
+        tables = kv.group_block_tables(req)
+        held = []
+        for table, first, nodes in zip(tables, firsts, group_nodes + [[]] * len(self.groups)):
+            assert table[first: len(match.nodes)] == [n.block for n in nodes[first:]]
+            assert table[:first] == [NULL_BLOCK] * first, "a hit holds blocks before its window"
+            fresh = table[len(match.nodes):]
+            assert not set(fresh) & others, "a block held by a live request was handed out again"
+            held += [b for b in table if b != NULL_BLOCK]
         assert len(set(held)) == len(held)
         plan = kv.end_step()  # the runner executes the plan before the forward pass
         assert not plan.saves and not plan.loads, "no tiers: nothing to save or load"
         self._copy([s for s, _ in plan.copies], [d for _, d in plan.copies])
-        self.tables[req.request_id] = list(table)
+        self.tables[req.request_id] = [list(t) for t in tables]
         self.live[req.request_id] = req
         self._compute(req, n)
 
@@ -252,20 +281,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 req.token_ids.append(data.draw(st.integers(0, ALPHABET - 1)))
             n = data.draw(st.integers(1, req.num_uncomputed_tokens))
             others = self._held_by_others(rid)
-            before = list(self.kv.block_tables[rid])
-            first = self.kv.first_held_block(req.num_computed_tokens)
+            befores = [list(t) for t in self.kv.group_block_tables(req)]
             ok = self.kv.allocate_slots(req, n)
-            table = self.kv.block_tables[rid]
-            # Only blocks wholly before the window are released (room or not).
-            assert all(b in (NULL_BLOCK, old) for b, old in zip(table[:first], before))
-            assert table[first:len(before)] == before[first:]
-            self.tables[rid] = list(table)
+            tables = self.kv.group_block_tables(req)
+            for g, (before, table) in enumerate(zip(befores, tables)):
+                first = self.kv.first_held_block(req.num_computed_tokens, group=g)
+                # Only blocks wholly before the window are released (room or not).
+                assert all(b in (NULL_BLOCK, old) for b, old in zip(table[:first], before))
+                assert table[first:len(before)] == before[first:]
+            self.tables[rid] = [list(t) for t in tables]
             if not ok:
-                assert len(table) == len(before)
-                missing = self.kv.blocks_for_tokens(req.num_computed_tokens + n) - len(before)
-                assert missing > self.kv.pool.num_available
+                assert all(len(t) == len(b) for t, b in zip(tables, befores))
+                missing = self.kv.blocks_for_tokens(req.num_computed_tokens + n) \
+                    - len(befores[0])
+                assert missing * len(tables) > self.kv.pool.num_available
                 return
-            assert not set(table[len(before):]) & others, "a held block was allocated again"
+            for before, table in zip(befores, tables):
+                assert not set(table[len(before):]) & others, "a held block was allocated again"
             self._compute(req, n)
 
     @precondition(lambda self: self.live)
@@ -284,9 +316,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             req.num_preemptions += 1
             self.preempted.append(req)
 
-    @rule(n=st.one_of(st.integers(0, 3), st.integers(0, 50)))
-    def evict(self, n):
-        index = self.kv.index
+    @rule(n=st.one_of(st.integers(0, 3), st.integers(0, 50)), group=st.integers(0, 2))
+    def evict(self, n, group):
+        index = self.kv.groups[group % len(self.groups)].index
         nodes = [(node, node.block) for node in _tree_nodes(index)]
         children = {id(node): list(node.children.values()) for node, _ in nodes}
         idle = self.kv.pool.num_cached_idle
@@ -303,8 +335,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 continue
             assert all(id(c) not in remaining for c in children[id(node)]), \
                 "a parent was evicted before its child"
-        if done < n:  # asked for more than it gave: nothing idle may be left
-            assert self.kv.pool.num_cached_idle == 0
+        if done < n:  # asked for more than it gave: nothing idle may be left in this index
+            assert not any(self.kv.pool.ref_counts[node.block] == 0
+                           for node in _tree_nodes(index) if node.block != NULL_BLOCK)
 
     @rule(data=st.data())
     def pressure(self, data):
@@ -313,7 +346,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         n = data.draw(st.one_of(st.just(pool.num_available), st.integers(0, pool.num_free + 2)))
         n = min(n, pool.num_available)
-        held = {b for t in self.tables.values() for b in t if b != NULL_BLOCK}
+        held = {b for ts in self.tables.values() for t in ts for b in t if b != NULL_BLOCK}
         blocks = self.kv.allocate_blocks(n)
         assert len(set(blocks)) == n
         assert not set(blocks) & held, "a block held by a live request was handed out"
@@ -327,7 +360,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if really:  # resets are rare in real life, and they make every later match empty
             return
         self.kv.reset_prefix_cache()
-        assert self.kv.index.num_cached_blocks == 0
+        assert all(g.index.num_cached_blocks == 0 for g in self.kv.groups)
         assert self.kv.pool.num_cached_idle == 0
         for req in self.live.values():
             assert self.kv.match(req).num_tokens == 0
@@ -339,17 +372,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         kv = self.kv
         kv.check_invariants(list(self.live.values()))
-        assert {r: list(t) for r, t in kv.block_tables.items()} == self.tables, \
+        assert {r: [list(t) for t in kv.group_block_tables(self.live[r])]
+                for r in kv.block_tables} == self.tables, \
             "a block table changed behind its request's back"
         check_index_evictable(kv)
         assert kv.pool.num_free + kv.pool.num_cached_idle + sum(
             1 for c in kv.pool.ref_counts if c > 0) == kv.num_blocks
         # Every live request still finds its own KV at every position it can read.
         for req in self.live.values():
-            for pos in self._readable(req):
-                assert self.slots.get(self._slot(req, pos)) == \
-                    _identity(req.cache_salt, req.token_ids, pos), \
-                    f"request {req.request_id} lost its KV at position {pos}"
+            for g in self.groups:
+                for pos in self._readable(req, g):
+                    assert self.slots.get(self._slot(req, pos, g)) == \
+                        _identity(req.cache_salt, req.token_ids, pos), \
+                        f"request {req.request_id} lost its KV at position {pos} (group {g})"
         assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (self.queries, self.hits)
 
     def teardown(self):
@@ -359,8 +394,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.kv.free(req)
         self.kv.check_invariants([])
         assert not self.kv.block_tables
-        self.kv.index.evict(10**9)
-        assert self.kv.index.num_cached_blocks == 0
+        for g in self.kv.groups:
+            g.index.evict(10**9)
+            assert g.index.num_cached_blocks == 0
         assert self.kv.pool.num_free == self.kv.num_blocks, "blocks leaked"
         assert self.kv.pool.ref_counts == [0] * self.kv.num_blocks
 

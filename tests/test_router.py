@@ -162,6 +162,39 @@ def test_prefix_index_records_stores_evictions_and_resets():
     assert [e.kind for e in kv.drain_events()[0]] == ["AllBlocksCleared"]
 
 
+def test_hollowed_window_blocks_stay_in_the_gateways_picture():
+    """A windowed index hollows an idle interior block (its descendants stay reachable, and a
+    deep hit needs only the window's blocks): no BlockRemoved for it then, so a gateway, which
+    counts leading hashes until the first miss, still sees the whole prefix; when the hollow
+    node leaves the tree (its last child evicted), its BlockRemoved comes."""
+    from kvserve.kv.block_pool import NULL_BLOCK
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.sim.replay import SimSeq
+
+    kv = KVCacheManager(5, 4, kv_events_capacity=100, window=4)
+    tokens = list(range(1, 17))  # 4 full blocks; the window needs the last one or two
+    hashes = chain_hashes(tokens, 4)
+    seq = SimSeq("a", tokens)
+    kv.admit(seq, kv.match(seq), 16)
+    seq.num_computed_tokens = 16
+    kv.cache_full_blocks(seq)
+    kv.free(seq)
+    view = PrefixView()
+    apply = [(e.kind, e.block_hash) for e in kv.drain_events()[0]]
+    assert apply == [("BlockStored", h) for h in hashes]
+    view.add(hashes)
+    evicted = kv.index.evict(2)  # the two oldest, shallowest: interior nodes turn hollow
+    assert len(evicted) == 2 and all(n.block == NULL_BLOCK for n in evicted)
+    assert kv.drain_events()[0] == []  # nothing the gateway should drop
+    assert kv.match(SimSeq("b", tokens + [99])).num_tokens == 16  # the replica still hits all
+    assert view.match_blocks(hashes) == 4
+    kv.index.evict(10)  # the leaf goes, then every hollow node above it
+    removed = {e.block_hash for e in kv.drain_events()[0] if e.kind == "BlockRemoved"}
+    assert removed == set(hashes)
+    view.remove(removed)
+    assert view.match_blocks(hashes) == 0
+
+
 def test_event_publisher_flags_lost_events():
     from kvserve.server.kv_events import KVEventPublisher
 

@@ -10,7 +10,8 @@ Through the engine, against transformers on the same weights:
   `disable_hybrid_kv_cache_manager`;
 * a pool small enough that idle blocks of a shared document are evicted while later requests
   still hit it (hits over hollow index nodes, vLLM's window rule) keeps parity;
-* a hybrid model (some full layers) keeps every block (per-group tables are not built).
+* a hybrid model (some full layers) with `disable_hybrid_kv_cache_manager` keeps every block in
+  one table (per-group tables: tests/test_hybrid_memory.py).
 """
 
 from __future__ import annotations
@@ -153,11 +154,11 @@ def test_prefix_hits_over_evicted_history(mistral):
     assert all(o.num_cached_tokens >= 192 for o in got[-2:]), [o.num_cached_tokens for o in got]
 
 
-def test_hybrid_keeps_every_block(qwen2_hybrid):
-    """Some layers attend to everything: one table cannot release anything (per-group tables
-    would), and the capacity figures count every block."""
-    llm = _llm(qwen2_hybrid, block_size=8)
-    assert llm.engine.kv.window is None
+def test_hybrid_disabled_keeps_every_block(qwen2_hybrid):
+    """Some layers attend to everything: with per-group tables off, one table cannot release
+    anything, and the capacity figures count every block."""
+    llm = _llm(qwen2_hybrid, block_size=8, disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.kv.window is None and llm.engine.kv.num_groups == 1
     tables = _watch(llm, poison=False)
     prompt = _prompts([100])[0]
     out = generate_checked(llm, [{"prompt_token_ids": prompt}], GREEDY)[0]
@@ -182,7 +183,8 @@ def _concurrency(llm: LLM, path) -> tuple[float, float]:
 
 def test_startup_line_agrees_with_the_planner(mistral, qwen2_hybrid, monkeypatch):
     """Mistral-style: the engine's figure is the planner's (the window is whole blocks here);
-    a hybrid's engine figure stays at full length, below the planner's (not built)."""
+    a hybrid with per-group tables off stays at full length, below the planner's (per-group
+    tables: tests/test_hybrid_memory.py)."""
     from kvserve.engine import llm_engine
 
     lines: list[str] = []
@@ -193,7 +195,8 @@ def test_startup_line_agrees_with_the_planner(mistral, qwen2_hybrid, monkeypatch
     assert any(f"per request: {plan_x:.2f}x" in line for line in lines), lines  # start-up line
     keep = _llm(mistral, block_size=8, num_blocks=100, disable_hybrid_kv_cache_manager=True)
     assert _concurrency(keep, mistral)[0] == pytest.approx(100 / (512 // 8))
-    hybrid_x, hybrid_plan_x = _concurrency(_llm(qwen2_hybrid, block_size=8, num_blocks=100),
+    hybrid_x, hybrid_plan_x = _concurrency(_llm(qwen2_hybrid, block_size=8, num_blocks=100,
+                                                disable_hybrid_kv_cache_manager=True),
                                            qwen2_hybrid)
     assert hybrid_x == pytest.approx(100 / (512 // 8))
     assert hybrid_x < hybrid_plan_x

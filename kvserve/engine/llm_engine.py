@@ -84,9 +84,10 @@ class LLMEngine:
 
         self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size,
                                       config.kv_cache_dtype)
+        self.page_groups = self._page_groups()
         num_blocks = self._num_kv_blocks()
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
-                                    *self._kv_scales(model_dir))
+                                    *self._kv_scales(model_dir), page_groups=self.page_groups)
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
                                               self.model_config.attention_scale)
         self.tiers = self._make_tiers(model_dir)
@@ -94,10 +95,13 @@ class LLMEngine:
                                  config.eviction_policy,
                                  TierLink(self.tiers, config.block_size) if self.tiers else None,
                                  kv_events_capacity=KV_EVENTS_CAPACITY,
-                                 window=self._release_window())
+                                 window=self._release_window(),
+                                 group_windows=self._group_windows())
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
         if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
             logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
+        elif self.page_groups is not None and config.device == "cuda" and not config.enforce_eager:
+            logger.info("per-group KV block tables: decode steps run eagerly (no CUDA graphs)")
         elif config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
             from kvserve.engine.cuda_graphs import CUDAGraphRunner
 
@@ -128,7 +132,8 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
-                                  self.kv.final_blocks(config.max_model_len)))
+                                  self.kv.final_blocks(config.max_model_len),
+                                  self.kv.num_groups))
         mla = self.model_config.mla
         if mla is not None:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
@@ -136,11 +141,34 @@ class LLMEngine:
                                         mla.v_head_dim))
 
     # -- sizing -----------------------------------------------------------------------------
+    def _page_groups(self):
+        """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
+        size, windowed groups releasing what falls out of their window), unless disabled or
+        storage tiers are on (their chunks hold every layer of a block); None keeps one table
+        for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
+        groups = self.kv_spec.page_groups()
+        if groups is None or self.config.disable_hybrid_kv_cache_manager:
+            return None
+        tiers = self.config.kv_tier_config
+        if tiers is not None and tiers.enabled:
+            logger.warning("storage tiers are on: a hybrid model keeps every block of every layer")
+            return None
+        logger.info("hybrid KV cache: %d groups of %d layers, one block table each",
+                    len(groups), len(groups[0].layers))
+        return groups
+
+    def _group_windows(self) -> list[int | None] | None:
+        """Each KV group's window (None: full attention), for the manager's per-group tables."""
+        if self.page_groups is None:
+            return None
+        return [getattr(g.spec, "window", None) for g in self.page_groups]
+
     def _release_window(self) -> int | None:
         """The window outside which the manager releases blocks: a model whose every layer is
         windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
         window = self.kv_spec.release_window
-        if window is None or self.config.disable_hybrid_kv_cache_manager:
+        if window is None or self.config.disable_hybrid_kv_cache_manager \
+                or self.page_groups is not None:
             return None
         if self.tiers is not None:
             logger.warning("storage tiers are on: blocks outside the sliding window are kept")
@@ -160,10 +188,11 @@ class LLMEngine:
             most = cfg.max_num_seqs * cfg.max_model_len * self.kv_spec.bytes_per_token
             budget = min(int(available_host_memory() * cfg.gpu_memory_utilization),
                          CPU_DEFAULT_KV_CACHE_BYTES, most)
-        blocks = self.kv_spec.num_blocks_for(budget)
+        page = self.kv_spec.page_bytes(self.page_groups)
+        blocks = budget // page
         if blocks < 1:
             raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
-                             f"{self.kv_spec.bytes_per_block:,} bytes; raise "
+                             f"{page:,} bytes; raise "
                              "kv_cache_memory_bytes")
         return blocks
 

@@ -99,6 +99,29 @@ class ModelRunner:
         if plan.copies:
             self.backend.copy_blocks([s for s, _ in plan.copies], [d for _, d in plan.copies])
 
+    def _group_metadata(self, batch: ScheduledBatch, meta: AttentionMetadata
+                        ) -> AttentionMetadata:
+        """Per-group tables (a hybrid layout): group 0's metadata is `meta` as built from group
+        0's tables; every other group gets the same slices over its own tables and slots."""
+        bs = self.kv.block_size
+        tables = [self.kv.group_block_tables(r) for r in batch.requests]
+        slices = sorted(meta.prefills + meta.decodes, key=lambda s: s.start)
+        metas = [meta]
+        for g in range(1, self.kv.num_groups):
+            slots: list[int] = []
+            by_start: dict[int, SequenceSlice] = {}
+            for seq, request_tables in zip(slices, tables):
+                table = request_tables[g]
+                kv_start = seq.seq_len - seq.query_len
+                slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, seq.seq_len))
+                by_start[seq.start] = SequenceSlice(seq.start, seq.query_len, seq.seq_len, table)
+            metas.append(AttentionMetadata(
+                torch.tensor(slots, dtype=torch.long),
+                [by_start[s.start] for s in meta.prefills],
+                [by_start[s.start] for s in meta.decodes], meta.num_prefill_tokens))
+        meta.groups = metas
+        return meta
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run the batch (its plan applied already); return the logits of the rows that sample
@@ -152,6 +175,8 @@ class ModelRunner:
             decodes=decodes,
             num_prefill_tokens=sum(s.query_len for s in prefills),
         )
+        if self.kv.num_groups > 1:
+            meta = self._group_metadata(batch, meta)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         if self.graphs is not None and not prefills and self.graphs.can_run(len(decodes)):

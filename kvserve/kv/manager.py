@@ -17,8 +17,15 @@ one; a Mistral-style model), a sequence that has computed c tokens reads no key 
 c - window + 1, so the blocks wholly before that are released (their table entries become
 NULL_BLOCK; a published one stays in the prefix index, idle, until evicted), admission counts
 only the blocks a sequence holds at once, and a prefix hit needs only the blocks inside the
-window at the hit point. A hybrid model (some full-attention layers) keeps every block: that
-needs one table per layer group, which is not built yet.
+window at the hit point.
+
+Hybrid models (some layers full, some windowed: Gemma 3, Qwen2 `layer_types`) get one table per
+KV group (`group_windows`; kv/spec.py's `page_groups` makes the groups, full ones first): a block
+id is one page of one group's layers, every group allocates from the one pool, and each group
+applies the rule above with its own window (None: keeps every block). Each group has its own
+prefix index over the same block hashes; a hit is the deepest depth valid for every group (a full
+group needs blocks 0..d, a windowed one those inside its window at d). `block_tables` is group
+0's, so everything with one group reads exactly as before.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
-from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.events import KVEvent, KVEventLog
+from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
+from kvserve.kv.spec import first_needed_block
 from kvserve.kv.tiers.link import NoTiers, Tiers
+
 
 class CachedSeq(Protocol):
     """What the cache reads of a request (the engine's `Request`, the simulator's `SimSeq`)."""
@@ -84,24 +93,52 @@ class _Cursor:
     generation: int
 
 
+@dataclass
+class _Group:
+    """One KV group's block tables, prefix index and cursors (one group unless hybrid)."""
+
+    window: int | None  # release blocks wholly before it (None: keep every block)
+    index: PrefixCache
+    tables: dict[str, list[int]]
+    cursors: dict[str, _Cursor]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
-                 kv_events_capacity: int = 0, window: int | None = None) -> None:
-        if window is not None and window < 1:
-            raise ValueError(f"a sliding window must be at least 1 token, got {window}")
-        if window is not None and tiers is not None and not isinstance(tiers, NoTiers):
+                 kv_events_capacity: int = 0, window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
+        """`window`: one table whose every layer has that window (Mistral-style);
+        `group_windows`: one table per KV group with these windows (a hybrid layout,
+        kv/spec.py's `page_groups`; a block is then one page of one group's layers)."""
+        if group_windows is not None and window is not None:
+            raise ValueError("give either window (one table) or group_windows, not both")
+        windows = tuple(group_windows) if group_windows is not None else (window,)
+        if not windows:
+            raise ValueError("group_windows must name at least one group")
+        for w in windows:
+            if w is not None and w < 1:
+                raise ValueError(f"a sliding window must be at least 1 token, got {w}")
+        has_tiers = tiers is not None and not isinstance(tiers, NoTiers)
+        if has_tiers and any(w is not None for w in windows):
             raise ValueError("releasing blocks outside a sliding window does not work with "
                              "storage tiers yet (a chunk would have released blocks)")
+        if has_tiers and len(windows) > 1:
+            raise ValueError("per-group block tables do not work with storage tiers yet")
         self.block_size = block_size
-        self.window = window  # release blocks wholly before it (None: keep every block)
         self.pool = BlockPool(num_blocks)
-        self.index: PrefixCache = PrefixIndex(self.pool, block_size, eviction_policy,
-                                              KVEventLog(kv_events_capacity), window) \
-            if enable_prefix_caching else NoPrefixCache(block_size)
+        self.groups = [
+            _Group(w, PrefixIndex(self.pool, block_size, eviction_policy,
+                                  KVEventLog(kv_events_capacity if g == 0 else 0), w)
+                   if enable_prefix_caching else NoPrefixCache(block_size), {}, {})
+            for g, w in enumerate(windows)]
+        # Group 0's (the only one unless hybrid; a full-attention group when hybrid): the
+        # names everything with one table reads.
+        self.window = windows[0]
+        self.index: PrefixCache = self.groups[0].index
+        self.block_tables: dict[str, list[int]] = self.groups[0].tables
+        self._cursors: dict[str, _Cursor] = self.groups[0].cursors
         self.tiers: Tiers = tiers if tiers is not None else NoTiers()
-        self.block_tables: dict[str, list[int]] = {}
-        self._cursors: dict[str, _Cursor] = {}
         self._plan = StepPlan()
         self._copy_sources: list[int] = []  # locked until the plan that copies them is handed out
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
@@ -112,6 +149,10 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     @property
     def num_available_blocks(self) -> int:
@@ -125,34 +166,44 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def first_held_block(self, num_computed: int) -> int:
-        """The first block a sequence that has computed `num_computed` tokens still needs: the
-        one holding the first key its next query sees (0 without a window)."""
-        if self.window is None:
-            return 0
-        return max(0, num_computed - self.window + 1) // self.block_size
+    def first_held_block(self, num_computed: int, group: int = 0) -> int:
+        """The first block a sequence that has computed `num_computed` tokens still needs in
+        a group: the one holding the first key its next query sees (0 without a window)."""
+        return first_needed_block(num_computed, self.groups[group].window, self.block_size)
 
-    def blocks_held(self, num_computed: int, num_tokens: int) -> int:
-        """Blocks a sequence holds at once when it has computed `num_computed` tokens and has
-        room for `num_tokens`: the window's blocks and the new ones."""
-        return self.blocks_for_tokens(num_tokens) - self.first_held_block(num_computed)
+    def blocks_held(self, num_computed: int, num_tokens: int, group: int = 0) -> int:
+        """Blocks a sequence holds at once in a group when it has computed `num_computed`
+        tokens and has room for `num_tokens`: the window's blocks and the new ones."""
+        return self.blocks_for_tokens(num_tokens) - self.first_held_block(num_computed,
+                                                                          group=group)
+
+    def _hit_start(self, num_nodes: int, num_tokens: int, group: int) -> int:
+        """The first block of a hit that admission holds in a group: the window's at the hit
+        point, but never past the last matched block (new blocks are published under its
+        node, so it must stay in the index)."""
+        return min(self.first_held_block(num_tokens, group=group), max(num_nodes - 1, 0))
 
     def hit_start(self, match: PrefixMatch) -> int:
-        """The first block of a hit that admission holds: the window's at the hit point, but
-        never past the last matched block (new blocks are published under its node, so it must
-        stay in the index)."""
-        return min(self.first_held_block(match.num_tokens), max(len(match.nodes) - 1, 0))
+        """`_hit_start` of group 0."""
+        return self._hit_start(len(match.nodes), match.num_tokens, 0)
+
+    def group_final_blocks(self, total_tokens: int) -> list[int]:
+        """Per group, the blocks a sequence holds when it computes its last token: its window
+        and the block being filled (every block without a window)."""
+        n = self.blocks_for_tokens(total_tokens)
+        return [min(n, self.blocks_held(max(total_tokens - 1, 0), total_tokens, g))
+                for g in range(len(self.groups))]
 
     def final_blocks(self, total_tokens: int) -> int:
-        """Blocks a sequence holds when it computes its last token: its window and the block
-        being filled (every block without a window)."""
-        return min(self.blocks_for_tokens(total_tokens),
-                   self.blocks_held(max(total_tokens - 1, 0), total_tokens))
+        """Blocks a sequence holds when it computes its last token, every group together (the
+        start-up line's and `kvserve plan`'s figure, up to one block per group)."""
+        return sum(self.group_final_blocks(total_tokens))
 
     def peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
-        """The most blocks a sequence holds at once in its life, as admission counts them: its
-        whole prompt (prefilled in one step at worst), or what it holds at the end."""
-        return max(self.blocks_for_tokens(prompt_tokens), self.final_blocks(total_tokens))
+        """The most blocks a sequence holds at once in its life, as admission counts them: per
+        group, its whole prompt (prefilled in one step at worst), or what it holds at the end."""
+        prompt = self.blocks_for_tokens(prompt_tokens)
+        return sum(max(prompt, f) for f in self.group_final_blocks(total_tokens))
 
     # -- prefix cache -----------------------------------------------------------------------
     def block_hashes(self, seq: CachedSeq, num_blocks: int) -> list[int]:
@@ -169,12 +220,23 @@ class KVCacheManager:
         return self.block_hashes(seq, matchable_tokens(seq) // self.block_size)
 
     def device_match(self, seq: CachedSeq) -> PrefixMatch:
-        """The longest prefix of a sequence that device blocks hold."""
+        """The longest prefix of a sequence that device blocks hold (in every group)."""
         limit = matchable_tokens(seq)
         if limit == 0 or not self.index.enabled:
             return PrefixMatch([], block_size=self.block_size)
-        return self.index.match(seq.token_ids[:limit], self._matchable_hashes(seq),
-                                extra_keys(seq.cache_salt))
+        tokens, hashes = seq.token_ids[:limit], self._matchable_hashes(seq)
+        extra = extra_keys(seq.cache_salt)
+        if len(self.groups) == 1:
+            return self.index.match(tokens, hashes, extra)
+        # Hybrid: each group's path, and the deepest depth every group can serve. No partial
+        # hit (a copy would be needed in every group at once).
+        indexes: list[PrefixIndex] = [g.index for g in self.groups]  # type: ignore[misc]
+        paths = [index.walk(tokens, hashes, extra) for index in indexes]
+        valid = [index.valid_depths(p) for index, p in zip(indexes, paths)]
+        depth = max(d for d in range(min(len(p) for p in paths) + 1)
+                    if all(v[d] for v in valid))
+        return PrefixMatch(paths[0][:depth], block_size=self.block_size,
+                           group_nodes=[p[:depth] for p in paths])
 
     def match(self, seq: CachedSeq) -> PrefixMatch:
         """The longest cached prefix of a sequence that holds no blocks: device blocks, then
@@ -214,23 +276,36 @@ class KVCacheManager:
         return self.tiers.wait_for_prefetch(seconds)
 
     # -- admission --------------------------------------------------------------------------
+    def _group_hits(self, match: PrefixMatch) -> list[tuple[int, list[Node]]]:
+        """Per group: the first block of the hit that admission holds, and the matched nodes."""
+        nodes = match.group_nodes
+        if nodes is None:  # one group, or no hit at all (prefix caching off)
+            assert len(self.groups) == 1 or not match.nodes, "a hybrid hit without its groups"
+            nodes = [match.nodes] + [[] for _ in self.groups[1:]]
+        assert len(nodes) == len(self.groups), "a match from a manager of other groups"
+        return [(self._hit_start(len(n), match.num_tokens, g), n) for g, n in enumerate(nodes)]
+
     def can_admit(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
                   ) -> bool:
         """Whether the pool can hold `num_tokens` of a sequence (with a partially matched block
         locked until the plan that copies it is handed out) and, if given, `total_tokens` once
-        the copy is done."""
+        the copy is done; every group's blocks together."""
         pool = self.pool
-        first = self.hit_start(match)
-        kept = match.blocks[first:]  # a windowed hit drops the blocks before its window
-        taken = sum(1 for b in kept if pool.ref_counts[b] == 0)  # stop being evictable
+        taken = need_now = need_total = 0
+        finals = self.group_final_blocks(total_tokens) if total_tokens is not None else None
+        for g, (first, nodes) in enumerate(self._group_hits(match)):
+            kept = [n.block for n in nodes[first:]]  # a windowed hit drops blocks before its window
+            taken += sum(1 for b in kept if pool.ref_counts[b] == 0)  # stop being evictable
+            span = self.blocks_for_tokens(num_tokens) - first  # the table's entries from `first` on
+            need_now += span - len(kept)
+            if finals is not None:
+                # Blocks of the hit released later go back to the pool, so `kept` counts once.
+                need_total += max(span, finals[g]) - len(kept)
         source = int(match.partial is not None and pool.ref_counts[match.partial.block] == 0)
         room = pool.num_available - taken
-        span = self.blocks_for_tokens(num_tokens) - first  # the table's entries from `first` on
-        if span - len(kept) > room - source:
+        if need_now > room - source:
             return False
-        # Blocks of the hit released later go back to the pool, so `kept` counts once.
-        return total_tokens is None or \
-            max(span, self.final_blocks(total_tokens)) - len(kept) <= room
+        return finals is None or need_total <= room
 
     def unblock(self, match: PrefixMatch, num_tokens: int, total_tokens: int | None = None
                 ) -> PrefixMatch | None:
@@ -251,23 +326,24 @@ class KVCacheManager:
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
             return None
-        first = self.hit_start(match)
-        self.pool.share(match.blocks[first:])
-        table = [NULL_BLOCK] * first + match.blocks[first:]
-        node = match.last_node or self.index.root(extra_keys(seq.cache_salt))
-        if match.loaded:
-            node = self._admit_loaded(seq, match, table, node)
-        elif match.partial is not None:
-            self.pool.share([match.partial.block])  # locked until the plan is handed out
-            self._copy_sources.append(match.partial.block)
-            copy = self.allocate_blocks(1)[0]
-            self._plan.copies.append((match.partial.block, copy))
-            table.append(copy)
-        self.block_tables[seq.request_id] = table
+        for g, (first, nodes) in zip(self.groups, self._group_hits(match)):
+            blocks = [n.block for n in nodes[first:]]
+            self.pool.share(blocks)
+            table = [NULL_BLOCK] * first + blocks
+            node = nodes[-1] if nodes else g.index.root(extra_keys(seq.cache_salt))
+            if g is self.groups[0]:  # one group whenever there are loads or a partial hit
+                if match.loaded:
+                    node = self._admit_loaded(seq, match, table, node)
+                elif match.partial is not None:
+                    self.pool.share([match.partial.block])  # locked until the plan is handed out
+                    self._copy_sources.append(match.partial.block)
+                    copy = self.allocate_blocks(1)[0]
+                    self._plan.copies.append((match.partial.block, copy))
+                    table.append(copy)
+            g.tables[seq.request_id] = table
+            g.index.touch(nodes, seq.priority)
+            g.cursors[seq.request_id] = _Cursor(node, match.num_full_blocks, g.index.generation)
         self._count_hits(seq, match)
-        self.index.touch(match.nodes, seq.priority)
-        self._cursors[seq.request_id] = _Cursor(node, match.num_full_blocks,
-                                                self.index.generation)
         grown = self._grow(seq.request_id, match.num_tokens + num_new_tokens)
         assert grown, "can_admit checked the room"
         return Admission(match.num_tokens)
@@ -306,36 +382,63 @@ class KVCacheManager:
         chunk an eviction ends is named in the plan, to be saved before the block is reused."""
         short = n - self.pool.num_free
         if short > 0:
-            for node in self.index.evict(short):
+            for node in self._evict(short):
                 save = self.tiers.save_for_evicted(node)
                 if save is not None:
                     self._plan.saves.append(save)
         return self.pool.allocate(n)
 
+    def _evict(self, n: int) -> list[Node]:
+        """Up to `n` idle blocks out of the indexes. With several groups, windowed groups give
+        first, a share from each in turn (each index in its own policy order: LRU hollows the
+        oldest, shallowest entries, which no deep hit needs), and full groups only when they
+        have nothing left: a full group can only drop a path's deepest blocks, which shortens
+        every hit through it, and a hit needs every group."""
+        if len(self.groups) == 1:
+            return self.index.evict(n)
+        out: list[Node] = []
+        windowed = [g for g in self.groups if g.window is not None]
+        full = [g for g in self.groups if g.window is None]
+        for tier in (windowed, full):
+            while len(out) < n and tier:
+                before = len(out)
+                for g in tier:
+                    if len(out) >= n:
+                        break
+                    out.extend(g.index.evict(max(1, (n - len(out)) // len(tier))))
+                if len(out) == before:
+                    break
+        return out
+
     def _release_outside_window(self, seq: CachedSeq) -> None:
-        """Release the blocks wholly before the sequence's window: no query reads them again
-        (a preempted sequence recomputes from the start). Published ones stay cached, idle."""
-        table = self.block_tables.get(seq.request_id)
-        end = self.first_held_block(seq.num_computed_tokens)
-        cursor = self._cursors.get(seq.request_id)
-        if cursor is not None and cursor.num_blocks:
-            # Keep the last published block: the next ones are published under its node.
-            end = min(end, cursor.num_blocks - 1)
-        if not table or end <= 0:
-            return
-        gone = [b for b in table[:end] if b != NULL_BLOCK]
-        if gone:
-            table[:end] = [NULL_BLOCK] * end
-            self.index.mark_idle(self.pool.release(gone))
+        """Release the blocks wholly before the sequence's window, in each windowed group: no
+        query reads them again (a preempted sequence recomputes from the start). Published
+        ones stay cached, idle."""
+        for i, g in enumerate(self.groups):
+            if g.window is None:
+                continue
+            table = g.tables.get(seq.request_id)
+            end = self.first_held_block(seq.num_computed_tokens, group=i)
+            cursor = g.cursors.get(seq.request_id)
+            if cursor is not None and cursor.num_blocks:
+                # Keep the last published block: the next ones are published under its node.
+                end = min(end, cursor.num_blocks - 1)
+            if not table or end <= 0:
+                continue
+            gone = [b for b in table[:end] if b != NULL_BLOCK]
+            if gone:
+                table[:end] = [NULL_BLOCK] * end
+                g.index.mark_idle(self.pool.release(gone))
 
     def _grow(self, request_id: str, num_tokens: int) -> bool:
-        held = len(self.block_tables.get(request_id, ()))
-        missing = self.blocks_for_tokens(num_tokens) - held
-        if missing > self.pool.num_available:
+        need = self.blocks_for_tokens(num_tokens)
+        missing = [need - len(g.tables.get(request_id, ())) for g in self.groups]
+        if sum(missing) > self.pool.num_available:
             return False
-        table = self.block_tables.setdefault(request_id, [])
-        if missing > 0:
-            table.extend(self.allocate_blocks(missing))
+        for g, m in zip(self.groups, missing):
+            table = g.tables.setdefault(request_id, [])
+            if m > 0:
+                table.extend(self.allocate_blocks(m))
         return True
 
     def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
@@ -347,11 +450,12 @@ class KVCacheManager:
     def free(self, seq: CachedSeq) -> None:
         """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
         in the index, idle, until evicted."""
-        self._cursors.pop(seq.request_id, None)
         self.tiers.forget(seq.request_id)
-        table = self.block_tables.pop(seq.request_id, None)
-        if table:
-            self.index.mark_idle(self.pool.release(b for b in table if b != NULL_BLOCK))
+        for g in self.groups:
+            g.cursors.pop(seq.request_id, None)
+            table = g.tables.pop(seq.request_id, None)
+            if table:
+                g.index.mark_idle(self.pool.release(b for b in table if b != NULL_BLOCK))
 
     def reseat(self, seq: CachedSeq, num_blocks: int) -> tuple[list[int], list[int]] | None:
         """Move a bounded sequence (kvserve.kv.bounded) onto `num_blocks` fresh private blocks,
@@ -360,6 +464,9 @@ class KVCacheManager:
         idle) but keep their KV until the next allocation, so the caller copies the kept tokens
         out of them before anything allocates. The sequence inserts nothing more into the
         prefix index: its blocks no longer hold the KV their tokens' hashes name."""
+        if len(self.groups) > 1:
+            raise ValueError("a bounded KV cache needs one block table (a hybrid layout has "
+                             "windowed layers, which bounded caches refuse)")
         if num_blocks > self.pool.num_available:
             return None
         fresh = self.allocate_blocks(num_blocks)
@@ -370,29 +477,40 @@ class KVCacheManager:
         return old, fresh
 
     def block_table(self, seq: CachedSeq) -> list[int]:
+        """Group 0's table (the only one unless hybrid)."""
         return self.block_tables[seq.request_id]
+
+    def group_block_tables(self, seq: CachedSeq) -> list[list[int]]:
+        """Every group's table, in group order."""
+        return [g.tables[seq.request_id] for g in self.groups]
 
     # -- after a step -----------------------------------------------------------------------
     def cache_full_blocks(self, seq: CachedSeq) -> None:
-        """Insert the sequence's newly computed full blocks into the prefix index (and, under
-        write-through, name their chunks for saving in the next plan)."""
-        cursor = self._cursors.get(seq.request_id)
-        if cursor is None or not self.index.enabled:
+        """Insert the sequence's newly computed full blocks into each group's prefix index
+        (and, under write-through, name their chunks for saving in the next plan)."""
+        if not self.index.enabled:
             return
-        if cursor.generation != self.index.generation:  # the cache was reset under it
-            del self._cursors[seq.request_id]
+        for g in self.groups:
+            self._publish(g, seq)
+
+    def _publish(self, g: _Group, seq: CachedSeq) -> None:
+        cursor = g.cursors.get(seq.request_id)
+        if cursor is None:
+            return
+        if cursor.generation != g.index.generation:  # the cache was reset under it
+            del g.cursors[seq.request_id]
             return
         full = seq.num_computed_tokens // self.block_size
         if full <= cursor.num_blocks:
             return
         hashes = self.block_hashes(seq, full)
-        table = self.block_tables[seq.request_id]
+        table = g.tables[seq.request_id]
         bs = self.block_size
         node = cursor.node
         for i in range(cursor.num_blocks, full):
             assert table[i] != NULL_BLOCK, "a block is released before it is published"
-            node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                     table[i], seq.priority)
+            node = g.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
+                                  table[i], seq.priority)
             if node.block != table[i]:
                 # The index holds this content already (computed twice at once, or a
                 # copy-on-write block that ended up equal to its source): switch to the cached
@@ -400,7 +518,7 @@ class KVCacheManager:
                 # idle node above a held one could not be evicted though the pool counts it as
                 # available, and the cursor node could be evicted under the sequence.
                 self.pool.share([node.block])
-                self.index.mark_idle(self.pool.release([table[i]]))
+                g.index.mark_idle(self.pool.release([table[i]]))
                 table[i] = node.block
         self._plan.saves.extend(self.tiers.saves_for_computed(table, hashes, cursor.num_blocks,
                                                               full))
@@ -421,11 +539,14 @@ class KVCacheManager:
         return plan
 
     def reset_prefix_cache(self) -> None:
-        self.index.reset()
+        for g in self.groups:
+            g.index.reset()
 
     def drain_events(self) -> tuple[list[KVEvent], int]:
         """Blocks stored in and removed from the prefix index since the last drain (recorded
-        when the manager was built with `kv_events_capacity`), and how many were dropped."""
+        when the manager was built with `kv_events_capacity`), and how many were dropped. With
+        several groups, group 0's (a full-attention group, whose index holds a prefix exactly
+        when its blocks are stored)."""
         return self.index.events.drain()
 
     # -- checks -----------------------------------------------------------------------------
@@ -433,16 +554,21 @@ class KVCacheManager:
         """Tables belong to live sequences, cover their computed tokens (every block a query can
         still read is held: a released one is never read), and match the pool."""
         live = {s.request_id: s for s in seqs}
-        assert set(self.block_tables) <= set(live), "a block table outlived its request"
-        for rid, table in self.block_tables.items():
-            computed = kv_length(live[rid])
-            need = self.blocks_for_tokens(computed)
-            assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
-            first = self.first_held_block(computed)
-            assert NULL_BLOCK not in table[first:], \
-                f"request {rid} released a block inside its window (from block {first})"
-            assert self.window is not None or NULL_BLOCK not in table, "released without a window"
-        holders = [[b for b in t if b != NULL_BLOCK] for t in self.block_tables.values()] \
-            + [[s] for s in self._copy_sources]
+        holders: list[list[int]] = [[s] for s in self._copy_sources]
+        for i, g in enumerate(self.groups):
+            assert set(g.tables) <= set(live), "a block table outlived its request"
+            assert set(g.tables) == set(self.block_tables), "groups disagree on who holds blocks"
+            for rid, table in g.tables.items():
+                computed = kv_length(live[rid])
+                need = self.blocks_for_tokens(computed)
+                assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
+                first = self.first_held_block(computed, group=i)
+                assert NULL_BLOCK not in table[first:], \
+                    f"request {rid} released a block inside its window (from block {first})"
+                assert g.window is not None or NULL_BLOCK not in table, "released without a window"
+            holders += [[b for b in t if b != NULL_BLOCK] for t in g.tables.values()]
         self.pool.check_invariants(holders)
-        self.index.check_invariants()
+        for g in self.groups:
+            g.index.check_invariants()
+        assert sum(self.pool.cached) == sum(g.index.num_cached_blocks for g in self.groups), \
+            "cached flags disagree with the indexes"

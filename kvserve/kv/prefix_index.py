@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
-from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
+from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
+from kvserve.kv.spec import first_needed_block
 
 if TYPE_CHECKING:
     from kvserve.kv.tiers.tiered import FoundChunk
@@ -68,6 +69,9 @@ class PrefixMatch:
     partial_len: int = 0
     block_size: int = 0
     loaded: list["FoundChunk"] = field(default_factory=list)  # tier chunks continuing `nodes`
+    # Hybrid layouts (several KV groups, kv/manager.py): each group's matched nodes, as deep as
+    # `nodes` (which are group 0's); None with one group.
+    group_nodes: list[list[Node]] | None = None
     skip_blocks: int = 0  # leading blocks of the first loaded chunk that `nodes` covers
     num_loaded_blocks: int = 0
 
@@ -124,21 +128,15 @@ class PrefixIndex:
     def match(self, tokens: Sequence[int], hashes: Sequence[int], extra: bytes = b"") -> PrefixMatch:
         """Longest cached prefix of `tokens` (whose full-block hashes are `hashes`)."""
         bs = self.block_size
-        node = self._roots.get(extra)
         result = PrefixMatch([], block_size=bs)
-        if node is None:
+        if self._roots.get(extra) is None:
             return result
-        path: list[Node] = []
-        for i, h in enumerate(hashes[: len(tokens) // bs]):
-            child = node.children.get(h)
-            if child is None or child.tokens != tuple(tokens[i * bs:(i + 1) * bs]):
-                break
-            path.append(child)
-            node = child
+        path = self.walk(tokens, hashes, extra)
         depth = self._valid_depth(path)
         result.nodes = path[:depth]
         if depth < len(path):
             return result  # the block after the hit is hollow or unreachable: no partial hit
+        node = path[-1] if path else self._roots[extra]
         start = len(result.nodes) * bs
         rest = tokens[start:start + bs]
         if rest:
@@ -150,22 +148,45 @@ class PrefixIndex:
                     result.partial, result.partial_len = child, n
         return result
 
+    def walk(self, tokens: Sequence[int], hashes: Sequence[int], extra: bytes = b""
+             ) -> list[Node]:
+        """The nodes (hollow ones included) along `tokens`' full blocks, root first."""
+        bs = self.block_size
+        node = self._roots.get(extra)
+        path: list[Node] = []
+        if node is None:
+            return path
+        for i, h in enumerate(hashes[: len(tokens) // bs]):
+            child = node.children.get(h)
+            if child is None or child.tokens != tuple(tokens[i * bs:(i + 1) * bs]):
+                break
+            path.append(child)
+            node = child
+        return path
+
     def first_needed(self, depth: int) -> int:
         """The first block a sequence resuming after `depth` full blocks reads (0 without a
-        window): the one holding key position `depth * block_size - window + 1`."""
-        if self.window is None:
-            return 0
-        return max(0, depth * self.block_size - self.window + 1) // self.block_size
+        window)."""
+        return first_needed_block(depth * self.block_size, self.window, self.block_size)
 
-    def _valid_depth(self, path: Sequence[Node]) -> int:
-        """The deepest hit point along a matched path whose needed blocks are all present."""
-        best, last_hollow = 0, -1
+    def valid_depths(self, path: Sequence[Node]) -> list[bool]:
+        """For each depth 0..len(path): whether a hit there has all its needed blocks present
+        (depth 0, no hit, always has)."""
+        if self.window is None:  # a full-attention index has no hollow nodes
+            return [True] * (len(path) + 1)
+        valid, last_hollow = [True], -1
         for d, node in enumerate(path, start=1):
             if node.block == NULL_BLOCK:
                 last_hollow = d - 1
-            elif last_hollow < self.first_needed(d):
-                best = d
-        return best
+            valid.append(node.block != NULL_BLOCK and last_hollow < self.first_needed(d))
+        return valid
+
+    def _valid_depth(self, path: Sequence[Node]) -> int:
+        """The deepest hit point along a matched path whose needed blocks are all present."""
+        if self.window is None:  # a full-attention index has no hollow nodes
+            return len(path)
+        valid = self.valid_depths(path)
+        return max(d for d, ok in enumerate(valid) if ok)
 
     def touch(self, nodes: Sequence[Node], priority: int = 0) -> None:
         """Record a use of these nodes (a hit or an insertion) for the eviction policy."""
@@ -253,12 +274,16 @@ class PrefixIndex:
         return evicted
 
     def _hollow(self, node: Node) -> None:
-        """Evict an interior node's block but keep the node (windowed caches)."""
+        """Evict an interior node's block but keep the node (windowed caches). No event: a
+        gateway counts a request's leading block hashes until the first one it misses (hashes
+        are chained), and hits past a hollow node stay valid (they need only the window's
+        blocks), so the hash stays in its picture until the node leaves the tree (`_remove`
+        records its BlockRemoved then). Filling it again records a BlockStored, which a
+        picture that has the hash already takes as a touch."""
         del self._node_of_block[node.block]
         self.pool.uncache(node.block)
         node.block = NULL_BLOCK
         assert node.parent is not None
-        self.events.record(BLOCK_REMOVED, node.block_hash, node.parent.block_hash)
 
     def _remove(self, node: Node) -> None:
         parent = node.parent
@@ -268,10 +293,9 @@ class PrefixIndex:
         siblings.remove(node)
         if not siblings:
             del parent.by_first_token[node.tokens[0]]
-        if node.block == NULL_BLOCK:
-            return  # hollow: its block was uncached when it was hollowed
-        del self._node_of_block[node.block]
-        self.pool.uncache(node.block)
+        if node.block != NULL_BLOCK:  # a hollow node's block was uncached when hollowed
+            del self._node_of_block[node.block]
+            self.pool.uncache(node.block)
         self.events.record(BLOCK_REMOVED, node.block_hash, parent.block_hash)
 
     def reset(self) -> None:
@@ -306,7 +330,8 @@ class PrefixIndex:
                 assert len(node.tokens) == self.block_size
                 stack.extend(node.children.values())
         assert seen == len(self._node_of_block), "unreachable nodes in the block map"
-        assert sum(self.pool.cached) == seen, "cached flags disagree with the tree"
+        # Several indexes (one per KV group) may share the pool: the manager checks the total.
+        assert sum(self.pool.cached) >= seen, "cached flags disagree with the tree"
 
 
 class NoPrefixCache:

@@ -215,6 +215,20 @@ class KVGroup:
     spec: LayerSpec
 
 
+def first_visible(query_pos: int, window: int | None) -> int:
+    """The first key position a query at `query_pos` attends to (0 without a window):
+    transformers' rule, key k is visible to query q iff q - window < k <= q."""
+    return 0 if window is None else max(0, query_pos - window + 1)
+
+
+def first_needed_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block a sequence that has `num_tokens` tokens before its next query still
+    reads: the one holding that query's first visible key. The one home of this rule: the
+    manager releases blocks before it, the prefix index needs a hit's blocks from it on, and
+    the attention backends gather from it."""
+    return first_visible(num_tokens, window) // block_size
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """A model's whole KV cache, per token and per block of `block_size` tokens."""
@@ -234,6 +248,34 @@ class KVCacheSpec:
         if not all(isinstance(g.spec, SlidingWindowSpec) for g in self.groups):
             return None
         return max(g.spec.window for g in self.groups)  # type: ignore[union-attr]
+
+    def page_groups(self) -> tuple[KVGroup, ...] | None:
+        """The hybrid layout (vLLM's hybrid allocator): the layers split into groups of equal
+        size S (the gcd of the per-spec layer counts), each S layers of one spec, full-attention
+        groups first. A block id then names one page of one group's S layers, each group has
+        its own block table, and a windowed group releases the blocks before its window while
+        a full group keeps them. The i-th layer of every group shares one tensor (same bytes,
+        no padding), so the layers' per-token shapes and storage must agree.
+
+        None when one table serves (every layer full, or every layer windowed: Mistral-style,
+        `release_window`) or when the layers' shapes differ (every block is then kept)."""
+        if len(self.groups) < 2 or self.release_window is not None:
+            return None
+        shapes = {(g.spec.tensors, g.spec.storage) for g in self.groups}
+        if len(shapes) != 1 or any(isinstance(g.spec, MLALatentSpec) or g.spec.storage.kivi
+                                   for g in self.groups):
+            return None  # int4 keeps per-block residual rows per layer: one table
+        size = math.gcd(*(len(g.layers) for g in self.groups))
+        ordered = sorted(self.groups, key=lambda g: isinstance(g.spec, SlidingWindowSpec))
+        return tuple(KVGroup(g.layers[i:i + size], g.spec) for g in ordered
+                     for i in range(0, len(g.layers), size))
+
+    def page_bytes(self, page_groups: tuple[KVGroup, ...] | None) -> int:
+        """Bytes one block id stands for: every layer's block, or one group's S layers'."""
+        if page_groups is None:
+            return self.bytes_per_block
+        g = page_groups[0]
+        return len(g.layers) * g.spec.bytes_per_token * self.block_size
 
     def layer_specs(self) -> list[LayerSpec]:
         """Each layer's spec, in layer order."""
@@ -276,11 +318,12 @@ class KVCacheSpec:
 
 
 def capacity_line(num_blocks: int, block_size: int, max_model_len: int,
-                  blocks_per_request: int | None = None) -> str:
+                  blocks_per_request: int | None = None, num_groups: int = 1) -> str:
     """vLLM's start-up line: the pool in tokens, and how many max-length requests it holds
     (each `blocks_per_request` blocks when given: a windowed cache holds fewer than
-    max_model_len / block_size, the count `kvserve plan` uses too)."""
-    tokens = num_blocks * block_size
+    max_model_len / block_size, the count `kvserve plan` uses too). With `num_groups` per-group
+    tables a block is one group's page, so a token of every layer takes one block per group."""
+    tokens = num_blocks * block_size // num_groups
     concurrency = tokens / max_model_len if blocks_per_request is None \
         else num_blocks / blocks_per_request
     return (f"KV cache size: {tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens "

@@ -5,7 +5,12 @@ for int8/int4 their scales; one latent for MLA), each [num_blocks, ...per block]
 blocks: reads (saves to the storage tiers), writes (loads from them) and copies (copy-on-write; a
 backend with a faster kernel for its device, like the Triton one, copies through that instead).
 New tokens go in (`store`) and blocks come back out dequantized (`gather`) through the layer's
-codec, so a backend never needs to know the format. Attention backends compute over these
+codec, so a backend never needs to know the format.
+
+A hybrid model (kv/spec.py's `page_groups`: equal-size groups of layers, one block table each)
+gets S tensors per part instead of one per layer: layer l stores into the tensor of its position
+in its group, so a block id is one page of one group's S layers and `layers[l]` is shared
+(`storage()` lists each tensor once; `layer_group[l]` names the group whose tables l reads). Attention backends compute over these
 tensors and own none; the runner executes a step plan's memory operations, in the plan's order,
 through this pool and the backend.
 
@@ -22,26 +27,46 @@ import logging
 import torch
 
 from kvserve.kv.quant import KIVIResidual, KIVIStep, KVScales, make_codec
-from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv.spec import KVCacheSpec, KVGroup
 
 logger = logging.getLogger("kvserve")
 
 
 class KVTensorPool:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
-                 kv_scales: torch.Tensor | None = None, calculate_kv_scales: bool = False
-                 ) -> None:
+                 kv_scales: torch.Tensor | None = None, calculate_kv_scales: bool = False,
+                 page_groups: tuple[KVGroup, ...] | None = None) -> None:
         """`kv_scales` [layers, 2] are fp8's per-layer (k_scale, v_scale), from the checkpoint;
-        without them `calculate_kv_scales` takes them from the first K/V stored, else 1.0."""
+        without them `calculate_kv_scales` takes them from the first K/V stored, else 1.0.
+
+        `page_groups` (kv/spec.py's hybrid layout, groups of S layers): a block id is one page
+        of one group's layers, so only S tensors per part are allocated and the i-th layer of
+        every group stores into the i-th (`layers[l]` is that shared tensor)."""
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self._setup(spec, num_blocks, kv_scales, calculate_kv_scales)
-        # Zeroed, not empty: masked-out slots still take part in the attention matmuls (weight
-        # 0), and 0 x NaN from uninitialised memory would poison the output.
-        self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
-                  for p in codec.parts())
-            for codec in self.codecs]
+
+        def allocate(codec) -> tuple[torch.Tensor, ...]:
+            # Zeroed, not empty: masked-out slots still take part in the attention matmuls
+            # (weight 0), and 0 x NaN from uninitialised memory would poison the output.
+            return tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
+                         for p in codec.parts())
+
+        self.page_groups = page_groups
+        self.layer_group: list[int] = [0] * len(self.codecs)
+        if page_groups is None:
+            self.layers: list[tuple[torch.Tensor, ...]] = [allocate(c) for c in self.codecs]
+            return
+        if self.residual is not None:
+            raise ValueError("int4 (KIVI) KV caches keep every block (no per-group tables)")
+        slots = [allocate(self.codecs[layer]) for layer in page_groups[0].layers]
+        self.layers = [slots[0]] * len(self.codecs)
+        for g, group in enumerate(page_groups):
+            if len(group.layers) != len(slots):
+                raise ValueError("page groups must be of equal size")
+            for i, layer in enumerate(group.layers):
+                self.layers[layer] = slots[i]
+                self.layer_group[layer] = g
 
     def _setup(self, spec: KVCacheSpec, num_blocks: int, kv_scales: torch.Tensor | None,
                calculate_kv_scales: bool) -> None:
@@ -82,6 +107,8 @@ class KVTensorPool:
                 raise ValueError(f"KV tensors of shapes {got} do not fit block_size "
                                  f"{spec.block_size} and the spec's {want}")
         pool.layers = list(layers)
+        pool.page_groups = None
+        pool.layer_group = [0] * len(layers)
         return pool
 
     @property
@@ -119,6 +146,19 @@ class KVTensorPool:
                                  "checkpoint k_scale/v_scale)")
             tag += ":scales=" + ",".join(f"{x:.8g}" for x in self.scales.values.flatten().tolist())
         return tag
+
+    def storage(self) -> list[tuple[torch.Tensor, ...]]:
+        """Each allocated tensor tuple once (layers share them under page groups)."""
+        if self.page_groups is None:
+            return self.layers
+        return [self.layers[layer] for layer in self.page_groups[0].layers]
+
+    def _whole_blocks(self) -> None:
+        """Tier chunks and compaction read a block id as every layer's block: not so under page
+        groups (the engine turns those off for them)."""
+        if self.page_groups is not None:
+            raise ValueError("per-group block tables (a hybrid layout) do not support storage "
+                             "tiers or bounded caches yet")
 
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=self.device)
@@ -172,7 +212,7 @@ class KVTensorPool:
         if not src:
             return
         s, d = self._index(src), self._index(dst)
-        for tensors in self.layers:
+        for tensors in self.storage():
             for t in tensors:
                 t[d] = t[s]
         if self.residual is not None:
@@ -183,6 +223,7 @@ class KVTensorPool:
         """The KV of whole blocks, every layer, as one contiguous host tensor
         [layers, tensors per layer, len(blocks) * block_size, heads, width] (what a tier saves),
         or for a packed pool [layers, 1, len(blocks), 1, page_bytes] uint8."""
+        self._whole_blocks()
         idx = self._index(blocks)
         if self.packed:
             n = len(blocks)
@@ -195,6 +236,7 @@ class KVTensorPool:
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
+        self._whole_blocks()
         idx = self._index(blocks)
         if self.residual is not None:
             self.residual.drop(blocks)
@@ -222,6 +264,7 @@ class KVTensorPool:
         tokens for every head; [heads, n], each KV head its own (head h's slot j then holds a
         different token than head h' 's: attention is per head, so they never mix); or
         [layers, heads, n]. The two tables must not share a block."""
+        self._whole_blocks()
         bs = self.block_size
         src = torch.tensor(src_table, dtype=torch.long)
         n = keep.shape[-1]

@@ -49,15 +49,13 @@ class AttentionMetadata:
     prefills: list[SequenceSlice]
     decodes: list[SequenceSlice]
     num_prefill_tokens: int
+    # Per-group tables (a hybrid layout, KVTensorPool.page_groups): group g's own metadata
+    # (its slots and block tables; self is groups[0]); layer l reads groups[pool.layer_group[l]].
+    groups: list[AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + len(self.decodes)
-
-
-def first_visible(query_pos: int, window: int | None) -> int:
-    """The first key position a query at `query_pos` attends to (0 without a window)."""
-    return 0 if window is None else max(0, query_pos - window + 1)
 
 
 class AttentionBackend(ABC):
@@ -95,11 +93,26 @@ class AttentionBackend(ABC):
 
     def bind(self, meta: AttentionMetadata) -> AttentionFn:
         """The attention function the model calls for this step."""
+        if meta.groups is not None:
+            return self._bind_groups(meta.groups)
         state = self.prepare(meta)
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
             return self.forward(layer_idx, q, k, v, meta, state)
+
+        return attend
+
+    def _bind_groups(self, metas: list[AttentionMetadata]) -> AttentionFn:
+        """Per-group tables: each group's step state is prepared once, and each layer attends
+        with its group's (same backend code: a group is an ordinary paged cache)."""
+        states = [self.prepare(m) for m in metas]
+        layer_group = self.pool.layer_group
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            g = layer_group[layer_idx]
+            return self.forward(layer_idx, q, k, v, metas[g], states[g])
 
         return attend
 

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.quant import KIVIStep, ResidualAt
+from kvserve.kv.spec import first_needed_block, first_visible
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
-from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
-                                          first_visible)
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 
 
 @dataclass
@@ -299,7 +299,7 @@ def _block_span(first_query: int, seq_len: int, window: int | None, block_size: 
                 ) -> tuple[int, int]:
     """[first, last) indices into a block table: the blocks holding a key that some query at
     positions >= `first_query` can see, up to the end of a sequence of `seq_len` tokens."""
-    return first_visible(first_query, window) // block_size, _ceil_div(seq_len, block_size)
+    return first_needed_block(first_query, window, block_size), _ceil_div(seq_len, block_size)
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

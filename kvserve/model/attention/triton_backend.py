@@ -69,7 +69,8 @@ class TritonAttentionBackend(AttentionBackend):
                              "use attention_backend='torch' on the CPU")
         self.num_kv_heads = pool.codecs[0].heads
         self.head_dim = pool.codecs[0].head_dim
-        self._pointer_table = None if pool.quantized else tk.cache_pointer_table(self.kv_caches)
+        # Each tensor once: under page groups (a hybrid layout) layers share them.
+        self._pointer_table = None if pool.quantized else tk.cache_pointer_table(pool.storage())
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> TritonStepState:
@@ -147,7 +148,7 @@ class TritonAttentionBackend(AttentionBackend):
             return
         s = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
         d = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
-        tk.copy_blocks(self.kv_caches, s, d, self._pointer_table)
+        tk.copy_blocks(self.pool.storage(), s, d, self._pointer_table)
 
 
 def _quant_of(pool: KVTensorPool, layer: int) -> tk.QuantKV:
