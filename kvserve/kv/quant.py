@@ -198,6 +198,7 @@ class KIVIResidual:
         self._release_next: list[int] = []
         self.tensors: list[torch.Tensor] = []  # per layer [capacity, bs, H, D]
         self.capacity = 0
+        self._lut: torch.Tensor | None = None  # block id -> row (-1), rebuilt when rows change
 
     def _take(self) -> int:
         if not self._free:
@@ -219,6 +220,7 @@ class KIVIResidual:
     def copy(self, src: int, dst: int) -> None:
         """Block `dst` is a copy of `src`: it gets a copy of src's row, if src has one."""
         self.drop([dst])
+        self._lut = None
         row = self.rows.get(src)
         if row is None or not self.tensors:
             return
@@ -234,6 +236,7 @@ class KIVIResidual:
             row = self.rows.pop(b, None)
             if row is not None:
                 self._free.append(row)
+                self._lut = None
 
     def drop_unused(self, ref_counts: list[int]) -> None:
         """Let go of the rows of blocks nobody holds any more (a finished or preempted request
@@ -245,6 +248,7 @@ class KIVIResidual:
         in the order of the step's flat tokens."""
         self._free.extend(self._release_next)
         self._release_next = []
+        self._lut = None
         bs = self.block_size
         tiles: list[KeyTile] = []
         tile_of_token: list[int] = []
@@ -272,13 +276,19 @@ class KIVIResidual:
 
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(positions in `blocks` [n] int64, their rows) of the blocks whose keys are in a row
-        (after this step's `plan`), or None. Computed once per step for a gather index."""
+        (after this step's `plan`), or None. Computed once per step for a gather index, from a
+        block -> row table built once per change of `rows` (a step's several windows and its
+        decode tables share it)."""
         if not self.rows or blocks.numel() == 0:
             return None
-        keys = torch.tensor(list(self.rows), dtype=torch.long)
-        lut = torch.full((max(int(keys.max()), int(blocks.max())) + 1,), -1, dtype=torch.long)
-        lut[keys] = torch.tensor(list(self.rows.values()), dtype=torch.long)
-        rows = lut[blocks.cpu()]
+        if self._lut is None:
+            keys = torch.tensor(list(self.rows), dtype=torch.long)
+            self._lut = torch.full((int(keys.max()) + 1,), -1, dtype=torch.long)
+            self._lut[keys] = torch.tensor(list(self.rows.values()), dtype=torch.long)
+        lut = self._lut
+        blocks = blocks.cpu()
+        inside = (blocks >= 0) & (blocks < lut.shape[0])
+        rows = torch.where(inside, lut[blocks.clamp(0, lut.shape[0] - 1)], -1)
         pos = (rows >= 0).nonzero().flatten()
         if pos.numel() == 0:
             return None
