@@ -299,7 +299,7 @@ def attention(args) -> dict:
                 torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables]), [],
                 [SequenceSlice(i, 1, ctx + 1, t) for i, t in enumerate(tables)], 0)
             qkv = [torch.randn(batch, x, d, generator=gen).to(dtype) for x in (h, hkv, hkv)]
-            steps[n] = (TorchAttentionBackend(pool, d ** -0.5), meta, qkv)
+            steps[n] = (TorchAttentionBackend(pool, d ** -0.5, dtype), meta, qkv)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:

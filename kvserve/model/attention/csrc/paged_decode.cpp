@@ -74,29 +74,35 @@ inline uint32_t float_to_bits(float f) {
 
 inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
-// IEEE half -> float without branches (selects the compiler vectorizes) and without producing a
-// float denormal (subnormal halves are an integer times 2^-24; FTZ/DAZ cannot touch them).
+// c ? a : b on bit patterns, written as masks: GCC leaves a `?:` between floats or between
+// shifted integers as control flow and then does not vectorize the loop around it.
+inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return b ^ ((a ^ b) & mask);
+}
+
+// IEEE half -> float without branches and without producing a float denormal (subnormal halves
+// are an integer times 2^-24, converted exactly; FTZ/DAZ cannot touch them).
 inline float f16_to_float(uint32_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
   uint32_t u = (em << 13) + (112u << 23);
-  u = em >= 0x7c00u ? u + (112u << 23) : u;  // inf / nan: exponent 255
-  const float normal = bits_to_float(u);
-  const float f = em < 0x400u ? static_cast<float>(em) * 0x1p-24f : normal;
-  return bits_to_float(float_to_bits(f) | sign);
+  u = pick(em >= 0x7c00u, u + (112u << 23), u);  // inf / nan: exponent 255
+  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
+  return bits_to_float(pick(em < 0x400u, sub, u) | sign);
 }
 
 // fp8 e4m3fn (bias 7, no inf; 0x7f/0xff are NaN, never stored: quantize_fp8 saturates).
-inline float e4m3_to_float(uint8_t c) {
-  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+inline float e4m3_to_float(uint32_t c) {
+  const uint32_t sign = (c & 0x80u) << 24;
   const uint32_t em = c & 0x7fu;
-  const float normal = bits_to_float((em << 20) + (120u << 23));
-  const float f = em < 8u ? static_cast<float>(em) * 0x1p-9f : normal;
-  return bits_to_float(float_to_bits(f) | sign);
+  const uint32_t normal = (em << 20) + (120u << 23);
+  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f);
+  return bits_to_float(pick(em < 8u, sub, normal) | sign);
 }
 
 // fp8 e5m2 is the top byte of an IEEE half.
-inline float e5m2_to_float(uint8_t c) { return f16_to_float(static_cast<uint32_t>(c) << 8); }
+inline float e5m2_to_float(uint32_t c) { return f16_to_float(c << 8); }
 
 // One token row of D values (one KV head) of a float-type cache into buf, or a pointer into
 // the cache itself for float32.
