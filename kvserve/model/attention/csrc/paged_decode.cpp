@@ -131,7 +131,9 @@ inline const float* residual_row(int32_t kind, const void* base, int64_t offset,
 }
 
 // Affine codes of one token row, `groups` groups of D / groups channels, each with an fp16
-// (scale, zero) pair: x = code * scale + zero (kv/quant.py's quantize_affine).
+// (scale, zero) pair: x = code * scale + zero (kv/quant.py's quantize_affine). Packed (int4)
+// rows come out in the nibble order (see `nibble_order`): byte i's low nibble at i, its high
+// one at D / 2 + i.
 template <bool Packed>
 inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int64_t groups,
                        float* buf) {
@@ -139,21 +141,30 @@ inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int6
   for (int64_t g = 0; g < groups; ++g) {
     const float s = f16_to_float(sz[2 * g]);
     const float z = f16_to_float(sz[2 * g + 1]);
-    float* o = buf + g * width;
     if constexpr (Packed) {
-      const uint8_t* c = codes + g * width / 2;
+      const int64_t at = g * width / 2;
+      const uint8_t* c = codes + at;
+      float* lo = buf + at;
+      float* hi = buf + D / 2 + at;
 #pragma omp simd
       for (int64_t i = 0; i < width / 2; ++i) {
-        o[2 * i] = static_cast<float>(c[i] & 0x0f) * s + z;
-        o[2 * i + 1] = static_cast<float>(c[i] >> 4) * s + z;
+        lo[i] = static_cast<float>(c[i] & 0x0f) * s + z;
+        hi[i] = static_cast<float>(c[i] >> 4) * s + z;
       }
     } else {
       const uint8_t* c = codes + g * width;
+      float* o = buf + g * width;
 #pragma omp simd
       for (int64_t d = 0; d < width; ++d) o[d] = static_cast<float>(c[d]) * s + z;
     }
   }
 }
+
+// int4 rows are decoded in nibble order, channel d at nibble_order(d): the even channels (low
+// nibbles) first, then the odd ones, so that unpacking writes two contiguous runs instead of
+// interleaving (which does not vectorize). A dot product does not care about the order as long
+// as q is in the same one, and the value accumulator is put back in channel order at the end.
+inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
 
 template <int K>
 void decode(const Args& a) {
@@ -179,7 +190,8 @@ void decode(const Args& a) {
         m[g] = -INFINITY;
         l[g] = 0.f;
         for (int64_t d = 0; d < D; ++d) {
-          qs[g * D + d] = qrow[g * D + d] * q_mul;
+          const int64_t at = K == INT4 ? nibble_order(d, D) : d;
+          qs[g * D + at] = qrow[g * D + d] * q_mul;
           acc[g * D + d] = 0.f;
         }
       }
@@ -199,8 +211,8 @@ void decode(const Args& a) {
           if (res_row < 0) {
             const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
             for (int64_t d = 0; d < D; ++d) {
-              ks[d] = f16_to_float(sz[2 * d]);
-              kz[d] = f16_to_float(sz[2 * d + 1]);
+              ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
+              kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
             }
           }
         }
@@ -223,18 +235,20 @@ void decode(const Args& a) {
                               kbuf);
             krow = kbuf;
           } else {  // INT4 keys: per channel over the block, or the residual row
-            if (res_row >= 0) {
-              krow = residual_row(a.res_kind, a.k_res, ((res_row * bs + t) * Hkv + hk) * D, D,
-                                  kbuf);
+            if (res_row >= 0) {  // exact keys in channel order: into nibble order
+              const float* r = residual_row(a.res_kind, a.k_res,
+                                            ((res_row * bs + t) * Hkv + hk) * D, D, vbuf);
+              for (int64_t d = 0; d < D; ++d) kbuf[nibble_order(d, D)] = r[d];
             } else {
               const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+              const int64_t half = D / 2;
 #pragma omp simd
-              for (int64_t i = 0; i < D / 2; ++i) {
-                kbuf[2 * i] = static_cast<float>(c[i] & 0x0f) * ks[2 * i] + kz[2 * i];
-                kbuf[2 * i + 1] = static_cast<float>(c[i] >> 4) * ks[2 * i + 1] + kz[2 * i + 1];
+              for (int64_t i = 0; i < half; ++i) {
+                kbuf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
+                kbuf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
               }
-              krow = kbuf;
             }
+            krow = kbuf;
           }
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qs + g * D;
@@ -291,7 +305,8 @@ void decode(const Args& a) {
       float* orow = a.out + (s * H + hk * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float inv = l[g] > 0.f ? a.v_scale / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d)
+          orow[g * D + d] = acc[g * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
       }
     }
   }
