@@ -5,6 +5,13 @@ tensor each layer of each step and then runs SDPA over it with a length mask: th
 was 16% of a batch-64 decode step. This kernel walks each sequence's block table instead, with
 an online softmax, so every cached K/V byte is read once and nothing is written but the output.
 
+It reads every storage format of kv/quant.py in place (`paged_kv` maps a layer's codec and parts
+to the kernel's arguments): float32, bfloat16, float16, fp8 e4m3 / e5m2 (per-layer scales folded
+into q and the output), int8 (fp16 scale and zero per token, head and group) and int4 (KIVI:
+keys per channel per block, values per token, and the residual rows of the blocks still
+filling), decoding one token row at a time in registers / L1; and a first visible position per
+sequence serves sliding-window layers.
+
 The kernel is plain C++ with a C ABI, compiled at first use with the machine's compiler
 (`$CXX`, else `c++`/`g++`; -O3 -march=native -fopenmp) into `$KVSERVE_CACHE_DIR/ext/`, one
 library per source, flags, compiler and CPU, and loaded with ctypes. Not a torch extension:
