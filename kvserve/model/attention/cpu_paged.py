@@ -151,6 +151,8 @@ def paged_kv(codec: KVCodec, parts: tuple[torch.Tensor, ...], layer: int) -> Pag
         ks, vs = codec.scales.get(layer)
         return PagedKV(FP8_KINDS[codec.fp8], k, parts[1], d, k_scale=ks, v_scale=vs)
     if isinstance(codec, Int4KIVICodec):
+        if (d // codec.groups) % 2:  # a group's codes would not start on a byte
+            return None
         tensors = codec.residual.tensors
         residual = tensors[layer] if tensors else None
         if residual is not None and residual.dtype not in FLOAT_KINDS:
