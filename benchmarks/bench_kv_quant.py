@@ -299,7 +299,7 @@ def attention(args) -> dict:
                 torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables]), [],
                 [SequenceSlice(i, 1, ctx + 1, t) for i, t in enumerate(tables)], 0)
             qkv = [torch.randn(batch, x, d, generator=gen).to(dtype) for x in (h, hkv, hkv)]
-            steps[n] = (TorchAttentionBackend(pool, d ** -0.5), meta, qkv)
+            steps[n] = (TorchAttentionBackend(pool, d ** -0.5, dtype), meta, qkv)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
@@ -308,15 +308,21 @@ def attention(args) -> dict:
                 backend.bind(meta)(0, q, k, v)
                 times[n].append(time.perf_counter() - t0)
         base = statistics.median(times[names[0]])
+        low = min(times[names[0]])
         out[f"{batch}x{ctx}"] = {n: {"median_ms": 1e3 * statistics.median(t),
-                                     "vs_auto": statistics.median(t) / base}
+                                     "vs_auto": statistics.median(t) / base,
+                                     "min_ms": 1e3 * min(t), "min_vs_auto": min(t) / low}
                                  for n, t in times.items()}
         del steps
     print(machine())
     print(f"one layer's decode attention, torch backend, {args.dtype}, H {h} / Hkv {hkv}, "
-          f"D {d}, block {bs}; {args.rounds} interleaved rounds, median ms (x auto's time)")
+          f"D {d}, block {bs}; {args.rounds} interleaved rounds, median ms (x auto's time), "
+          f"then the minimum (the least disturbed sample on a loaded machine); load average "
+          f"{os.getloadavg()[0]:.1f}")
     for case, rows in out.items():
         print(f"  {case:<10}" + "  ".join(f"{n} {r['median_ms']:.2f} ({r['vs_auto']:.2f}x)"
+                                          for n, r in rows.items()))
+        print(f"  {'min':<10}" + "  ".join(f"{n} {r['min_ms']:.2f} ({r['min_vs_auto']:.2f}x)"
                                           for n, r in rows.items()))
     return out
 
@@ -344,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--long-context", type=int, default=4096)
     c.add_argument("--steps", type=int, default=8)
     c.add_argument("--rounds", type=int, default=5)
+    c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.what == "accuracy":
         args.dtype = args.dtype or "float32"
         if args.only and "auto" not in args.only:

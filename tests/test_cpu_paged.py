@@ -14,6 +14,9 @@ import torch
 from helpers import pool_over
 from reference_attention import reference_paged_attention
 
+from kvserve.kv.block_pool import NULL_BLOCK
+from kvserve.kv.spec import KVStorage, decoder_kv_spec
+from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
@@ -93,9 +96,178 @@ def test_backend_kernel_matches_gather_path(dtype):
 
 
 def test_unsupported_caches_fall_back():
-    """float16 (and any quantized storage) keeps the gather path."""
-    assert not cpu_paged.PagedDecodeKernel.supports(torch.zeros(4, 16, 2, 8,
-                                                                dtype=torch.float16))
-    assert not cpu_paged.PagedDecodeKernel.supports(torch.zeros(4, 16, 2, 8,
-                                                                dtype=torch.int8))
-    assert cpu_paged.PagedDecodeKernel.supports(torch.zeros(4, 16, 2, 8))
+    """Integer tensors and caches off the CPU or beyond the kernel's buffers keep the gather
+    path; the float types are read in place."""
+    supports = cpu_paged.PagedDecodeKernel.supports
+    assert not supports(torch.zeros(4, 16, 2, 8, dtype=torch.int8))
+    assert not supports(torch.zeros(4, 512, 2, 8))  # block beyond MAX_BLOCK_SIZE
+    assert not supports(torch.zeros(4, 16, 2, 8)[:, :, :, :4])  # not contiguous
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert supports(torch.zeros(4, 16, 2, 8, dtype=dtype))
+
+
+# -- quantized and float storage formats, read in place ---------------------------------------
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8_e5m2", "int8", "int4"]
+
+
+def _filled_pool(name, hkv, d, bs, lens, seed=0, group_size=None):
+    """A one-layer pool of format `name` holding sequences of `lens` tokens (random K/V stored
+    through the pool's codec in one step, as a prefill does), their block tables (scattered
+    blocks) and one spare block. fp8 gets scales other than 1 so that a kernel ignoring them
+    fails."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    storage = KVStorage(name, group_size=group_size,
+                        key_group_tokens=bs if name == "int4" else None)
+    spec = decoder_kv_spec(1, hkv, d, storage, bs)
+    scales = torch.tensor([[0.5, 2.0]]) if name in FP8 else None
+    pool = KVTensorPool(spec, num_blocks, kv_scales=scales)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used, writes, slots = [], 0, [], []
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[used: used + need])
+        used += need
+        writes.append((tables[-1], 0, n))
+        slots += [tables[-1][p // bs] * bs + p % bs for p in range(n)]
+    total = sum(lens)
+    k = torch.randn(total, hkv, d, generator=g) * 2
+    k[:, :, 3] += 6  # an outlier channel, as keys have
+    v = torch.randn(total, hkv, d, generator=g)
+    if name == "int4":  # a bf16 model: the residual rows are bf16, not the kernel's float32
+        k, v = k.bfloat16(), v.bfloat16()
+    step = pool.begin_step(writes, total)
+    pool.store(0, k, v, torch.tensor(slots), step)
+    return pool, tables, perm[used]
+
+
+def _unpack(packed):
+    return torch.stack([packed & 0x0F, packed >> 4], -1).flatten(-2)
+
+
+def _affine(codes, sz):
+    """x = code * scale + zero per group (kv/quant.py's documented formula), fp16 sz."""
+    *lead, width = codes.shape
+    groups = sz.shape[-2]
+    c = codes.float().reshape(*lead, groups, width // groups)
+    return (c * sz[..., 0:1].float() + sz[..., 1:2].float()).reshape(*lead, width)
+
+
+def _dequantized(pool, name):
+    """The whole layer dequantized in plain PyTorch from the formats' definitions (torch's own
+    float8 casts, the affine formula, KIVI's per-channel keys and residual rows): [blocks, bs,
+    Hkv, D] float32 K and V."""
+    parts = pool.layers[0]
+    if name in ("fp32", "bf16", "fp16"):
+        return parts[0].float(), parts[1].float()
+    if name in FP8:
+        ks, vs = pool.scales.values[0].tolist()
+        return (parts[0].view(FP8[name]).float() * ks, parts[1].view(FP8[name]).float() * vs)
+    if name == "int8":
+        return _affine(parts[0], parts[2]), _affine(parts[1], parts[3])
+    v = _affine(_unpack(parts[1]), parts[3])
+    sz = parts[2].float()  # [blocks, Hkv, D, 2]: per channel over the block's tokens
+    k = _unpack(parts[0]).float() * sz[:, None, :, :, 0] + sz[:, None, :, :, 1]
+    for block, row in pool.residual.rows.items():  # blocks still filling: exact keys
+        k[block] = pool.residual.tensors[0][row].float()
+    return k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("window", [None, 12])
+def test_kernel_reads_every_format_like_the_reference(name, bs, window):
+    """The kernel on the pool's own parts (codes and scales in place) equals softmax attention
+    over K/V dequantized by the formats' definitions; GQA, sequences ending mid-block and on a
+    block boundary, int8 with two scale groups per vector, int4 with the filling blocks' keys in
+    the residual. With a window, the table entries wholly before it point at a block of NaN
+    (as released NULL_BLOCK entries point at nothing): a kernel that read one fails."""
+    h, hkv, d = 8, 2, 32
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 41]
+    pool, tables, spare = _filled_pool(name, hkv, d, bs, lens, seed=bs,
+                                       group_size=16 if name in ("int8", "int4") else None)
+    kd, vd = _dequantized(pool, name)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(7))
+    starts = [0 if window is None else max(0, n - window) for n in lens]
+    read = [[b if i >= st // bs else spare for i, b in enumerate(t)]
+            for t, st in zip(tables, starts)]
+    for part in pool.layers[0]:
+        part[spare].view(torch.uint8).fill_(0xFF)  # NaN in every format (codes, scales)
+    assert _dequantized(pool, name)[0][spare].isnan().any() or name in ("int4",)
+    width = max(len(t) for t in read)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in read])
+    res_rows = None
+    if name == "int4":
+        res_rows = torch.tensor([[pool.residual.rows.get(b, -1) for b in t] for t in
+                                 table_t.tolist()])
+    kv = cpu_paged.paged_kv(pool.codecs[0], pool.layers[0], 0)
+    out = kernel(q, kv, None, table_t, torch.tensor(lens), 0.125,
+                 starts=None if window is None else torch.tensor(starts), res_rows=res_rows)
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        ref = reference_paged_attention(q[i: i + 1], kd, vd, tables[i], n, 0.125, window)[0]
+        torch.testing.assert_close(out[i], ref, atol=3e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4", "bf16"])
+def test_backend_decodes_through_the_kernel_like_the_gather_path(name):
+    """A decode step of a one-layer sliding-window pool (window 12, block 5) with NULL_BLOCK
+    entries before the window, through TorchAttentionBackend with the kernel and with the
+    gather path: the same output (the kernel's dequantization equals the codec's)."""
+    hkv, d, bs, window = 2, 32, 5, 12
+    lens = [3, 14, 29]  # the new token lands in the last held block (no block to add)
+    outs = []
+    for use_kernel in (True, False):
+        pool, tables, _ = _filled_pool(name, hkv, d, bs, [n - 1 for n in lens], seed=4)
+        tables = [[NULL_BLOCK if i < max(0, n - window) // bs else b for i, b in enumerate(t)]
+                  for t, n in zip(tables, lens)]
+        model = torch.bfloat16 if name == "int4" else torch.float32  # as _filled_pool
+        backend = TorchAttentionBackend(pool, 0.2, model)
+        backend.windows = [window]  # the layer slides (the pool's spec is full attention)
+        assert backend.paged_kernel is not None and backend.through_codec  # bf16: a cast
+        if not use_kernel:
+            backend.paged_kernel = None
+        g = torch.Generator().manual_seed(9)
+        q = torch.randn(len(lens), 8, d, generator=g).to(model)
+        new_k, new_v = (torch.randn(len(lens), hkv, d, generator=g).to(model) for _ in "kv")
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+        meta = AttentionMetadata(torch.tensor(slots), [],
+                                 [SequenceSlice(i, 1, n, t) for i, (t, n) in
+                                  enumerate(zip(tables, lens))], 0)
+        state = backend.prepare(meta)
+        assert (state.by_window[window].paged is not None) == use_kernel
+        outs.append(backend.forward(0, q, new_k, new_v, meta, state))
+    tol = 1e-2 if name == "int4" else 2e-5  # int4: outputs rounded to bf16
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache,model", [(torch.float32, torch.bfloat16),
+                                         (torch.bfloat16, torch.float32)],
+                         ids=["fp32-cache-bf16-model", "bf16-cache-fp32-model"])
+def test_kernel_reads_a_float_cache_of_another_dtype_than_the_model(cache, model):
+    """The backend is told the model's dtype: K/V are cast into the cache by the codec and the
+    kernel reads the cache in its own dtype; the output equals the reference over the cache's
+    values, in the model's dtype. A backend told nothing refuses K/V of another dtype."""
+    hkv, d, bs = 2, 16, 4
+    lens = [6, 13]
+    q, k, v, tables = _case(cache, 8, hkv, d, bs, lens, seed=2)
+    new_k, new_v = torch.randn(2, hkv, d).to(model), torch.randn(2, hkv, d).to(model)
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    meta = AttentionMetadata(torch.tensor(slots), [], [SequenceSlice(i, 1, n, tables[i])
+                                                       for i, n in enumerate(lens)], 0)
+    storage = KVStorage({torch.float32: "fp32", torch.bfloat16: "bf16"}[cache])
+    pool = KVTensorPool.wrap(decoder_kv_spec(1, hkv, d, storage, bs), [(k, v)])
+    backend = TorchAttentionBackend(pool, 0.25, model)
+    assert backend.through_codec and backend.paged_kernel is not None
+    out = backend.bind(meta)(0, q.to(model), new_k, new_v)
+    assert out.dtype == model
+    assert torch.equal(k.view(-1, hkv, d)[slots], new_k.to(cache))
+    for i, n in enumerate(lens):
+        ref = reference_paged_attention(q[i: i + 1].to(model), k, v, tables[i], n, 0.25)[0]
+        torch.testing.assert_close(out[i].float(), ref, atol=1e-2, rtol=0)
+    with pytest.raises(ValueError, match="built for"):
+        TorchAttentionBackend(pool, 0.25).bind(meta)(0, q.to(model), new_k, new_v)

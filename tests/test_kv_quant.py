@@ -29,6 +29,7 @@ import kvserve
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
+from kvserve.model.attention import cpu_paged
 
 MODEL = Path(kvserve.__file__).parent / "models" / "stdlib-coder"
 QUANTIZED = ["fp8", "fp8_e5m2", "int8", "int4"]
@@ -148,12 +149,13 @@ def test_int4_decode_fills_a_block_then_quantizes_it_once():
     assert not pool.residual.rows
 
 
-def test_pool_bytes_follow_the_spec():
-    """What the pool allocates per block is exactly the spec's bytes (scales included)."""
+def test_pool_allocates_the_textbook_bytes():
+    """What the pool allocates is the bytes counted by hand from the formats (codes, scales and
+    zero points), not whatever its own spec says."""
     for name in ["bf16", *QUANTIZED]:
-        pool = _pool(name, blocks=5)
+        pool = _pool(name, heads=2, head_dim=64, layers=2, blocks=5)
         allocated = sum(t.numel() * t.element_size() for layer in pool.layers for t in layer)
-        assert allocated == 5 * pool.spec.bytes_per_block, name
+        assert allocated == 5 * BS * _textbook_bytes_per_token(name, 2, 2, 64), name
 
 
 def test_unknown_kv_cache_dtype_is_refused_with_the_list():
@@ -251,8 +253,23 @@ NEW_TOKENS = 40
 TOLERANCE = 5e-3
 
 
+def _paged_decode_calls(llm) -> list:
+    """The backend's decodes through the paged C++ kernel: the number of sequences of each
+    layer call."""
+    backend, calls = llm.engine.backend, []
+    inner = backend._decode_paged
+
+    def counted(*args):
+        calls.append(len(args[3].decodes))  # (layer, q, out, meta, paged)
+        return inner(*args)
+
+    backend._decode_paged = counted
+    return calls
+
+
 def _check_against_reference(model, llm, prompts, name):
     scales = None
+    kernel_calls = _paged_decode_calls(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1,
                                        ignore_eos=True), use_tqdm=False)
@@ -278,6 +295,9 @@ def _check_against_reference(model, llm, prompts, name):
             worst = max(worst, abs(engine_lp - float(logprobs[i, token])))
             effect = max(effect, abs(float(exact[i, token] - logprobs[i, token])))
     print(f"{name}: engine vs reference {worst:.2e}, quantization's own effect {effect:.2e}")
+    if cpu_paged.load_kernel() is not None:  # every layer's decodes went through the kernel
+        layers = len(llm.engine.tensors.layers)
+        assert sum(kernel_calls) == layers * len(prompts) * (NEW_TOKENS - 1), name
     assert worst < TOLERANCE, (name, worst)
     return worst, effect
 
@@ -406,10 +426,14 @@ def test_fp8_without_scales_warns(kvserve_log):
 
 
 # -- 3. capacity ----------------------------------------------------------------------------
-def _textbook_bytes_per_token(name: str) -> int:
+def _textbook_bytes_per_token(name: str, layers: int | None = None, heads: int | None = None,
+                              d: int | None = None) -> int:
+    """Bytes of one token's K and V in every layer, counted from the formats' definitions
+    (the trained model's shapes unless given)."""
     cfg = json.loads((MODEL / "config.json").read_text())
-    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers = layers or cfg["num_hidden_layers"]
+    heads = heads or cfg["num_key_value_heads"]
+    d = d or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_head = {"bf16": 2 * 2 * d, "fp8": 2 * d, "fp8_e5m2": 2 * d,
                 "int8": 2 * (d + 4),  # codes + fp16 scale and zero per vector
                 # values as int8 at 4 bits; keys: 4 bits + per channel scale/zero over 16 tokens

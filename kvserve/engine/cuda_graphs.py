@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvserve.model.attention.base import AttentionMetadata
+from kvserve.model.attention.base import AttentionMetadata, padded_block_tables
 from kvserve.model.attention.triton_backend import (DecodeState, TritonAttentionBackend,
                                                      TritonStepState)
 from kvserve.model.attention.triton_kernels import decode_splits
@@ -134,10 +134,8 @@ class CUDAGraphRunner:
         host[0:2, n:] = 0
         host[2, n:] = -1
         host[3, n:] = 1
-        used = [-(-s.seq_len // bsz) for s in meta.decodes]
-        width = max(used)
-        tables = torch.tensor([[max(b, 0) for b in s.block_table[:u]] + [0] * (width - u)
-                               for s, u in zip(meta.decodes, used)], dtype=torch.int32)
+        tables = torch.tensor(padded_block_tables(meta.decodes, bsz), dtype=torch.int32)
+        width = tables.shape[1]
         self._inputs[:, :bs].copy_(host, non_blocking=True)
         self._tables[:n, :width].copy_(tables, non_blocking=True)
         self._replay(bs)

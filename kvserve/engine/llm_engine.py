@@ -89,7 +89,7 @@ class LLMEngine:
         self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
                                     *self._kv_scales(model_dir), page_groups=self.page_groups)
         self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.attention_scale)
+                                              self.model_config.attention_scale, self.dtype)
         self.tiers = self._make_tiers(model_dir)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy,

@@ -179,8 +179,13 @@ class KIVIStep:
     """What one step does to int4 keys, decided once for every layer (`KIVIResidual.plan`)."""
 
     tiles: list[KeyTile]
-    tile_of_token: torch.Tensor  # [T] tile index of each new token (-1: not stored)
+    tile_of_token: torch.Tensor  # [T] tile index of each new token (-1: not stored / direct)
     offset_of_token: torch.Tensor  # [T] its offset in the block
+    # Tokens appended to a row that already holds their block's earlier keys and stays open
+    # (a decode's usual case): written straight into the row, slot row * block_size + offset,
+    # without a tile.
+    direct_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    direct_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 class KIVIResidual:
@@ -198,6 +203,7 @@ class KIVIResidual:
         self._release_next: list[int] = []
         self.tensors: list[torch.Tensor] = []  # per layer [capacity, bs, H, D]
         self.capacity = 0
+        self._lut: torch.Tensor | None = None  # block id -> row (-1), rebuilt when rows change
 
     def _take(self) -> int:
         if not self._free:
@@ -219,6 +225,7 @@ class KIVIResidual:
     def copy(self, src: int, dst: int) -> None:
         """Block `dst` is a copy of `src`: it gets a copy of src's row, if src has one."""
         self.drop([dst])
+        self._lut = None
         row = self.rows.get(src)
         if row is None or not self.tensors:
             return
@@ -234,6 +241,7 @@ class KIVIResidual:
             row = self.rows.pop(b, None)
             if row is not None:
                 self._free.append(row)
+                self._lut = None
 
     def drop_unused(self, ref_counts: list[int]) -> None:
         """Let go of the rows of blocks nobody holds any more (a finished or preempted request
@@ -245,10 +253,13 @@ class KIVIResidual:
         in the order of the step's flat tokens."""
         self._free.extend(self._release_next)
         self._release_next = []
+        self._lut = None
         bs = self.block_size
         tiles: list[KeyTile] = []
         tile_of_token: list[int] = []
         offset_of_token: list[int] = []
+        direct_tokens: list[int] = []
+        direct_slots: list[int] = []
         for table, start, end in writes:
             for j in range(start // bs, (end - 1) // bs + 1):
                 lo, hi = max(start, j * bs) - j * bs, min(end, (j + 1) * bs) - j * bs
@@ -263,22 +274,35 @@ class KIVIResidual:
                 else:
                     dest = row if row is not None else self._take()
                     self.rows[block] = dest
-                tile_of_token += [len(tiles)] * (hi - lo)
+                if base_row >= 0 and base_row == dest:  # an open row continues: no tile
+                    direct_tokens += range(len(tile_of_token), len(tile_of_token) + hi - lo)
+                    direct_slots += range(dest * bs + lo, dest * bs + hi)
+                    tile_of_token += [-1] * (hi - lo)
+                else:
+                    tile_of_token += [len(tiles)] * (hi - lo)
+                    tiles.append(KeyTile(block, base_row, lo > 0 and row is None, complete, dest))
                 offset_of_token += range(lo, hi)
-                tiles.append(KeyTile(block, base_row, lo > 0 and row is None, complete, dest))
         pad = slot_count - len(tile_of_token)  # rows that store nothing (none in the engine)
         return KIVIStep(tiles, torch.tensor(tile_of_token + [-1] * pad, dtype=torch.long),
-                        torch.tensor(offset_of_token + [0] * pad, dtype=torch.long))
+                        torch.tensor(offset_of_token + [0] * pad, dtype=torch.long),
+                        torch.tensor(direct_tokens, dtype=torch.long),
+                        torch.tensor(direct_slots, dtype=torch.long))
 
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(positions in `blocks` [n] int64, their rows) of the blocks whose keys are in a row
-        (after this step's `plan`), or None. Computed once per step for a gather index."""
+        (after this step's `plan`), or None. Computed once per step for a gather index, from a
+        block -> row table built once per change of `rows` (a step's several windows and its
+        decode tables share it)."""
         if not self.rows or blocks.numel() == 0:
             return None
-        keys = torch.tensor(list(self.rows), dtype=torch.long)
-        lut = torch.full((max(int(keys.max()), int(blocks.max())) + 1,), -1, dtype=torch.long)
-        lut[keys] = torch.tensor(list(self.rows.values()), dtype=torch.long)
-        rows = lut[blocks.cpu()]
+        if self._lut is None:
+            keys = torch.tensor(list(self.rows), dtype=torch.long)
+            self._lut = torch.full((int(keys.max()) + 1,), -1, dtype=torch.long)
+            self._lut[keys] = torch.tensor(list(self.rows.values()), dtype=torch.long)
+        lut = self._lut
+        blocks = blocks.cpu()
+        inside = (blocks >= 0) & (blocks < lut.shape[0])
+        rows = torch.where(inside, lut[blocks.clamp(0, lut.shape[0] - 1)], -1)
         pos = (rows >= 0).nonzero().flatten()
         if pos.numel() == 0:
             return None
@@ -454,9 +478,14 @@ class Int4KIVICodec(Int8Codec):
         self._store_keys(layer, parts, k, step)
 
     def _store_keys(self, layer: int, parts, k: torch.Tensor, step: KIVIStep) -> None:
+        res = self.residual
+        if step.direct_tokens.numel():
+            rows = res.tensors[layer]  # exists: these rows held keys before this step
+            rows.view(-1, self.heads, self.head_dim).index_copy_(
+                0, step.direct_slots.to(k.device), k.index_select(0, step.direct_tokens.to(
+                    k.device)).to(rows.dtype))
         if not step.tiles:
             return
-        res = self.residual
         res.ensure_storage(k.dtype, k.device)
         rows = res.tensors[layer]
         n, bs = len(step.tiles), self.block_size

@@ -58,6 +58,21 @@ class AttentionMetadata:
         return self.num_prefill_tokens + len(self.decodes)
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_block_tables(seqs: list[SequenceSlice], block_size: int) -> list[list[int]]:
+    """Each sequence's block table cut to the blocks its `seq_len` tokens use, zero-padded to
+    the widest: the rectangular table the decode kernels take. Released entries (NULL_BLOCK,
+    before a sliding window) become 0 too, so every id is valid; the kernels never read them,
+    nor the padding."""
+    used = [ceil_div(s.seq_len, block_size) for s in seqs]
+    width = max(used, default=0)
+    return [[max(b, 0) for b in s.block_table[:n]] + [0] * (width - n)
+            for s, n in zip(seqs, used)]
+
+
 class AttentionBackend(ABC):
     """Computes attention over the KV tensor pool's per-layer (K, V) tensors; owns no storage."""
 

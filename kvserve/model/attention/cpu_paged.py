@@ -5,6 +5,13 @@ tensor each layer of each step and then runs SDPA over it with a length mask: th
 was 16% of a batch-64 decode step. This kernel walks each sequence's block table instead, with
 an online softmax, so every cached K/V byte is read once and nothing is written but the output.
 
+It reads every storage format of kv/quant.py in place (`paged_kv` maps a layer's codec and parts
+to the kernel's arguments): float32, bfloat16, float16, fp8 e4m3 / e5m2 (per-layer scales folded
+into q and the output), int8 (fp16 scale and zero per token, head and group) and int4 (KIVI:
+keys per channel per block, values per token, and the residual rows of the blocks still
+filling), decoding one token row at a time in registers / L1; and a first visible position per
+sequence serves sliding-window layers.
+
 The kernel is plain C++ with a C ABI, compiled at first use with the machine's compiler
 (`$CXX`, else `c++`/`g++`; -O3 -march=native -fopenmp) into `$KVSERVE_CACHE_DIR/ext/`, one
 library per source, flags, compiler and CPU, and loaded with ctypes. Not a torch extension:
@@ -25,22 +32,28 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvserve.kv.quant import FP8Codec, Int4KIVICodec, Int8Codec, KVCodec
 from kvserve.model.cpu_features import cpu_info
 
 logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Limits of the kernel's fixed per-thread buffers (see the .cpp file).
 MAX_GROUP = 64
 MAX_GROUP_DIM = 16384
 MAX_BLOCK_SIZE = 256
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 1024
+# The kernel's storage kinds (`Kind` in the .cpp file).
+F32, BF16, F16, FP8_E4M3, FP8_E5M2, INT8, INT4 = range(7)
+FLOAT_KINDS = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
+FP8_KINDS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
 
 
 def _cache_root() -> Path:
@@ -94,6 +107,69 @@ def build_library() -> Path:
     return out
 
 
+class _Args(ctypes.Structure):
+    """`Args` of the .cpp file, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("q", "k", "v", "k_sz", "v_sz", "k_res", "res_rows", "tables", "starts", "lens",
+                 "out")] \
+        + [(name, ctypes.c_int64) for name in
+           ("q_stride", "table_stride", "n", "H", "Hkv", "D", "block_size", "groups")] \
+        + [("kind", ctypes.c_int32), ("res_kind", ctypes.c_int32)] \
+        + [(name, ctypes.c_float) for name in ("scale", "k_scale", "v_scale")]
+
+
+@dataclass
+class PagedKV:
+    """One layer's cache as the kernel reads it: the pool's own tensors (never a copy) and how
+    to decode them (`paged_kv`)."""
+
+    kind: int
+    k: torch.Tensor  # [blocks, block_size, Hkv, D] (int4: D / 2 bytes)
+    v: torch.Tensor
+    head_dim: int
+    k_sz: torch.Tensor | None = None  # int8/int4 fp16 (scale, zero) parts
+    v_sz: torch.Tensor | None = None
+    groups: int = 1
+    k_scale: float = 1.0  # fp8's per-layer scales
+    v_scale: float = 1.0
+    residual: torch.Tensor | None = None  # int4: the layer's KIVI residual rows
+
+
+def paged_kv(codec: KVCodec, parts: tuple[torch.Tensor, ...], layer: int) -> PagedKV | None:
+    """How the kernel reads a layer stored by `codec` in `parts`, or None where it cannot (a
+    device other than the CPU, a latent cache, sizes beyond its buffers): then the backend
+    gathers. The layouts are kv/quant.py's; fp8's scales are read at each call (the first batch
+    may calibrate them)."""
+    k = parts[0]
+    if k.device.type != "cpu" or len(parts) < 2 or not all(p.is_contiguous() for p in parts):
+        return None
+    d = codec.head_dim
+    if k.dim() != 4 or k.shape[1] > MAX_BLOCK_SIZE or d > MAX_HEAD_DIM or codec.heads <= 0:
+        return None
+    if isinstance(codec, FP8Codec):
+        ks, vs = codec.scales.get(layer)
+        return PagedKV(FP8_KINDS[codec.fp8], k, parts[1], d, k_scale=ks, v_scale=vs)
+    if isinstance(codec, Int4KIVICodec):
+        if (d // codec.groups) % 2:  # a group's codes would not start on a byte
+            return None
+        tensors = codec.residual.tensors
+        residual = tensors[layer] if tensors else None
+        if residual is not None and residual.dtype not in FLOAT_KINDS:
+            return None
+        return PagedKV(INT4, k, parts[1], d, parts[2], parts[3], codec.groups,
+                       residual=residual)
+    if isinstance(codec, Int8Codec):
+        return PagedKV(INT8, k, parts[1], d, parts[2], parts[3], codec.groups)
+    if codec.quantized or k.dtype not in FLOAT_KINDS or k.shape[-1] != d:
+        return None
+    return PagedKV(FLOAT_KINDS[k.dtype], k, parts[1], d)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 class PagedDecodeKernel:
     """The loaded library; `__call__` runs one layer's decode attention for a batch."""
 
@@ -102,9 +178,7 @@ class PagedDecodeKernel:
         if lib.kvserve_paged_decode_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path} has a different ABI version")
         fn = lib.kvserve_paged_decode
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64,
-                       i64, i64, ctypes.c_float]
+        fn.argtypes = [ctypes.POINTER(_Args)]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._lib = lib  # keeps the library loaded
@@ -112,46 +186,59 @@ class PagedDecodeKernel:
 
     @staticmethod
     def supports(k_cache: torch.Tensor) -> bool:
-        """Whether a cache of this dtype and shape ([blocks, block_size, Hkv, D]) fits the
-        kernel: unquantized float32 / bfloat16, contiguous, on the CPU, block size and head
-        dim within its buffers. (A query-head group above MAX_GROUP, which no released model
-        has, is refused with a ValueError at the call.)"""
-        if k_cache.device.type != "cpu" or k_cache.dtype not in KV_DTYPES:
+        """Whether an unquantized cache tensor ([blocks, block_size, Hkv, D]) fits the kernel:
+        float32 / bfloat16 / float16, contiguous, on the CPU, within its buffers. (Quantized
+        layers: `paged_kv`.)"""
+        if k_cache.device.type != "cpu" or k_cache.dtype not in FLOAT_KINDS:
             return False
         if not k_cache.is_contiguous() or k_cache.dim() != 4:
             return False
         _, block_size, hkv, d = k_cache.shape
-        return hkv > 0 and block_size <= MAX_BLOCK_SIZE and d <= MAX_GROUP_DIM
+        return hkv > 0 and block_size <= MAX_BLOCK_SIZE and d <= MAX_HEAD_DIM
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def __call__(self, q: torch.Tensor, kv: PagedKV | torch.Tensor, v_cache: torch.Tensor | None,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [n, H, D] float32 (token rows may be strided; heads and D contiguous), caches
-        [blocks, block_size, Hkv, D], tables [n, max_blocks] int64, lens [n] int64 ->
-        [n, H, D] float32 (into `out` when given: contiguous, float32)."""
+                 out: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                 res_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q [n, H, D] float32 (token rows may be strided; heads and D contiguous); `kv` a
+        `PagedKV` (v_cache None), or an unquantized K cache [blocks, block_size, Hkv, D] with
+        `v_cache` beside it; tables [n, max_blocks] int64 (entries never read may hold
+        anything), lens [n] int64, `starts` [n] int64 the first key position each sequence sees
+        (a sliding window; None: 0), `res_rows` [n, max_blocks] int64 int4's residual row per
+        table entry (-1: none) -> [n, H, D] float32 (into `out` when given: contiguous,
+        float32)."""
+        if isinstance(kv, torch.Tensor):
+            kv = PagedKV(FLOAT_KINDS[kv.dtype], kv, v_cache, kv.shape[-1])
         n, h, d = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
             q = q.float().contiguous()
         if out is None:
             out = torch.empty((n, h, d), dtype=torch.float32)
-        _, block_size, hkv, _ = k_cache.shape
-        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                      KV_DTYPES[k_cache.dtype], tables.data_ptr(), tables.stride(0),
-                      lens.data_ptr(), out.data_ptr(), n, h, hkv, d, block_size, scale)
+        _, block_size, hkv, _ = kv.k.shape
+        for t in (tables, lens, starts, res_rows):
+            if t is not None and (t.dtype != torch.int64 or t.stride(-1) != 1):
+                raise ValueError("paged decode kernel: tables, lengths, starts and residual "
+                                 "rows must be int64 with contiguous rows")
+        if res_rows is not None and res_rows.stride(0) != tables.stride(0):
+            raise ValueError("paged decode kernel: res_rows must have the tables' row stride")
+        residual = kv.residual if res_rows is not None else None
+        if res_rows is not None and residual is None:
+            raise ValueError("paged decode kernel: residual rows without a residual tensor")
+        args = _Args(
+            q=q.data_ptr(), k=kv.k.data_ptr(), v=kv.v.data_ptr(), k_sz=_ptr(kv.k_sz),
+            v_sz=_ptr(kv.v_sz), k_res=_ptr(residual), res_rows=_ptr(res_rows),
+            tables=tables.data_ptr(), starts=_ptr(starts), lens=lens.data_ptr(),
+            out=out.data_ptr(), q_stride=q.stride(0), table_stride=tables.stride(0), n=n, H=h,
+            Hkv=hkv, D=d, block_size=block_size, groups=kv.groups, kind=kv.kind,
+            res_kind=FLOAT_KINDS[residual.dtype] if residual is not None else F32,
+            scale=scale, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        if d != kv.head_dim:
+            raise ValueError(f"paged decode kernel: q head_dim {d} != the cache's {kv.head_dim}")
+        rc = self._fn(ctypes.byref(args))
         if rc != 0:
             raise ValueError(f"paged decode kernel: unsupported shape H={h} Hkv={hkv} D={d} "
-                             f"block_size={block_size}")
+                             f"block_size={block_size} groups={kv.groups} kind={kv.kind}")
         return out
-
-
-def decode_tables(decodes: list, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables [n, max_blocks] (int64, zero-padded) and lengths [n] for a step's decodes
-    (`SequenceSlice`s), built with one tensor call each."""
-    lens = [s.seq_len for s in decodes]
-    width = -(-max(lens) // block_size)
-    rows = [s.block_table[:width] for s in decodes]
-    rows = [r if len(r) == width else r + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
 
 
 @functools.lru_cache(maxsize=1)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from kvserve.kv.spec import MLALatentSpec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                          ceil_div, padded_block_tables)
 
 DECODE_MODES = ("absorbed", "decompress")
 
@@ -113,11 +114,8 @@ class TorchMLABackend(AttentionBackend):
         if not meta.decodes:
             return _StepState(prefills, None, None, None)
         bs = self.block_size
-        max_blocks = max(_ceil_div(s.seq_len, bs) for s in meta.decodes)
-        table = torch.zeros(len(meta.decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(meta.decodes):
-            blocks = s.block_table[: _ceil_div(s.seq_len, bs)]
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        table = torch.tensor(padded_block_tables(meta.decodes, bs), dtype=torch.long)
+        max_blocks = table.shape[1]
         lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
         positions = torch.arange(max_blocks * bs)
         mask = torch.zeros(len(meta.decodes), 1, max_blocks * bs, dtype=torch.float32)
@@ -133,7 +131,7 @@ class TorchMLABackend(AttentionBackend):
         if context == 0:
             return _PrefillPlan(seq, None, None)
         bs = self.block_size
-        blocks = seq.block_table[: _ceil_div(seq.seq_len, bs)]
+        blocks = seq.block_table[: ceil_div(seq.seq_len, bs)]
         q_pos = torch.arange(context, seq.seq_len)[:, None]
         k_pos = torch.arange(len(blocks) * bs)[None, :]
         dev = self.pool.device
@@ -214,7 +212,3 @@ class TorchMLABackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None].to(qh.dtype),
                                            scale=self.scale)
         return o.squeeze(2)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

@@ -4,15 +4,18 @@ Triton is imported only when asked for, so a CPU install without Triton never ne
 
 from __future__ import annotations
 
+import torch
+
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend
 
 BACKENDS = ("torch", "triton")
 
 
-def make_attention_backend(name: str, pool: KVTensorPool, scale: float) -> AttentionBackend:
+def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
+                           dtype: torch.dtype | None = None) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
-    for tests); an MLA latent pool gets the MLA variant of either."""
+    for tests); an MLA latent pool gets the MLA variant of either. `dtype`: the model's."""
     from kvserve.model.attention.mla import TorchMLABackend, is_mla_pool
 
     if is_mla_pool(pool) and name == "torch":
@@ -27,7 +30,7 @@ def make_attention_backend(name: str, pool: KVTensorPool, scale: float) -> Atten
     if name == "torch":
         from kvserve.model.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(pool, scale)
+        return TorchAttentionBackend(pool, scale, dtype)
     if name == "triton":
         try:
             from kvserve.model.attention.triton_backend import TritonAttentionBackend

@@ -13,8 +13,15 @@ step can see are gathered (so a windowed layer reads about W tokens, not the who
 never a block older than its window), and the mask also hides keys more than W - 1 positions
 behind their query.
 
-A quantized pool (kv/quant.py) is read through `KVTensorPool.gather`, which dequantizes only the
-blocks a step reads, straight into the dtype attention runs in; and every prefill then attends
+Decodes read the cache in place through the paged C++ kernel (cpu_paged.py) where it can be
+built: every storage format (float32/bfloat16/float16, fp8, int8, int4), full and sliding
+layers (a per-sequence first visible position). Without it (no compiler, or
+KVSERVE_CPU_PAGED_DECODE=0) they take the gather path above.
+
+A quantized pool (kv/quant.py), or a float pool of another type than the model's (the backend
+is told the model's dtype at construction), goes "through the codec": new K/V are stored by
+`KVTensorPool.store`, and prefills read through `KVTensorPool.gather`, which dequantizes only
+the blocks a step reads, straight into the dtype attention runs in; every prefill then attends
 over the stored (quantized) K/V of its own tokens too, as decodes do, so a token's attention
 never depends on whether its context came from this chunk, an earlier one or the prefix cache.
 It uses the same per-window gather indices and masks, so windowed layers stay in their window.
@@ -32,7 +39,8 @@ from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.spec import first_needed_block, first_visible
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                          ceil_div, padded_block_tables)
 
 
 @dataclass
@@ -55,9 +63,18 @@ class _WindowState:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive
     decode_max_blocks: int
     decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
-    # Paged-kernel hook (cpu_paged.py): block tables [num_decodes, max_blocks] and lengths
-    # [num_decodes], set instead of decode_index / decode_mask when the kernel runs.
-    paged: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Set instead of decode_index / decode_mask when the paged kernel runs (cpu_paged.py).
+    paged: _PagedDecodes | None = None
+
+
+@dataclass
+class _PagedDecodes:
+    """The paged kernel's inputs for a step's decodes in the layers of one window."""
+
+    tables: torch.Tensor  # [num_decodes, max_blocks] int64, zero-padded
+    lens: torch.Tensor  # [num_decodes] int64
+    starts: torch.Tensor | None  # [num_decodes] first visible position (sliding layers)
+    res_rows: torch.Tensor | None  # int4: [num_decodes, max_blocks] residual row, -1 none
 
 
 @dataclass
@@ -69,18 +86,24 @@ class _StepState:
 class TorchAttentionBackend(AttentionBackend):
     observes_attention = True  # `_observe`: SnapKV / H2O votes into `observed`
 
-    def __init__(self, pool: KVTensorPool, scale: float) -> None:
+    def __init__(self, pool: KVTensorPool, scale: float, dtype: torch.dtype | None = None
+                 ) -> None:
+        """`dtype`: the model's (q, k, v) dtype; None: a float pool's own. A float pool of
+        another dtype is read and written through the codec, decided here once."""
         super().__init__(pool, scale)
         k0 = self.kv_caches[0][0]
         self._num_kv_heads = pool.codecs[0].heads
         self._head_dim = pool.codecs[0].head_dim
         self._scratch_k = torch.empty(0, dtype=k0.dtype)
         self._scratch_v = torch.empty(0, dtype=k0.dtype)
-        # --- paged decode kernel hook: decodes read the cache in place (cpu_paged.py) when the
-        # cache is unquantized float32/bfloat16; otherwise (or without a compiler) the gather
-        # path below. Setting `paged_kernel = None` forces the gather path.
+        self.model_dtype = dtype if dtype is not None else k0.dtype
+        self.through_codec = pool.quantized or self.model_dtype != k0.dtype
+        # Decodes read the cache in place (cpu_paged.py) when every layer's storage fits the
+        # kernel; otherwise (or without a compiler) the gather path below. Setting
+        # `paged_kernel = None` forces the gather path.
         self.paged_kernel = None
-        if not pool.quantized and cpu_paged.PagedDecodeKernel.supports(k0):
+        if all(cpu_paged.paged_kv(c, parts, i) is not None
+               for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))):
             self.paged_kernel = cpu_paged.load_kernel()
 
     # -- per step ---------------------------------------------------------------------------
@@ -93,16 +116,38 @@ class TorchAttentionBackend(AttentionBackend):
             kivi = self.pool.begin_step(
                 [(s.block_table, s.seq_len - s.query_len, s.seq_len) for s in seqs],
                 meta.num_tokens)
-        return _StepState({w: self._prepare_window(meta, w) for w in set(self.windows)}, kivi)
+        paged = self._paged_decodes(meta) if self.paged_kernel is not None else None
+        return _StepState({w: self._prepare_window(meta, w, paged) for w in set(self.windows)},
+                          kivi)
 
-    def _prepare_window(self, meta: AttentionMetadata, window: int | None) -> _WindowState:
-        prefills = [self._plan_prefill(seq, window, self.pool.quantized) for seq in meta.prefills]
+    def _paged_decodes(self, meta: AttentionMetadata) -> _PagedDecodes | None:
+        """Tables, lengths (and int4's residual rows) of the step's decodes, shared by every
+        window; `_prepare_window` adds each window's first visible positions."""
+        if not meta.decodes:
+            return None
+        tables = torch.tensor(padded_block_tables(meta.decodes, self.block_size),
+                              dtype=torch.long)
+        lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
+        res_rows = None
+        where = self.pool.residual_lookup(tables.view(-1))
+        if where is not None:
+            res_rows = torch.full((tables.numel(),), -1, dtype=torch.long)
+            res_rows[where[0]] = where[1]
+            res_rows = res_rows.view(tables.shape)
+        return _PagedDecodes(tables, lens, None, res_rows)
+
+    def _prepare_window(self, meta: AttentionMetadata, window: int | None,
+                        paged: _PagedDecodes | None) -> _WindowState:
+        prefills = [self._plan_prefill(seq, window, self.through_codec) for seq in meta.prefills]
         if not meta.decodes:
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
-        if self.paged_kernel is not None and window is None:  # paged kernel hook (full layers)
-            return _WindowState(prefills, None, None, 0,
-                                paged=cpu_paged.decode_tables(meta.decodes, bs))
+        if paged is not None:
+            if window is not None:
+                starts = torch.tensor([first_visible(s.seq_len - 1, window)
+                                       for s in meta.decodes], dtype=torch.long)
+                paged = _PagedDecodes(paged.tables, paged.lens, starts, paged.res_rows)
+            return _WindowState(prefills, None, None, 0, paged=paged)
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
         # Short rows are padded with their own last block (masked out): a padding entry never
@@ -120,7 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(len(meta.decodes), 1, 1, max_blocks * bs, dtype=torch.float32)
         mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
         index = table.view(-1)
-        if self.pool.quantized:
+        if self.through_codec:
             return _WindowState(prefills, index, mask, max_blocks,
                                 self.pool.residual_lookup(index))
         self._ensure_scratch(len(meta.decodes) * max_blocks)
@@ -146,15 +191,12 @@ class TorchAttentionBackend(AttentionBackend):
     # -- per layer --------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, step: _StepState) -> torch.Tensor:
-        if self.pool.quantized or k.dtype != self._dtype():
-            # Through the codec: quantized, or stored in another float type than the model's.
-            if any(ws.paged is not None for ws in step.by_window.values()):
-                # The paged kernel reads a cache of the model's own dtype only: found out at the
-                # first layer call, so turn it off and plan this step again for the gather path.
-                self.paged_kernel = None
-                step = self.prepare(meta)
-            return self._forward_quantized(layer_idx, q, k, v, meta, step)
+        if self.through_codec:
+            return self._forward_through_codec(layer_idx, q, k, v, meta, step)
         k_cache, v_cache = self.kv_caches[layer_idx]
+        if k.dtype != k_cache.dtype:
+            raise ValueError(f"the attention backend was built for a {self.model_dtype} model "
+                             f"over a {k_cache.dtype} cache, but got {k.dtype} K/V")
         state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
@@ -165,14 +207,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan)
             if plan.seq.observe_len:
                 self._observe(layer_idx, q[rows], k_cache, v_cache, plan.seq)
-        if state.paged is not None:  # paged kernel hook
-            start = meta.num_prefill_tokens
-            dst = out[start:]
-            direct = dst.dtype == torch.float32 and dst.is_contiguous()
-            o = self.paged_kernel(q[start:], k_cache, v_cache, *state.paged, self.scale,
-                                  out=dst if direct else None)
-            if not direct:
-                dst.copy_(o)
+        if state.paged is not None:
+            self._decode_paged(layer_idx, q, out, meta, state.paged)
         elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
@@ -181,6 +217,21 @@ class TorchAttentionBackend(AttentionBackend):
                 row = meta.num_prefill_tokens + j
                 self._observe(layer_idx, q[row:row + 1], k_cache, v_cache, seq)
         return out
+
+    def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
+                      meta: AttentionMetadata, paged: _PagedDecodes) -> None:
+        """The decode rows of `out` through the paged kernel, reading the layer's stored parts
+        (codes and scales as they are) in place."""
+        start = meta.num_prefill_tokens
+        kv = cpu_paged.paged_kv(self.pool.codecs[layer_idx], self.kv_caches[layer_idx],
+                                layer_idx)
+        dst = out[start:]
+        direct = dst.dtype == torch.float32 and dst.is_contiguous()
+        o = self.paged_kernel(q[start:], kv, None, paged.tables, paged.lens, self.scale,
+                              out=dst if direct else None, starts=paged.starts,
+                              res_rows=paged.res_rows)
+        if not direct:
+            dst.copy_(o)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: _PrefillPlan) -> torch.Tensor:
@@ -210,7 +261,7 @@ class TorchAttentionBackend(AttentionBackend):
         n = seq.observe_len
         first = seq.seq_len - seq.query_len + seq.observe_start  # KV index of the first query
         hkv, d = self._num_kv_heads, self._head_dim
-        blocks = torch.tensor(seq.block_table[:_ceil_div(seq.seq_len, self.block_size)],
+        blocks = torch.tensor(seq.block_table[:ceil_div(seq.seq_len, self.block_size)],
                               dtype=torch.long)
         keys = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq.seq_len].float()
         qo = q[seq.observe_start:seq.observe_start + n].float()  # [n, H, D]
@@ -243,22 +294,18 @@ class TorchAttentionBackend(AttentionBackend):
                                            scale=self.scale, enable_gqa=True)
         return o.squeeze(2).to(q.dtype)
 
-    def _forward_quantized(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, meta: AttentionMetadata, step: _StepState
-                           ) -> torch.Tensor:
-        """Store (quantizing), then attend over the dequantized blocks each sequence reads:
-        the layer's window's gather indices and masks, as in `forward`."""
+    def _forward_through_codec(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor, meta: AttentionMetadata, step: _StepState
+                               ) -> torch.Tensor:
+        """Store (quantizing or casting), then attend over the stored K/V each sequence reads:
+        decodes through the paged kernel, or like prefills over the dequantized blocks of the
+        layer's window's gather indices and masks, as in `forward`."""
         self.pool.store(layer_idx, k, v, meta.slot_mapping, step.kivi)
-        window = self.windows[layer_idx]
-        state = step.by_window[window]
+        state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
         out = torch.empty_like(q)
-        for i, plan in enumerate(state.prefills):
+        for plan in state.prefills:
             rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
-            if plan.gather_index is None:
-                # A float pool of another type than the model's: planned at prepare for the
-                # plain path; re-planned over the cache once, for this window's other layers.
-                plan = state.prefills[i] = self._plan_prefill(plan.seq, window, True)
             kb, vb = self.pool.gather(layer_idx, plan.gather_index, q.dtype, plan.residual_at)
             kh = kb.view(1, -1, hkv, d).transpose(1, 2)
             vh = vb.view(1, -1, hkv, d).transpose(1, 2)
@@ -266,7 +313,9 @@ class TorchAttentionBackend(AttentionBackend):
                                                attn_mask=plan.mask, scale=self.scale,
                                                enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
-        if state.decode_index is not None:
+        if state.paged is not None:
+            self._decode_paged(layer_idx, q, out, meta, state.paged)
+        elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             n = q.shape[0] - start
             # Straight into float32: the decode SDPA runs in it anyway (see _decode).
@@ -291,15 +340,11 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch_v = torch.empty(shape, dtype=self._dtype())
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _block_span(first_query: int, seq_len: int, window: int | None, block_size: int
                 ) -> tuple[int, int]:
     """[first, last) indices into a block table: the blocks holding a key that some query at
     positions >= `first_query` can see, up to the end of a sequence of `seq_len` tokens."""
-    return first_needed_block(first_query, window, block_size), _ceil_div(seq_len, block_size)
+    return first_needed_block(first_query, window, block_size), ceil_div(seq_len, block_size)
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch
 
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import triton_kernels as tk
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                          padded_block_tables)
 
 
 @dataclass
@@ -60,6 +61,11 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("int4 (KIVI) KV caches run on the torch backend only; the Triton "
                              "kernels read fp8 and int8 caches")
         self.quant = [_quant_of(pool, layer) for layer in range(len(pool.layers))]
+        # Layers whose fp8 scales the first batch still has to calculate (calculate_kv_scales):
+        # their QuantKV is read again after their first store, the others' never.
+        scales = pool.scales
+        self._uncalibrated = set() if scales is None else \
+            {layer for layer, done in enumerate(scales.calibrated) if not done}
         k0, v0 = self.kv_caches[0][:2]
         tk.check_kv_cache(k0, v0, self.quant[0])
         self.device = k0.device
@@ -96,13 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _tables(self, seqs: list[SequenceSlice]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables [S, max_blocks] and (seq_len, start, query_len) [S, 3], int32, built on
         the host in one go and sent over in two copies."""
-        bs = self.block_size
-        used = [-(-s.seq_len // bs) for s in seqs]
-        width = max(used)
-        # Released entries (NULL_BLOCK, before a window) are never read; 0 keeps ids valid.
-        rows = [[max(b, 0) for b in s.block_table[:n]] + [0] * (width - n)
-                for s, n in zip(seqs, used)]
-        tables = torch.tensor(rows, dtype=torch.int32)
+        tables = torch.tensor(padded_block_tables(seqs, self.block_size), dtype=torch.int32)
         info = torch.tensor([(s.seq_len, s.start, s.query_len) for s in seqs], dtype=torch.int32)
         return (tables.to(self.device, non_blocking=True),
                 info.to(self.device, non_blocking=True))
@@ -123,7 +123,9 @@ class TritonAttentionBackend(AttentionBackend):
             tk.store_kv(k, v, k_cache, v_cache, state.slot_mapping)
         else:  # quantized by the pool's codec (no CUDA graphs: slots are never padding here)
             self.pool.store(layer_idx, k, v, state.slot_mapping)
-            quant = self.quant[layer_idx] = _quant_of(self.pool, layer_idx)  # fp8 calibration
+            if layer_idx in self._uncalibrated and self.pool.scales.calibrated[layer_idx]:
+                quant = self.quant[layer_idx] = _quant_of(self.pool, layer_idx)
+                self._uncalibrated.discard(layer_idx)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         p = state.prefill
         if p is not None:
@@ -153,14 +155,14 @@ class TritonAttentionBackend(AttentionBackend):
 
 def _quant_of(pool: KVTensorPool, layer: int) -> tk.QuantKV:
     """How the kernels read this layer's cache (kv/quant.py's layouts)."""
-    dtype = pool.spec.layer_specs()[layer].storage.dtype
+    codec = pool.codecs[layer]
+    dtype = codec.storage.dtype
     if dtype in ("fp8", "fp8_e5m2"):
         ks, vs = pool.scales.get(layer)
         kind = tk.KV_FP8_E4M3 if dtype == "fp8" else tk.KV_FP8_E5M2
         return tk.QuantKV(kind, ks, vs)
     if dtype == "int8":
         parts = pool.layers[layer]
-        codec = pool.codecs[layer]
         return tk.QuantKV(tk.KV_INT8, k_sz=parts[2], v_sz=parts[3],
                           group_dim=codec.head_dim // codec.groups)
     return tk.PLAIN

@@ -1,99 +1,312 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence, read
-// straight from the cache blocks its block table names (no gather into a new tensor).
+// straight from the cache blocks its block table names (no gather into a new tensor), in any
+// storage format of kvserve/kv/quant.py: float32, bfloat16, float16, fp8 (e4m3, e5m2), int8
+// and int4 (KIVI). Quantized rows are decoded one token row at a time into a D-float buffer
+// that stays in L1 and is used by every query head of the group: no dequantized copy of the
+// cache is ever written.
 //
 // Built at first use by kvserve/model/attention/cpu_paged.py with the machine's compiler
 // (-O3 -march=native -fopenmp) and called through ctypes with raw pointers: no torch headers,
 // so it compiles in about a second. OpenMP resolves to the libgomp torch has already loaded,
-// so the kernel shares torch's thread count (torch.set_num_threads).
+// so the kernel shares torch's thread count (torch.set_num_threads). Plain C++ loops only (the
+// compiler vectorizes them for whatever the CPU has): no intrinsics, no instruction set assumed.
 //
-// Layout (what kvserve/kv/tensors.py allocates and torch_backend.py reads):
+// Layout (what kvserve/kv/quant.py's codecs allocate, per layer):
 //   q        [n, H, D] float32, row stride q_stride (elements) between sequences
-//   k, v     [num_blocks, block_size, Hkv, D] float32 or bfloat16 (raw uint16 bits)
-//   tables   [n, table_stride] int64 block ids; lens [n] int64 tokens to attend to
+//   k, v     [num_blocks, block_size, Hkv, D] float32 / bfloat16 / float16 (raw bits) / fp8
+//            bytes / int8 codes; int4: [num_blocks, block_size, Hkv, D/2] bytes (channel 2i in
+//            the low nibble, 2i+1 in the high one)
+//   k_sz     int8: [num_blocks, block_size, Hkv, groups, 2] fp16 (scale, zero) per token, head
+//            and group of D/groups channels; int4: [num_blocks, Hkv, D, 2] (keys per channel
+//            over the block's tokens)
+//   v_sz     int8 and int4: [num_blocks, block_size, Hkv, groups, 2] fp16
+//   k_res    int4: the KIVI residual [rows, block_size, Hkv, D] (float32/bfloat16/float16) of
+//            the blocks still filling; res_rows [n, table_stride] int64, the row of each table
+//            entry, -1 = read the codes (null: none)
+//   tables   [n, table_stride] int64 block ids; starts [n] int64 first visible key position
+//            (sliding windows; null: 0); lens [n] int64 tokens to attend to
 //   out      [n, H, D] float32, contiguous
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
-// (running max and sum per head, flash-attention style) in float32, block by block.
+// (running max and sum per head, flash-attention style) in float32, block by block. Table
+// entries before starts[s] / block_size and past the length are never read (NULL_BLOCK there
+// is fine).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
+constexpr int kMaxGroup = 64;        // query heads per KV head
 constexpr int kMaxGroupDim = 16384;  // (H / Hkv) * D floats of accumulator per work item
 constexpr int kMaxBlock = 256;       // tokens per cache block
+constexpr int kMaxDim = 1024;        // head_dim of a decoded row
 
-inline float load(const float* p, int64_t i) { return p[i]; }
+enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, FP8_E4M3 = 3, FP8_E5M2 = 4, INT8 = 5, INT4 = 6 };
 
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+struct Args {
+  const float* q;
+  const void* k;
+  const void* v;
+  const uint16_t* k_sz;
+  const uint16_t* v_sz;
+  const void* k_res;
+  const int64_t* res_rows;
+  const int64_t* tables;
+  const int64_t* starts;
+  const int64_t* lens;
+  float* out;
+  int64_t q_stride, table_stride, n, H, Hkv, D, block_size, groups;
+  int32_t kind, res_kind;
+  float scale, k_scale, v_scale;
+};
+
+inline float bits_to_float(uint32_t u) {
   float f;
-  std::memcpy(&f, &bits, sizeof f);
+  std::memcpy(&f, &u, sizeof f);
   return f;
 }
 
-template <typename KV>
-void decode(const float* q, int64_t q_stride, const KV* k, const KV* v, const int64_t* tables,
-            int64_t table_stride, const int64_t* lens, float* out, int64_t n, int64_t H,
-            int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+// c ? a : b on bit patterns, written as masks: GCC leaves a `?:` between floats or between
+// shifted integers as control flow and then does not vectorize the loop around it.
+inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return b ^ ((a ^ b) & mask);
+}
+
+// IEEE half -> float without branches and without producing a float denormal (subnormal halves
+// are an integer times 2^-24, converted exactly; FTZ/DAZ cannot touch them).
+inline float f16_to_float(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t u = (em << 13) + (112u << 23);
+  u = pick(em >= 0x7c00u, u + (112u << 23), u);  // inf / nan: exponent 255
+  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
+  return bits_to_float(pick(em < 0x400u, sub, u) | sign);
+}
+
+// fp8 e4m3fn (bias 7, no inf; 0x7f/0xff are NaN, never stored: quantize_fp8 saturates).
+inline float e4m3_to_float(uint32_t c) {
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t em = c & 0x7fu;
+  const uint32_t normal = (em << 20) + (120u << 23);
+  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f);
+  return bits_to_float(pick(em < 8u, sub, normal) | sign);
+}
+
+// fp8 e5m2 is the top byte of an IEEE half.
+inline float e5m2_to_float(uint32_t c) { return f16_to_float(c << 8); }
+
+// One token row of D values (one KV head) of a float-type cache into buf, or a pointer into
+// the cache itself for float32.
+template <int K>
+inline const float* float_row(const void* base, int64_t offset, int64_t D, float* buf) {
+  if constexpr (K == F32) {
+    return static_cast<const float*>(base) + offset;
+  } else if constexpr (K == BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = bf16_to_float(p[d]);
+    return buf;
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = f16_to_float(p[d]);
+    return buf;
+  }
+}
+
+inline const float* residual_row(int32_t kind, const void* base, int64_t offset, int64_t D,
+                                 float* buf) {
+  if (kind == F32) return float_row<F32>(base, offset, D, buf);
+  if (kind == BF16) return float_row<BF16>(base, offset, D, buf);
+  return float_row<F16>(base, offset, D, buf);
+}
+
+// Affine codes of one token row, `groups` groups of D / groups channels, each with an fp16
+// (scale, zero) pair: x = code * scale + zero (kv/quant.py's quantize_affine). Packed (int4)
+// rows come out in the nibble order (see `nibble_order`): byte i's low nibble at i, its high
+// one at D / 2 + i.
+template <bool Packed>
+inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int64_t groups,
+                       float* buf) {
+  const int64_t width = D / groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float s = f16_to_float(sz[2 * g]);
+    const float z = f16_to_float(sz[2 * g + 1]);
+    if constexpr (Packed) {
+      const int64_t at = g * width / 2;
+      const uint8_t* c = codes + at;
+      float* lo = buf + at;
+      float* hi = buf + D / 2 + at;
+#pragma omp simd
+      for (int64_t i = 0; i < width / 2; ++i) {
+        lo[i] = static_cast<float>(c[i] & 0x0f) * s + z;
+        hi[i] = static_cast<float>(c[i] >> 4) * s + z;
+      }
+    } else {
+      const uint8_t* c = codes + g * width;
+      float* o = buf + g * width;
+#pragma omp simd
+      for (int64_t d = 0; d < width; ++d) o[d] = static_cast<float>(c[d]) * s + z;
+    }
+  }
+}
+
+// int4 rows are decoded in nibble order, channel d at nibble_order(d): the even channels (low
+// nibbles) first, then the odd ones, so that unpacking writes two contiguous runs instead of
+// interleaving (which does not vectorize). A dot product does not care about the order as long
+// as q is in the same one, and the value accumulator is put back in channel order at the end.
+inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
+
+template <int K>
+void decode(const Args& a) {
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D, bs = a.block_size, groups = a.groups;
   const int64_t G = H / Hkv;
-  const int64_t token_stride = Hkv * D;
-  const int64_t block_stride = block_size * token_stride;
+  // Elements (bytes for int4 codes) per token row and per block of the K/V data.
+  const int64_t row_width = K == INT4 ? D / 2 : D;
+  const int64_t token_stride = Hkv * row_width;
+  const int64_t block_stride = bs * token_stride;
+  const int64_t sz_token = Hkv * groups * 2;  // fp16 per token of the per-token scales
+  const float q_mul = a.scale * a.k_scale;    // fp8's per-layer scales fold into q and out
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t s = 0; s < n; ++s) {
+  for (int64_t s = 0; s < a.n; ++s) {
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       float acc[kMaxGroupDim];
       float qs[kMaxGroupDim];
-      float scores[kMaxBlock];
-      float m[64], l[64];
-      const float* qrow = q + s * q_stride + hk * G * D;
+      float scores[kMaxGroup * kMaxBlock];
+      float m[kMaxGroup], l[kMaxGroup];
+      float kbuf[kMaxDim], vbuf[kMaxDim];
+      float ks[kMaxDim], kz[kMaxDim];  // int4: the block's per-channel key scale and zero
+      const float* qrow = a.q + s * a.q_stride + hk * G * D;
       for (int64_t g = 0; g < G; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.f;
         for (int64_t d = 0; d < D; ++d) {
-          qs[g * D + d] = qrow[g * D + d] * scale;
+          const int64_t at = K == INT4 ? nibble_order(d, D) : d;
+          qs[g * D + at] = qrow[g * D + d] * q_mul;
           acc[g * D + d] = 0.f;
         }
       }
-      const int64_t len = lens[s];
-      const int64_t* table = tables + s * table_stride;
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t count = len - start < block_size ? len - start : block_size;
-        const int64_t base = table[start / block_size] * block_stride + hk * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qs + g * D;
-          float bmax = -INFINITY;
-          for (int64_t j = 0; j < count; ++j) {
-            const KV* kj = k + base + j * token_stride;
+      const int64_t len = a.lens[s];
+      const int64_t first = a.starts ? a.starts[s] : 0;
+      const int64_t* table = a.tables + s * a.table_stride;
+      for (int64_t b = first / bs; b * bs < len; ++b) {
+        const int64_t lo = b * bs < first ? first - b * bs : 0;
+        const int64_t hi = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t count = hi - lo;
+        if (count <= 0) continue;
+        const int64_t block = table[b];
+        const int64_t base = block * block_stride + hk * row_width;
+        const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
+                                                          : -1;
+        if constexpr (K == INT4) {
+          if (res_row < 0) {
+            const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
+            for (int64_t d = 0; d < D; ++d) {
+              ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
+              kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
+            }
+          }
+        }
+        // scores[g * count + j] = q_g . k_j for the block's visible tokens.
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t t = lo + j;
+          const int64_t off = base + t * token_stride;
+          const float* krow;
+          if constexpr (K == F32 || K == BF16 || K == F16) {
+            krow = float_row<K>(a.k, off, D, kbuf);
+          } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
+            const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d)
+              kbuf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
+            krow = kbuf;
+          } else if constexpr (K == INT8) {
+            affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
+                              a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
+                              kbuf);
+            krow = kbuf;
+          } else {  // INT4 keys: per channel over the block, or the residual row
+            if (res_row >= 0) {  // exact keys in channel order: into nibble order
+              const float* r = residual_row(a.res_kind, a.k_res,
+                                            ((res_row * bs + t) * Hkv + hk) * D, D, vbuf);
+              for (int64_t d = 0; d < D; ++d) kbuf[nibble_order(d, D)] = r[d];
+            } else {
+              const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+              const int64_t half = D / 2;
+#pragma omp simd
+              for (int64_t i = 0; i < half; ++i) {
+                kbuf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
+                kbuf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
+              }
+            }
+            krow = kbuf;
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qs + g * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kj, d);
-            scores[j] = dot;
-            bmax = dot > bmax ? dot : bmax;
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * krow[d];
+            scores[g * count + j] = dot;
           }
+        }
+        // Online softmax: rescale what the earlier blocks accumulated.
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores + g * count;
+          float bmax = -INFINITY;
+          for (int64_t j = 0; j < count; ++j) bmax = sg[j] > bmax ? sg[j] : bmax;
           const float m_new = bmax > m[g] ? bmax : m[g];
           const float rescale = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first block
-          float* ag = acc + g * D;
           float sum = 0.f;
           for (int64_t j = 0; j < count; ++j) {
-            scores[j] = std::exp(scores[j] - m_new);
-            sum += scores[j];
+            sg[j] = std::exp(sg[j] - m_new);
+            sum += sg[j];
           }
+          float* ag = acc + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
-          for (int64_t j = 0; j < count; ++j) {
-            const KV* vj = v + base + j * token_stride;
-            const float p = scores[j];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vj, d);
-          }
           l[g] = l[g] * rescale + sum;
           m[g] = m_new;
         }
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t t = lo + j;
+          const int64_t off = base + t * token_stride;
+          const float* vrow;
+          if constexpr (K == F32 || K == BF16 || K == F16) {
+            vrow = float_row<K>(a.v, off, D, vbuf);
+          } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
+            const uint8_t* c = static_cast<const uint8_t*>(a.v) + off;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d)
+              vbuf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
+            vrow = vbuf;
+          } else {
+            affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
+                                  a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
+                                  groups, vbuf);
+            vrow = vbuf;
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * count + j];
+            float* ag = acc + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
+          }
+        }
       }
-      float* orow = out + (s * H + hk * G) * D;
+      float* orow = a.out + (s * H + hk * G) * D;
       for (int64_t g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv;
+        const float inv = l[g] > 0.f ? a.v_scale / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d)
+          orow[g * D + d] = acc[g * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
       }
     }
   }
@@ -103,24 +316,29 @@ void decode(const float* q, int64_t q_stride, const KV* k, const KV* v, const in
 
 extern "C" {
 
-int kvserve_paged_decode_abi_version() { return 1; }
+int kvserve_paged_decode_abi_version() { return 2; }
 
-// kv_dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 when a size is beyond the kernel's
-// fixed buffers (the caller checks these first and never gets here).
-int kvserve_paged_decode(const float* q, int64_t q_stride, const void* k, const void* v,
-                         int kv_dtype, const int64_t* tables, int64_t table_stride,
-                         const int64_t* lens, float* out, int64_t n, int64_t H, int64_t Hkv,
-                         int64_t D, int64_t block_size, float scale) {
-  if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > 64 || (H / Hkv) * D > kMaxGroupDim ||
-      block_size > kMaxBlock)
+// Returns 0, or -1 when a size is beyond the kernel's fixed buffers or the format is unknown
+// (the caller checks these first and never gets here).
+int kvserve_paged_decode(const Args* a) {
+  const int64_t Hkv = a->Hkv;
+  if (Hkv <= 0 || a->H % Hkv != 0 || a->H / Hkv > kMaxGroup ||
+      (a->H / Hkv) * a->D > kMaxGroupDim || a->D > kMaxDim || a->block_size > kMaxBlock ||
+      a->block_size <= 0)
     return -1;
-  if (kv_dtype == 0)
-    decode(q, q_stride, static_cast<const float*>(k), static_cast<const float*>(v), tables,
-           table_stride, lens, out, n, H, Hkv, D, block_size, scale);
-  else
-    decode(q, q_stride, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v),
-           tables, table_stride, lens, out, n, H, Hkv, D, block_size, scale);
-  return 0;
+  if ((a->kind == INT8 || a->kind == INT4) && (a->groups <= 0 || a->D % a->groups != 0 ||
+                                               (a->kind == INT4 && (a->D / a->groups) % 2 != 0)))
+    return -1;
+  switch (a->kind) {
+    case F32: decode<F32>(*a); return 0;
+    case BF16: decode<BF16>(*a); return 0;
+    case F16: decode<F16>(*a); return 0;
+    case FP8_E4M3: decode<FP8_E4M3>(*a); return 0;
+    case FP8_E5M2: decode<FP8_E5M2>(*a); return 0;
+    case INT8: decode<INT8>(*a); return 0;
+    case INT4: decode<INT4>(*a); return 0;
+    default: return -1;
+  }
 }
 
 }  // extern "C"
