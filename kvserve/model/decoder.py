@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import gemm_select
+from kvserve.model import gemm_select, gemv
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
@@ -163,30 +163,30 @@ def gemm_rows(t: int) -> int:
     return -(-t // step) * step
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with zero rows appended up to `rows` (a copy)."""
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to gemm_rows(len(x)) (a copy), or x itself when that is
+    its length: what a oneDNN GEMM runs on (slice its result back to len(x))."""
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows == t:
+        return x
     out = x.new_empty((rows,) + tuple(x.shape[1:]))
-    out[: x.shape[0]].copy_(x)
-    out[x.shape[0]:].zero_()
+    out[:t].copy_(x)
+    out[t:].zero_()
     return out
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    t = x.shape[0]
-    rows = gemm_rows(t)
-    if rows != t:
-        return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, rows), w, b, "none", [], "")[:t]
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(_pad_rows(x), w, b, "none", [], "")[: x.shape[0]]
 
 
 def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                        b: torch.Tensor | None) -> torch.Tensor:
     t = x.shape[0]
-    rows = gemm_rows(t)
-    if rows != t:
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            _pad_rows(x, rows), _pad_rows(residual, rows), w, b, "add")[:t]
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    if gemm_rows(t) == t:  # in place into the residual stream
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    return torch.ops.mkldnn._linear_pointwise.binary(
+        _pad_rows(x), _pad_rows(residual), w, b, "add")[:t]
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
@@ -275,11 +275,17 @@ class DecoderLayer(nn.Module):
         kernels = {"dense": _dense_ops(self)}
         if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["onednn"] = _onednn_ops(self)
+        if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
+            kernels["gemv"] = _gemv_ops(self)
         p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
         h, q = self.qkv_proj.shape[1], self.q_size
 
         def factory(kind: str, ops: dict[str, Callable]) -> gemm_select.RunFactory:
-            def make(rows: int) -> Callable[[], object]:
+            gemv_ops = ops is kernels.get("gemv")
+
+            def make(rows: int) -> Callable[[], object] | None:
+                if gemv_ops and rows > gemv.MAX_ROWS:
+                    return None
                 x = torch.randn(rows, h, **p)
                 if kind == "qkv":
                     return lambda: ops["qkv"](x)
@@ -303,7 +309,8 @@ class DecoderLayer(nn.Module):
         as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
         SwiGLU element-wise work was ~12% of a decode step)."""
         built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
-                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn")))}
+                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
+                 "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")))}
         self._ops = []
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
@@ -311,7 +318,7 @@ class DecoderLayer(nn.Module):
         # free the dense weights no bucket reads (the closures hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
-            if not plan.uses(proj, "dense"):
+            if not any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR):
                 setattr(self, name, None)
 
     def gemm_flops_per_row(self) -> int:
@@ -448,9 +455,7 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
             t = x.shape[0]
-            rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
-            if rows != t:
-                x = _pad_rows(x, rows)
+            x = _pad_rows(x)  # a few cached GEMM shapes, not one per token count
             gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, act, [], algorithm)
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul")[:t]
 
@@ -458,6 +463,31 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
     if "down" in projs:
         ops["down"] = _output_add(_onednn_linear, _onednn_linear_add,
                                   _onednn_pack(layer.down_proj), layer.down_bias,
+                                  layer.mlp_out_norm, layer.eps)
+    return ops
+
+
+def gemv_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the C++ GEMV kernel (gemv.py) can run this model's projections."""
+    return device.type == "cpu" and dtype == torch.float32 and gemv.load() is not None
+
+
+def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """The C++ GEMV on the row-major weights (for a few rows: gemv.MAX_ROWS), with bias, the
+    gated activation and the residual add fused, for `projs` only."""
+    g = gemv.load()
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = layer.qkv_proj, layer.qkv_bias
+        ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        ops["o"] = _output_add(g.linear, g.linear_add, layer.o_proj, layer.o_bias,
+                               layer.attn_out_norm, layer.eps)
+    if "mlp" in projs:
+        gu_w, gu_b, gelu = layer.gate_up_proj, layer.gate_up_bias, layer.gelu
+        ops["mlp"] = lambda x: g.gated(x, gu_w, gu_b, gelu)
+    if "down" in projs:
+        ops["down"] = _output_add(g.linear, g.linear_add, layer.down_proj, layer.down_bias,
                                   layer.mlp_out_norm, layer.eps)
     return ops
 
@@ -526,9 +556,11 @@ class CausalLM(nn.Module):
 
         kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
         shapes) and packs everything in other dtypes, "onednn" packs everything, "dense"
-        packs nothing. On a build or dtype oneDNN cannot
-        pack, everything stays dense. With tied embeddings a oneDNN LM head needs a packed
-        copy of the embedding table (vocab_size x hidden_size more memory)."""
+        packs nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere.
+        On a build or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses
+        between dense and gemv); without a compiler "gemv" stays dense. With tied embeddings
+        a oneDNN LM head needs a packed copy of the embedding table (vocab_size x hidden_size
+        more memory)."""
         if self.gemm_plan is not None:
             return self.packed
         if kernel not in ("auto", *gemm_select.KERNELS):
@@ -537,12 +569,16 @@ class CausalLM(nn.Module):
         device = self.embed_tokens.device
         if device.type != "cpu" or not self.layers:
             return False
-        if not onednn_available(self.dtype, device):
+        onednn = onednn_available(self.dtype, device)
+        has_gemv = gemv_available(self.dtype, device)
+        if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv):
             kernel = "dense"
         elif kernel == "auto" and self.dtype != torch.float32:
             # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
             # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
-            kernel = "onednn"
+            kernel = "onednn" if onednn else "dense"
+        elif kernel == "auto" and not (onednn or has_gemv):
+            kernel = "dense"  # nothing to choose between
         plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
         return self.apply_gemm_plan(plan)
 
@@ -551,15 +587,20 @@ class CausalLM(nn.Module):
         if any(plan.uses(p, "onednn") for p in (*_PROJS, "head")) and \
                 not onednn_available(self.dtype, self.embed_tokens.device):
             raise ValueError(f"oneDNN cannot pack {self.dtype} weights on this machine")
+        if any(plan.uses(p, "gemv") for p in (*_PROJS, "head")) and \
+                not gemv_available(self.dtype, self.embed_tokens.device):
+            raise ValueError(f"the C++ GEMV kernel cannot run {self.dtype} weights here")
         for layer in self.layers:
             layer.set_gemm_plan(plan)
         head_dense = self.lm_head if self.lm_head is not None else self.embed_tokens
         head_packed = _onednn_pack(head_dense) if plan.uses("head", "onednn") else None
-        if self.lm_head is not None and not plan.uses("head", "dense"):
+        if self.lm_head is not None and \
+                not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
             self.lm_head = None  # the packed copy is the head now
-        self._head_ops = [
-            (_onednn_linear, head_packed) if k == "onednn" else (_dense_linear, head_dense)
-            for k in plan.kernels["head"]]
+        g = gemv.load() if plan.uses("head", "gemv") else None
+        by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
+                     "gemv": (g.linear if g is not None else None, head_dense)}
+        self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         self.gemm_plan = plan
         self.packed = any("onednn" in ks for ks in plan.kernels.values())
         if plan.source != "forced":
@@ -581,10 +622,14 @@ class CausalLM(nn.Module):
         p = {"dtype": self.dtype, "device": head.device}
 
         def head_run(kind: str) -> gemm_select.RunFactory:
-            def make(rows: int) -> Callable[[], object]:
+            def make(rows: int) -> Callable[[], object] | None:
+                if kind == "gemv" and rows > gemv.MAX_ROWS:
+                    return None
                 x = torch.randn(rows, h, **p)
                 if kind == "onednn":
                     return lambda: _onednn_linear(x, packed_head, None)
+                if kind == "gemv":
+                    return lambda: gemv.load().linear(x, head, None)
                 return lambda: _dense_linear(x, head, None)
             return make
 

@@ -1,0 +1,138 @@
+// Small-batch fp32 matrix-vector products for the CPU: y = x W^T (+ b), for a few rows of x.
+//
+// Why: at batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
+// weights once. MKL's and oneDNN's GEMMs are built for many rows; at one row they reached
+// about half of what the CPU can read. Here OpenMP splits the output features across torch's
+// threads (contiguous ranges, so each thread streams its own slab of W), each block of 4
+// weight rows is read from memory once and then reused from L1 for every row of x, and the
+// epilogues a decoder needs are fused: bias, the residual add (y written into the residual
+// stream), and the gated MLP's act(gate) * up on a [gate; up] weight.
+//
+// Built at first use by kvserve/model/cpu_ext.py (-O3 -march=native -fopenmp) and called
+// through ctypes with raw pointers (kvserve/model/gemv.py). Plain C++: the inner loops are
+// `omp simd` reductions the compiler vectorizes for whatever the CPU has (AVX2, AVX-512).
+//
+// Layout:
+//   x    [rows, k] float32, row stride x_stride (elements), unit stride along k
+//   w    [n_w, k] float32, contiguous (n_w = n, or 2n for the gated modes: [gate; up])
+//   bias [n_w] float32 or null
+//   out  [rows, n] float32, row stride out_stride, unit stride along n
+// Modes: 0 out = xW^T + b; 1 out += xW^T + b; 2 out = silu(g) * u; 3 out = gelu_tanh(g) * u,
+// where g, u are the gate and up halves of xW^T + b.
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 4;  // weight rows per work item
+
+// acc[j] = dot(x, w + j * k) for j < 4
+inline void dot4(const float* __restrict x, const float* __restrict w, int64_t k,
+                 float* acc) {
+  const float* __restrict w0 = w;
+  const float* __restrict w1 = w + k;
+  const float* __restrict w2 = w + 2 * k;
+  const float* __restrict w3 = w + 3 * k;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+  for (int64_t i = 0; i < k; ++i) {
+    const float xv = x[i];
+    a0 += xv * w0[i];
+    a1 += xv * w1[i];
+    a2 += xv * w2[i];
+    a3 += xv * w3[i];
+  }
+  acc[0] = a0;
+  acc[1] = a1;
+  acc[2] = a2;
+  acc[3] = a3;
+}
+
+inline float dot1(const float* __restrict x, const float* __restrict w, int64_t k) {
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t i = 0; i < k; ++i) a += x[i] * w[i];
+  return a;
+}
+
+// acc[j] = dot(x, W[o0 + j]) for j < cnt (cnt <= 4)
+inline void dots(const float* x, const float* w, int64_t o0, int64_t cnt, int64_t k,
+                 float* acc) {
+  if (cnt == kBlock) {
+    dot4(x, w + o0 * k, k, acc);
+  } else {
+    for (int64_t j = 0; j < cnt; ++j) acc[j] = dot1(x, w + (o0 + j) * k, k);
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+inline float gelu_tanh(float g) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvserve_gemv_abi_version() { return 1; }
+
+// n: output features (gate rows in the gated modes). Returns 0, or 1 for a bad mode.
+int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
+                     const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
+                     int mode, int num_threads) {
+  if (mode < 0 || mode > 3) return 1;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const bool gated = mode >= 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t o0 = blk * kBlock;
+    const int64_t cnt = n - o0 < kBlock ? n - o0 : kBlock;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * x_stride;
+      float* yr = out + r * out_stride + o0;
+      float acc[kBlock];
+      dots(xr, w, o0, cnt, k, acc);
+      if (bias != nullptr)
+        for (int64_t j = 0; j < cnt; ++j) acc[j] += bias[o0 + j];
+      if (!gated) {
+        if (mode == 0)
+          for (int64_t j = 0; j < cnt; ++j) yr[j] = acc[j];
+        else
+          for (int64_t j = 0; j < cnt; ++j) yr[j] += acc[j];
+        continue;
+      }
+      float up[kBlock];
+      dots(xr, w, n + o0, cnt, k, up);
+      if (bias != nullptr)
+        for (int64_t j = 0; j < cnt; ++j) up[j] += bias[n + o0 + j];
+      if (mode == 2)
+        for (int64_t j = 0; j < cnt; ++j) yr[j] = silu(acc[j]) * up[j];
+      else
+        for (int64_t j = 0; j < cnt; ++j) yr[j] = gelu_tanh(acc[j]) * up[j];
+    }
+  }
+  return 0;
+}
+
+// Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
+// probe: a GEMV at batch 1 can go no faster than this over its weights).
+double kvserve_read_sum_f32(const float* p, int64_t n, int num_threads) {
+  double total = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+  {
+    float acc[64] = {};  // 64 independent lanes: stays in registers, no dependency chain
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n / 64; ++i) {
+      const float* q = p + i * 64;
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) acc[j] += q[j];
+    }
+    for (int j = 0; j < 64; ++j) total += acc[j];
+  }
+  for (int64_t i = n / 64 * 64; i < n; ++i) total += p[i];
+  return total;
+}
+
+}  // extern "C"

@@ -1,0 +1,118 @@
+"""Small-batch fp32 GEMV on the CPU (csrc/gemv.cpp): the third GEMM candidate of gemm_select.
+
+Why: at batch 1 a decode step is bound by reading the weights once; MKL's `F.linear` and
+oneDNN's packed GEMM are built for many rows and reached about half of the CPU's read
+bandwidth at one row. This kernel splits the output features across torch's OpenMP threads,
+reads each weight row once and reuses it from L1 for every row of x, and fuses the decoder's
+epilogues (bias, the residual add, the gated MLP's act(gate) * up), so a projection is one
+call with no intermediate tensors. It reads the row-major weights `F.linear` uses: choosing it
+for some row buckets costs no second weight layout.
+
+It is only fast for a few rows (each extra row re-reads W from L1, not memory): gemm_select
+measures it for the smallest row bucket only (`MAX_ROWS`). float32 only (bf16 models keep
+oneDNN). Where no compiler is found `load()` returns None and the candidate is left out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from kvserve.model import cpu_ext
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+ABI_VERSION = 1
+MAX_ROWS = 4  # the row counts gemm_select offers it for (its first bucket)
+MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
+
+
+class Gemv:
+    """The loaded kernel. All methods take x [rows, k] float32 with unit stride along k (any
+    row stride) and a contiguous float32 weight; anything else is a ValueError."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.kvserve_gemv_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{lib._name} has a different ABI version")
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn = lib.kvserve_gemv_f32
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        read = lib.kvserve_read_sum_f32
+        read.argtypes = [ptr, i64, ctypes.c_int]
+        read.restype = ctypes.c_double
+        self._fn = fn
+        self._read = read
+        self._lib = lib  # keeps the library loaded
+
+    @staticmethod
+    def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n_w: int) -> None:
+        if x.dtype != torch.float32 or w.dtype != torch.float32:
+            raise ValueError(f"gemv: float32 only, got x {x.dtype}, weight {w.dtype}")
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight "
+                             f"{tuple(w.shape)}")
+        if x.device.type != "cpu" or w.device.type != "cpu":
+            raise ValueError("gemv: CPU tensors only")
+        if not w.is_contiguous() or (x.stride(1) != 1 and x.shape[1] > 1):
+            raise ValueError("gemv: the weight must be contiguous and x unit-strided along k")
+        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()
+                              or b.shape != (n_w,)):
+            raise ValueError(f"gemv: bias must be contiguous float32 [{n_w}]")
+
+    def _run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
+             out: torch.Tensor, mode: int) -> torch.Tensor:
+        self._fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(),
+                 None if b is None else b.data_ptr(), n, w.shape[1], out.data_ptr(),
+                 out.stride(0), mode, torch.get_num_threads())
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """x W^T + b -> new [rows, n] (F.linear)."""
+        self._check(x, w, b, w.shape[0])
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+        return self._run(x, w, b, w.shape[0], out, MODE_STORE)
+
+    def linear_add(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None = None) -> torch.Tensor:
+        """residual += x W^T + b, in place; returns residual ([rows, n] float32, unit stride
+        along n)."""
+        self._check(x, w, b, w.shape[0])
+        if residual.dtype != torch.float32 or residual.shape != (x.shape[0], w.shape[0]) \
+                or residual.stride(1) != 1:
+            raise ValueError(f"gemv: residual must be float32 [{x.shape[0]}, {w.shape[0]}] "
+                             "with unit stride along features")
+        return self._run(x, w, b, w.shape[0], residual, MODE_ADD)
+
+    def gated(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+              gelu: bool = False) -> torch.Tensor:
+        """w = [gate; up] ([2i, k]) -> act(x gate^T + b_g) * (x up^T + b_u), new [rows, i];
+        act SiLU, or GELU-tanh with `gelu`."""
+        self._check(x, w, b, w.shape[0])
+        if w.shape[0] % 2:
+            raise ValueError(f"gemv: a [gate; up] weight has an even row count, got {w.shape[0]}")
+        i = w.shape[0] // 2
+        out = torch.empty((x.shape[0], i), dtype=torch.float32)
+        return self._run(x, w, b, i, out, MODE_GELU_MUL if gelu else MODE_SILU_MUL)
+
+    def read_sum(self, t: torch.Tensor) -> float:
+        """Sum of a contiguous float32 tensor, read once on torch's threads (the benchmarks'
+        read-bandwidth probe)."""
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("read_sum: contiguous float32 only")
+        return self._read(t.data_ptr(), t.numel(), torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Gemv | None:
+    """The kernel, built on first call; None (logged once by cpu_ext) where it cannot be."""
+    lib = cpu_ext.load_library(SOURCE)
+    if lib is None:
+        return None
+    try:
+        return Gemv(lib)
+    except RuntimeError:
+        return None
