@@ -251,6 +251,9 @@ class DecoderLayer(nn.Module):
         self._norm = rms_norm
         self._rope = _apply_rope
         self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
+        # Without a plan (the GPU path, unpacked models): this layer's own swappable
+        # norm / RoPE / GEMM functions (use_triton_ops swaps them).
+        self._fallback = _LayerOps(self._attn_in, self._o_add, self._mlp, self._down_add)
 
     def use_triton_ops(self) -> None:
         """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
@@ -310,7 +313,14 @@ class DecoderLayer(nn.Module):
         SwiGLU element-wise work was ~12% of a decode step)."""
         built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
                  "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
-                 "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")))}
+                 "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
+                                   fused=True)}
+        for kernel, ops in built.items():
+            if kernel != "gemv":  # the GEMMs take normed x; the layer's ops take the residual
+                if "qkv" in ops:
+                    ops["qkv"] = _attn_in_unfused(self, ops["qkv"])
+                if "mlp" in ops:
+                    ops["mlp"] = _normed(ops["mlp"], self.post_attention_layernorm, self.eps)
         self._ops = []
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
@@ -331,7 +341,7 @@ class DecoderLayer(nn.Module):
         """Run each projection of row bucket `bucket` once on zeros x [rows, hidden] (compiles
         its oneDNN kernel; a dense one compiles nothing and costs little)."""
         ops = self._ops[bucket]
-        ops.qkv(x)
+        ops.attn_in(x, torch.zeros(x.shape[0], self.head_dim, dtype=x.dtype, device=x.device))
         zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
         ops.o_add(zeros, x.clone())
         ops.down_add(ops.mlp(x), x.clone())
@@ -340,38 +350,67 @@ class DecoderLayer(nn.Module):
                 attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place.
         `bucket` (gemm_select.bucket_of(T)) picks the GEMM kernels bound for this size."""
-        t = hidden.shape[0]
-        d = self.head_dim
-        ops = self._ops[bucket] if self._ops else None
+        ops = self._ops[bucket] if self._ops else self._fallback
+        q, k, v = ops.attn_in(hidden, cos_sin)
+        o = attn(self.layer_idx, q, k, v).reshape(hidden.shape[0], self.q_size)
+        hidden = ops.o_add(o, hidden)
+        return ops.down_add(ops.mlp(hidden), hidden)
+
+    # -- the fallback ops (no GEMM plan): late-bound, so use_triton_ops' swaps apply ----------
+    def _attn_in(self, hidden: torch.Tensor, cos_sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self._norm(hidden, self.input_layernorm, self.eps)
-        qkv = ops.qkv(x) if ops else self._linear(x, self.qkv_proj, self.qkv_bias)
-        qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
-        if self.qk_norm is not None:
-            qk = self._norm(qk, self.qk_norm, self.eps)  # per-head weight [heads, D]
-        qk = self._rope(qk, cos_sin)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads:]
-        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
-        o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
-        if ops:
-            hidden = ops.o_add(o, hidden)
-            x = self._norm(hidden, self.post_attention_layernorm, self.eps)
-            return ops.down_add(ops.mlp(x), hidden)
+        return _split_qkv(self, self._linear(x, self.qkv_proj, self.qkv_bias), cos_sin,
+                          self._norm, self._rope)
+
+    def _o_add(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.attn_out_norm is None:
-            hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
-        else:
-            o = self._linear(o, self.o_proj, self.o_bias)
-            hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
-        x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+            return self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        o = self._linear(o, self.o_proj, self.o_bias)
+        return hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
+
+    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(self._norm(hidden, self.post_attention_layernorm, self.eps))
+
+    def _down_add(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.mlp_out_norm is None:
-            return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
-        m = self._linear(self._swiglu(x), self.down_proj, self.down_bias)
+            return self._linear_add(m, hidden, self.down_proj, self.down_bias)
+        m = self._linear(m, self.down_proj, self.down_bias)
         return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
         return _gated(self._linear(x, self.gate_up_proj, self.gate_up_bias),
                       self.intermediate_size, self.gelu)
+
+
+def _split_qkv(layer: DecoderLayer, qkv: torch.Tensor, cos_sin: torch.Tensor,
+               norm: Callable = rms_norm, rope: Callable | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, q + 2 kv] -> q [T, H, D], k [T, Hkv, D] (q/k-normed where the model has it,
+    then RoPE: `rope`, or none when the GEMV already rotated them), v [T, Hkv, D] (views)."""
+    t, d = qkv.shape[0], layer.head_dim
+    qk = qkv[:, : layer.qk_size].view(t, layer.num_heads + layer.num_kv_heads, d)
+    if layer.qk_norm is not None:
+        qk = norm(qk, layer.qk_norm, layer.eps)  # per-head weight [heads, D]
+    if rope is not None:
+        qk = rope(qk, cos_sin)
+    return (qk[:, : layer.num_heads], qk[:, layer.num_heads:],
+            qkv[:, layer.qk_size:].view(t, layer.num_kv_heads, d))
+
+
+def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+    """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE."""
+    w, eps = layer.input_layernorm, layer.eps
+    return lambda h, cos_sin: _split_qkv(layer, qkv(rms_norm(h, w, eps)), cos_sin,
+                                         rope=_apply_rope)
+
+
+def _normed(fn: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, eps: float
+            ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> fn(rms_norm(x, w, eps))."""
+    return lambda x: fn(rms_norm(x, w, eps))
 
 
 def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
@@ -384,11 +423,14 @@ def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
 
 @dataclass
 class _LayerOps:
-    """One layer's four projections for one row bucket: qkv(x), o_add(x, residual),
-    mlp(x) (gate/up + the gated activation), down_add(x, residual). With Gemma's output norms
-    the adds are residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
+    """One layer's four projections for one row bucket, each with the element-wise work around
+    it: attn_in(residual, cos_sin) -> q, k, v (input norm, qkv GEMM, q/k norm, RoPE),
+    o_add(o, residual), mlp(residual) (post-attention norm, gate/up GEMM, the gated
+    activation), down_add(m, residual). With Gemma's output norms the adds are
+    residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
 
-    qkv: Callable[[torch.Tensor], torch.Tensor]
+    attn_in: Callable[[torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
     down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -472,20 +514,38 @@ def gemv_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and gemv.load() is not None
 
 
-def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
+              fused: bool = False) -> dict[str, Callable]:
     """The C++ GEMV on the row-major weights (for a few rows: gemv.MAX_ROWS), with bias, the
-    gated activation and the residual add fused, for `projs` only."""
+    gated activation and the residual add fused, for `projs` only. `fused`: the layer's ops
+    (see _LayerOps) with the norms before qkv and gate/up, and the RoPE of q and k (unless
+    the model norms q and k first), in the same calls; else plain GEMMs on normed x (what
+    gemm_select times against the other kernels)."""
     g = gemv.load()
     ops: dict[str, Callable] = {}
+    eps, d = layer.eps, layer.head_dim
     if "qkv" in projs:
-        qkv_w, qkv_b = layer.qkv_proj, layer.qkv_bias
-        ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+        qkv_w, qkv_b, ln = layer.qkv_proj, layer.qkv_bias, layer.input_layernorm
+        rope_cols = 0 if layer.qk_norm is not None else layer.qk_size
+        if not fused:
+            ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+        elif rope_cols:
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, g.linear(
+                h, qkv_w, qkv_b, norm_weight=ln, eps=eps, cos_sin=cs, rope_cols=rope_cols,
+                head_dim=d), cs)
+        else:
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, g.linear(
+                h, qkv_w, qkv_b, norm_weight=ln, eps=eps), cs, rope=_apply_rope)
     if "o" in projs:
         ops["o"] = _output_add(g.linear, g.linear_add, layer.o_proj, layer.o_bias,
                                layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
         gu_w, gu_b, gelu = layer.gate_up_proj, layer.gate_up_bias, layer.gelu
-        ops["mlp"] = lambda x: g.gated(x, gu_w, gu_b, gelu)
+        if fused:
+            ln2 = layer.post_attention_layernorm
+            ops["mlp"] = lambda h: g.gated(h, gu_w, gu_b, gelu, norm_weight=ln2, eps=eps)
+        else:
+            ops["mlp"] = lambda x: g.gated(x, gu_w, gu_b, gelu)
     if "down" in projs:
         ops["down"] = _output_add(g.linear, g.linear_add, layer.down_proj, layer.down_bias,
                                   layer.mlp_out_norm, layer.eps)

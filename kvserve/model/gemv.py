@@ -4,8 +4,10 @@ Why: at batch 1 a decode step is bound by reading the weights once; MKL's `F.lin
 oneDNN's packed GEMM are built for many rows and reached about half of the CPU's read
 bandwidth at one row. This kernel splits the output features across torch's OpenMP threads,
 reads each weight row once and reuses it from L1 for every row of x, and fuses the decoder's
-epilogues (bias, the residual add, the gated MLP's act(gate) * up), so a projection is one
-call with no intermediate tensors. It reads the row-major weights `F.linear` uses: choosing it
+epilogues (bias, the residual add, the gated MLP's act(gate) * up) and, optionally, the
+RMSNorm before the projection and the RoPE of q and k after it: at batch 1 each separate torch
+op costs more in dispatch than in arithmetic, so a layer is four calls with no intermediate
+tensors but their outputs. It reads the row-major weights `F.linear` uses: choosing it
 for some row buckets costs no second weight layout.
 
 It is only fast for a few rows (each extra row re-reads W from L1, not memory): gemm_select
@@ -38,7 +40,8 @@ class Gemv:
             raise RuntimeError(f"{lib._name} has a different ABI version")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn = lib.kvserve_gemv_f32
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int,
+                       ptr, ctypes.c_float, ptr, i64, i64, i64]
         fn.restype = ctypes.c_int
         read = lib.kvserve_read_sum_f32
         read.argtypes = [ptr, i64, ctypes.c_int]
@@ -48,7 +51,8 @@ class Gemv:
         self._lib = lib  # keeps the library loaded
 
     @staticmethod
-    def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n_w: int) -> None:
+    def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n_w: int,
+               norm_weight: torch.Tensor | None = None) -> None:
         if x.dtype != torch.float32 or w.dtype != torch.float32:
             raise ValueError(f"gemv: float32 only, got x {x.dtype}, weight {w.dtype}")
         if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -61,20 +65,42 @@ class Gemv:
         if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()
                               or b.shape != (n_w,)):
             raise ValueError(f"gemv: bias must be contiguous float32 [{n_w}]")
+        if norm_weight is not None and (norm_weight.dtype != torch.float32
+                                        or not norm_weight.is_contiguous()
+                                        or norm_weight.shape != (w.shape[1],)):
+            raise ValueError(f"gemv: norm weight must be contiguous float32 [{w.shape[1]}]")
 
     def _run(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
-             out: torch.Tensor, mode: int) -> torch.Tensor:
-        self._fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(),
-                 None if b is None else b.data_ptr(), n, w.shape[1], out.data_ptr(),
-                 out.stride(0), mode, torch.get_num_threads())
+             out: torch.Tensor, mode: int, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, cos_sin: torch.Tensor | None = None, rope_cols: int = 0,
+             head_dim: int = 0) -> torch.Tensor:
+        rc = self._fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(),
+                      None if b is None else b.data_ptr(), n, w.shape[1], out.data_ptr(),
+                      out.stride(0), mode, torch.get_num_threads(),
+                      None if norm_weight is None else norm_weight.data_ptr(), eps,
+                      None if cos_sin is None else cos_sin.data_ptr(),
+                      0 if cos_sin is None else cos_sin.stride(0), rope_cols, head_dim)
+        if rc != 0:
+            raise ValueError(f"gemv: bad mode {mode} or RoPE layout (rope_cols {rope_cols}, "
+                             f"head_dim {head_dim}, {n} outputs)")
         return out
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+               cos_sin: torch.Tensor | None = None, rope_cols: int = 0, head_dim: int = 0
                ) -> torch.Tensor:
-        """x W^T + b -> new [rows, n] (F.linear)."""
-        self._check(x, w, b, w.shape[0])
+        """x W^T + b -> new [rows, n] (F.linear). With `norm_weight`, x is RMS-normed first
+        (`decoder.rms_norm(x, norm_weight, eps)`); with `cos_sin` ([rows, head_dim]: cos |
+        sin halves, unit stride along head_dim), the first `rope_cols` outputs of each row
+        are heads of `head_dim` rotated in place after (`decoder._apply_rope`)."""
+        self._check(x, w, b, w.shape[0], norm_weight)
+        if cos_sin is not None and (cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1
+                                    or cos_sin.shape != (x.shape[0], head_dim)):
+            raise ValueError(f"gemv: cos_sin must be float32 [{x.shape[0]}, {head_dim}] with "
+                             "unit stride along head_dim")
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-        return self._run(x, w, b, w.shape[0], out, MODE_STORE)
+        return self._run(x, w, b, w.shape[0], out, MODE_STORE, norm_weight, eps, cos_sin,
+                         rope_cols, head_dim)
 
     def linear_add(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                    b: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,15 +114,17 @@ class Gemv:
         return self._run(x, w, b, w.shape[0], residual, MODE_ADD)
 
     def gated(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-              gelu: bool = False) -> torch.Tensor:
+              gelu: bool = False, *, norm_weight: torch.Tensor | None = None,
+              eps: float = 1e-6) -> torch.Tensor:
         """w = [gate; up] ([2i, k]) -> act(x gate^T + b_g) * (x up^T + b_u), new [rows, i];
-        act SiLU, or GELU-tanh with `gelu`."""
-        self._check(x, w, b, w.shape[0])
+        act SiLU, or GELU-tanh with `gelu`; x RMS-normed first with `norm_weight`."""
+        self._check(x, w, b, w.shape[0], norm_weight)
         if w.shape[0] % 2:
             raise ValueError(f"gemv: a [gate; up] weight has an even row count, got {w.shape[0]}")
         i = w.shape[0] // 2
         out = torch.empty((x.shape[0], i), dtype=torch.float32)
-        return self._run(x, w, b, i, out, MODE_GELU_MUL if gelu else MODE_SILU_MUL)
+        return self._run(x, w, b, i, out, MODE_GELU_MUL if gelu else MODE_SILU_MUL,
+                         norm_weight, eps)
 
     def read_sum(self, t: torch.Tensor) -> float:
         """Sum of a contiguous float32 tensor, read once on torch's threads (the benchmarks'

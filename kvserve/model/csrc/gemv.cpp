@@ -8,6 +8,12 @@
 // epilogues a decoder needs are fused: bias, the residual add (y written into the residual
 // stream), and the gated MLP's act(gate) * up on a [gate; up] weight.
 //
+// Two more per-layer passes are folded into the call, because at batch 1 each separate torch
+// op costs more in dispatch than in arithmetic: the RMSNorm of x before the projection
+// (`norm_w`: x_i * rsqrt(mean(x^2) + eps) * w_i, statistics in float32 as Hugging Face's), and
+// rotate-half RoPE over the first `rope_cols` output features after it (the q and k heads of
+// a fused qkv projection; cos | sin halves per row in `cos_sin`).
+//
 // Built at first use by kvserve/model/cpu_ext.py (-O3 -march=native -fopenmp) and called
 // through ctypes with raw pointers (kvserve/model/gemv.py). Plain C++: the inner loops are
 // `omp simd` reductions the compiler vectorizes for whatever the CPU has (AVX2, AVX-512).
@@ -21,6 +27,7 @@
 // where g, u are the gate and up halves of xW^T + b.
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -72,17 +79,63 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
+// dst[r] = rmsnorm(x[r]) * w for each row (contiguous [rows, k] destination)
+void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
+                   float eps, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    double ss = 0.0;
+    for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
+    float* d = dst + r * k;
+    for (int64_t i = 0; i < k; ++i) d[i] = (xr[i] * inv) * w[i];
+  }
+}
+
+// rotate-half RoPE in place over y[r, 0:cols), heads of `head_dim`, cos | sin row r of cs
+void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
+               const float* cs, int64_t cs_stride) {
+  const int64_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cos = cs + r * cs_stride;
+    const float* sin = cos + half;
+    for (int64_t h0 = 0; h0 + head_dim <= cols; h0 += head_dim) {
+      float* a = y + r * y_stride + h0;
+      float* b = a + half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = a[j], x2 = b[j];
+        a[j] = x1 * cos[j] - x2 * sin[j];
+        b[j] = x2 * cos[j] + x1 * sin[j];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 int kvserve_gemv_abi_version() { return 1; }
 
-// n: output features (gate rows in the gated modes). Returns 0, or 1 for a bad mode.
+// n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
+// cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
+// for a bad mode or RoPE layout.
 int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
                      const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
-                     int mode, int num_threads) {
+                     int mode, int num_threads, const float* norm_w, float eps,
+                     const float* cos_sin, int64_t cs_stride, int64_t rope_cols,
+                     int64_t head_dim) {
   if (mode < 0 || mode > 3) return 1;
+  if (cos_sin != nullptr &&
+      (mode > 1 || head_dim <= 0 || head_dim % 2 || rope_cols % head_dim || rope_cols > n))
+    return 1;
+  thread_local std::vector<float> normed;
+  if (norm_w != nullptr) {
+    normed.resize(static_cast<size_t>(rows * k));
+    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data());
+    x = normed.data();
+    x_stride = k;
+  }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const bool gated = mode >= 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -113,6 +166,7 @@ int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float
         for (int64_t j = 0; j < cnt; ++j) yr[j] = gelu_tanh(acc[j]) * up[j];
     }
   }
+  if (cos_sin != nullptr) rope_rows(out, out_stride, rows, rope_cols, head_dim, cos_sin, cs_stride);
   return 0;
 }
 
