@@ -317,8 +317,9 @@ def read_bandwidth(samples: int, nbytes: int) -> dict:
 
 def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     """The reference model's own projections (qkv, o, gate/up + SwiGLU, down; LM head) at the
-    best kernel this CPU offers for each shape: min time of F.linear (MKL) and oneDNN with
-    packed weights, exact row counts, best of --samples. Rows: 1 and the main workload's
+    best kernel this CPU offers for each shape: min time of F.linear (MKL), oneDNN with
+    packed weights and (up to 4 rows) kvserve's C++ GEMV, exact row counts, best of
+    --samples. Rows: 1 and the main workload's
     decode batch, its prefill step and the prefill's sampled rows. Seconds per call."""
     import torch
 
@@ -326,7 +327,7 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     from kvserve.model.loader import load_model
 
     model, config = load_model(args.model, "float32", pack_weights=False)
-    cands = model.gemm_candidates()
+    cands = model.gemm_candidates(layer_ops=False)
     prefill = min(args.num_prompts * args.prompt_len, args.max_batched_tokens)
     out: dict = {"layers": config.num_hidden_layers, "rows": {}}
     with torch.inference_mode():
@@ -336,6 +337,8 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
                 per[proj] = {}
                 for kernel, factory in kernels.items():
                     run = factory(rows)
+                    if run is None:  # a kernel not offered for this many rows (gemv)
+                        continue
                     run()
                     calls = max(1, min(20, int(2e-3 / max(time_once(run, 1), 1e-7))))
                     per[proj][kernel] = min(time_once(run, calls) for _ in range(args.samples))

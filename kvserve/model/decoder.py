@@ -271,15 +271,24 @@ class DecoderLayer(nn.Module):
         return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
     # -- GEMM kernels per row bucket (gemm_select.py) ---------------------------------------
-    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+    def gemm_candidates(self, layer_ops: bool = True
+                        ) -> dict[str, dict[str, gemm_select.RunFactory]]:
         """For each projection and kernel, a factory(rows) -> run-once callable on this layer's
         own weights (oneDNN-packed copies made here and dropped after): what `gemm_select`
-        times. Call before `set_gemm_plan`, while the dense weights are all there."""
+        times. Call before `set_gemm_plan`, while the dense weights are all there.
+
+        layer_ops: time each kernel's projection as the layer runs it (qkv with the input norm
+        and RoPE around it, gate/up with the post-attention norm): the GEMV fuses those, the
+        other kernels run them as torch ops, and the choice should see that. False: the GEMMs
+        alone (the benchmarks' GEMM ceiling)."""
         kernels = {"dense": _dense_ops(self)}
         if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["onednn"] = _onednn_ops(self)
         if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
-            kernels["gemv"] = _gemv_ops(self)
+            kernels["gemv"] = _gemv_ops(self, fused=layer_ops)
+        if layer_ops:
+            for kernel, ops in kernels.items():
+                _wrap_unfused(self, kernel, ops)
         p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
         h, q = self.qkv_proj.shape[1], self.q_size
 
@@ -290,6 +299,9 @@ class DecoderLayer(nn.Module):
                 if gemv_ops and rows > gemv.MAX_ROWS:
                     return None
                 x = torch.randn(rows, h, **p)
+                if kind == "qkv" and layer_ops:
+                    cos_sin = torch.rand(rows, self.head_dim, **p)
+                    return lambda: ops["qkv"](x, cos_sin)
                 if kind == "qkv":
                     return lambda: ops["qkv"](x)
                 if kind == "o":
@@ -316,11 +328,7 @@ class DecoderLayer(nn.Module):
                  "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
                                    fused=True)}
         for kernel, ops in built.items():
-            if kernel != "gemv":  # the GEMMs take normed x; the layer's ops take the residual
-                if "qkv" in ops:
-                    ops["qkv"] = _attn_in_unfused(self, ops["qkv"])
-                if "mlp" in ops:
-                    ops["mlp"] = _normed(ops["mlp"], self.post_attention_layernorm, self.eps)
+            _wrap_unfused(self, kernel, ops)
         self._ops = []
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
@@ -407,10 +415,17 @@ def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Te
                                          rope=_apply_rope)
 
 
-def _normed(fn: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, eps: float
-            ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> fn(rms_norm(x, w, eps))."""
-    return lambda x: fn(rms_norm(x, w, eps))
+def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) -> None:
+    """Turn a GEMM-level ops dict of `kernel` into the layer's ops (see _LayerOps), in place:
+    the GEMMs take normed x, the layer's ops the residual stream. The GEMV's fused ops
+    already are."""
+    if kernel == "gemv":
+        return
+    if "qkv" in ops:
+        ops["qkv"] = _attn_in_unfused(layer, ops["qkv"])
+    if "mlp" in ops:
+        mlp, w, eps = ops["mlp"], layer.post_attention_layernorm, layer.eps
+        ops["mlp"] = lambda x: mlp(rms_norm(x, w, eps))
 
 
 def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
@@ -670,13 +685,15 @@ class CausalLM(nn.Module):
                         plan.describe())
         return self.packed
 
-    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+    def gemm_candidates(self, layer_ops: bool = True
+                        ) -> dict[str, dict[str, gemm_select.RunFactory]]:
         """projection -> kernel -> factory(rows) -> run-once callable, on layer 0's weights
         and the LM head (oneDNN-packed copies made here): what `gemm_select` times, and what
-        benchmarks time for the machine's GEMM ceiling. Needs the dense weights (before
+        benchmarks time for the machine's GEMM ceiling (`layer_ops`: see
+        DecoderLayer.gemm_candidates). Needs the dense weights (before
         `pack_weights`, or with kernel "dense")."""
         h = self.config.hidden_size
-        factories = self.layers[0].gemm_candidates()
+        factories = self.layers[0].gemm_candidates(layer_ops)
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
         p = {"dtype": self.dtype, "device": head.device}
