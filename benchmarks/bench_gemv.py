@@ -71,7 +71,7 @@ def main() -> int:
             xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
             times = {}
             for name, (fn, weights) in kernels.items():
-                def run(fn=fn, weights=weights):
+                def run(fn=fn, weights=weights, xs=xs):
                     for (_, k), w in zip(shapes, weights):
                         fn(xs[k], w)
                 times[name] = best(run, args.samples)
