@@ -33,7 +33,10 @@ namespace {
 
 constexpr int64_t kBlock = 4;  // weight rows per work item
 
-constexpr int kLanes = 16;  // floats per step: one 64-byte cache line of each weight row
+#ifndef KVSERVE_LANES
+#define KVSERVE_LANES 16
+#endif
+constexpr int kLanes = KVSERVE_LANES;  // floats per step: 16 = one 64-byte line of each row
 #ifndef KVSERVE_PREFETCH_BLOCKS
 #define KVSERVE_PREFETCH_BLOCKS 1
 #endif
@@ -52,10 +55,12 @@ inline void dot4(const float* __restrict x, const float* __restrict w, int64_t k
   float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
   int64_t i0 = 0;
   for (; i0 + kLanes <= k; i0 += kLanes) {
-    __builtin_prefetch(w0 + i0 + ahead);
-    __builtin_prefetch(w1 + i0 + ahead);
-    __builtin_prefetch(w2 + i0 + ahead);
-    __builtin_prefetch(w3 + i0 + ahead);
+    for (int l = 0; l < kLanes; l += 16) {
+      __builtin_prefetch(w0 + i0 + l + ahead);
+      __builtin_prefetch(w1 + i0 + l + ahead);
+      __builtin_prefetch(w2 + i0 + l + ahead);
+      __builtin_prefetch(w3 + i0 + l + ahead);
+    }
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) {
       const float xv = x[i0 + j];
