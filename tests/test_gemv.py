@@ -127,3 +127,41 @@ def test_gemm_select_offers_gemv_in_the_first_bucket_only():
     times["qkv"]["gemv"] = [0.5] + none
     assert gemm_select.decide(times)["qkv"] == ["gemv"] + ["onednn"] * (n - 1)
     assert gemm_select.forced_plan("gemv").kernels["head"] == ["gemv"] + ["dense"] * (n - 1)
+
+
+@pytest.mark.parametrize("qk_rope", [False, True])
+def test_bound_ops_match_the_checked_ones_and_torch(qk_rope):
+    """The decoder's bound ops (weights fixed once, one packed ctypes call) against plain
+    torch: RMSNorm -> projection (+ bias) -> RoPE over the first heads; the residual add;
+    the gated MLP with its norm."""
+    gen = _gen(11)
+    h, d, heads = 48, 8, 5
+    w, b = torch.randn(heads * d + 8, h, generator=gen), torch.randn(heads * d + 8, generator=gen)
+    ln = 1 + 0.2 * torch.randn(h, generator=gen)
+    x = torch.randn(3, h, generator=gen)
+    cs = torch.randn(3, d, generator=gen)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ln
+    ref = F.linear(xn, w, b)
+    if qk_rope:
+        qk = ref[:, : heads * d].view(3, heads, d)
+        x1, x2 = qk[..., : d // 2], qk[..., d // 2:]
+        cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
+        ref[:, : heads * d] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin),
+                                        -1).view(3, -1)
+    op = g.bind(w, b, norm_weight=ln, eps=1e-6, rope_cols=heads * d if qk_rope else 0,
+                head_dim=d)
+    torch.testing.assert_close(op(x, None, cs), ref, rtol=1e-5, atol=1e-4)
+    r = torch.randn(3, heads * d + 8, generator=gen)
+    add = g.bind(w, b, gemv.MODE_ADD)
+    torch.testing.assert_close(add(x, r.clone()), r + F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    gu = torch.randn(2 * 7, h, generator=gen)
+    gate_up = F.linear(xn, gu)
+    mlp = g.bind(gu, None, gemv.MODE_SILU_MUL, norm_weight=ln, eps=1e-6)
+    torch.testing.assert_close(mlp(x), F.silu(gate_up[:, :7]) * gate_up[:, 7:],
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="unit stride"):
+        op(torch.randn(h, 3).t(), None, cs)
+    with pytest.raises(ValueError, match="float32"):
+        op(torch.randn(3, h + 1), None, cs)
+    with pytest.raises(ValueError, match="RoPE"):
+        g.bind(w, b, rope_cols=d + 1, head_dim=d)

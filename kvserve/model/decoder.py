@@ -540,31 +540,37 @@ def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
     ops: dict[str, Callable] = {}
     eps, d = layer.eps, layer.head_dim
     if "qkv" in projs:
-        qkv_w, qkv_b, ln = layer.qkv_proj, layer.qkv_bias, layer.input_layernorm
-        rope_cols = 0 if layer.qk_norm is not None else layer.qk_size
+        norm = {"norm_weight": layer.input_layernorm, "eps": eps} if fused else {}
+        rope_cols = layer.qk_size if fused and layer.qk_norm is None else 0
+        qkv = g.bind(layer.qkv_proj, layer.qkv_bias, rope_cols=rope_cols, head_dim=d, **norm)
         if not fused:
-            ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+            ops["qkv"] = qkv
         elif rope_cols:
-            ops["qkv"] = lambda h, cs: _split_qkv(layer, g.linear(
-                h, qkv_w, qkv_b, norm_weight=ln, eps=eps, cos_sin=cs, rope_cols=rope_cols,
-                head_dim=d), cs)
-        else:
-            ops["qkv"] = lambda h, cs: _split_qkv(layer, g.linear(
-                h, qkv_w, qkv_b, norm_weight=ln, eps=eps), cs, rope=_apply_rope)
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, qkv(h, None, cs), cs)
+        else:  # q/k norms sit between the projection and RoPE
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, qkv(h), cs, rope=_apply_rope)
     if "o" in projs:
-        ops["o"] = _output_add(g.linear, g.linear_add, layer.o_proj, layer.o_bias,
-                               layer.attn_out_norm, layer.eps)
+        ops["o"] = _gemv_output_add(g, layer.o_proj, layer.o_bias, layer.attn_out_norm, eps)
     if "mlp" in projs:
-        gu_w, gu_b, gelu = layer.gate_up_proj, layer.gate_up_bias, layer.gelu
-        if fused:
-            ln2 = layer.post_attention_layernorm
-            ops["mlp"] = lambda h: g.gated(h, gu_w, gu_b, gelu, norm_weight=ln2, eps=eps)
-        else:
-            ops["mlp"] = lambda x: g.gated(x, gu_w, gu_b, gelu)
+        norm = {"norm_weight": layer.post_attention_layernorm, "eps": eps} if fused else {}
+        mode = gemv.MODE_GELU_MUL if layer.gelu else gemv.MODE_SILU_MUL
+        ops["mlp"] = g.bind(layer.gate_up_proj, layer.gate_up_bias, mode, **norm)
     if "down" in projs:
-        ops["down"] = _output_add(g.linear, g.linear_add, layer.down_proj, layer.down_bias,
-                                  layer.mlp_out_norm, layer.eps)
+        ops["down"] = _gemv_output_add(g, layer.down_proj, layer.down_bias, layer.mlp_out_norm,
+                                       eps)
     return ops
+
+
+def _gemv_output_add(g: gemv.Gemv, w: torch.Tensor, b: torch.Tensor | None,
+                     out_norm: torch.Tensor | None, eps: float
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """_output_add on the GEMV: the add into the residual stream in the kernel, or (Gemma's
+    output norms) GEMV, norm, add."""
+    if out_norm is None:
+        op = g.bind(w, b, gemv.MODE_ADD)
+        return lambda x, r: op(x, r)
+    op = g.bind(w, b)
+    return lambda x, r: r.add_(rms_norm(op(x), out_norm, eps))
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -672,9 +678,9 @@ class CausalLM(nn.Module):
         if self.lm_head is not None and \
                 not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
             self.lm_head = None  # the packed copy is the head now
-        g = gemv.load() if plan.uses("head", "gemv") else None
+        head_gemv = gemv.load().bind(head_dense) if plan.uses("head", "gemv") else None
         by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
-                     "gemv": (g.linear if g is not None else None, head_dense)}
+                     "gemv": (lambda x, w, b: head_gemv(x), head_dense)}
         self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         self.gemm_plan = plan
         self.packed = any("onednn" in ks for ks in plan.kernels.values())

@@ -27,6 +27,7 @@
 // where g, u are the gate and up halves of xW^T + b.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -202,6 +203,20 @@ int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float
   }
   if (cos_sin != nullptr) rope_rows(out, out_stride, rows, rope_cols, head_dim, cos_sin, cs_stride);
   return 0;
+}
+
+// kvserve_gemv_f32 with its 17 arguments packed in one int64 array (pointers as addresses,
+// eps as its float bits), in kvserve_gemv_f32's order: a bound op in gemv.py fills the fixed
+// ones once and passes one pointer per call, which halves the ctypes call's cost.
+int kvserve_gemv_packed(const int64_t* a) {
+  float eps;
+  const int32_t bits = static_cast<int32_t>(a[12]);
+  std::memcpy(&eps, &bits, sizeof eps);
+  auto f = [](int64_t v) { return reinterpret_cast<const float*>(v); };
+  return kvserve_gemv_f32(f(a[0]), a[1], a[2], f(a[3]), f(a[4]), a[5], a[6],
+                          reinterpret_cast<float*>(a[7]), a[8], static_cast<int>(a[9]),
+                          static_cast<int>(a[10]), f(a[11]), eps, f(a[13]), a[14], a[15],
+                          a[16]);
 }
 
 // Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
