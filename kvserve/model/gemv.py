@@ -160,7 +160,8 @@ class BoundGemv:
     with a single pointer (about 2 us instead of about 12 for the checked methods: at batch 1
     there are 33 such calls per step). x must be float32 [rows, k] with unit stride along k:
     rows past the weight's k or a strided k would read out of bounds, so those two are still
-    checked."""
+    checked. Not reentrant (the argument array is the op's own): one model's forward runs on
+    one thread at a time, as the engine runs it."""
 
     def __init__(self, fn: ctypes._CFuncPtr, w: torch.Tensor, b: torch.Tensor | None,
                  mode: int, norm_weight: torch.Tensor | None, eps: float, rope_cols: int,
