@@ -23,7 +23,8 @@ from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noq
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
-from kvserve.model.decoder import CausalLM, onednn_available, rope_inv_freq  # noqa: E402
+from kvserve.model.decoder import (CausalLM, gemv_available, onednn_available,  # noqa: E402
+                                   rope_inv_freq)
 from kvserve.model.loader import load_model  # noqa: E402
 from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
@@ -208,6 +209,23 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
             ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
         diff = (out - ref).abs().max().item()
         assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
+
+
+@pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
+                    reason="the C++ GEMV kernel could not be built")
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2"])
+def test_gemv_plan_matches_transformers(saved, variant):
+    """The C++ GEMV in the first row bucket (1-4 rows: biases, the SiLU / GELU-tanh gate, the
+    fused residual adds, Gemma's output norms, tied and untied LM heads) and dense above it:
+    transformers' logits at every row count of that bucket and one above."""
+    hf, path = saved(variant)
+    model, config = load_model(path, gemm="gemv")
+    assert model.gemm_plan.kernels["qkv"][0] == "gemv"
+    assert model.gemm_plan.kernels["head"][0] == "gemv"
+    for t in (1, 2, 3, 4, 5):
+        ids = token_ids(t, seed=300 + t)
+        diff = (kv_logits(model, config, ids) - hf_logits(hf, ids)).abs().max().item()
+        assert diff < ATOL, f"{variant}, {t} rows: max abs diff {diff}"
 
 
 def test_config_fields_from_transformers(saved):

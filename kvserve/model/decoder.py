@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import gemm_select
+from kvserve.model import gemm_select, gemv
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
@@ -163,30 +163,30 @@ def gemm_rows(t: int) -> int:
     return -(-t // step) * step
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with zero rows appended up to `rows` (a copy)."""
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to gemm_rows(len(x)) (a copy), or x itself when that is
+    its length: what a oneDNN GEMM runs on (slice its result back to len(x))."""
+    t = x.shape[0]
+    rows = gemm_rows(t)
+    if rows == t:
+        return x
     out = x.new_empty((rows,) + tuple(x.shape[1:]))
-    out[: x.shape[0]].copy_(x)
-    out[x.shape[0]:].zero_()
+    out[:t].copy_(x)
+    out[t:].zero_()
     return out
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    t = x.shape[0]
-    rows = gemm_rows(t)
-    if rows != t:
-        return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, rows), w, b, "none", [], "")[:t]
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(_pad_rows(x), w, b, "none", [], "")[: x.shape[0]]
 
 
 def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                        b: torch.Tensor | None) -> torch.Tensor:
     t = x.shape[0]
-    rows = gemm_rows(t)
-    if rows != t:
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            _pad_rows(x, rows), _pad_rows(residual, rows), w, b, "add")[:t]
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    if gemm_rows(t) == t:  # in place into the residual stream
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    return torch.ops.mkldnn._linear_pointwise.binary(
+        _pad_rows(x), _pad_rows(residual), w, b, "add")[:t]
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
@@ -251,6 +251,9 @@ class DecoderLayer(nn.Module):
         self._norm = rms_norm
         self._rope = _apply_rope
         self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
+        # Without a plan (the GPU path, unpacked models): this layer's own swappable
+        # norm / RoPE / GEMM functions (use_triton_ops swaps them).
+        self._fallback = _LayerOps(self._attn_in, self._o_add, self._mlp, self._down_add)
 
     def use_triton_ops(self) -> None:
         """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
@@ -268,19 +271,37 @@ class DecoderLayer(nn.Module):
         return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
     # -- GEMM kernels per row bucket (gemm_select.py) ---------------------------------------
-    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+    def gemm_candidates(self, layer_ops: bool = True
+                        ) -> dict[str, dict[str, gemm_select.RunFactory]]:
         """For each projection and kernel, a factory(rows) -> run-once callable on this layer's
         own weights (oneDNN-packed copies made here and dropped after): what `gemm_select`
-        times. Call before `set_gemm_plan`, while the dense weights are all there."""
+        times. Call before `set_gemm_plan`, while the dense weights are all there.
+
+        layer_ops: time each kernel's projection as the layer runs it (qkv with the input norm
+        and RoPE around it, gate/up with the post-attention norm): the GEMV fuses those, the
+        other kernels run them as torch ops, and the choice should see that. False: the GEMMs
+        alone (the benchmarks' GEMM ceiling)."""
         kernels = {"dense": _dense_ops(self)}
         if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["onednn"] = _onednn_ops(self)
+        if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
+            kernels["gemv"] = _gemv_ops(self, fused=layer_ops)
+        if layer_ops:
+            for kernel, ops in kernels.items():
+                _wrap_unfused(self, kernel, ops)
         p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
         h, q = self.qkv_proj.shape[1], self.q_size
 
         def factory(kind: str, ops: dict[str, Callable]) -> gemm_select.RunFactory:
-            def make(rows: int) -> Callable[[], object]:
+            gemv_ops = ops is kernels.get("gemv")
+
+            def make(rows: int) -> Callable[[], object] | None:
+                if gemv_ops and rows > gemv.MAX_ROWS:
+                    return None
                 x = torch.randn(rows, h, **p)
+                if kind == "qkv" and layer_ops:
+                    cos_sin = torch.rand(rows, self.head_dim, **p)
+                    return lambda: ops["qkv"](x, cos_sin)
                 if kind == "qkv":
                     return lambda: ops["qkv"](x)
                 if kind == "o":
@@ -303,7 +324,11 @@ class DecoderLayer(nn.Module):
         as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
         SwiGLU element-wise work was ~12% of a decode step)."""
         built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
-                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn")))}
+                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
+                 "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
+                                   fused=True)}
+        for kernel, ops in built.items():
+            _wrap_unfused(self, kernel, ops)
         self._ops = []
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
@@ -311,7 +336,7 @@ class DecoderLayer(nn.Module):
         # free the dense weights no bucket reads (the closures hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
-            if not plan.uses(proj, "dense"):
+            if not any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR):
                 setattr(self, name, None)
 
     def gemm_flops_per_row(self) -> int:
@@ -324,7 +349,7 @@ class DecoderLayer(nn.Module):
         """Run each projection of row bucket `bucket` once on zeros x [rows, hidden] (compiles
         its oneDNN kernel; a dense one compiles nothing and costs little)."""
         ops = self._ops[bucket]
-        ops.qkv(x)
+        ops.attn_in(x, torch.zeros(x.shape[0], self.head_dim, dtype=x.dtype, device=x.device))
         zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
         ops.o_add(zeros, x.clone())
         ops.down_add(ops.mlp(x), x.clone())
@@ -333,38 +358,74 @@ class DecoderLayer(nn.Module):
                 attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place.
         `bucket` (gemm_select.bucket_of(T)) picks the GEMM kernels bound for this size."""
-        t = hidden.shape[0]
-        d = self.head_dim
-        ops = self._ops[bucket] if self._ops else None
+        ops = self._ops[bucket] if self._ops else self._fallback
+        q, k, v = ops.attn_in(hidden, cos_sin)
+        o = attn(self.layer_idx, q, k, v).reshape(hidden.shape[0], self.q_size)
+        hidden = ops.o_add(o, hidden)
+        return ops.down_add(ops.mlp(hidden), hidden)
+
+    # -- the fallback ops (no GEMM plan): late-bound, so use_triton_ops' swaps apply ----------
+    def _attn_in(self, hidden: torch.Tensor, cos_sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self._norm(hidden, self.input_layernorm, self.eps)
-        qkv = ops.qkv(x) if ops else self._linear(x, self.qkv_proj, self.qkv_bias)
-        qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, d)
-        if self.qk_norm is not None:
-            qk = self._norm(qk, self.qk_norm, self.eps)  # per-head weight [heads, D]
-        qk = self._rope(qk, cos_sin)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads:]
-        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, d)
-        o = attn(self.layer_idx, q, k, v).reshape(t, self.q_size)
-        if ops:
-            hidden = ops.o_add(o, hidden)
-            x = self._norm(hidden, self.post_attention_layernorm, self.eps)
-            return ops.down_add(ops.mlp(x), hidden)
+        return _split_qkv(self, self._linear(x, self.qkv_proj, self.qkv_bias), cos_sin,
+                          self._norm, self._rope)
+
+    def _o_add(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.attn_out_norm is None:
-            hidden = self._linear_add(o, hidden, self.o_proj, self.o_bias)
-        else:
-            o = self._linear(o, self.o_proj, self.o_bias)
-            hidden = hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
-        x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+            return self._linear_add(o, hidden, self.o_proj, self.o_bias)
+        o = self._linear(o, self.o_proj, self.o_bias)
+        return hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
+
+    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(self._norm(hidden, self.post_attention_layernorm, self.eps))
+
+    def _down_add(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.mlp_out_norm is None:
-            return self._linear_add(self._swiglu(x), hidden, self.down_proj, self.down_bias)
-        m = self._linear(self._swiglu(x), self.down_proj, self.down_bias)
+            return self._linear_add(m, hidden, self.down_proj, self.down_bias)
+        m = self._linear(m, self.down_proj, self.down_bias)
         return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""
         return _gated(self._linear(x, self.gate_up_proj, self.gate_up_bias),
                       self.intermediate_size, self.gelu)
+
+
+def _split_qkv(layer: DecoderLayer, qkv: torch.Tensor, cos_sin: torch.Tensor,
+               norm: Callable = rms_norm, rope: Callable | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, q + 2 kv] -> q [T, H, D], k [T, Hkv, D] (q/k-normed where the model has it,
+    then RoPE: `rope`, or none when the GEMV already rotated them), v [T, Hkv, D] (views)."""
+    t, d = qkv.shape[0], layer.head_dim
+    qk = qkv[:, : layer.qk_size].view(t, layer.num_heads + layer.num_kv_heads, d)
+    if layer.qk_norm is not None:
+        qk = norm(qk, layer.qk_norm, layer.eps)  # per-head weight [heads, D]
+    if rope is not None:
+        qk = rope(qk, cos_sin)
+    return (qk[:, : layer.num_heads], qk[:, layer.num_heads:],
+            qkv[:, layer.qk_size:].view(t, layer.num_kv_heads, d))
+
+
+def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+    """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE."""
+    w, eps = layer.input_layernorm, layer.eps
+    return lambda h, cos_sin: _split_qkv(layer, qkv(rms_norm(h, w, eps)), cos_sin,
+                                         rope=_apply_rope)
+
+
+def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) -> None:
+    """Turn a GEMM-level ops dict of `kernel` into the layer's ops (see _LayerOps), in place:
+    the GEMMs take normed x, the layer's ops the residual stream. The GEMV's fused ops
+    already are."""
+    if kernel == "gemv":
+        return
+    if "qkv" in ops:
+        ops["qkv"] = _attn_in_unfused(layer, ops["qkv"])
+    if "mlp" in ops:
+        mlp, w, eps = ops["mlp"], layer.post_attention_layernorm, layer.eps
+        ops["mlp"] = lambda x: mlp(rms_norm(x, w, eps))
 
 
 def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
@@ -377,11 +438,14 @@ def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
 
 @dataclass
 class _LayerOps:
-    """One layer's four projections for one row bucket: qkv(x), o_add(x, residual),
-    mlp(x) (gate/up + the gated activation), down_add(x, residual). With Gemma's output norms
-    the adds are residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
+    """One layer's four projections for one row bucket, each with the element-wise work around
+    it: attn_in(residual, cos_sin) -> q, k, v (input norm, qkv GEMM, q/k norm, RoPE),
+    o_add(o, residual), mlp(residual) (post-attention norm, gate/up GEMM, the gated
+    activation), down_add(m, residual). With Gemma's output norms the adds are
+    residual + norm(x W^T + b): there the add cannot be fused into the GEMM."""
 
-    qkv: Callable[[torch.Tensor], torch.Tensor]
+    attn_in: Callable[[torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
     down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -448,9 +512,7 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
             t = x.shape[0]
-            rows = gemm_rows(t)  # a few cached GEMM shapes, not one per token count
-            if rows != t:
-                x = _pad_rows(x, rows)
+            x = _pad_rows(x)  # a few cached GEMM shapes, not one per token count
             gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, act, [], algorithm)
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul")[:t]
 
@@ -460,6 +522,55 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
                                   _onednn_pack(layer.down_proj), layer.down_bias,
                                   layer.mlp_out_norm, layer.eps)
     return ops
+
+
+def gemv_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the C++ GEMV kernel (gemv.py) can run this model's projections."""
+    return device.type == "cpu" and dtype == torch.float32 and gemv.load() is not None
+
+
+def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
+              fused: bool = False) -> dict[str, Callable]:
+    """The C++ GEMV on the row-major weights (for a few rows: gemv.MAX_ROWS), with bias, the
+    gated activation and the residual add fused, for `projs` only. `fused`: the layer's ops
+    (see _LayerOps) with the norms before qkv and gate/up, and the RoPE of q and k (unless
+    the model norms q and k first), in the same calls; else plain GEMMs on normed x (what
+    gemm_select times against the other kernels)."""
+    g = gemv.load()
+    ops: dict[str, Callable] = {}
+    eps, d = layer.eps, layer.head_dim
+    if "qkv" in projs:
+        norm = {"norm_weight": layer.input_layernorm, "eps": eps} if fused else {}
+        rope_cols = layer.qk_size if fused and layer.qk_norm is None else 0
+        qkv = g.bind(layer.qkv_proj, layer.qkv_bias, rope_cols=rope_cols, head_dim=d, **norm)
+        if not fused:
+            ops["qkv"] = qkv
+        elif rope_cols:
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, qkv(h, None, cs), cs)
+        else:  # q/k norms sit between the projection and RoPE
+            ops["qkv"] = lambda h, cs: _split_qkv(layer, qkv(h), cs, rope=_apply_rope)
+    if "o" in projs:
+        ops["o"] = _gemv_output_add(g, layer.o_proj, layer.o_bias, layer.attn_out_norm, eps)
+    if "mlp" in projs:
+        norm = {"norm_weight": layer.post_attention_layernorm, "eps": eps} if fused else {}
+        mode = gemv.MODE_GELU_MUL if layer.gelu else gemv.MODE_SILU_MUL
+        ops["mlp"] = g.bind(layer.gate_up_proj, layer.gate_up_bias, mode, **norm)
+    if "down" in projs:
+        ops["down"] = _gemv_output_add(g, layer.down_proj, layer.down_bias, layer.mlp_out_norm,
+                                       eps)
+    return ops
+
+
+def _gemv_output_add(g: gemv.Gemv, w: torch.Tensor, b: torch.Tensor | None,
+                     out_norm: torch.Tensor | None, eps: float
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """_output_add on the GEMV: the add into the residual stream in the kernel, or (Gemma's
+    output norms) GEMV, norm, add."""
+    if out_norm is None:
+        op = g.bind(w, b, gemv.MODE_ADD)
+        return lambda x, r: op(x, r)
+    op = g.bind(w, b)
+    return lambda x, r: r.add_(rms_norm(op(x), out_norm, eps))
 
 
 def _apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -530,9 +641,11 @@ class CausalLM(nn.Module):
 
         kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
         shapes) and packs everything in other dtypes, "onednn" packs everything, "dense"
-        packs nothing. On a build or dtype oneDNN cannot
-        pack, everything stays dense. With tied embeddings a oneDNN LM head needs a packed
-        copy of the embedding table (vocab_size x hidden_size more memory)."""
+        packs nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere.
+        On a build or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses
+        between dense and gemv); without a compiler "gemv" stays dense. With tied embeddings
+        a oneDNN LM head needs a packed copy of the embedding table (vocab_size x hidden_size
+        more memory)."""
         if self.gemm_plan is not None:
             return self.packed
         if kernel not in ("auto", *gemm_select.KERNELS):
@@ -541,12 +654,16 @@ class CausalLM(nn.Module):
         device = self.embed_tokens.device
         if device.type != "cpu" or not self.layers:
             return False
-        if not onednn_available(self.dtype, device):
+        onednn = onednn_available(self.dtype, device)
+        has_gemv = gemv_available(self.dtype, device)
+        if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv):
             kernel = "dense"
         elif kernel == "auto" and self.dtype != torch.float32:
             # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
             # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
-            kernel = "onednn"
+            kernel = "onednn" if onednn else "dense"
+        elif kernel == "auto" and not (onednn or has_gemv):
+            kernel = "dense"  # nothing to choose between
         plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
         return self.apply_gemm_plan(plan)
 
@@ -555,15 +672,20 @@ class CausalLM(nn.Module):
         if any(plan.uses(p, "onednn") for p in (*_PROJS, "head")) and \
                 not onednn_available(self.dtype, self.embed_tokens.device):
             raise ValueError(f"oneDNN cannot pack {self.dtype} weights on this machine")
+        if any(plan.uses(p, "gemv") for p in (*_PROJS, "head")) and \
+                not gemv_available(self.dtype, self.embed_tokens.device):
+            raise ValueError(f"the C++ GEMV kernel cannot run {self.dtype} weights here")
         for layer in self.layers:
             layer.set_gemm_plan(plan)
         head_dense = self.lm_head if self.lm_head is not None else self.embed_tokens
         head_packed = _onednn_pack(head_dense) if plan.uses("head", "onednn") else None
-        if self.lm_head is not None and not plan.uses("head", "dense"):
+        if self.lm_head is not None and \
+                not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
             self.lm_head = None  # the packed copy is the head now
-        self._head_ops = [
-            (_onednn_linear, head_packed) if k == "onednn" else (_dense_linear, head_dense)
-            for k in plan.kernels["head"]]
+        head_gemv = gemv.load().bind(head_dense) if plan.uses("head", "gemv") else None
+        by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
+                     "gemv": (lambda x, w, b: head_gemv(x), head_dense)}
+        self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         self.gemm_plan = plan
         self.packed = any("onednn" in ks for ks in plan.kernels.values())
         if plan.source != "forced":
@@ -573,22 +695,28 @@ class CausalLM(nn.Module):
                         plan.describe())
         return self.packed
 
-    def gemm_candidates(self) -> dict[str, dict[str, gemm_select.RunFactory]]:
+    def gemm_candidates(self, layer_ops: bool = True
+                        ) -> dict[str, dict[str, gemm_select.RunFactory]]:
         """projection -> kernel -> factory(rows) -> run-once callable, on layer 0's weights
         and the LM head (oneDNN-packed copies made here): what `gemm_select` times, and what
-        benchmarks time for the machine's GEMM ceiling. Needs the dense weights (before
+        benchmarks time for the machine's GEMM ceiling (`layer_ops`: see
+        DecoderLayer.gemm_candidates). Needs the dense weights (before
         `pack_weights`, or with kernel "dense")."""
         h = self.config.hidden_size
-        factories = self.layers[0].gemm_candidates()
+        factories = self.layers[0].gemm_candidates(layer_ops)
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
         p = {"dtype": self.dtype, "device": head.device}
 
         def head_run(kind: str) -> gemm_select.RunFactory:
-            def make(rows: int) -> Callable[[], object]:
+            def make(rows: int) -> Callable[[], object] | None:
+                if kind == "gemv" and rows > gemv.MAX_ROWS:
+                    return None
                 x = torch.randn(rows, h, **p)
                 if kind == "onednn":
                     return lambda: _onednn_linear(x, packed_head, None)
+                if kind == "gemv":
+                    return lambda: gemv.load().linear(x, head, None)
                 return lambda: _dense_linear(x, head, None)
             return make
 

@@ -7,16 +7,20 @@ wins at batch 1 and they are level at prefill sizes. Picking by availability lef
 of the CPU's speed on the table, so at load the model times both candidates on its own weights
 (`choose`), for each projection and each row bucket, and keeps the faster.
 
-Candidates: "dense" (`F.linear` / `addmm_` on the row-major weight: MKL for float32) and
+Candidates: "dense" (`F.linear` / `addmm_` on the row-major weight: MKL for float32),
 "onednn" (`torch.ops.mkldnn._linear_pointwise` on weights packed in oneDNN's blocked layout,
 with SiLU, the SwiGLU product and the residual add fused as epilogues; its row counts are
-rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded).
+rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded), and
+"gemv" (kvserve/model/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
+SiLU/GELU * up and the residual add fused; float32, offered for the first row bucket only,
+`PARTIAL_KERNELS`).
 
 A projection keeps both layouts (twice its weight memory) only where the minority kernel wins
 its buckets by at least `MIXED_MIN_GAIN`; otherwise it takes the one kernel that is best over
 all buckets. Results are cached per CPU model, flags, torch version, threads, dtype and weight
 shapes in `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
-`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons).
+`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` forces it
+where it is offered (the first bucket) and dense elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from kvserve.model.cpu_features import cpu_info
 
 logger = logging.getLogger("kvserve")
 
-KERNELS = ("dense", "onednn")
+KERNELS = ("dense", "onednn", "gemv")
+# Kernels offered for some row buckets only (their factories return None for the others): they
+# never make a projection's single choice, they replace it in the buckets where they win.
+PARTIAL_KERNELS = {"gemv": 0}  # kernel -> its last bucket
+# Kernels that read the row-major weight (no second layout when mixed with each other).
+ROW_MAJOR = ("dense", "gemv")
 PROJECTIONS = ("qkv", "o", "mlp", "down", "head")
 # Row buckets: (largest row count in the bucket, the row count measured for it). A decode step
 # has as many rows as running sequences; a prefill step up to max_num_batched_tokens. The
@@ -44,10 +53,11 @@ BUCKETS: tuple[tuple[float, int], ...] = ((4, 1), (32, 16), (128, 64), (512, 256
 BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
-# factory(rows) -> a zero-argument callable running the projection once on `rows` rows
-RunFactory = Callable[[int], Callable[[], object]]
+# factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
+# where the kernel is not offered for that many rows)
+RunFactory = Callable[[int], Callable[[], object] | None]
 
 
 def bucket_of(rows: int) -> int:
@@ -78,9 +88,13 @@ class GemmPlan:
 
 
 def forced_plan(kernel: str) -> GemmPlan:
+    """`kernel` for every projection and bucket (a partial kernel where it is offered, dense
+    elsewhere)."""
     if kernel not in KERNELS:
         raise ValueError(f"GEMM kernel must be one of {KERNELS}, got {kernel!r}")
-    return GemmPlan({p: [kernel] * len(BUCKETS) for p in PROJECTIONS}, "forced")
+    last = PARTIAL_KERNELS.get(kernel, len(BUCKETS) - 1)
+    per_bucket = [kernel if b <= last else "dense" for b in range(len(BUCKETS))]
+    return GemmPlan({p: list(per_bucket) for p in PROJECTIONS}, "forced")
 
 
 def time_once(run: Callable[[], object], calls: int) -> float:
@@ -102,7 +116,7 @@ def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, i
         for b, (_, rows) in enumerate(BUCKETS):
             if b > max_bucket[proj]:
                 break
-            runs = {k: f(rows) for k, f in per_kernel.items()}
+            runs = {k: run for k, f in per_kernel.items() if (run := f(rows)) is not None}
             for run in runs.values():
                 run()  # compile / first touch
             first = min(time_once(run, 1) for run in runs.values())
@@ -118,29 +132,48 @@ def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, i
 
 
 def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[str]]:
-    """Per projection: the faster kernel per bucket where that gains >= MIXED_MIN_GAIN in every
-    bucket the minority wins, else the single kernel with the lowest summed relative cost.
-    Buckets past the last measured one take its choice."""
+    """Per projection: among the kernels offered for every bucket, the faster kernel per
+    bucket where that gains >= MIXED_MIN_GAIN in every bucket the minority wins, else the
+    single kernel with the lowest summed relative cost; buckets past the last measured one
+    take its choice. Then a partial kernel (gemv) takes the buckets where it is faster: by
+    any margin where the projection keeps its row-major weight anyway, by MIXED_MIN_GAIN
+    where it would add that layout beside oneDNN's."""
     kernels: dict[str, list[str]] = {}
     for proj, per_kernel in times.items():
-        names = list(per_kernel)
-        measured = [b for b in range(len(BUCKETS))
-                    if all(per_kernel[k][b] is not None for k in names)]
-        if len(names) == 1 or not measured:
-            kernels[proj] = [names[0]] * len(BUCKETS)
-            continue
-        best = {b: min(names, key=lambda k: per_kernel[k][b]) for b in measured}
-        rel = {k: sum(per_kernel[k][b] / per_kernel[best[b]][b] for b in measured)
-               for k in names}
-        single = min(names, key=lambda k: rel[k])
-        mixed_ok = all(
-            best[b] == single
-            or per_kernel[single][b] >= (1 + MIXED_MIN_GAIN) * per_kernel[best[b]][b]
-            for b in measured)
-        per_bucket = [best[b] if mixed_ok else single for b in measured]
-        per_bucket += [per_bucket[-1]] * (len(BUCKETS) - len(per_bucket))
-        kernels[proj] = per_bucket
+        full = {k: v for k, v in per_kernel.items() if k not in PARTIAL_KERNELS}
+        kernels[proj] = _decide_full(full)
+        chosen = kernels[proj]
+        gain = 0.0 if any(c in ROW_MAJOR for c in chosen) else MIXED_MIN_GAIN
+        for k, ts in per_kernel.items():
+            if k not in PARTIAL_KERNELS:
+                continue
+            for b, t in enumerate(ts):
+                other = per_kernel.get(chosen[b], [None] * len(BUCKETS))[b]
+                if t is None or other is None:
+                    continue
+                if other >= (1 + gain) * t:
+                    chosen[b] = k
     return kernels
+
+
+def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
+    """decide() for one projection's kernels that are offered for every bucket."""
+    names = list(per_kernel)
+    measured = [b for b in range(len(BUCKETS))
+                if all(per_kernel[k][b] is not None for k in names)]
+    if len(names) == 1 or not measured:
+        return [names[0]] * len(BUCKETS)
+    best = {b: min(names, key=lambda k: per_kernel[k][b]) for b in measured}
+    rel = {k: sum(per_kernel[k][b] / per_kernel[best[b]][b] for b in measured)
+           for k in names}
+    single = min(names, key=lambda k: rel[k])
+    mixed_ok = all(
+        best[b] == single
+        or per_kernel[single][b] >= (1 + MIXED_MIN_GAIN) * per_kernel[best[b]][b]
+        for b in measured)
+    per_bucket = [best[b] if mixed_ok else single for b in measured]
+    per_bucket += [per_bucket[-1]] * (len(BUCKETS) - len(per_bucket))
+    return per_bucket
 
 
 # -- cache ------------------------------------------------------------------------------------

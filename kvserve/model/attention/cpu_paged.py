@@ -12,12 +12,9 @@ keys per channel per block, values per token, and the residual rows of the block
 filling), decoding one token row at a time in registers / L1; and a first visible position per
 sequence serves sliding-window layers.
 
-The kernel is plain C++ with a C ABI, compiled at first use with the machine's compiler
-(`$CXX`, else `c++`/`g++`; -O3 -march=native -fopenmp) into `$KVSERVE_CACHE_DIR/ext/`, one
-library per source, flags, compiler and CPU, and loaded with ctypes. Not a torch extension:
-without torch's headers it builds in about a second instead of a minute, and it needs nothing
-from torch but data pointers. Its OpenMP calls resolve to the libgomp torch has already loaded,
-so it runs on torch's threads. Where there is no compiler (or the build fails) `load_kernel`
+The kernel is plain C++ with a C ABI, compiled at first use with the machine's compiler and
+loaded with ctypes (`kvserve.model.cpu_ext`: cached per source, flags, compiler and CPU; runs
+on torch's OpenMP threads). Where there is no compiler (or the build fails) `load_kernel`
 returns None, logs why once, and the backend keeps its gather path.
 """
 
@@ -25,25 +22,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.kv.quant import FP8Codec, Int4KIVICodec, Int8Codec, KVCodec
-from kvserve.model.cpu_features import cpu_info
+from kvserve.model import cpu_ext
 
 logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ABI_VERSION = 2
 # Limits of the kernel's fixed per-thread buffers (see the .cpp file).
 MAX_GROUP = 64
@@ -54,57 +45,6 @@ MAX_HEAD_DIM = 1024
 F32, BF16, F16, FP8_E4M3, FP8_E5M2, INT8, INT4 = range(7)
 FLOAT_KINDS = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 FP8_KINDS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
-
-
-def _cache_root() -> Path:
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "kvserve") / "ext"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build_key(cxx: str) -> str:
-    """Source + flags + compiler version + CPU: -march=native code is only valid on the CPU it
-    was built for, so a cache directory shared between machines keeps one build per CPU."""
-    version = subprocess.run([cxx, "--version"], check=False, capture_output=True,
-                             text=True, timeout=30).stdout.splitlines()[:1]
-    info = cpu_info()
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXXFLAGS).encode(), repr(version).encode(),
-                 info.model_name.encode(), " ".join(sorted(info.flags)).encode(),
-                 platform.machine().encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def build_library() -> Path:
-    """Compile the kernel once (atomic rename into the cache, so concurrent first uses are
-    safe) and return the shared library's path; RuntimeError when it cannot be built."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    out = _cache_root() / f"paged_decode-{_build_key(cxx)}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *CXXFLAGS, str(SOURCE), "-o", tmp], check=False,
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 class _Args(ctypes.Structure):
@@ -173,8 +113,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class PagedDecodeKernel:
     """The loaded library; `__call__` runs one layer's decode attention for a batch."""
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        path = Path(lib._name)
         if lib.kvserve_paged_decode_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path} has a different ABI version")
         fn = lib.kvserve_paged_decode
@@ -248,9 +188,13 @@ def load_kernel() -> PagedDecodeKernel | None:
     if os.environ.get("KVSERVE_CPU_PAGED_DECODE", "1") == "0":
         logger.info("paged decode kernel off (KVSERVE_CPU_PAGED_DECODE=0): gather path")
         return None
+    lib = cpu_ext.load_library(SOURCE)
+    if lib is None:
+        logger.warning("paged decode kernel unavailable: decode attention gathers K/V instead")
+        return None
     try:
-        kernel = PagedDecodeKernel(build_library())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        kernel = PagedDecodeKernel(lib)
+    except RuntimeError as e:
         logger.warning("paged decode kernel unavailable, decode attention gathers K/V "
                        "instead: %s", e)
         return None

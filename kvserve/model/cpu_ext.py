@@ -1,0 +1,100 @@
+"""Compile a plain C++ source into a cached shared library and load it with ctypes.
+
+Why: the CPU kernels (the paged decode attention, `attention/csrc/paged_decode.cpp`; the
+small-batch GEMV, `csrc/gemv.cpp`) are C++ with a C ABI, built at first use with the machine's
+compiler (`$CXX`, else `c++`/`g++`/`clang++`) and -march=native. Not torch extensions: without
+torch's headers a source builds in about a second instead of a minute, and a kernel needs
+nothing from torch but data pointers. Their OpenMP calls resolve to the libgomp torch has
+already loaded, so they run on torch's threads.
+
+A library is kept in `$KVSERVE_CACHE_DIR/ext/` (default ~/.cache/kvserve/ext), one per source,
+flags, compiler version and CPU: -march=native code is only valid on the CPU it was built for,
+so a cache directory shared between machines keeps one build per CPU. Builds are written to a
+temporary file and renamed into place, so concurrent first uses are safe. `load_library`
+returns None (and logs why, once per source) where there is no compiler or the build fails:
+every caller keeps a pure-PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvserve.model.cpu_features import cpu_info
+
+logger = logging.getLogger("kvserve")
+
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "kvserve") / "ext"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else the first of c++, g++, clang++ on PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_key(source: Path, flags: tuple[str, ...], cxx: str) -> str:
+    """Hash of source + flags + compiler version + CPU model and flags + architecture."""
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True,
+                             text=True, timeout=30).stdout.splitlines()[:1]
+    info = cpu_info()
+    h = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), repr(version).encode(),
+                 info.model_name.encode(), " ".join(sorted(info.flags)).encode(),
+                 platform.machine().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(source: Path, flags: tuple[str, ...] = CXXFLAGS) -> Path:
+    """Compile `source` once into the cache and return the library's path; RuntimeError when
+    it cannot be built."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    out = cache_root() / f"{source.stem}-{build_key(source, flags, cxx)}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *flags, str(source), "-o", tmp], check=False,
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load_library(source: Path, flags: tuple[str, ...] = CXXFLAGS) -> ctypes.CDLL | None:
+    """The built and loaded library of `source` (cached per process), or None with a warning
+    logged once when it cannot be built or loaded."""
+    try:
+        path = build(source, flags)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("C++ kernel %s unavailable (PyTorch path instead): %s", source.name, e)
+        return None
+    logger.debug("C++ kernel %s: %s", source.name, path)
+    return lib

@@ -1,0 +1,245 @@
+// Small-batch fp32 matrix-vector products for the CPU: y = x W^T (+ b), for a few rows of x.
+//
+// Why: at batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
+// weights once. MKL's and oneDNN's GEMMs are built for many rows; at one row they reached
+// about half of what the CPU can read. Here OpenMP splits the output features across torch's
+// threads (contiguous ranges, so each thread streams its own slab of W), each block of 4
+// weight rows is read from memory once and then reused from L1 for every row of x, and the
+// epilogues a decoder needs are fused: bias, the residual add (y written into the residual
+// stream), and the gated MLP's act(gate) * up on a [gate; up] weight.
+//
+// Two more per-layer passes are folded into the call, because at batch 1 each separate torch
+// op costs more in dispatch than in arithmetic: the RMSNorm of x before the projection
+// (`norm_w`: x_i * rsqrt(mean(x^2) + eps) * w_i, statistics in float32 as Hugging Face's), and
+// rotate-half RoPE over the first `rope_cols` output features after it (the q and k heads of
+// a fused qkv projection; cos | sin halves per row in `cos_sin`).
+//
+// Built at first use by kvserve/model/cpu_ext.py (-O3 -march=native -fopenmp) and called
+// through ctypes with raw pointers (kvserve/model/gemv.py). Plain C++: the inner loops are
+// `omp simd` reductions the compiler vectorizes for whatever the CPU has (AVX2, AVX-512).
+//
+// Layout:
+//   x    [rows, k] float32, row stride x_stride (elements), unit stride along k
+//   w    [n_w, k] float32, contiguous (n_w = n, or 2n for the gated modes: [gate; up])
+//   bias [n_w] float32 or null
+//   out  [rows, n] float32, row stride out_stride, unit stride along n
+// Modes: 0 out = xW^T + b; 1 out += xW^T + b; 2 out = silu(g) * u; 3 out = gelu_tanh(g) * u,
+// where g, u are the gate and up halves of xW^T + b.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 4;  // weight rows per work item
+
+#ifndef KVSERVE_LANES
+#define KVSERVE_LANES 16
+#endif
+constexpr int kLanes = KVSERVE_LANES;  // floats per step: 16 = one 64-byte line of each row
+#ifndef KVSERVE_PREFETCH_BLOCKS
+#define KVSERVE_PREFETCH_BLOCKS 1
+#endif
+
+// acc[j] = dot(x, w + j * k) for j < 4. Lane-wise partial sums (no loop-carried reduction, so
+// the compiler keeps them in vector registers), one cache line of each row per step, and a
+// software prefetch of the same line KVSERVE_PREFETCH_BLOCKS blocks ahead: the hardware
+// prefetcher alone left the loads waiting on L3.
+inline void dot4(const float* __restrict x, const float* __restrict w, int64_t k,
+                 float* acc) {
+  const float* __restrict w0 = w;
+  const float* __restrict w1 = w + k;
+  const float* __restrict w2 = w + 2 * k;
+  const float* __restrict w3 = w + 3 * k;
+  const int64_t ahead = KVSERVE_PREFETCH_BLOCKS * kBlock * k;
+  float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= k; i0 += kLanes) {
+    for (int l = 0; l < kLanes; l += 16) {
+      __builtin_prefetch(w0 + i0 + l + ahead);
+      __builtin_prefetch(w1 + i0 + l + ahead);
+      __builtin_prefetch(w2 + i0 + l + ahead);
+      __builtin_prefetch(w3 + i0 + l + ahead);
+    }
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float xv = x[i0 + j];
+      a0[j] += xv * w0[i0 + j];
+      a1[j] += xv * w1[i0 + j];
+      a2[j] += xv * w2[i0 + j];
+      a3[j] += xv * w3[i0 + j];
+    }
+  }
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  for (int j = 0; j < kLanes; ++j) {
+    s0 += a0[j];
+    s1 += a1[j];
+    s2 += a2[j];
+    s3 += a3[j];
+  }
+  for (int64_t i = i0; i < k; ++i) {
+    s0 += x[i] * w0[i];
+    s1 += x[i] * w1[i];
+    s2 += x[i] * w2[i];
+    s3 += x[i] * w3[i];
+  }
+  acc[0] = s0;
+  acc[1] = s1;
+  acc[2] = s2;
+  acc[3] = s3;
+}
+
+inline float dot1(const float* __restrict x, const float* __restrict w, int64_t k) {
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t i = 0; i < k; ++i) a += x[i] * w[i];
+  return a;
+}
+
+// acc[j] = dot(x, W[o0 + j]) for j < cnt (cnt <= 4)
+inline void dots(const float* x, const float* w, int64_t o0, int64_t cnt, int64_t k,
+                 float* acc) {
+  if (cnt == kBlock) {
+    dot4(x, w + o0 * k, k, acc);
+  } else {
+    for (int64_t j = 0; j < cnt; ++j) acc[j] = dot1(x, w + (o0 + j) * k, k);
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+inline float gelu_tanh(float g) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
+}
+
+// dst[r] = rmsnorm(x[r]) * w for each row (contiguous [rows, k] destination)
+void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
+                   float eps, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    double ss = 0.0;
+    for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
+    float* d = dst + r * k;
+    for (int64_t i = 0; i < k; ++i) d[i] = (xr[i] * inv) * w[i];
+  }
+}
+
+// rotate-half RoPE in place over y[r, 0:cols), heads of `head_dim`, cos | sin row r of cs
+void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
+               const float* cs, int64_t cs_stride) {
+  const int64_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cos = cs + r * cs_stride;
+    const float* sin = cos + half;
+    for (int64_t h0 = 0; h0 + head_dim <= cols; h0 += head_dim) {
+      float* a = y + r * y_stride + h0;
+      float* b = a + half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = a[j], x2 = b[j];
+        a[j] = x1 * cos[j] - x2 * sin[j];
+        b[j] = x2 * cos[j] + x1 * sin[j];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvserve_gemv_abi_version() { return 1; }
+
+// n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
+// cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
+// for a bad mode or RoPE layout.
+int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
+                     const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
+                     int mode, int num_threads, const float* norm_w, float eps,
+                     const float* cos_sin, int64_t cs_stride, int64_t rope_cols,
+                     int64_t head_dim) {
+  if (mode < 0 || mode > 3) return 1;
+  if (cos_sin != nullptr &&
+      (mode > 1 || head_dim <= 0 || head_dim % 2 || rope_cols % head_dim || rope_cols > n))
+    return 1;
+  thread_local std::vector<float> normed;
+  if (norm_w != nullptr) {
+    normed.resize(static_cast<size_t>(rows * k));
+    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data());
+    x = normed.data();
+    x_stride = k;
+  }
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const bool gated = mode >= 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t o0 = blk * kBlock;
+    const int64_t cnt = n - o0 < kBlock ? n - o0 : kBlock;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * x_stride;
+      float* yr = out + r * out_stride + o0;
+      float acc[kBlock];
+      dots(xr, w, o0, cnt, k, acc);
+      if (bias != nullptr)
+        for (int64_t j = 0; j < cnt; ++j) acc[j] += bias[o0 + j];
+      if (!gated) {
+        if (mode == 0)
+          for (int64_t j = 0; j < cnt; ++j) yr[j] = acc[j];
+        else
+          for (int64_t j = 0; j < cnt; ++j) yr[j] += acc[j];
+        continue;
+      }
+      float up[kBlock];
+      dots(xr, w, n + o0, cnt, k, up);
+      if (bias != nullptr)
+        for (int64_t j = 0; j < cnt; ++j) up[j] += bias[n + o0 + j];
+      if (mode == 2)
+        for (int64_t j = 0; j < cnt; ++j) yr[j] = silu(acc[j]) * up[j];
+      else
+        for (int64_t j = 0; j < cnt; ++j) yr[j] = gelu_tanh(acc[j]) * up[j];
+    }
+  }
+  if (cos_sin != nullptr) rope_rows(out, out_stride, rows, rope_cols, head_dim, cos_sin, cs_stride);
+  return 0;
+}
+
+// kvserve_gemv_f32 with its 17 arguments packed in one int64 array (pointers as addresses,
+// eps as its float bits), in kvserve_gemv_f32's order: a bound op in gemv.py fills the fixed
+// ones once and passes one pointer per call, which halves the ctypes call's cost.
+int kvserve_gemv_packed(const int64_t* a) {
+  float eps;
+  const int32_t bits = static_cast<int32_t>(a[12]);
+  std::memcpy(&eps, &bits, sizeof eps);
+  auto f = [](int64_t v) { return reinterpret_cast<const float*>(v); };
+  return kvserve_gemv_f32(f(a[0]), a[1], a[2], f(a[3]), f(a[4]), a[5], a[6],
+                          reinterpret_cast<float*>(a[7]), a[8], static_cast<int>(a[9]),
+                          static_cast<int>(a[10]), f(a[11]), eps, f(a[13]), a[14], a[15],
+                          a[16]);
+}
+
+// Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
+// probe: a GEMV at batch 1 can go no faster than this over its weights).
+double kvserve_read_sum_f32(const float* p, int64_t n, int num_threads) {
+  double total = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+  {
+    float acc[64] = {};  // 64 independent lanes: stays in registers, no dependency chain
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n / 64; ++i) {
+      const float* q = p + i * 64;
+      __builtin_prefetch(q + 1024);
+      __builtin_prefetch(q + 1040);
+      __builtin_prefetch(q + 1056);
+      __builtin_prefetch(q + 1072);
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) acc[j] += q[j];
+    }
+    for (int j = 0; j < 64; ++j) total += acc[j];
+  }
+  for (int64_t i = n / 64 * 64; i < n; ++i) total += p[i];
+  return total;
+}
+
+}  // extern "C"
