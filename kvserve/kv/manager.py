@@ -138,6 +138,7 @@ class KVCacheManager:
         self.index: PrefixCache = self.groups[0].index
         self.block_tables: dict[str, list[int]] = self.groups[0].tables
         self._cursors: dict[str, _Cursor] = self.groups[0].cursors
+        self._windowed = any(g.window is not None for g in self.groups)
         self.tiers: Tiers = tiers if tiers is not None else NoTiers()
         self._plan = StepPlan()
         self._copy_sources: list[int] = []  # locked until the plan that copies them is handed out
@@ -414,6 +415,8 @@ class KVCacheManager:
         """Release the blocks wholly before the sequence's window, in each windowed group: no
         query reads them again (a preempted sequence recomputes from the start). Published
         ones stay cached, idle."""
+        if not self._windowed:
+            return
         for i, g in enumerate(self.groups):
             if g.window is None:
                 continue
@@ -432,6 +435,15 @@ class KVCacheManager:
 
     def _grow(self, request_id: str, num_tokens: int) -> bool:
         need = self.blocks_for_tokens(num_tokens)
+        if len(self.groups) == 1:  # the common case, once per running sequence per step
+            table = self.block_tables.setdefault(request_id, [])
+            missing = need - len(table)
+            if missing <= 0:
+                return True
+            if missing > self.pool.num_available:
+                return False
+            table.extend(self.allocate_blocks(missing))
+            return True
         missing = [need - len(g.tables.get(request_id, ())) for g in self.groups]
         if sum(missing) > self.pool.num_available:
             return False
