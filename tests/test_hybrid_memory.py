@@ -43,13 +43,8 @@ from kvserve.planner.model import ModelSpec
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB = 256
-WINDOW = 32
-NEW_TOKENS = 8
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-               bos_token_id=0, eos_token_id=2, pad_token_id=0)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
+
 S, F = "sliding_attention", "full_attention"
 
 

@@ -20,9 +20,14 @@ import random
 
 import pytest
 import torch
-from helpers import generate_checked, hf_greedy, kv_bytes_per_token, save_random_checkpoint
+from helpers import (
+    generate_checked,
+    hf_greedy,
+    kv_bytes_per_token,
+    save_random_checkpoint,
+)
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.planner.memory import make_plan
 from kvserve.planner.model import ModelSpec
@@ -30,13 +35,7 @@ from kvserve.planner.model import ModelSpec
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB = 256
-WINDOW = 32
-NEW_TOKENS = 8
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-               bos_token_id=0, eos_token_id=2, pad_token_id=0)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
 
 
 @pytest.fixture(scope="module")
