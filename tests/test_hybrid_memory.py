@@ -30,9 +30,11 @@ if not torch.cuda.is_available():  # Triton's interpreter, before triton is firs
 from helpers import (
     generate_checked,
     hf_greedy,
-    kv_bytes_per_token,
     save_random_checkpoint,
 )
+from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
+from window_models import prompts as _prompts
+from window_models import window_llm as _llm
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.block_pool import NULL_BLOCK
@@ -43,7 +45,6 @@ from kvserve.planner.model import ModelSpec
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
 
 S, F = "sliding_attention", "full_attention"
 
@@ -66,18 +67,6 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     return {name: save_random_checkpoint(cfg, root / name, seed=i, perturb_norms=True)
             for i, (name, cfg) in enumerate(_configs().items())}
-
-
-def _prompts(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _llm(path, **kwargs) -> LLM:
-    blocks = kwargs.pop("num_blocks", None)  # in blocks of every layer (the keep-all unit)
-    if blocks is not None:
-        kwargs["kv_cache_memory_bytes"] = blocks * kwargs["block_size"] * kv_bytes_per_token(path)
-    return LLM(model=str(path), dtype="float32", max_model_len=512, **kwargs)
 
 
 def _watch(llm: LLM, poison: bool) -> dict[str, list[list[int]]]:

@@ -23,9 +23,11 @@ import torch
 from helpers import (
     generate_checked,
     hf_greedy,
-    kv_bytes_per_token,
     save_random_checkpoint,
 )
+from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
+from window_models import prompts as _prompts
+from window_models import window_llm as _llm
 
 from kvserve import LLM
 from kvserve.kv.block_pool import NULL_BLOCK
@@ -34,8 +36,6 @@ from kvserve.planner.model import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +51,6 @@ def qwen2_hybrid(tmp_path_factory):
         **_COMMON, num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
     return save_random_checkpoint(cfg, tmp_path_factory.mktemp("qwen2") / "q", seed=4)
-
-
-def _prompts(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _llm(path, **kwargs) -> LLM:
-    blocks = kwargs.pop("num_blocks", None)
-    if blocks is not None:
-        kwargs["kv_cache_memory_bytes"] = blocks * kwargs["block_size"] * kv_bytes_per_token(path)
-    return LLM(model=str(path), dtype="float32", max_model_len=512, **kwargs)
 
 
 def _watch(llm: LLM, poison: bool) -> dict[str, list[int]]:
