@@ -34,6 +34,7 @@ from helpers import (
 )
 from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
 from window_models import prompts as _prompts
+from window_models import watch_tables as _watch
 from window_models import window_llm as _llm
 
 from kvserve import LLM, SamplingParams
@@ -67,41 +68,6 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     return {name: save_random_checkpoint(cfg, root / name, seed=i, perturb_norms=True)
             for i, (name, cfg) in enumerate(_configs().items())}
-
-
-def _watch(llm: LLM, poison: bool) -> dict[str, list[list[int]]]:
-    """Before every step: fill the free blocks of every slot tensor with NaN (if `poison`);
-    after it: record each running request's tables. Returns {request id: its per-group tables
-    after its last step}. A block leaving the free list is zeroed when it first shows up in a
-    table (the backends read the unwritten tail of a last block under a zero weight)."""
-    engine = llm.engine
-    tables: dict[str, list[list[int]]] = {}
-    poisoned: set[int] = set()
-    execute = engine.runner.execute
-
-    def fill(blocks, value):
-        if blocks:
-            idx = torch.tensor(sorted(blocks), dtype=torch.long)
-            for tensors in engine.tensors.storage():
-                for t in tensors:
-                    t[idx] = value
-
-    def wrapped(batch, *args, **kwargs):
-        if poison:
-            taken = {b for r in batch.requests for t in engine.kv.group_block_tables(r)
-                     for b in t} & poisoned
-            fill(taken, 0.0)
-            poisoned.difference_update(taken)
-            free = set(engine.kv.pool._free)
-            fill(free - poisoned, float("nan"))
-            poisoned.update(free)
-        out = execute(batch, *args, **kwargs)
-        for r in batch.requests:
-            tables[r.request_id] = [list(t) for t in engine.kv.group_block_tables(r)]
-        return out
-
-    engine.runner.execute = wrapped
-    return tables
 
 
 def test_layout_groups_of_equal_size(checkpoints):

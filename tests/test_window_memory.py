@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from helpers import (
     generate_checked,
     hf_greedy,
@@ -27,6 +26,7 @@ from helpers import (
 )
 from window_models import _COMMON, GREEDY, NEW_TOKENS, VOCAB, WINDOW
 from window_models import prompts as _prompts
+from window_models import watch_tables as _watch
 from window_models import window_llm as _llm
 
 from kvserve import LLM
@@ -53,42 +53,6 @@ def qwen2_hybrid(tmp_path_factory):
     return save_random_checkpoint(cfg, tmp_path_factory.mktemp("qwen2") / "q", seed=4)
 
 
-def _watch(llm: LLM, poison: bool) -> dict[str, list[int]]:
-    """Before every step: fill the free blocks with NaN (if `poison`); after it: record each
-    running request's table. Returns {request id: its table after its last step}.
-
-    A block leaving the free list is zeroed when it first shows up in a table: the backends
-    read the unwritten tail of a sequence's last block under a zero weight, which is harmless
-    for the finite garbage a reused block holds, not for NaN."""
-    engine = llm.engine
-    tables: dict[str, list[int]] = {}
-    poisoned: set[int] = set()
-    execute = engine.runner.execute
-
-    def fill(blocks, value):
-        if blocks:
-            idx = torch.tensor(sorted(blocks), dtype=torch.long)
-            for tensors in engine.tensors.layers:
-                for t in tensors:
-                    t[idx] = value
-
-    def wrapped(batch, *args, **kwargs):
-        if poison:
-            taken = {b for r in batch.requests for b in engine.kv.block_table(r)} & poisoned
-            fill(taken, 0.0)
-            poisoned.difference_update(taken)
-            free = set(engine.kv.pool._free)
-            fill(free - poisoned, float("nan"))
-            poisoned.update(free)
-        out = execute(batch, *args, **kwargs)
-        for r in batch.requests:
-            tables[r.request_id] = list(engine.kv.block_table(r))
-        return out
-
-    engine.runner.execute = wrapped
-    return tables
-
-
 @pytest.mark.parametrize("block_size", [8, 7])
 def test_released_blocks_are_never_read(mistral, block_size):
     """Prefix caching off: a released block goes straight to the free list, then gets NaN."""
@@ -100,7 +64,7 @@ def test_released_blocks_are_never_read(mistral, block_size):
     tables = _watch(llm, poison=True)
     outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    longest = tables[outs[-1].request_id]
+    longest = tables[outs[-1].request_id][0]
     assert NULL_BLOCK in longest, "nothing was released"
 
 
@@ -115,7 +79,7 @@ def test_held_blocks_equal_the_planner(mistral):
         tables = _watch(llm, poison=False)
         out = generate_checked(llm, [{"prompt_token_ids": _prompts([250])[0]}], GREEDY)[0]
         # The last step computed token total - 1 (the last sampled one is never fed back).
-        figures[keep_all] = sum(b != NULL_BLOCK for b in tables[out.request_id])
+        figures[keep_all] = sum(b != NULL_BLOCK for b in tables[out.request_id][0])
         spec = llm.engine.kv_spec
     planned = spec.bytes_per_request(total) // spec.bytes_per_block
     assert planned == -(-WINDOW // bs)
@@ -150,7 +114,7 @@ def test_hybrid_disabled_keeps_every_block(qwen2_hybrid):
     prompt = _prompts([100])[0]
     out = generate_checked(llm, [{"prompt_token_ids": prompt}], GREEDY)[0]
     assert out.outputs[0].token_ids == hf_greedy(qwen2_hybrid, [prompt], NEW_TOKENS)[0]
-    assert NULL_BLOCK not in tables[out.request_id]
+    assert NULL_BLOCK not in tables[out.request_id][0]
 
 
 def test_tiers_keep_every_block(mistral, tmp_path):

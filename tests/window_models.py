@@ -2,6 +2,7 @@
 tests/test_hybrid_memory.py both build their checkpoints from (config keyword arguments for
 transformers' Mistral / Qwen2 / Gemma 3 configs)."""
 
+import torch
 from helpers import kv_bytes_per_token, random_prompts
 
 from kvserve import LLM, SamplingParams
@@ -26,3 +27,38 @@ def window_llm(path, **kwargs) -> LLM:
     if blocks is not None:
         kwargs["kv_cache_memory_bytes"] = blocks * kwargs["block_size"] * kv_bytes_per_token(path)
     return LLM(model=str(path), dtype="float32", max_model_len=512, **kwargs)
+
+
+def watch_tables(llm: LLM, poison: bool) -> dict[str, list[list[int]]]:
+    """Before every step: fill the free blocks of every slot tensor with NaN (if `poison`);
+    after it: record each running request's tables. Returns {request id: its per-group tables
+    after its last step}. A block leaving the free list is zeroed when it first shows up in a
+    table (the backends read the unwritten tail of a last block under a zero weight)."""
+    engine = llm.engine
+    tables: dict[str, list[list[int]]] = {}
+    poisoned: set[int] = set()
+    execute = engine.runner.execute
+
+    def fill(blocks, value):
+        if blocks:
+            idx = torch.tensor(sorted(blocks), dtype=torch.long)
+            for tensors in engine.tensors.storage():
+                for t in tensors:
+                    t[idx] = value
+
+    def wrapped(batch, *args, **kwargs):
+        if poison:
+            taken = {b for r in batch.requests for t in engine.kv.group_block_tables(r)
+                     for b in t} & poisoned
+            fill(taken, 0.0)
+            poisoned.difference_update(taken)
+            free = set(engine.kv.pool._free)
+            fill(free - poisoned, float("nan"))
+            poisoned.update(free)
+        out = execute(batch, *args, **kwargs)
+        for r in batch.requests:
+            tables[r.request_id] = [list(t) for t in engine.kv.group_block_tables(r)]
+        return out
+
+    engine.runner.execute = wrapped
+    return tables
