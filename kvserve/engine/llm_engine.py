@@ -428,11 +428,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
-        compiling = self._compiling.pop(request_id, None) is not None
+        # A request still waiting for its grammar is in no queue, but add_request started its
+        # tier prefetch: _finish (the scheduler's finish, then kv.free) forgets that too.
+        self._compiling.pop(request_id, None)
         for child in self._groups.pop(request_id, ()):
-            if compiling:  # never queued: nothing to free
-                child.status = RequestStatus.FINISHED_ABORTED
-            elif not child.finished:
+            if not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
             self._detok.pop(child.request_id, None)
         self._streaming.discard(request_id)
