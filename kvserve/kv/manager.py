@@ -184,10 +184,6 @@ class KVCacheManager:
         node, so it must stay in the index)."""
         return min(self.first_held_block(num_tokens, group=group), max(num_nodes - 1, 0))
 
-    def hit_start(self, match: PrefixMatch) -> int:
-        """`_hit_start` of group 0."""
-        return self._hit_start(len(match.nodes), match.num_tokens, 0)
-
     def group_final_blocks(self, total_tokens: int) -> list[int]:
         """Per group, the blocks a sequence holds when it computes its last token: its window
         and the block being filled (every block without a window)."""
@@ -426,12 +422,16 @@ class KVCacheManager:
             if cursor is not None and cursor.num_blocks:
                 # Keep the last published block: the next ones are published under its node.
                 end = min(end, cursor.num_blocks - 1)
-            if not table or end <= 0:
+            # Released entries are always a prefix of the table (check_invariants): only the
+            # run between the last released one and `end` is new, not the whole history.
+            if not table or end <= 0 or table[end - 1] == NULL_BLOCK:
                 continue
-            gone = [b for b in table[:end] if b != NULL_BLOCK]
-            if gone:
-                table[:end] = [NULL_BLOCK] * end
-                g.index.mark_idle(self.pool.release(gone))
+            start = end - 1
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            gone = table[start:end]
+            table[start:end] = [NULL_BLOCK] * (end - start)
+            g.index.mark_idle(self.pool.release(gone))
 
     def _grow(self, request_id: str, num_tokens: int) -> bool:
         need = self.blocks_for_tokens(num_tokens)

@@ -147,9 +147,12 @@ class KVScales:
     def __post_init__(self) -> None:
         if not self.calibrated:
             self.calibrated = [not self.calculate] * self.values.shape[0]
+        # Python floats for `get`, read per layer per step by every fp8 store and load: kept
+        # beside `values` (written only by `observe`) instead of two tensor reads each call.
+        self._floats = [tuple(row) for row in self.values.tolist()]
 
     def get(self, layer: int) -> tuple[float, float]:
-        return float(self.values[layer, 0]), float(self.values[layer, 1])
+        return self._floats[layer]
 
     def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor, limit: float) -> None:
         """Fix this layer's scales from the first K/V it stores (calculate_kv_scales)."""
@@ -158,6 +161,7 @@ class KVScales:
         for j, x in enumerate((k, v)):
             amax = float(x.detach().abs().max())
             self.values[layer, j] = max(amax * CALIBRATION_HEADROOM / limit, 1e-8)
+        self._floats[layer] = tuple(self.values[layer].tolist())
         self.calibrated[layer] = True
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -258,13 +257,3 @@ def choose(key: str, factories: dict[str, dict[str, RunFactory]],
         store_cached(key, plan)
     return plan
 
-
-def speedup_summary(plan: GemmPlan) -> str:
-    """Median over measured buckets of (oneDNN time / dense time) per projection, for logs."""
-    out = []
-    for proj, per in plan.times_us.items():
-        if "dense" in per and "onednn" in per:
-            ratios = [o / d for d, o in zip(per["dense"], per["onednn"]) if d and o]
-            if ratios:
-                out.append(f"{proj} {statistics.median(ratios):.2f}")
-    return ", ".join(out)

@@ -143,6 +143,7 @@ class PrometheusStatLogger:
         self._last_hits = 0
         self._last_preemptions = 0
         self._requests: dict[str, _RequestTimes] = {}
+        self._static_for: LLMEngine | None = None  # the engine whose fixed gauges are set
 
     def m(self, name: str):
         return self._children[name]
@@ -153,11 +154,13 @@ class PrometheusStatLogger:
     # -- StatLogger -------------------------------------------------------------------------
     def _engine_gauges(self, engine: LLMEngine) -> None:
         stats = engine.stats()
-        cfg = engine.config
-        self.cache_config_info.labels(**self._label, block_size=str(cfg.block_size),
-                                      cache_dtype=cfg.kv_cache_dtype,
-                                      num_gpu_blocks=str(engine.kv.num_blocks)).set(1)
-        self.m("kv_cache_size_tokens").set(engine.kv.num_blocks * cfg.block_size)
+        if self._static_for is not engine:  # fixed once the engine is built: set once
+            self._static_for = engine
+            cfg = engine.config
+            self.cache_config_info.labels(**self._label, block_size=str(cfg.block_size),
+                                          cache_dtype=cfg.kv_cache_dtype,
+                                          num_gpu_blocks=str(engine.kv.num_blocks)).set(1)
+            self.m("kv_cache_size_tokens").set(engine.kv.num_blocks * cfg.block_size)
         self.m("kv_cache_usage").set(stats.kv_cache_usage)
         self.m("num_running").set(stats.num_running)
         self.m("num_waiting").set(stats.num_waiting)

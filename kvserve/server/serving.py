@@ -669,7 +669,7 @@ class OpenAIServing:
                         for entry in calls:
                             if tools.max_calls is None or entry["index"] < tools.max_calls:
                                 yield chunk(c.index, {"tool_calls": [entry]}, c=c)
-                        if finish == "stop" and parser.num_calls:
+                        if finish == "stop" and parser.num_started:
                             finish = "tool_calls"
                     if not delta and lp is None and not finished:
                         continue

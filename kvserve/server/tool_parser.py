@@ -84,18 +84,12 @@ class ToolCallStream:
     entries to send now): a call's first entry carries its index, id, type and name (with
     empty arguments), as soon as its name and the start of its arguments have arrived; later
     entries carry fragments of the arguments' text (the raw text the model wrote, held back
-    from its last "}" on, which may close the call rather than the arguments). `calls` holds
-    the completed calls (arguments re-serialised)."""
+    from its last "}" on, which may close the call rather than the arguments)."""
 
     def __init__(self) -> None:
         self._buffer = ""  # text not yet released: a possible call start, or an open call
         self._open: _OpenCall | None = None
-        self.calls: list[ToolCall] = []
         self.num_started = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self.num_started
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self._buffer += delta
@@ -135,9 +129,6 @@ class ToolCallStream:
                                        "function": {"arguments": call.arguments}})
                 else:
                     self._send_args(events, block, closing=True)
-                if call is not None:
-                    call.id = self._open.id
-                    self.calls.append(call)
                 self._open = None
             elif call is None:
                 content.append(block + TOOL_CALL_END)
@@ -147,7 +138,6 @@ class ToolCallStream:
                 events.append(_first_event(self._open, call.name))
                 events.append({"index": self._open.index,
                                "function": {"arguments": call.arguments}})
-                self.calls.append(call)
                 self._open = None
         if final and self._open is not None:  # cut off inside a call (max_tokens)
             self._send_args(events, self._buffer, closing=False, final=True)

@@ -102,9 +102,17 @@ class TorchAttentionBackend(AttentionBackend):
         # kernel; otherwise (or without a compiler) the gather path below. Setting
         # `paged_kernel = None` forces the gather path.
         self.paged_kernel = None
-        if all(cpu_paged.paged_kv(c, parts, i) is not None
-               for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))):
+        self._paged_kv = [cpu_paged.paged_kv(c, parts, i)
+                          for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))]
+        if all(kv is not None for kv in self._paged_kv):
             self.paged_kernel = cpu_paged.load_kernel()
+        # Layers whose PagedKV can change after construction are built again at each decode:
+        # int4's (its residual tensors are allocated on first use) and those whose fp8 scales
+        # the first batch still has to calculate (calculate_kv_scales: until calibrated).
+        scales = pool.scales
+        self._uncalibrated = set() if scales is None else \
+            {layer for layer, done in enumerate(scales.calibrated) if not done}
+        self._kivi = pool.residual is not None
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
@@ -223,8 +231,12 @@ class TorchAttentionBackend(AttentionBackend):
         """The decode rows of `out` through the paged kernel, reading the layer's stored parts
         (codes and scales as they are) in place."""
         start = meta.num_prefill_tokens
-        kv = cpu_paged.paged_kv(self.pool.codecs[layer_idx], self.kv_caches[layer_idx],
-                                layer_idx)
+        if self._kivi or layer_idx in self._uncalibrated:
+            self._paged_kv[layer_idx] = cpu_paged.paged_kv(
+                self.pool.codecs[layer_idx], self.kv_caches[layer_idx], layer_idx)
+            if not self._kivi and self.pool.scales.calibrated[layer_idx]:
+                self._uncalibrated.discard(layer_idx)
+        kv = self._paged_kv[layer_idx]
         dst = out[start:]
         direct = dst.dtype == torch.float32 and dst.is_contiguous()
         o = self.paged_kernel(q[start:], kv, None, paged.tables, paged.lens, self.scale,
