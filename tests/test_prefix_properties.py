@@ -114,9 +114,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 window=st.sampled_from([None, None, 1, 2, 3, 5, 8]), hybrid=st.booleans())
     def setup(self, num_blocks, block_size, policy, window, hybrid):
         if hybrid and window is not None:  # a full group and two windowed ones
+            self.windows = (None, window, window)
             self.kv = KVCacheManager(num_blocks * 2, block_size, True, policy,
-                                     group_windows=(None, window, window))
+                                     group_windows=self.windows)
         else:
+            self.windows = (window,)
             self.kv = KVCacheManager(num_blocks, block_size, True, policy, window=window)
         self.bs = block_size
         self.groups = range(self.kv.num_groups)
@@ -134,10 +136,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return {b for r, ts in self.tables.items() if r != rid for t in ts for b in t
                 if b != NULL_BLOCK}
 
+    def _first_block(self, num_tokens: int, g: int = 0) -> int:
+        """The block of the first key the query at position `num_tokens` sees in group g:
+        transformers' rule (key k visible to query q iff q - W < k <= q), written here
+        rather than read from the manager under test."""
+        w = self.windows[g]
+        return 0 if w is None else max(0, num_tokens - w + 1) // self.bs
+
     def _readable(self, req: Request, g: int = 0) -> range:
         """The computed positions a request can still read in a group: from its window's
         first block."""
-        first = self.kv.first_held_block(req.num_computed_tokens, group=g) * self.bs
+        first = self._first_block(req.num_computed_tokens, g) * self.bs
         return range(first, req.num_computed_tokens)
 
     def _slot(self, req: Request, pos: int, g: int = 0) -> tuple[int, int]:
@@ -209,7 +218,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         firsts = []
         for g, nodes in enumerate(group_nodes):
             assert len(nodes) == len(match.nodes)
-            first = kv._hit_start(len(nodes), match.num_tokens, g)
+            # From the window's first block at the hit point, never past the last matched
+            # node (new blocks are published under it).
+            first = min(self._first_block(match.num_tokens, g), max(len(nodes) - 1, 0))
             firsts.append(first)
             for pos in range(first * self.bs, match.num_tokens):
                 i, off = divmod(pos, self.bs)
@@ -285,7 +296,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             ok = self.kv.allocate_slots(req, n)
             tables = self.kv.group_block_tables(req)
             for g, (before, table) in enumerate(zip(befores, tables)):
-                first = self.kv.first_held_block(req.num_computed_tokens, group=g)
+                first = self._first_block(req.num_computed_tokens, g)
                 # Only blocks wholly before the window are released (room or not).
                 assert all(b in (NULL_BLOCK, old) for b, old in zip(table[:first], before))
                 assert table[first:len(before)] == before[first:]
