@@ -222,8 +222,23 @@ def test_preemption_recomputes_and_bounds_again(checkpoint, policy):
         llm = _llm(checkpoint, block_size=8, bounded_kv_policy=policy,
                    bounded_kv_budget=BUDGET, bounded_kv_observation_window=WINDOW,
                    kv_cache_memory_bytes=14 * 8 * kv_bytes_per_token(checkpoint))
+        engine = llm.engine
+        limit = -(-(BUDGET + 8) // 8)  # blocks of a bounded request (test_blocks_held_...)
+        rebounded = []  # preempted requests seen holding a bounded table past the budget
+        step = engine.step
+
+        def watched_step():
+            out = step()
+            for r in engine.scheduler.running:
+                table = engine.kv.block_tables.get(r.request_id, ())
+                if r.num_preemptions and r.num_tokens > BUDGET + 16 and len(table) <= limit:
+                    rebounded.append(r.request_id)
+            return out
+
+        engine.step = watched_step
         outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
-        assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool forced no preemption"
+        assert engine.scheduler.num_preemptions > 0, "the tiny pool forced no preemption"
+        assert rebounded, "no preempted request was bounded again after its recompute"
         runs.append([o.outputs[0].token_ids for o in outs])
     assert runs[0] == runs[1]
     assert all(len(t) == 60 for t in runs[0])
