@@ -68,11 +68,6 @@ def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Ten
     return y.clamp_(-limit, limit).to(dtype)
 
 
-def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    y = x.to(dtype)
-    return y if scale == 1.0 else y.mul_(scale)
-
-
 def quantize_affine(x: torch.Tensor, bits: int, groups: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric integer codes of `x` along its last dimension, split into `groups` equal
@@ -90,19 +85,10 @@ def quantize_affine(x: torch.Tensor, bits: int, groups: int
     return codes.reshape(shape), torch.cat([scale, zero], -1)
 
 
-def dequantize_affine(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype
-                      ) -> torch.Tensor:
-    """The inverse of `quantize_affine`: code * scale + zero, in `dtype`."""
-    shape = codes.shape
-    groups = sz.shape[-2]
-    c = codes.reshape(*shape[:-1], groups, shape[-1] // groups).to(dtype)
-    s = sz.to(dtype)
-    return torch.addcmul(s[..., 1:2], c, s[..., 0:1]).reshape(shape)
-
-
 def dequantize_affine_into(out: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> None:
-    """`dequantize_affine` written into `out` (float, codes' shape): one multiply that reads the
-    codes and writes out, one add; no full-size temporaries (a decode step's gather is large)."""
+    """The inverse of `quantize_affine` (code * scale + zero) written into `out` (float, codes'
+    shape): one multiply that reads the codes and writes out, one add; no full-size
+    temporaries (a decode step's gather is large)."""
     groups = sz.shape[-2]
     width = codes.shape[-1]
     o = out.view(*out.shape[:-1], groups, width // groups)
@@ -340,15 +326,11 @@ class KVCodec:
         parts[1].view(-1, h, d).index_copy_(0, slots, v.to(self.dtype))
 
     def load(self, layer: int, parts: tuple[torch.Tensor, ...], blocks: torch.Tensor,
-             dtype: torch.dtype, residual_at: ResidualAt = None,
-             out: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype, residual_at: ResidualAt,
+             out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks`, [len(blocks), bs, H, D] each, in `dtype`, written into `out`
-        (two buffers of that shape and dtype) when given. `residual_at` (int4):
-        `KIVIResidual.lookup` of the same blocks."""
-        if out is None:
-            return (parts[0].index_select(0, blocks).to(dtype),
-                    parts[1].index_select(0, blocks).to(dtype))
+        (two buffers of that shape and dtype; the pool's reused gather buffers).
+        `residual_at` (int4): `KIVIResidual.lookup` of the same blocks."""
         for part, buf in zip(parts, out):
             buf.copy_(part.index_select(0, blocks))
         return out
@@ -375,11 +357,8 @@ class FP8Codec(KVCodec):
             part.view(-1, h, d).index_copy_(0, slots,
                                             quantize_fp8(x, scale, self.fp8).view(torch.uint8))
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
+    def load(self, layer, parts, blocks, dtype, residual_at, out):
         ks, vs = self.scales.get(layer)
-        if out is None:
-            return (dequantize_fp8(parts[0].index_select(0, blocks).view(self.fp8), ks, dtype),
-                    dequantize_fp8(parts[1].index_select(0, blocks).view(self.fp8), vs, dtype))
         for part, buf, scale in zip(parts, out, (ks, vs)):
             buf.copy_(part.index_select(0, blocks).view(self.fp8))  # the cast is the decode
             if scale != 1.0:
@@ -414,13 +393,9 @@ class Int8Codec(KVCodec):
         sz.view(-1, self.heads, self.groups, 2).index_copy_(0, slots, scales)
 
     def _load_tokens(self, data: torch.Tensor, sz: torch.Tensor, blocks: torch.Tensor,
-                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor) -> torch.Tensor:
         codes = data.index_select(0, blocks)
         scales = sz.index_select(0, blocks)
-        if out is None:
-            if self.bits == 4:
-                codes = unpack_int4(codes)
-            return dequantize_affine(codes, scales, dtype)
         if self.bits == 8:
             dequantize_affine_into(out, codes, scales)
             return out
@@ -434,10 +409,9 @@ class Int8Codec(KVCodec):
         self._store_tokens(parts[0], parts[2], k, slots)
         self._store_tokens(parts[1], parts[3], v, slots)
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
-        ko, vo = out if out is not None else (None, None)
-        return (self._load_tokens(parts[0], parts[2], blocks, dtype, ko),
-                self._load_tokens(parts[1], parts[3], blocks, dtype, vo))
+    def load(self, layer, parts, blocks, dtype, residual_at, out):
+        return (self._load_tokens(parts[0], parts[2], blocks, out[0]),
+                self._load_tokens(parts[1], parts[3], blocks, out[1]))
 
 
 class Int4KIVICodec(Int8Codec):
@@ -516,16 +490,12 @@ class Int4KIVICodec(Int8Codec):
             dest = torch.tensor([step.tiles[i].dest_row for i in open_], dtype=torch.long)
             rows.index_copy_(0, dest, tiles[torch.tensor(open_)])
 
-    def load(self, layer, parts, blocks, dtype, residual_at=None, out=None):
+    def load(self, layer, parts, blocks, dtype, residual_at, out):
         packed, sz = parts[0].index_select(0, blocks), parts[2].index_select(0, blocks)
-        if out is None:
-            kk = self.dequantize_keys(packed, sz, dtype)
-            vv = self._load_tokens(parts[1], parts[3], blocks, dtype)
-        else:
-            kk, vv = out
-            sz = sz.to(dtype).unsqueeze(1)  # [n, 1, H, D, 2]: per channel, every token
-            dequantize_int4_into(kk, packed, sz[..., 0], sz[..., 1])
-            self._load_tokens(parts[1], parts[3], blocks, dtype, vv)
+        kk, vv = out
+        sz = sz.to(dtype).unsqueeze(1)  # [n, 1, H, D, 2]: per channel, every token
+        dequantize_int4_into(kk, packed, sz[..., 0], sz[..., 1])
+        self._load_tokens(parts[1], parts[3], blocks, vv)
         if residual_at is not None:
             pos, rows = residual_at
             kk[pos.to(kk.device)] = self.residual.tensors[layer].index_select(
