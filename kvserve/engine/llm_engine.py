@@ -21,17 +21,29 @@ import torch
 
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.bounded_kv import compact_bounded
-from kvserve.engine.model_runner import ModelRunner, RunnerOutput
-from kvserve.engine.stats import EngineStats
-from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.kv.bounded import (ATTENTION_POLICIES, BoundedKV, BoundedKVConfig,
-                                resolve_bounded_kv)
+from kvserve.engine.model_runner import ModelRunner, RunnerOutput
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler
+from kvserve.engine.stats import EngineStats
+from kvserve.kv.bounded import (
+    ATTENTION_POLICIES,
+    BoundedKV,
+    BoundedKVConfig,
+    peak_tokens,
+    resolve_bounded_kv,
+)
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, capacity_line,
-                             decoder_kv_spec, kv_dtype_name, mla_saving_line,
-                             resolve_kv_dtype)
+from kvserve.kv.spec import (
+    KV_DTYPES,
+    KVCacheSpec,
+    KVStorage,
+    capacity_line,
+    decoder_kv_spec,
+    kv_dtype_name,
+    mla_saving_line,
+    resolve_kv_dtype,
+)
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
@@ -43,8 +55,13 @@ from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler, bitmask_words
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
-from kvserve.validation import (check_cache_salt, check_text_fits, check_token_ids, check_utf8,
-                                shorten)
+from kvserve.validation import (
+    check_cache_salt,
+    check_text_fits,
+    check_token_ids,
+    check_utf8,
+    shorten,
+)
 
 logger = logging.getLogger("kvserve")
 
@@ -403,7 +420,7 @@ class LLMEngine:
         total = prompt_len + max(max_tokens - 1, 0)
         if bound is None:
             return self.kv.peak_blocks(prompt_len, total)
-        grown = min(total, max(prompt_len, bound.budget + self.config.block_size))
+        grown = peak_tokens(prompt_len, total, bound, self.config.block_size)
         compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
         return self.kv.blocks_for_tokens(grown) + compacting
 

@@ -121,9 +121,20 @@ def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
     return BoundedKV(config.policy, tokens, sinks, window)
 
 
+def compaction_point(bound: BoundedKV, block_size: int) -> int:
+    """The KV length at which a sequence past its prompt is cut back to its budget."""
+    return bound.budget + block_size
+
+
 def needs_compaction(kv_len: int, prompt_done: bool, bound: BoundedKV, block_size: int) -> bool:
     """Whether a sequence with `kv_len` tokens of KV is cut back to its budget now."""
-    return prompt_done and kv_len >= bound.budget + block_size
+    return prompt_done and kv_len >= compaction_point(bound, block_size)
+
+
+def peak_tokens(prompt_len: int, total: int, bound: BoundedKV, block_size: int) -> int:
+    """The most tokens of KV a bounded sequence of `total` tokens holds at once before a
+    compaction: its prompt, or the compaction point (never more than it has)."""
+    return min(total, max(prompt_len, compaction_point(bound, block_size)))
 
 
 def streaming_keep(kv_len: int, bound: BoundedKV) -> torch.Tensor:
