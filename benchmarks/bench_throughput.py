@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
 from kvserve.model.cpu_features import cpu_info
+from kvserve.paths import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 # The script `run_worker` starts with `--worker`; a benchmark that reuses this runner for its own
@@ -49,11 +50,6 @@ ANCHOR_BF16_GFLOPS = 430.0
 # ------------------------------------------------------------------------------------------
 # checkpoint and FLOP accounting (main process: no torch import needed)
 # ------------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "kvserve"
-
-
 def checkpoint_ready(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 

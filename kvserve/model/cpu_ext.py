@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from kvserve.model.cpu_features import cpu_info
+from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 
@@ -36,8 +37,7 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"
 
 
 def cache_root() -> Path:
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "kvserve") / "ext"
+    return cache_dir() / "ext"
 
 
 def compiler() -> str | None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.model.cpu_features import cpu_info
+from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 
@@ -177,8 +178,7 @@ def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
 
 # -- cache ------------------------------------------------------------------------------------
 def cache_path() -> Path:
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "kvserve") / "gemm-choice.json"
+    return cache_dir() / "gemm-choice.json"
 
 
 def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
+from kvserve.paths import cache_dir
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v2", "deepseek_v3")
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
@@ -226,7 +227,9 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     bos, eos = 0, 2
     train_tokenizer = None
     if with_tokenizer:
-        from kvserve import tokenizer_train as tok  # lazy: only needed when writing a tokenizer
+        from kvserve import (
+            tokenizer_train as tok,  # lazy: only needed when writing a tokenizer
+        )
 
         train_tokenizer = tok.train_tokenizer
         bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID
@@ -259,9 +262,7 @@ DEFAULT_MODEL_VERSION = 3
 
 def default_model_path() -> Path:
     """$KVSERVE_CACHE_DIR (default ~/.cache/kvserve) / default-qwen2-tiny-v<N>."""
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join("~", ".cache", "kvserve")
-    return (Path(root).expanduser()
-            / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}-v{DEFAULT_MODEL_VERSION}")
+    return cache_dir() / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}-v{DEFAULT_MODEL_VERSION}"
 
 
 # The trained model kvserve ships as package data (scripts/train_model.py makes it).
