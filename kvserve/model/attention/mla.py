@@ -74,9 +74,10 @@ class _PrefillPlan:
 @dataclass
 class _StepState:
     prefills: list[_PrefillPlan]
-    decode_table: torch.Tensor | None  # [num_decodes, max_blocks] block ids (int64)
+    decode_table: torch.Tensor | None  # [num_decodes, max_blocks] block ids (int64; Triton int32)
     decode_lens: torch.Tensor | None  # [num_decodes] int64: KV length including the new token
     decode_mask: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size] additive
+    # (the torch decode's; None on Triton, whose kernel stops at each length)
 
 
 class TorchMLABackend(AttentionBackend):
@@ -113,12 +114,19 @@ class TorchMLABackend(AttentionBackend):
         prefills = [self._plan_prefill(seq) for seq in meta.prefills]
         if not meta.decodes:
             return _StepState(prefills, None, None, None)
-        bs = self.block_size
-        table = torch.tensor(padded_block_tables(meta.decodes, bs), dtype=torch.long)
-        max_blocks = table.shape[1]
+        table = torch.tensor(padded_block_tables(meta.decodes, self.block_size),
+                             dtype=torch.long)
         lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
+        return self._decode_state(prefills, table, lens)
+
+    def _decode_state(self, prefills: list[_PrefillPlan], table: torch.Tensor,
+                      lens: torch.Tensor) -> _StepState:
+        """The decodes' part of a step: what `_decode` reads (the torch decode gathers the
+        latents into scratch and masks past each length)."""
+        bs = self.block_size
+        max_blocks = table.shape[1]
         positions = torch.arange(max_blocks * bs)
-        mask = torch.zeros(len(meta.decodes), 1, max_blocks * bs, dtype=torch.float32)
+        mask = torch.zeros(len(lens), 1, max_blocks * bs, dtype=torch.float32)
         mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
         if self._scratch.shape[0] < table.numel():
             self._scratch = torch.empty((table.numel(), bs, 1, self.width),

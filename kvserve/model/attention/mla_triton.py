@@ -10,7 +10,8 @@ import torch
 
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import triton_kernels as tk
-from kvserve.model.attention.mla import MLAProjections, TorchMLABackend, _StepState
+from kvserve.model.attention.mla import (MLAProjections, TorchMLABackend, _PrefillPlan,
+                                         _StepState)
 from kvserve.model.attention.mla_triton_kernels import mla_decode_attention
 
 
@@ -22,10 +23,17 @@ class TritonMLABackend(TorchMLABackend):
                              "interpreter (TRITON_INTERPRET=1 set before triton is imported); "
                              "use attention_backend='torch' on the CPU")
 
+    def _decode_state(self, prefills: list[_PrefillPlan], table: torch.Tensor,
+                      lens: torch.Tensor) -> _StepState:
+        """The kernel reads an int32 table and the lengths: no mask, no gather scratch (built
+        once per step, not per layer)."""
+        dev = self.pool.device
+        return _StepState(prefills, table.to(device=dev, dtype=torch.int32), lens.to(dev), None)
+
     def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                 proj: MLAProjections, state: _StepState) -> torch.Tensor:
         q_lat = torch.bmm(q_nope.transpose(0, 1), proj.w_uk).transpose(0, 1)  # [n, H, rank]
         q = torch.cat((q_lat, q_rope), dim=-1).contiguous()
-        o_lat = mla_decode_attention(q, cache, state.decode_table.to(torch.int32),
+        o_lat = mla_decode_attention(q, cache, state.decode_table,
                                      state.decode_lens, self.scale, self.rank)
         return torch.bmm(o_lat.transpose(0, 1), proj.w_uv.transpose(1, 2)).transpose(0, 1)
