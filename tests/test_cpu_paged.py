@@ -93,6 +93,10 @@ def test_backend_kernel_matches_gather_path(dtype):
         assert torch.equal(caches[0][0].view(-1, hkv, d)[slots], new_k)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=0)
+    # Both against plain softmax attention over the cache as written (not only each other).
+    for i, n in enumerate(lens):
+        ref = reference_paged_attention(q[i: i + 1].to(dtype), *caches[0], tables[i], n, 0.2)[0]
+        torch.testing.assert_close(outs[0][i].float(), ref, atol=tol, rtol=0)
 
 
 def test_unsupported_caches_fall_back():
@@ -221,9 +225,9 @@ def test_backend_decodes_through_the_kernel_like_the_gather_path(name):
     lens = [3, 14, 29]  # the new token lands in the last held block (no block to add)
     outs = []
     for use_kernel in (True, False):
-        pool, tables, _ = _filled_pool(name, hkv, d, bs, [n - 1 for n in lens], seed=4)
+        pool, full, _ = _filled_pool(name, hkv, d, bs, [n - 1 for n in lens], seed=4)
         tables = [[NULL_BLOCK if i < max(0, n - window) // bs else b for i, b in enumerate(t)]
-                  for t, n in zip(tables, lens)]
+                  for t, n in zip(full, lens)]
         model = torch.bfloat16 if name == "int4" else torch.float32  # as _filled_pool
         backend = TorchAttentionBackend(pool, 0.2, model)
         backend.windows = [window]  # the layer slides (the pool's spec is full attention)
@@ -240,8 +244,14 @@ def test_backend_decodes_through_the_kernel_like_the_gather_path(name):
         state = backend.prepare(meta)
         assert (state.by_window[window].paged is not None) == use_kernel
         outs.append(backend.forward(0, q, new_k, new_v, meta, state))
+        if use_kernel:  # plain softmax attention over the layer as stored, by the definitions
+            kd, vd = _dequantized(pool, name)
+            refs = [reference_paged_attention(q[i: i + 1], kd, vd, t, n, 0.2, window)[0]
+                    for i, (t, n) in enumerate(zip(full, lens))]
     tol = 1e-2 if name == "int4" else 2e-5  # int4: outputs rounded to bf16
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=1e-5)
+    for out, ref in zip(outs[0], refs):
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=1e-5)
 
 
 @needs_kernel
