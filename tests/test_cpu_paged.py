@@ -25,6 +25,17 @@ kernel = cpu_paged.load_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="paged decode kernel could not be built")
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel shares out one sequence per work item when it has >= 4 sequences per thread,
+    else one (sequence, KV head) pair: the tests' six sequences take the first path on one
+    thread and the second on two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _case(dtype, h, hkv, d, bs, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // bs) for n in lens) + 5
@@ -44,7 +55,7 @@ def _case(dtype, h, hkv, d, bs, lens, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8)],
                          ids=["gqa", "mha", "mqa"])
-def test_kernel_matches_reference(dtype, h, hkv, d, bs):
+def test_kernel_matches_reference(dtype, h, hkv, d, bs, threads):
     lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 37]
     q, k, v, tables = _case(dtype, h, hkv, d, bs, lens)
     width = max(len(t) for t in tables)
@@ -182,7 +193,7 @@ def _dequantized(pool, name):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("window", [None, 12])
-def test_kernel_reads_every_format_like_the_reference(name, bs, window):
+def test_kernel_reads_every_format_like_the_reference(name, bs, window, threads):
     """The kernel on the pool's own parts (codes and scales in place) equals softmax attention
     over K/V dequantized by the formats' definitions; GQA, sequences ending mid-block and on a
     block boundary, int8 with two scale groups per vector, int4 with the filling blocks' keys in
