@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from kvserve import hugepages
 from kvserve.kv.quant import KIVIResidual, KIVIStep, KVScales, make_codec
 from kvserve.kv.spec import KVCacheSpec, KVGroup
 
@@ -48,9 +49,12 @@ class KVTensorPool:
 
         def allocate(codec) -> tuple[torch.Tensor, ...]:
             # Zeroed, not empty: masked-out slots still take part in the attention matmuls
-            # (weight 0), and 0 x NaN from uninitialised memory would poison the output.
-            return tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
-                         for p in codec.parts())
+            # (weight 0), and 0 x NaN from uninitialised memory would poison the output. On
+            # the CPU: on huge pages (kvserve/hugepages.py).
+            parts = tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
+                          for p in codec.parts())
+            hugepages.advise(parts)
+            return parts
 
         self.page_groups = page_groups
         self.layer_group: list[int] = [0] * len(self.codecs)

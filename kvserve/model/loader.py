@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from safetensors import safe_open
 
+from kvserve import hugepages
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
@@ -133,6 +134,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     model.eval()
     if pack_weights:
         model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"))
+    if device.type == "cpu":
+        hugepages.advise(model.weight_tensors())
     return model, config
 
 

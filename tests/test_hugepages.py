@@ -1,0 +1,73 @@
+"""kvserve/hugepages.py: the weights and the KV pool on 2 MiB pages, read back from the kernel's
+own accounting (/proc/self/smaps), not from what `advise` returns."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import hugepages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages are off or absent here")
+
+
+def huge_bytes_under(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings overlapping t's memory, in bytes (an madvise splits a
+    mapping, so a tensor may span several)."""
+    begin = t.untyped_storage().data_ptr()
+    end = begin + t.untyped_storage().nbytes()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and begin < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@needs_thp
+def test_written_memory_is_collapsed():
+    t = torch.ones(4 << 20)  # 16 MiB, on 4 KiB pages as allocated
+    before = huge_bytes_under(t)
+    assert hugepages.advise([t]) >= 8 << 20
+    if huge_bytes_under(t) == before:
+        pytest.skip("this kernel refuses MADV_COLLAPSE (Linux < 6.1)")
+    assert huge_bytes_under(t) >= before + (8 << 20)
+    assert bool((t == 1).all())  # the data moved with its pages
+
+
+def test_off_switch_and_tensors_it_cannot_see(monkeypatch):
+    # oneDNN's packed weights are opaque (no pointer to read): left alone, no error
+    if torch.backends.mkldnn.is_available():
+        hugepages.advise([torch.randn(64, 64).to_mkldnn(), torch.empty(0)])
+    hugepages._madvise.cache_clear()
+    monkeypatch.setenv("KVSERVE_HUGE_PAGES", "0")
+    try:
+        assert hugepages.advise([torch.empty(8 << 20, dtype=torch.uint8)]) == 0
+    finally:
+        monkeypatch.undo()
+        hugepages._madvise.cache_clear()
+
+
+@needs_thp
+def test_engine_weights_and_kv_pool_sit_on_huge_pages(tiny_model_dir):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                    kv_cache_memory_bytes=16 << 20, block_size=16))
+    pool = engine.tensors.layers[0][0]
+    assert pool.untyped_storage().nbytes() >= 4 << 20
+    assert huge_bytes_under(pool) >= 2 << 20
+    biggest = max(engine.model.weight_tensors(), key=lambda w: w.numel())
+    if biggest.untyped_storage().nbytes() >= 4 << 20:
+        assert huge_bytes_under(biggest) >= 2 << 20
