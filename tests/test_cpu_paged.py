@@ -67,6 +67,32 @@ def test_kernel_matches_reference(dtype, h, hkv, d, bs, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_stores_the_new_token_then_reads_it(dtype, threads):
+    """With new K/V rows the kernel stores each at its sequence's last position (as the
+    backend's scatter would: same cache afterwards, nothing else touched) before attending; the
+    rows are strided views of a fused [T, H + 2 Hkv, D] tensor, as the model hands them over."""
+    h, hkv, d, bs = 8, 2, 32, 16
+    lens = [1, bs, bs + 1, 3 * bs + 5, 37, 2]
+    q, k, v, tables = _case(dtype, h, hkv, d, bs, lens, seed=11)
+    fused = torch.randn(len(lens), h + 2 * hkv, d).to(dtype)
+    new_k, new_v = fused[:, h: h + hkv], fused[:, h + hkv:]
+    want_k, want_v = k.clone(), v.clone()
+    for i, n in enumerate(lens):
+        block, row = tables[i][(n - 1) // bs], (n - 1) % bs
+        want_k[block, row], want_v[block, row] = new_k[i], new_v[i]
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    step = kernel.step(table_t, torch.tensor(lens))
+    out = step.run(q, cpu_paged.PagedKV(cpu_paged.FLOAT_KINDS[dtype], k, v, d), 0.125,
+                   new_k=new_k, new_v=new_v)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    for i, n in enumerate(lens):
+        ref = reference_paged_attention(q[i: i + 1], want_k, want_v, tables[i], n, 0.125)[0]
+        torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_reads_strided_queries():
     """q as the model hands it over: a view into the fused [T, H + Hkv, D] q/k tensor."""
     lens = [9, 30]

@@ -35,7 +35,7 @@ from kvserve.model import cpu_ext
 logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # Limits of the kernel's fixed per-thread buffers (see the .cpp file).
 MAX_GROUP = 64
 MAX_GROUP_DIM = 16384
@@ -56,7 +56,9 @@ class _Args(ctypes.Structure):
         + [(name, ctypes.c_int64) for name in
            ("q_stride", "table_stride", "n", "H", "Hkv", "D", "block_size", "groups")] \
         + [("kind", ctypes.c_int32), ("res_kind", ctypes.c_int32)] \
-        + [(name, ctypes.c_float) for name in ("scale", "k_scale", "v_scale")]
+        + [(name, ctypes.c_float) for name in ("scale", "k_scale", "v_scale")] \
+        + [("new_k", ctypes.c_void_p), ("new_v", ctypes.c_void_p),
+           ("new_k_stride", ctypes.c_int64), ("new_v_stride", ctypes.c_int64)]
 
 
 @dataclass
@@ -146,38 +148,77 @@ class PagedDecodeKernel:
         anything), lens [n] int64, `starts` [n] int64 the first key position each sequence sees
         (a sliding window; None: 0), `res_rows` [n, max_blocks] int64 int4's residual row per
         table entry (-1: none) -> [n, H, D] float32 (into `out` when given: contiguous,
-        float32)."""
+        float32). One call of `step(...).run(...)`."""
         if isinstance(kv, torch.Tensor):
             kv = PagedKV(FLOAT_KINDS[kv.dtype], kv, v_cache, kv.shape[-1])
-        n, h, d = q.shape
-        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
-            q = q.float().contiguous()
-        if out is None:
-            out = torch.empty((n, h, d), dtype=torch.float32)
-        _, block_size, hkv, _ = kv.k.shape
+        return self.step(tables, lens, starts, res_rows).run(q, kv, scale, out)
+
+    def step(self, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor | None = None,
+             res_rows: torch.Tensor | None = None) -> PagedStep:
+        """A step's decodes (see __call__), checked and packed into the kernel's arguments once
+        for all the layers that read them."""
         for t in (tables, lens, starts, res_rows):
             if t is not None and (t.dtype != torch.int64 or t.stride(-1) != 1):
                 raise ValueError("paged decode kernel: tables, lengths, starts and residual "
                                  "rows must be int64 with contiguous rows")
         if res_rows is not None and res_rows.stride(0) != tables.stride(0):
             raise ValueError("paged decode kernel: res_rows must have the tables' row stride")
-        residual = kv.residual if res_rows is not None else None
-        if res_rows is not None and residual is None:
+        return PagedStep(self._fn, tables, lens, starts, res_rows)
+
+
+class PagedStep:
+    """One step's decode inputs in the kernel's argument struct; `run` adds one layer's cache
+    and queries. Why: the layers of a step share the tables, lengths and window starts, and
+    at batch 1 building and checking the whole struct per layer cost as much as the kernel."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, tables: torch.Tensor, lens: torch.Tensor,
+                 starts: torch.Tensor | None, res_rows: torch.Tensor | None) -> None:
+        self._fn = fn
+        self._keep = (tables, lens, starts, res_rows)  # the pointers below stay valid
+        self.n = lens.shape[0]
+        self._res_rows = res_rows
+        self._args = _Args(tables=tables.data_ptr(), starts=_ptr(starts), lens=lens.data_ptr(),
+                           res_rows=_ptr(res_rows), table_stride=tables.stride(0), n=self.n)
+
+    def run(self, q: torch.Tensor, kv: PagedKV, scale: float, out: torch.Tensor | None = None,
+            new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Decode attention of q [n, H, D] over `kv` (see PagedDecodeKernel.__call__). With
+        new_k / new_v ([n, Hkv, D] in the cache's float type; rows may be strided, heads and
+        D contiguous) the kernel first stores each sequence's new token at position
+        lens - 1, as the backend's scatter would."""
+        n, h, d = q.shape
+        if n != self.n or d != kv.head_dim:
+            raise ValueError(f"paged decode kernel: q {tuple(q.shape)} for {self.n} sequences "
+                             f"of head_dim {kv.head_dim}")
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.float().contiguous()
+        if out is None:
+            out = torch.empty((n, h, d), dtype=torch.float32)
+        a = self._args
+        residual = kv.residual if self._res_rows is not None else None
+        if self._res_rows is not None and residual is None:
             raise ValueError("paged decode kernel: residual rows without a residual tensor")
-        args = _Args(
-            q=q.data_ptr(), k=kv.k.data_ptr(), v=kv.v.data_ptr(), k_sz=_ptr(kv.k_sz),
-            v_sz=_ptr(kv.v_sz), k_res=_ptr(residual), res_rows=_ptr(res_rows),
-            tables=tables.data_ptr(), starts=_ptr(starts), lens=lens.data_ptr(),
-            out=out.data_ptr(), q_stride=q.stride(0), table_stride=tables.stride(0), n=n, H=h,
-            Hkv=hkv, D=d, block_size=block_size, groups=kv.groups, kind=kv.kind,
-            res_kind=FLOAT_KINDS[residual.dtype] if residual is not None else F32,
-            scale=scale, k_scale=kv.k_scale, v_scale=kv.v_scale)
-        if d != kv.head_dim:
-            raise ValueError(f"paged decode kernel: q head_dim {d} != the cache's {kv.head_dim}")
-        rc = self._fn(ctypes.byref(args))
-        if rc != 0:
-            raise ValueError(f"paged decode kernel: unsupported shape H={h} Hkv={hkv} D={d} "
-                             f"block_size={block_size} groups={kv.groups} kind={kv.kind}")
+        if new_k is not None:
+            for t in (new_k, new_v):
+                if t.dtype != kv.k.dtype or t.shape != (n, *kv.k.shape[2:]) \
+                        or t.stride(2) != 1 or t.stride(1) != d:
+                    raise ValueError("paged decode kernel: new K/V must be [n, Hkv, D] in the "
+                                     "cache's dtype, heads and D contiguous")
+            a.new_k, a.new_v = new_k.data_ptr(), new_v.data_ptr()
+            a.new_k_stride, a.new_v_stride = new_k.stride(0), new_v.stride(0)
+        else:
+            a.new_k = a.new_v = None
+        a.q, a.q_stride, a.out = q.data_ptr(), q.stride(0), out.data_ptr()
+        a.k, a.v, a.k_sz, a.v_sz = kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_sz), _ptr(kv.v_sz)
+        a.k_res = _ptr(residual)
+        a.res_kind = FLOAT_KINDS[residual.dtype] if residual is not None else F32
+        a.H, a.Hkv, a.D = h, kv.k.shape[2], d
+        a.block_size, a.groups, a.kind = kv.k.shape[1], kv.groups, kv.kind
+        a.scale, a.k_scale, a.v_scale = scale, kv.k_scale, kv.v_scale
+        if self._fn(ctypes.byref(a)) != 0:
+            raise ValueError(f"paged decode kernel: unsupported shape H={h} Hkv={a.Hkv} D={d} "
+                             f"block_size={a.block_size} groups={kv.groups} kind={kv.kind}")
         return out
 
 

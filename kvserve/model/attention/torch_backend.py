@@ -75,6 +75,7 @@ class _PagedDecodes:
     lens: torch.Tensor  # [num_decodes] int64
     starts: torch.Tensor | None  # [num_decodes] first visible position (sliding layers)
     res_rows: torch.Tensor | None  # int4: [num_decodes, max_blocks] residual row, -1 none
+    step: cpu_paged.PagedStep | None = None  # the above packed for the kernel (per window)
 
 
 @dataclass
@@ -151,10 +152,10 @@ class TorchAttentionBackend(AttentionBackend):
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
         if paged is not None:
-            if window is not None:
-                starts = torch.tensor([first_visible(s.seq_len - 1, window)
-                                       for s in meta.decodes], dtype=torch.long)
-                paged = _PagedDecodes(paged.tables, paged.lens, starts, paged.res_rows)
+            starts = None if window is None else torch.tensor(
+                [first_visible(s.seq_len - 1, window) for s in meta.decodes], dtype=torch.long)
+            step = self.paged_kernel.step(paged.tables, paged.lens, starts, paged.res_rows)
+            paged = _PagedDecodes(paged.tables, paged.lens, starts, paged.res_rows, step)
             return _WindowState(prefills, None, None, 0, paged=paged)
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
@@ -207,8 +208,15 @@ class TorchAttentionBackend(AttentionBackend):
                              f"over a {k_cache.dtype} cache, but got {k.dtype} K/V")
         state = step.by_window[self.windows[layer_idx]]
         hkv, d = self._num_kv_heads, self._head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        # The paged kernel stores the decodes' new K/V itself (one scatter less per layer);
+        # the prefill rows, which come first, are stored here.
+        in_kernel = state.paged is not None and all(
+            t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+        stored = meta.num_prefill_tokens if in_kernel else k.shape[0]
+        if stored:
+            slots = meta.slot_mapping[:stored]
+            k_cache.view(-1, hkv, d).index_copy_(0, slots, k[:stored])
+            v_cache.view(-1, hkv, d).index_copy_(0, slots, v[:stored])
         out = torch.empty_like(q)
         for plan in state.prefills:
             rows = slice(plan.seq.start, plan.seq.start + plan.seq.query_len)
@@ -216,7 +224,8 @@ class TorchAttentionBackend(AttentionBackend):
             if plan.seq.observe_len:
                 self._observe(layer_idx, q[rows], k_cache, v_cache, plan.seq)
         if state.paged is not None:
-            self._decode_paged(layer_idx, q, out, meta, state.paged)
+            self._decode_paged(layer_idx, q, out, meta, state.paged,
+                               (k[stored:], v[stored:]) if in_kernel else None)
         elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
@@ -227,9 +236,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
-                      meta: AttentionMetadata, paged: _PagedDecodes) -> None:
+                      meta: AttentionMetadata, paged: _PagedDecodes,
+                      new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decode rows of `out` through the paged kernel, reading the layer's stored parts
-        (codes and scales as they are) in place."""
+        (codes and scales as they are) in place; `new_kv`: the decodes' new K/V, which the
+        kernel stores first (a float cache of the model's dtype)."""
         start = meta.num_prefill_tokens
         if self._kivi or layer_idx in self._uncalibrated:
             self._paged_kv[layer_idx] = cpu_paged.paged_kv(
@@ -239,9 +250,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv = self._paged_kv[layer_idx]
         dst = out[start:]
         direct = dst.dtype == torch.float32 and dst.is_contiguous()
-        o = self.paged_kernel(q[start:], kv, None, paged.tables, paged.lens, self.scale,
-                              out=dst if direct else None, starts=paged.starts,
-                              res_rows=paged.res_rows)
+        new_k, new_v = new_kv if new_kv is not None else (None, None)
+        o = paged.step.run(q[start:], kv, self.scale, dst if direct else None, new_k, new_v)
         if not direct:
             dst.copy_(o)
 

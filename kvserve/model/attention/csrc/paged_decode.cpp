@@ -27,6 +27,10 @@
 //   tables   [n, table_stride] int64 block ids; starts [n] int64 first visible key position
 //            (sliding windows; null: 0); lens [n] int64 tokens to attend to
 //   out      [n, H, D] float32, contiguous
+//   new_k, new_v  (float kinds, optional) the step's new K/V row per sequence, [n, Hkv, D] in
+//            the cache's own type, row strides new_k_stride / new_v_stride (elements): each is
+//            stored at position lens[s] - 1 of its sequence before that sequence is read
+//            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
 // (running max and sum per head, flash-attention style) in float32, block by block. Table
 // entries before starts[s] / block_size and past the length are never read (NULL_BLOCK there
@@ -62,6 +66,9 @@ struct Args {
   int64_t q_stride, table_stride, n, H, Hkv, D, block_size, groups;
   int32_t kind, res_kind;
   float scale, k_scale, v_scale;
+  const void* new_k;
+  const void* new_v;
+  int64_t new_k_stride, new_v_stride;
 };
 
 inline float bits_to_float(uint32_t u) {
@@ -225,6 +232,20 @@ void decode(const Args& a) {
     // cache.
     const int64_t pf_from = per_item > 1 ? 0 : hk0 * row_width;
     const int64_t pf_width = per_item > 1 ? token_stride : row_width;
+    if constexpr (K == F32 || K == BF16 || K == F16) {
+      if (a.new_k) {  // this item's heads of the sequence's new token, then read them
+        const int64_t pos = a.lens[s] - 1;
+        const int64_t at = a.tables[s * a.table_stride + pos / bs] * block_stride +
+                           pos % bs * token_stride + hk0 * row_width;
+        const int64_t bytes = per_item * row_width * esize;
+        std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + at * esize,
+                    static_cast<const char*>(a.new_k) + (s * a.new_k_stride + hk0 * D) * esize,
+                    bytes);
+        std::memcpy(static_cast<char*>(const_cast<void*>(a.v)) + at * esize,
+                    static_cast<const char*>(a.new_v) + (s * a.new_v_stride + hk0 * D) * esize,
+                    bytes);
+      }
+    }
     for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
       float acc[kMaxGroupDim];
       float qs[kMaxGroupDim];
@@ -375,7 +396,7 @@ void decode(const Args& a) {
 
 extern "C" {
 
-int kvserve_paged_decode_abi_version() { return 2; }
+int kvserve_paged_decode_abi_version() { return 3; }
 
 // Returns 0, or -1 when a size is beyond the kernel's fixed buffers or the format is unknown
 // (the caller checks these first and never gets here).
@@ -384,6 +405,8 @@ int kvserve_paged_decode(const Args* a) {
   if (Hkv <= 0 || a->H % Hkv != 0 || a->H / Hkv > kMaxGroup ||
       (a->H / Hkv) * a->D > kMaxGroupDim || a->D > kMaxDim || a->block_size > kMaxBlock ||
       a->block_size <= 0)
+    return -1;
+  if (a->new_k && (a->kind != F32 && a->kind != BF16 && a->kind != F16 || !a->new_v))
     return -1;
   if ((a->kind == INT8 || a->kind == INT4) && (a->groups <= 0 || a->D % a->groups != 0 ||
                                                (a->kind == INT4 && (a->D / a->groups) % 2 != 0)))
