@@ -165,3 +165,30 @@ def test_bound_ops_match_the_checked_ones_and_torch(qk_rope):
         op(torch.randn(3, h + 1), None, cs)
     with pytest.raises(ValueError, match="RoPE"):
         g.bind(w, b, rope_cols=d + 1, head_dim=d)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_norm_and_rope_match_torch(rows):
+    """The element-wise kernels the MKL / oneDNN layers use around their GEMMs: RMSNorm (odd
+    width, strided rows) and RoPE in place over the first heads of a wider, strided tensor,
+    against the plain-torch formulas (threads share rows from 8 up)."""
+    gen = _gen(rows)
+    k, d, heads = 37, 8, 3
+    x = torch.randn(rows, k + 5, generator=gen)[:, :k]
+    ln = 1 + 0.2 * torch.randn(k, generator=gen)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ln
+    torch.testing.assert_close(g.rms_norm(x, ln, 1e-6), ref, rtol=1e-5, atol=1e-5)
+    y = torch.randn(rows, heads * d + 9, generator=gen)[:, : heads * d + 4]
+    ang = torch.rand(rows, d // 2, generator=gen) * 6
+    cs = torch.cat([ang.cos(), ang.sin()], 1)
+    qk = y[:, : heads * d].reshape(rows, heads, d)
+    x1, x2 = qk[..., : d // 2], qk[..., d // 2:]
+    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
+    want = y.clone()
+    want[:, : heads * d] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).view(rows, -1)
+    assert g.rope_(y, cs, heads * d, d) is y
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="heads"):
+        g.rope_(y, cs, d + 2, d)
+    with pytest.raises(ValueError, match="float32"):
+        g.rms_norm(x.double(), ln, 1e-6)

@@ -417,10 +417,20 @@ def _split_qkv(layer: DecoderLayer, qkv: torch.Tensor, cos_sin: torch.Tensor,
 
 def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Tensor]
                      ) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
-    """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE."""
+    """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE.
+    In float32 on the CPU the norm and (without q/k norms) the RoPE, in place on the GEMM's
+    output, are the C++ kernels of gemv.py rather than torch ops."""
     w, eps = layer.input_layernorm, layer.eps
-    return lambda h, cos_sin: _split_qkv(layer, qkv(rms_norm(h, w, eps)), cos_sin,
-                                         rope=_apply_rope)
+    g = gemv.load() if gemv_available(w.dtype, w.device) else None
+    if g is None:
+        return lambda h, cos_sin: _split_qkv(layer, qkv(rms_norm(h, w, eps)), cos_sin,
+                                             rope=_apply_rope)
+    if layer.qk_norm is not None:  # q/k norms sit between the projection and RoPE
+        return lambda h, cos_sin: _split_qkv(layer, qkv(g.rms_norm(h, w, eps)), cos_sin,
+                                             rope=_apply_rope)
+    cols, d = layer.qk_size, layer.head_dim
+    return lambda h, cos_sin: _split_qkv(
+        layer, g.rope_(qkv(g.rms_norm(h, w, eps)), cos_sin, cols, d), cos_sin)
 
 
 def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) -> None:
@@ -433,7 +443,9 @@ def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) ->
         ops["qkv"] = _attn_in_unfused(layer, ops["qkv"])
     if "mlp" in ops:
         mlp, w, eps = ops["mlp"], layer.post_attention_layernorm, layer.eps
-        ops["mlp"] = lambda x: mlp(rms_norm(x, w, eps))
+        g = gemv.load() if gemv_available(w.dtype, w.device) else None
+        norm = g.rms_norm if g is not None else rms_norm
+        ops["mlp"] = lambda x: mlp(norm(x, w, eps))
 
 
 def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:

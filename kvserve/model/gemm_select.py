@@ -53,7 +53,7 @@ BUCKETS: tuple[tuple[float, int], ...] = ((4, 1), (32, 16), (128, 64), (512, 256
 BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: the head GEMV timed as bound (as it runs)
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)

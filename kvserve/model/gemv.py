@@ -27,7 +27,7 @@ import torch
 from kvserve.model import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_ROWS = 4  # the row counts gemm_select offers it for (its first bucket)
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 
@@ -48,6 +48,13 @@ class Gemv:
         packed.argtypes = [ctypes.c_void_p]
         packed.restype = ctypes.c_int
         self._packed = packed
+        norm = lib.kvserve_rms_norm_f32
+        norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
+        norm.restype = ctypes.c_int
+        rope = lib.kvserve_rope_f32
+        rope.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
+        rope.restype = ctypes.c_int
+        self._norm, self._rope = norm, rope
         read = lib.kvserve_read_sum_f32
         read.argtypes = [ptr, i64, ctypes.c_int]
         read.restype = ctypes.c_double
@@ -145,6 +152,35 @@ class Gemv:
             raise ValueError(f"gemv: bad RoPE layout (rope_cols {rope_cols}, head_dim "
                              f"{head_dim}, {n_w} outputs)")
         return BoundGemv(self._packed, w, b, mode, norm_weight, eps, rope_cols, head_dim)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """decoder.rms_norm of float32 x [rows, k] (unit stride along k) -> new [rows, k]."""
+        k = x.shape[-1]
+        if x.dtype != torch.float32 or x.dim() != 2 or (x.stride(1) != 1 and k > 1) \
+                or weight.dtype != torch.float32 or weight.shape != (k,) \
+                or not weight.is_contiguous():
+            raise ValueError(f"rms_norm: float32 [rows, k] x and [k] weight, got x "
+                             f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._norm(x.data_ptr(), x.stride(0), x.shape[0], k, weight.data_ptr(), eps,
+                   out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+    def rope_(self, y: torch.Tensor, cos_sin: torch.Tensor, cols: int, head_dim: int
+              ) -> torch.Tensor:
+        """Rotate the first `cols` columns of float32 y [rows, n] (unit stride along n), heads
+        of `head_dim`, by cos_sin [rows, head_dim] (cos | sin halves), in place
+        (decoder._apply_rope's rotation); returns y."""
+        rows = y.shape[0]
+        if y.dtype != torch.float32 or y.dim() != 2 or y.stride(1) != 1 or cols > y.shape[1] \
+                or cos_sin.dtype != torch.float32 or cos_sin.shape != (rows, head_dim) \
+                or cos_sin.stride(1) != 1:
+            raise ValueError(f"rope_: float32 y [rows, >= {cols}] and cos_sin [rows, "
+                             f"{head_dim}], got {tuple(y.shape)}, {tuple(cos_sin.shape)}")
+        if self._rope(y.data_ptr(), y.stride(0), rows, cols, head_dim, cos_sin.data_ptr(),
+                      cos_sin.stride(0), torch.get_num_threads()) != 0:
+            raise ValueError(f"rope_: {cols} columns are not heads of {head_dim}")
+        return y
 
     def read_sum(self, t: torch.Tensor) -> float:
         """Sum of a contiguous float32 tensor, read once on torch's threads (the benchmarks'

@@ -132,11 +132,12 @@ void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t h
                const float* cs, int64_t cs_stride) {
   const int64_t half = head_dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* cos = cs + r * cs_stride;
-    const float* sin = cos + half;
+    const float* __restrict cos = cs + r * cs_stride;
+    const float* __restrict sin = cos + half;
     for (int64_t h0 = 0; h0 + head_dim <= cols; h0 += head_dim) {
-      float* a = y + r * y_stride + h0;
-      float* b = a + half;
+      float* __restrict a = y + r * y_stride + h0;
+      float* __restrict b = a + half;
+#pragma omp simd
       for (int64_t j = 0; j < half; ++j) {
         const float x1 = a[j], x2 = b[j];
         a[j] = x1 * cos[j] - x2 * sin[j];
@@ -150,7 +151,7 @@ void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t h
 
 extern "C" {
 
-int kvserve_gemv_abi_version() { return 1; }
+int kvserve_gemv_abi_version() { return 2; }
 
 // n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
 // cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
@@ -221,6 +222,43 @@ int kvserve_gemv_packed(const int64_t* a) {
 
 // Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
 // probe: a GEMV at batch 1 can go no faster than this over its weights).
+// decoder.rms_norm on rows of x into out, and the RoPE of the first `cols` columns of y in
+// place: the element-wise work around the GEMMs of the layers that run MKL or oneDNN (more than
+// gemv's few rows), which as torch ops cost ~0.2 ms per layer at 64 rows (several passes and
+// dispatches each) against ~10 us here. Rows are shared out across threads.
+int kvserve_rms_norm_f32(const float* x, int64_t x_stride, int64_t rows, int64_t k,
+                         const float* w, float eps, float* out, int64_t out_stride,
+                         int num_threads) {
+  if (k <= 0 || rows < 0) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* d = out + r * out_stride;
+    float lanes[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) lanes[l] += xr[i + l] * xr[i + l];
+    }
+    double ss = 0.0;
+    for (int l = 0; l < 16; ++l) ss += lanes[l];
+    for (; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];
+  }
+  return 0;
+}
+
+int kvserve_rope_f32(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
+                     const float* cos_sin, int64_t cs_stride, int num_threads) {
+  if (head_dim <= 0 || head_dim % 2 || cols % head_dim) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+  for (int64_t r = 0; r < rows; ++r)
+    rope_rows(y + r * y_stride, y_stride, 1, cols, head_dim, cos_sin + r * cs_stride, cs_stride);
+  return 0;
+}
+
 double kvserve_read_sum_f32(const float* p, int64_t n, int num_threads) {
   double total = 0.0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
