@@ -192,3 +192,33 @@ def test_norm_and_rope_match_torch(rows):
         g.rope_(y, cs, d + 2, d)
     with pytest.raises(ValueError, match="float32"):
         g.rms_norm(x.double(), ln, 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias,gelu", [(False, False), (True, True)])
+def test_mlp_block_is_the_layer_after_attention(rows, bias, gelu):
+    """The fused block against the torch formulas of the three ops it replaces: the residual
+    add of o's projection, RMSNorm, the gated MLP, the residual add of down's projection (odd
+    sizes, so every thread's share ends mid-block)."""
+    gen = _gen(5 + rows)
+    hidden, q, inter = 37, 24, 29
+    o_w, gu_w, d_w = (torch.randn(*s, generator=gen) / 5 for s in
+                      ((hidden, q), (2 * inter, hidden), (hidden, inter)))
+    o_b, gu_b, d_b = ((torch.randn(n, generator=gen) if bias else None)
+                      for n in (hidden, 2 * inter, hidden))
+    ln = 1 + 0.2 * torch.randn(hidden, generator=gen)
+    o = torch.randn(rows, q + 3, generator=gen)[:, :q]
+    r = torch.randn(rows, hidden, generator=gen)
+    r1 = r + F.linear(o, o_w, o_b)
+    n = r1 * torch.rsqrt(r1.pow(2).mean(-1, keepdim=True) + 1e-6) * ln
+    gate_up = F.linear(n, gu_w, gu_b)
+    act = F.gelu(gate_up[:, :inter], approximate="tanh") if gelu else F.silu(gate_up[:, :inter])
+    want = r1 + F.linear(act * gate_up[:, inter:], d_w, d_b)
+    block = g.bind_mlp_block(o_w, o_b, ln, 1e-6, gu_w, gu_b, d_w, d_b, gelu)
+    got = r.clone()
+    assert block(o, got) is got
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="MLP block"):
+        block(torch.randn(rows, q + 1), got)
+    with pytest.raises(ValueError, match="fit together"):
+        g.bind_mlp_block(o_w, o_b, ln, 1e-6, gu_w[:-2], gu_b, d_w, d_b)

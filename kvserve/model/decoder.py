@@ -338,9 +338,18 @@ class DecoderLayer(nn.Module):
         for kernel, ops in built.items():
             _wrap_unfused(self, kernel, ops)
         self._ops = []
+        block = None
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
-            self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"]))
+            fused = None
+            if all(plan.kernels[p][b] == "gemv" for p in ("o", "mlp", "down")) \
+                    and self.attn_out_norm is None and self.mlp_out_norm is None:
+                block = block or gemv.load().bind_mlp_block(
+                    self.o_proj, self.o_bias, self.post_attention_layernorm, self.eps,
+                    self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias,
+                    self.gelu)
+                fused = block
+            self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"], fused))
         # free the dense weights no bucket reads (the closures hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
@@ -369,6 +378,8 @@ class DecoderLayer(nn.Module):
         ops = self._ops[bucket] if self._ops else self._fallback
         q, k, v = ops.attn_in(hidden, cos_sin)
         o = attn(self.layer_idx, q, k, v).reshape(hidden.shape[0], self.q_size)
+        if ops.o_mlp is not None:
+            return ops.o_mlp(o, hidden)
         hidden = ops.o_add(o, hidden)
         return ops.down_add(ops.mlp(hidden), hidden)
 
@@ -469,6 +480,9 @@ class _LayerOps:
     o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
     down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # o_add, mlp and down_add as one call (the GEMV's gemv.BoundMLPBlock), where a bucket
+    # runs all three on the GEMV and the model has no output norms
+    o_mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 _PROJS = ("qkv", "o", "mlp", "down")
@@ -708,6 +722,8 @@ class CausalLM(nn.Module):
         by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
                      "gemv": (lambda x, w, b: head_gemv(x), head_dense)}
         self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
+        if gemv_available(self.dtype, self.embed_tokens.device):
+            self._norm = gemv.load().rms_norm  # the final norm too (see _attn_in_unfused)
         self.gemm_plan = plan
         self.packed = any("onednn" in ks for ks in plan.kernels.values())
         if plan.source != "forced":

@@ -27,7 +27,7 @@ import torch
 from kvserve.model import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_ROWS = 4  # the row counts gemm_select offers it for (its first bucket)
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 
@@ -48,6 +48,10 @@ class Gemv:
         packed.argtypes = [ctypes.c_void_p]
         packed.restype = ctypes.c_int
         self._packed = packed
+        block = lib.kvserve_gemv_mlp_block
+        block.argtypes = [ctypes.c_void_p]
+        block.restype = ctypes.c_int
+        self._mlp_block = block
         norm = lib.kvserve_rms_norm_f32
         norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
         norm.restype = ctypes.c_int
@@ -153,6 +157,24 @@ class Gemv:
                              f"{head_dim}, {n_w} outputs)")
         return BoundGemv(self._packed, w, b, mode, norm_weight, eps, rope_cols, head_dim)
 
+    def bind_mlp_block(self, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float, gate_up_w: torch.Tensor,
+                       gate_up_b: torch.Tensor | None, down_w: torch.Tensor,
+                       down_b: torch.Tensor | None, gelu: bool = False) -> BoundMLPBlock:
+        """A decoder layer after attention as one call (see BoundMLPBlock), weights checked
+        once: o [hidden, q], gate/up [2 inter, hidden], down [hidden, inter]."""
+        hidden, q_size = o_w.shape
+        inter = down_w.shape[1]
+        self._check(torch.empty(1, q_size), o_w, o_b, hidden)
+        self._check(torch.empty(1, hidden), gate_up_w, gate_up_b, 2 * inter, norm_weight)
+        self._check(torch.empty(1, inter), down_w, down_b, hidden)
+        if gate_up_w.shape[0] != 2 * inter or down_w.shape[0] != hidden:
+            raise ValueError(f"gemv: an MLP block of o {tuple(o_w.shape)}, gate/up "
+                             f"{tuple(gate_up_w.shape)}, down {tuple(down_w.shape)} does not "
+                             "fit together")
+        return BoundMLPBlock(self._mlp_block, o_w, o_b, norm_weight, eps, gate_up_w, gate_up_b,
+                             down_w, down_b, gelu)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """decoder.rms_norm of float32 x [rows, k] (unit stride along k) -> new [rows, k]."""
         k = x.shape[-1]
@@ -210,9 +232,9 @@ class BoundGemv:
         self.rope_cols = rope_cols
         a = (ctypes.c_int64 * 17)()
         a[3] = w.data_ptr()
-        a[4] = 0 if b is None else b.data_ptr()
+        a[4] = _ptr0(b)
         a[5], a[6], a[9] = self.n, self.k, mode
-        a[11] = 0 if norm_weight is None else norm_weight.data_ptr()
+        a[11] = _ptr0(norm_weight)
         a[12] = struct.unpack("<i", struct.pack("<f", eps))[0]
         a[15], a[16] = rope_cols, head_dim
         self._args = a
@@ -237,6 +259,57 @@ class BoundGemv:
         if self._fn(self._ptr) != 0:
             raise ValueError("gemv: bad mode or RoPE layout")
         return out
+
+
+class BoundMLPBlock:
+    """residual += o W_o^T + b_o, then residual += down(act(gate(n)) * up(n)) with n the
+    RMS-normed residual: the rest of a decoder layer after attention, at a few rows, in one
+    C++ call and one parallel region (it was three calls, each a fork and join of the
+    threads, and the Python between them). Weights fixed by `Gemv.bind_mlp_block`; not
+    reentrant (one argument array and scratch), as BoundGemv."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                 norm_w: torch.Tensor, eps: float, gu_w: torch.Tensor,
+                 gu_b: torch.Tensor | None, d_w: torch.Tensor, d_b: torch.Tensor | None,
+                 gelu: bool) -> None:
+        self._fn = fn
+        self._keep = (o_w, o_b, norm_w, gu_w, gu_b, d_w, d_b)
+        self.hidden, self.q_size = o_w.shape
+        self.inter = d_w.shape[1]
+        self._m = torch.empty(0)
+        a = (ctypes.c_int64 * 19)()
+        a[5], a[6] = o_w.data_ptr(), _ptr0(o_b)
+        a[7], a[8] = self.hidden, self.q_size
+        a[9], a[10] = norm_w.data_ptr(), struct.unpack("<i", struct.pack("<f", eps))[0]
+        a[11], a[12], a[13] = gu_w.data_ptr(), _ptr0(gu_b), self.inter
+        a[14] = MODE_GELU_MUL if gelu else MODE_SILU_MUL
+        a[15], a[16] = d_w.data_ptr(), _ptr0(d_b)
+        self._args = a
+        self._ptr = ctypes.addressof(a)
+
+    def __call__(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """o [rows, q] (unit stride along q), residual [rows, hidden] float32 (unit stride
+        along hidden), updated in place and returned."""
+        rows = o.shape[0]
+        if o.dtype != torch.float32 or residual.dtype != torch.float32 \
+                or o.shape[1] != self.q_size or (o.stride(1) != 1 and self.q_size > 1) \
+                or residual.shape != (rows, self.hidden) or residual.stride(1) != 1:
+            raise ValueError(f"gemv: an MLP block takes float32 o [rows, {self.q_size}] and "
+                             f"residual [rows, {self.hidden}] with unit strides, got "
+                             f"{tuple(o.shape)} and {tuple(residual.shape)}")
+        if self._m.numel() < rows * self.inter:
+            self._m = torch.empty(rows * self.inter, dtype=torch.float32)
+        a = self._args
+        a[0], a[1], a[2] = o.data_ptr(), o.stride(0), rows
+        a[3], a[4] = residual.data_ptr(), residual.stride(0)
+        a[17], a[18] = self._m.data_ptr(), torch.get_num_threads()
+        if self._fn(self._ptr) != 0:
+            raise ValueError("gemv: bad MLP block mode")
+        return residual
+
+
+def _ptr0(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 @functools.lru_cache(maxsize=1)

@@ -151,30 +151,25 @@ void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t h
 
 extern "C" {
 
-int kvserve_gemv_abi_version() { return 2; }
+int kvserve_gemv_abi_version() { return 3; }
 
 // n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
 // cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
 // for a bad mode or RoPE layout.
-int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
-                     const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
-                     int mode, int num_threads, const float* norm_w, float eps,
-                     const float* cos_sin, int64_t cs_stride, int64_t rope_cols,
-                     int64_t head_dim) {
-  if (mode < 0 || mode > 3) return 1;
-  if (cos_sin != nullptr &&
-      (mode > 1 || head_dim <= 0 || head_dim % 2 || rope_cols % head_dim || rope_cols > n))
-    return 1;
-  thread_local std::vector<float> normed;
-  if (norm_w != nullptr) {
-    normed.resize(static_cast<size_t>(rows * k));
-    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data());
-    x = normed.data();
-    x_stride = k;
-  }
+}  // extern "C"
+
+namespace {
+
+// out[r, :n] (=, or += for mode 1) x[r] W^T + b, or (modes 2 and 3, W = [gate; up]) act(x
+// gate^T) * (x up^T), for the `rows` rows of x. Its loop is an orphaned `omp for`: called
+// inside a parallel region the threads share the weight blocks (and meet at its end), called
+// outside one it runs on the calling thread.
+void gemv_rows(const float* x, int64_t x_stride, int64_t rows, const float* w,
+               const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
+               int mode) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const bool gated = mode >= 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t o0 = blk * kBlock;
     const int64_t cnt = n - o0 < kBlock ? n - o0 : kBlock;
@@ -202,13 +197,67 @@ int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float
         for (int64_t j = 0; j < cnt; ++j) yr[j] = gelu_tanh(acc[j]) * up[j];
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
+                     const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
+                     int mode, int num_threads, const float* norm_w, float eps,
+                     const float* cos_sin, int64_t cs_stride, int64_t rope_cols,
+                     int64_t head_dim) {
+  if (mode < 0 || mode > 3) return 1;
+  if (cos_sin != nullptr &&
+      (mode > 1 || head_dim <= 0 || head_dim % 2 || rope_cols % head_dim || rope_cols > n))
+    return 1;
+  thread_local std::vector<float> normed;
+  if (norm_w != nullptr) {
+    normed.resize(static_cast<size_t>(rows * k));
+    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data());
+    x = normed.data();
+    x_stride = k;
+  }
+#pragma omp parallel num_threads(num_threads)
+  gemv_rows(x, x_stride, rows, w, bias, n, k, out, out_stride, mode);
   if (cos_sin != nullptr) rope_rows(out, out_stride, rows, rope_cols, head_dim, cos_sin, cs_stride);
   return 0;
 }
 
-// kvserve_gemv_f32 with its 17 arguments packed in one int64 array (pointers as addresses,
-// eps as its float bits), in kvserve_gemv_f32's order: a bound op in gemv.py fills the fixed
-// ones once and passes one pointer per call, which halves the ctypes call's cost.
+// The rest of a decoder layer after attention, at a few rows, in one parallel region:
+// residual += o W_o^T + b_o; x = RMSNorm(residual); m = act(x gate^T + b_g) * (x up^T + b_u);
+// residual += m W_d^T + b_d. Three GEMV calls and their Python around them become one call
+// (threads meet at a barrier between phases instead of forking and joining three times).
+// a: o, o_stride, rows, residual, r_stride, w_o, b_o, hidden, q_size, norm_w, eps bits,
+// w_gu, b_gu, inter, mode (2 SiLU, 3 GELU-tanh), w_d, b_d, m (scratch [rows, inter]),
+// num_threads.
+int kvserve_gemv_mlp_block(const int64_t* a) {
+  auto f = [](int64_t v) { return reinterpret_cast<const float*>(v); };
+  const float* o = f(a[0]);
+  const int64_t o_stride = a[1], rows = a[2], r_stride = a[4], hidden = a[7], q_size = a[8];
+  float* residual = reinterpret_cast<float*>(a[3]);
+  float eps;
+  const int32_t bits = static_cast<int32_t>(a[10]);
+  std::memcpy(&eps, &bits, sizeof eps);
+  const int64_t inter = a[13];
+  const int mode = static_cast<int>(a[14]);
+  float* m = reinterpret_cast<float*>(a[17]);
+  if (mode != 2 && mode != 3) return 1;
+  thread_local std::vector<float> normed;
+  normed.resize(static_cast<size_t>(rows * hidden));
+  float* x = normed.data();
+#pragma omp parallel num_threads(static_cast<int>(a[18]))
+  {
+    gemv_rows(o, o_stride, rows, f(a[5]), f(a[6]), hidden, q_size, residual, r_stride, 1);
+#pragma omp single
+    rms_norm_rows(residual, r_stride, rows, hidden, f(a[9]), eps, x);
+    gemv_rows(x, hidden, rows, f(a[11]), f(a[12]), inter, hidden, m, inter, mode);
+    gemv_rows(m, inter, rows, f(a[15]), f(a[16]), hidden, inter, residual, r_stride, 1);
+  }
+  return 0;
+}
+
 int kvserve_gemv_packed(const int64_t* a) {
   float eps;
   const int32_t bits = static_cast<int32_t>(a[12]);
