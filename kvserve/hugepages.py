@@ -13,7 +13,8 @@ widened ranges cover them), and re-backs the pages already there (MADV_COLLAPSE,
 on older kernels the request is refused and only memory faulted in later gets huge pages).
 The collapse is not optional: even a fresh `torch.empty` is often memory the allocator had
 already faulted in and freed. Off with KVSERVE_HUGE_PAGES=0; a no-op off Linux or with THP
-`never`. oneDNN's packed weights are opaque (no address to give) and stay on 4 KiB pages.
+`never`. oneDNN's packed weights are opaque (no address to give) and stay on 4 KiB pages, as do tensors under
+256 KiB.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import torch
 logger = logging.getLogger("kvserve")
 
 HUGE = 2 << 20
+# Smaller tensors (norms, biases) are left alone: widening a few KB to a 2 MiB range of the
+# allocator's heap would only fill that range with memory nobody asked for.
+MIN_BYTES = 256 << 10
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -69,7 +73,8 @@ def _ranges(tensors: Iterable[torch.Tensor], maps: list[tuple[int, int]]
     starts = [lo for lo, _ in maps]
     out: list[tuple[int, int]] = []
     for t in tensors:
-        if t is None or t.device.type != "cpu" or t.numel() == 0 or t.is_mkldnn:
+        if t is None or t.device.type != "cpu" or t.is_mkldnn \
+                or t.untyped_storage().nbytes() < MIN_BYTES:
             continue  # (oneDNN's opaque packed weights: their memory is not ours to see)
         begin = t.untyped_storage().data_ptr()
         end = begin + t.untyped_storage().nbytes()

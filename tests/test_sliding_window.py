@@ -154,6 +154,16 @@ def _check_against_reference(out, caches, tables, meta, q, window, tol):
         torch.testing.assert_close(out[rows].cpu().float(), ref, atol=tol, rtol=tol)
 
 
+def _check_stored(cache, meta, k, v):
+    """Every new token's K/V sits in its slot afterwards, prefill rows and decode rows alike
+    (the paged kernel stores the decodes' itself; the reference above reads what is stored,
+    so only this sees a store that went astray)."""
+    hkv, d = k.shape[1:]
+    for part, new in zip(cache, (k, v)):
+        torch.testing.assert_close(part.view(-1, hkv, d)[meta.slot_mapping].cpu(), new.cpu(),
+                                   atol=0, rtol=0)
+
+
 def tables_in_order(meta, tables):
     """The block tables in the order of meta.prefills + meta.decodes."""
     return [s.block_table for s in meta.prefills + meta.decodes]
@@ -167,6 +177,7 @@ def test_torch_backend_windowed_step(bs, window):
     backend = TorchAttentionBackend(pool_over(caches, windows=(window,)), 16 ** -0.5)
     out = backend.bind(meta)(0, q, k, v)
     _check_against_reference(out, caches, tables, meta, q, window, 2e-5)
+    _check_stored(caches[0], meta, k, v)
 
 
 def test_torch_backend_mixes_window_and_full_layers():
@@ -181,6 +192,8 @@ def test_torch_backend_mixes_window_and_full_layers():
     out1 = attend(1, q, k, v)
     _check_against_reference(out0, caches, tables, meta, q, 8, 2e-5)
     _check_against_reference(out1, full, tables, meta, q, None, 2e-5)
+    _check_stored(caches[0], meta, k, v)
+    _check_stored(full[0], meta, k, v)
 
 
 # -- the Triton kernels ------------------------------------------------------------------------

@@ -50,11 +50,12 @@ class KVTensorPool:
         def allocate(codec) -> tuple[torch.Tensor, ...]:
             # Zeroed, not empty: masked-out slots still take part in the attention matmuls
             # (weight 0), and 0 x NaN from uninitialised memory would poison the output. On
-            # the CPU: on huge pages (kvserve/hugepages.py).
-            parts = tuple(torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device)
+            # the CPU: on huge pages (kvserve/hugepages.py), asked for before the zeroing
+            # first touches the memory.
+            parts = tuple(torch.empty((num_blocks, *p.shape), dtype=p.dtype, device=device)
                           for p in codec.parts())
             hugepages.advise(parts)
-            return parts
+            return tuple(t.zero_() for t in parts)
 
         self.page_groups = page_groups
         self.layer_group: list[int] = [0] * len(self.codecs)

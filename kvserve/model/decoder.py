@@ -189,14 +189,9 @@ def _onednn_linear_add(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
         _pad_rows(x), _pad_rows(residual), w, b, "add")[:t]
 
 
-def _onednn_pack(w: torch.Tensor, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The oneDNN-packed copy of w (appended to `keep`, the layer's record of its packed
-    weights, when given)."""
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     # The batch-size hint only picks the blocked layout; the packed weight serves any T.
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
-    if keep is not None:
-        keep.append(packed)
-    return packed
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
 
 
 def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -256,7 +251,6 @@ class DecoderLayer(nn.Module):
         self._norm = rms_norm
         self._rope = _apply_rope
         self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
-        self.packed_weights: list[torch.Tensor] = []  # the plan's oneDNN-packed copies
         # Without a plan (the GPU path, unpacked models): this layer's own swappable
         # norm / RoPE / GEMM functions (use_triton_ops swaps them).
         self._fallback = _LayerOps(self._attn_in, self._o_add, self._mlp, self._down_add)
@@ -329,10 +323,8 @@ class DecoderLayer(nn.Module):
         Gate and up are packed apart: SiLU then runs as the gate GEMM's epilogue and the product
         as the up GEMM's, which saves two passes over the [T, intermediate] activations (the
         SwiGLU element-wise work was ~12% of a decode step)."""
-        self.packed_weights = []
         built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
-                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn")),
-                                       self.packed_weights),
+                 "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
                  "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
                                    fused=True)}
         for kernel, ops in built.items():
@@ -523,24 +515,22 @@ def _dense_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str
     return ops
 
 
-def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
-                keep: list[torch.Tensor] | None = None) -> dict[str, Callable]:
-    """oneDNN on packed copies of the weights (made here, and listed in `keep` when given),
-    for `projs` only: the gate's activation (SiLU, or Gemma's GELU-tanh: oneDNN's "gelu" with
-    the "tanh" algorithm) and the product with up fused as GEMM epilogues, and the residual
-    adds too where no output norm sits between GEMM and add."""
+def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """oneDNN on packed copies of the weights (made here), for `projs` only: the gate's
+    activation (SiLU, or Gemma's GELU-tanh: oneDNN's "gelu" with the "tanh" algorithm) and the
+    product with up fused as GEMM epilogues, and the residual adds too where no output norm
+    sits between GEMM and add."""
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
-        qkv_w, qkv_b = _onednn_pack(layer.qkv_proj, keep), layer.qkv_bias
+        qkv_w, qkv_b = _onednn_pack(layer.qkv_proj), layer.qkv_bias
         ops["qkv"] = lambda x: _onednn_linear(x, qkv_w, qkv_b)
     if "o" in projs:
-        ops["o"] = _output_add(_onednn_linear, _onednn_linear_add,
-                               _onednn_pack(layer.o_proj, keep), layer.o_bias,
-                               layer.attn_out_norm, layer.eps)
+        ops["o"] = _output_add(_onednn_linear, _onednn_linear_add, _onednn_pack(layer.o_proj),
+                               layer.o_bias, layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
         i = layer.intermediate_size
-        gate_w = _onednn_pack(layer.gate_up_proj[:i], keep)
-        up_w = _onednn_pack(layer.gate_up_proj[i:], keep)
+        gate_w = _onednn_pack(layer.gate_up_proj[:i])
+        up_w = _onednn_pack(layer.gate_up_proj[i:])
         bias = layer.gate_up_bias
         gate_b = None if bias is None else bias[:i].contiguous()
         up_b = None if bias is None else bias[i:].contiguous()
@@ -555,7 +545,7 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
         ops["mlp"] = mlp
     if "down" in projs:
         ops["down"] = _output_add(_onednn_linear, _onednn_linear_add,
-                                  _onednn_pack(layer.down_proj, keep), layer.down_bias,
+                                  _onednn_pack(layer.down_proj), layer.down_bias,
                                   layer.mlp_out_norm, layer.eps)
     return ops
 
@@ -821,11 +811,9 @@ class CausalLM(nn.Module):
         return warmed
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a forward reads weights from: parameters, buffers and the oneDNN-packed
-        copies the GEMM plan made (what `hugepages.advise` backs with huge pages)."""
-        packed = [w for layer in self.layers for w in getattr(layer, "packed_weights", ())]
-        # (getattr: an architecture's own layers, DeepSeek's, pack nothing)
-        return [*self.parameters(), *self.buffers(), *packed, *(w for _, w in self._head_ops)]
+        """The tensors a forward reads weights from that `hugepages.advise` can back with huge
+        pages (oneDNN's packed copies are opaque: not listed)."""
+        return [*self.parameters(), *self.buffers()]
 
     def warm_up_layers(self) -> list[nn.Module]:
         """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""

@@ -115,19 +115,28 @@ inline float gelu_tanh(float g) {
 }
 
 // dst[r] = rmsnorm(x[r]) * w for each row (contiguous [rows, k] destination)
+// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row; the squares summed in 16 float
+// lanes (vectorized), the lanes in double.
 void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
-                   float eps, float* dst) {
+                   float eps, float* dst, int64_t dst_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
+    float lanes[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) lanes[l] += xr[i + l] * xr[i + l];
+    }
     double ss = 0.0;
-    for (int64_t i = 0; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    for (int l = 0; l < 16; ++l) ss += lanes[l];
+    for (; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
     const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
-    float* d = dst + r * k;
-    for (int64_t i = 0; i < k; ++i) d[i] = (xr[i] * inv) * w[i];
+    float* d = dst + r * dst_stride;
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];
   }
 }
 
-// rotate-half RoPE in place over y[r, 0:cols), heads of `head_dim`, cos | sin row r of cs
 void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
                const float* cs, int64_t cs_stride) {
   const int64_t half = head_dim / 2;
@@ -215,7 +224,7 @@ int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float
   thread_local std::vector<float> normed;
   if (norm_w != nullptr) {
     normed.resize(static_cast<size_t>(rows * k));
-    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data());
+    rms_norm_rows(x, x_stride, rows, k, norm_w, eps, normed.data(), k);
     x = normed.data();
     x_stride = k;
   }
@@ -251,7 +260,7 @@ int kvserve_gemv_mlp_block(const int64_t* a) {
   {
     gemv_rows(o, o_stride, rows, f(a[5]), f(a[6]), hidden, q_size, residual, r_stride, 1);
 #pragma omp single
-    rms_norm_rows(residual, r_stride, rows, hidden, f(a[9]), eps, x);
+    rms_norm_rows(residual, r_stride, rows, hidden, f(a[9]), eps, x, hidden);
     gemv_rows(x, hidden, rows, f(a[11]), f(a[12]), inter, hidden, m, inter, mode);
     gemv_rows(m, inter, rows, f(a[15]), f(a[16]), hidden, inter, residual, r_stride, 1);
   }
@@ -280,22 +289,8 @@ int kvserve_rms_norm_f32(const float* x, int64_t x_stride, int64_t rows, int64_t
                          int num_threads) {
   if (k <= 0 || rows < 0) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * x_stride;
-    float* d = out + r * out_stride;
-    float lanes[16] = {};
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-#pragma omp simd
-      for (int l = 0; l < 16; ++l) lanes[l] += xr[i + l] * xr[i + l];
-    }
-    double ss = 0.0;
-    for (int l = 0; l < 16; ++l) ss += lanes[l];
-    for (; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_rows(x + r * x_stride, x_stride, 1, k, w, eps, out + r * out_stride, out_stride);
   return 0;
 }
 
