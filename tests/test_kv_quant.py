@@ -255,15 +255,23 @@ TOLERANCE = 5e-3
 
 def _paged_decode_calls(llm) -> list:
     """The backend's decodes through the paged C++ kernel: the number of sequences of each
-    layer call."""
+    layer call, called from Python or handed to the one-call decode (cpu_decode.py) as
+    kernel arguments."""
     backend, calls = llm.engine.backend, []
-    inner = backend._decode_paged
+    inner, inner_args = backend._decode_paged, backend.kernel_args
 
     def counted(*args):
         calls.append(len(args[3].decodes))  # (layer, q, out, meta, paged)
         return inner(*args)
 
+    def counted_args(*args):
+        kernel_args = inner_args(*args)
+        if kernel_args is not None:
+            calls.append(len(args[5].decodes))  # (layer, q, k, v, out, meta, step)
+        return kernel_args
+
     backend._decode_paged = counted
+    backend.kernel_args = counted_args
     return calls
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from kvserve.model import gemm_select, gemv
 from kvserve.model.attention.base import AttentionFn
+from kvserve.model.cpu_decode import FastDecode
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
 from kvserve.model.gemm_select import GemmPlan
@@ -251,6 +252,9 @@ class DecoderLayer(nn.Module):
         self._norm = rms_norm
         self._rope = _apply_rope
         self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
+        # (qkv, MLP block) bound GEMV ops of the first bucket, where the plan allows
+        # cpu_decode.FastDecode
+        self.fast_decode_ops: tuple[gemv.BoundGemv, gemv.BoundMLPBlock] | None = None
         # Without a plan (the GPU path, unpacked models): this layer's own swappable
         # norm / RoPE / GEMM functions (use_triton_ops swaps them).
         self._fallback = _LayerOps(self._attn_in, self._o_add, self._mlp, self._down_add)
@@ -331,6 +335,7 @@ class DecoderLayer(nn.Module):
             _wrap_unfused(self, kernel, ops)
         self._ops = []
         block = None
+        self.fast_decode_ops = None
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
             fused = None
@@ -342,6 +347,12 @@ class DecoderLayer(nn.Module):
                     self.gelu)
                 fused = block
             self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"], fused))
+            if b == 0 and fused is not None and plan.kernels["qkv"][0] == "gemv" \
+                    and self.qk_norm is None:
+                # the whole layer as bound C++ ops, for cpu_decode.FastDecode
+                self.fast_decode_ops = (gemv.load().bind(
+                    self.qkv_proj, self.qkv_bias, norm_weight=self.input_layernorm,
+                    eps=self.eps, rope_cols=self.qk_size, head_dim=self.head_dim), fused)
         # free the dense weights no bucket reads (the closures hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
@@ -651,6 +662,7 @@ class CausalLM(nn.Module):
         self.gemm_plan: GemmPlan | None = None  # set by pack_weights
         # per gemm_select bucket: (GEMM function, weight) of the LM head
         self._head_ops: list[tuple[Callable, torch.Tensor]] = []
+        self._fast_decode: FastDecode | None = None  # set by apply_gemm_plan where it applies
         self._norm = rms_norm
 
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
@@ -714,6 +726,12 @@ class CausalLM(nn.Module):
         self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         if gemv_available(self.dtype, self.embed_tokens.device):
             self._norm = gemv.load().rms_norm  # the final norm too (see _attn_in_unfused)
+        ops = [getattr(layer, "fast_decode_ops", None) for layer in self.layers]
+        self._fast_decode = None
+        if all(op is not None for op in ops) and len(set(self._rope_of_layer)) == 1:
+            c = self.config
+            self._fast_decode = FastDecode(ops, c.num_attention_heads, c.num_key_value_heads,
+                                           self.layers[0].head_dim)
         self.gemm_plan = plan
         self.packed = any("onednn" in ks for ks in plan.kernels.values())
         if plan.source != "forced":
@@ -829,6 +847,10 @@ class CausalLM(nn.Module):
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
         bucket = gemm_select.bucket_of(hidden.shape[0])
+        if bucket == 0 and self._fast_decode is not None \
+                and self._fast_decode.run(hidden, tables[self._rope_of_layer[0]],
+                                          attn) is not None:
+            return self._norm(hidden, self.norm, self.config.rms_norm_eps)
         for layer, rope in zip(self.layers, self._rope_of_layer):
             hidden = layer(hidden, tables[rope], attn, bucket)
         return self._norm(hidden, self.norm, self.config.rms_norm_eps)

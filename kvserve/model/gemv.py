@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import struct
 from pathlib import Path
 
@@ -26,8 +27,10 @@ import torch
 
 from kvserve.model import cpu_ext
 
+logger = logging.getLogger("kvserve")
+
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_ROWS = 4  # the row counts gemm_select offers it for (its first bucket)
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 
@@ -52,6 +55,10 @@ class Gemv:
         block.argtypes = [ctypes.c_void_p]
         block.restype = ctypes.c_int
         self._mlp_block = block
+        layers = lib.kvserve_decode_layers
+        layers.argtypes = [ctypes.c_void_p]
+        layers.restype = ctypes.c_int
+        self.decode_layers = layers  # cpu_decode.py's one call per step (see gemv.cpp)
         norm = lib.kvserve_rms_norm_f32
         norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
         norm.restype = ctypes.c_int
@@ -260,6 +267,12 @@ class BoundGemv:
             raise ValueError("gemv: bad mode or RoPE layout")
         return out
 
+    def args_address(self, out: torch.Tensor, threads: int) -> int:
+        """The argument array with the output [rows, n] (a fixed buffer) and the thread count
+        filled in, for kvserve_decode_layers, which fills in x, its rows and cos_sin itself."""
+        self._args[7], self._args[8], self._args[10] = out.data_ptr(), out.stride(0), threads
+        return self._ptr
+
 
 class BoundMLPBlock:
     """residual += o W_o^T + b_o, then residual += down(act(gate(n)) * up(n)) with n the
@@ -276,8 +289,9 @@ class BoundMLPBlock:
         self._keep = (o_w, o_b, norm_w, gu_w, gu_b, d_w, d_b)
         self.hidden, self.q_size = o_w.shape
         self.inter = d_w.shape[1]
-        self._m = torch.empty(0)
+        self._m = torch.empty(MAX_ROWS * self.inter, dtype=torch.float32)
         a = (ctypes.c_int64 * 19)()
+        a[17] = self._m.data_ptr()
         a[5], a[6] = o_w.data_ptr(), _ptr0(o_b)
         a[7], a[8] = self.hidden, self.q_size
         a[9], a[10] = norm_w.data_ptr(), struct.unpack("<i", struct.pack("<f", eps))[0]
@@ -297,15 +311,21 @@ class BoundMLPBlock:
             raise ValueError(f"gemv: an MLP block takes float32 o [rows, {self.q_size}] and "
                              f"residual [rows, {self.hidden}] with unit strides, got "
                              f"{tuple(o.shape)} and {tuple(residual.shape)}")
-        if self._m.numel() < rows * self.inter:
-            self._m = torch.empty(rows * self.inter, dtype=torch.float32)
+        if rows > MAX_ROWS:
+            raise ValueError(f"gemv: an MLP block takes at most {MAX_ROWS} rows, got {rows}")
         a = self._args
         a[0], a[1], a[2] = o.data_ptr(), o.stride(0), rows
         a[3], a[4] = residual.data_ptr(), residual.stride(0)
-        a[17], a[18] = self._m.data_ptr(), torch.get_num_threads()
+        a[18] = torch.get_num_threads()
         if self._fn(self._ptr) != 0:
             raise ValueError("gemv: bad MLP block mode")
         return residual
+
+    def args_address(self, o: torch.Tensor, threads: int) -> int:
+        """The argument array with o [rows, q] (a fixed buffer) and the thread count filled
+        in, for kvserve_decode_layers, which fills in the rows and the residual itself."""
+        self._args[0], self._args[1], self._args[18] = o.data_ptr(), o.stride(0), threads
+        return self._ptr
 
 
 def _ptr0(t: torch.Tensor | None) -> int:
@@ -320,5 +340,6 @@ def load() -> Gemv | None:
         return None
     try:
         return Gemv(lib)
-    except RuntimeError:
+    except RuntimeError as e:
+        logger.warning("C++ GEMV kernel unavailable (projections stay on MKL/oneDNN): %s", e)
         return None

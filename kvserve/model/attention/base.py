@@ -58,6 +58,29 @@ class AttentionMetadata:
         return self.num_prefill_tokens + len(self.decodes)
 
 
+class BoundAttention:
+    """One step's attention: `__call__(layer, q, k, v)` is the AttentionFn the model calls;
+    `kernel_args` hands out the backend's kernel arguments for a layer instead (the CPU's
+    one-call decode, kvserve/model/cpu_decode.py)."""
+
+    def __init__(self, backend: AttentionBackend, metas: list[AttentionMetadata],
+                 states: list[object]) -> None:
+        self.backend = backend
+        self.metas = metas
+        self.states = states
+        self._group = backend.pool.layer_group if len(metas) > 1 else None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        g = self._group[layer_idx] if self._group is not None else 0
+        return self.backend.forward(layer_idx, q, k, v, self.metas[g], self.states[g])
+
+    def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor) -> object | None:
+        g = self._group[layer_idx] if self._group is not None else 0
+        return self.backend.kernel_args(layer_idx, q, k, v, out, self.metas[g], self.states[g])
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -106,30 +129,19 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, state: object) -> torch.Tensor:
         """Write k/v into their slots, then attend q over each sequence's cached KV."""
 
-    def bind(self, meta: AttentionMetadata) -> AttentionFn:
-        """The attention function the model calls for this step."""
-        if meta.groups is not None:
-            return self._bind_groups(meta.groups)
-        state = self.prepare(meta)
+    def bind(self, meta: AttentionMetadata) -> BoundAttention:
+        """The attention function the model calls for this step. Per-group tables (a hybrid
+        layout): each group's step state is prepared once, and each layer attends with its
+        group's (same backend code: a group is an ordinary paged cache)."""
+        metas = meta.groups if meta.groups is not None else [meta]
+        return BoundAttention(self, metas, [self.prepare(m) for m in metas])
 
-        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> torch.Tensor:
-            return self.forward(layer_idx, q, k, v, meta, state)
-
-        return attend
-
-    def _bind_groups(self, metas: list[AttentionMetadata]) -> AttentionFn:
-        """Per-group tables: each group's step state is prepared once, and each layer attends
-        with its group's (same backend code: a group is an ordinary paged cache)."""
-        states = [self.prepare(m) for m in metas]
-        layer_group = self.pool.layer_group
-
-        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> torch.Tensor:
-            g = layer_group[layer_idx]
-            return self.forward(layer_idx, q, k, v, metas[g], states[g])
-
-        return attend
+    def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, meta: AttentionMetadata, state: object) -> object | None:
+        """The paged decode kernel's prepared arguments for this layer's decodes (store k/v,
+        attend q, write out), for a caller that runs the kernel itself; None where this backend
+        or step has none (the caller then calls the backend)."""
+        return None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks in every layer (copy-on-write); a backend with a faster kernel for

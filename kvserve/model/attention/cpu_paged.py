@@ -126,6 +126,11 @@ class PagedDecodeKernel:
         self._lib = lib  # keeps the library loaded
         self.path = path
 
+    @property
+    def function_address(self) -> int:
+        """The C entry point, for C code that runs the kernel itself (PagedStep.layer_args)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     @staticmethod
     def supports(k_cache: torch.Tensor) -> bool:
         """Whether an unquantized cache tensor ([blocks, block_size, Hkv, D]) fits the kernel:
@@ -188,14 +193,37 @@ class PagedStep:
         D contiguous) the kernel first stores each sequence's new token at position
         lens - 1, as the backend's scatter would."""
         n, h, d = q.shape
-        if n != self.n or d != kv.head_dim:
-            raise ValueError(f"paged decode kernel: q {tuple(q.shape)} for {self.n} sequences "
-                             f"of head_dim {kv.head_dim}")
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
             q = q.float().contiguous()
         if out is None:
             out = torch.empty((n, h, d), dtype=torch.float32)
-        a = self._args
+        self._fill(self._args, q, kv, scale, out, new_k, new_v)
+        if self._fn(ctypes.byref(self._args)) != 0:
+            a = self._args
+            raise ValueError(f"paged decode kernel: unsupported shape H={h} Hkv={a.Hkv} D={d} "
+                             f"block_size={a.block_size} groups={kv.groups} kind={kv.kind}")
+        return out
+
+    def layer_args(self, q: torch.Tensor, kv: PagedKV, scale: float, out: torch.Tensor,
+                   new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None
+                   ) -> _Args:
+        """The arguments `run` would pass, as a struct of their own (the step's fields copied):
+        for a caller that runs the kernel itself (gemv.cpp's kvserve_decode_layers, through
+        PagedDecodeKernel.function_address). q float32 with heads and D contiguous; out contiguous float32."""
+        a = _Args()
+        ctypes.pointer(a)[0] = self._args
+        self._fill(a, q, kv, scale, out, new_k, new_v)
+        return a
+
+    def _fill(self, a: _Args, q: torch.Tensor, kv: PagedKV, scale: float, out: torch.Tensor,
+              new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> None:
+        n, h, d = q.shape
+        if n != self.n or d != kv.head_dim or q.dtype != torch.float32 or q.stride(2) != 1 \
+                or q.stride(1) != d or out.dtype != torch.float32 or not out.is_contiguous() \
+                or out.shape != q.shape:
+            raise ValueError(f"paged decode kernel: q {tuple(q.shape)} (float32, heads and D "
+                             f"contiguous) and out like it for {self.n} sequences of head_dim "
+                             f"{kv.head_dim}")
         residual = kv.residual if self._res_rows is not None else None
         if self._res_rows is not None and residual is None:
             raise ValueError("paged decode kernel: residual rows without a residual tensor")
@@ -216,10 +244,6 @@ class PagedStep:
         a.H, a.Hkv, a.D = h, kv.k.shape[2], d
         a.block_size, a.groups, a.kind = kv.k.shape[1], kv.groups, kv.kind
         a.scale, a.k_scale, a.v_scale = scale, kv.k_scale, kv.v_scale
-        if self._fn(ctypes.byref(a)) != 0:
-            raise ValueError(f"paged decode kernel: unsupported shape H={h} Hkv={a.Hkv} D={d} "
-                             f"block_size={a.block_size} groups={kv.groups} kind={kv.kind}")
-        return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -210,8 +210,8 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, d = self._num_kv_heads, self._head_dim
         # The paged kernel stores the decodes' new K/V itself (one scatter less per layer);
         # the prefill rows, which come first, are stored here.
-        in_kernel = state.paged is not None and all(
-            t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+        in_kernel = state.paged is not None and k.stride(2) == 1 and k.stride(1) == d \
+            and v.stride(2) == 1 and v.stride(1) == d
         stored = meta.num_prefill_tokens if in_kernel else k.shape[0]
         if stored:
             slots = meta.slot_mapping[:stored]
@@ -234,6 +234,22 @@ class TorchAttentionBackend(AttentionBackend):
                 row = meta.num_prefill_tokens + j
                 self._observe(layer_idx, q[row:row + 1], k_cache, v_cache, seq)
         return out
+
+    def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, meta: AttentionMetadata, step: _StepState
+                    ) -> cpu_paged._Args | None:
+        """A decode-only step's paged-kernel arguments for this layer (the kernel stores k and
+        v, attends q, writes out), where `forward` would do just that: a float cache of the
+        model's dtype, no prefill rows, no decode that records attention weights (H2O)."""
+        state = step.by_window[self.windows[layer_idx]]
+        if self.through_codec or state.paged is None or meta.prefills \
+                or any(s.observe_len for s in meta.decodes):
+            return None
+        d = self._head_dim
+        if not (k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1
+                and v.stride(1) == d):
+            return None
+        return state.paged.step.layer_args(q, self._paged_kv[layer_idx], self.scale, out, k, v)
 
     def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
                       meta: AttentionMetadata, paged: _PagedDecodes,

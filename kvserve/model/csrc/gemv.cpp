@@ -160,7 +160,7 @@ void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t h
 
 extern "C" {
 
-int kvserve_gemv_abi_version() { return 3; }
+int kvserve_gemv_abi_version() { return 4; }
 
 // n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
 // cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
@@ -280,6 +280,34 @@ int kvserve_gemv_packed(const int64_t* a) {
 
 // Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
 // probe: a GEMV at batch 1 can go no faster than this over its weights).
+// A decode step's decoder layers at a few rows, one C call for all of them (cpu_decode.py): per
+// layer the bound qkv GEMV (input norm, RoPE) into the qkv scratch its arguments name, the paged
+// decode kernel (its arguments, prepared for the step, read q and the new K/V from that
+// scratch and write the attention output), then the MLP block on the residual stream. The
+// Python between these calls was ~10% of a batch-1 step.
+// a: n_layers, rows, hidden (residual [rows, H]), hidden_stride, cos_sin, cs_stride,
+// qkv_args (int64_t* per layer: BoundGemv arrays), paged_args (void* per layer), mlp_args
+// (int64_t* per layer: BoundMLPBlock arrays), paged_fn.
+int kvserve_decode_layers(const int64_t* a) {
+  using paged_fn_t = int (*)(const void*);
+  const int64_t n_layers = a[0], rows = a[1], hidden_stride = a[3];
+  const int64_t hidden = a[2], cos_sin = a[4], cs_stride = a[5];
+  int64_t* const* qkv = reinterpret_cast<int64_t* const*>(a[6]);
+  const void* const* paged = reinterpret_cast<const void* const*>(a[7]);
+  int64_t* const* mlp = reinterpret_cast<int64_t* const*>(a[8]);
+  const paged_fn_t paged_fn = reinterpret_cast<paged_fn_t>(a[9]);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    int64_t* q = qkv[l];
+    q[0] = hidden, q[1] = hidden_stride, q[2] = rows, q[13] = cos_sin, q[14] = cs_stride;
+    if (kvserve_gemv_packed(q) != 0) return 1;
+    if (paged_fn(paged[l]) != 0) return 2;
+    int64_t* m = mlp[l];
+    m[2] = rows, m[3] = hidden, m[4] = hidden_stride;
+    if (kvserve_gemv_mlp_block(m) != 0) return 3;
+  }
+  return 0;
+}
+
 // decoder.rms_norm on rows of x into out, and the RoPE of the first `cols` columns of y in
 // place: the element-wise work around the GEMMs of the layers that run MKL or oneDNN (more than
 // gemv's few rows), which as torch ops cost ~0.2 ms per layer at 64 rows (several passes and

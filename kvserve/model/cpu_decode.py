@@ -1,0 +1,83 @@
+"""A decode step of up to gemv.MAX_ROWS sequences on the CPU as one C++ call for all decoder
+layers (gemv.cpp's kvserve_decode_layers).
+
+Why: at batch 1 a layer is three C++ calls (the qkv GEMV with its norm and RoPE, the paged
+decode kernel, the MLP block), and the Python between them (views, the attention backend's
+dispatch, argument packing) was ~10% of the step, the gap that kept kvserve behind llama.cpp.
+Here the Python runs once per step: the attention backend hands out each layer's prepared
+kernel arguments (`BoundAttention.kernel_args`, pointing at fixed q/k/v and output buffers),
+and one call runs every layer.
+
+Used only where it computes exactly what the layer-by-layer path computes: a float32 model
+whose every projection runs the GEMV at this many rows, with RoPE fused (no q/k norms), no
+Gemma output norms, and an attention backend that has kernel arguments for every layer of
+the step (a float cache of the model's dtype, decode rows only); otherwise `run` returns
+None and the caller takes the layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.model import gemv
+from kvserve.model.attention.base import BoundAttention
+
+
+class FastDecode:
+    """Fixed scratch (qkv rows and attention output for MAX_ROWS rows) shared by the layers,
+    and the layers' bound GEMV ops (`DecoderLayer.fast_decode_ops`)."""
+
+    def __init__(self, ops: list[tuple[gemv.BoundGemv, gemv.BoundMLPBlock]], heads: int,
+                 kv_heads: int, head_dim: int) -> None:
+        self._ops = ops
+        self._heads, self._kv_heads, self._d = heads, kv_heads, head_dim
+        width = (heads + 2 * kv_heads) * head_dim
+        self._qkv = torch.empty(gemv.MAX_ROWS, width, dtype=torch.float32)
+        self._out = torch.empty(gemv.MAX_ROWS, heads * head_dim, dtype=torch.float32)
+        self._fn = gemv.load().decode_layers
+        n = len(ops)
+        self._qkv_args = (ctypes.c_void_p * n)()
+        self._mlp_args = (ctypes.c_void_p * n)()
+        self._threads = -1
+
+    def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object
+            ) -> torch.Tensor | None:
+        """hidden [rows, hidden] (the residual stream, updated in place) through every layer;
+        None (nothing run) where the step is not one this path serves."""
+        rows = hidden.shape[0]
+        if not isinstance(attn, BoundAttention) or rows > gemv.MAX_ROWS \
+                or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
+                or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1:
+            return None
+        h, hkv, d = self._heads, self._kv_heads, self._d
+        qkv = self._qkv[:rows]
+        q = qkv[:, : h * d].view(rows, h, d)
+        k = qkv[:, h * d: (h + hkv) * d].view(rows, hkv, d)
+        v = qkv[:, (h + hkv) * d:].view(rows, hkv, d)
+        out = self._out[:rows].view(rows, h, d)
+        kernel_args = []
+        for i in range(len(self._ops)):
+            a = attn.kernel_args(i, q, k, v, out)
+            if a is None:
+                return None
+            kernel_args.append(a)
+        threads = torch.get_num_threads()
+        if threads != self._threads:  # the buffers are fixed: only the thread count changes
+            for i, (qkv_op, block) in enumerate(self._ops):
+                self._qkv_args[i] = qkv_op.args_address(self._qkv, threads)
+                self._mlp_args[i] = block.args_address(self._out, threads)
+            self._threads = threads
+        paged = (ctypes.c_void_p * len(kernel_args))(*[ctypes.addressof(a)
+                                                       for a in kernel_args])
+        args = (ctypes.c_int64 * 10)(
+            len(self._ops), rows, hidden.data_ptr(), hidden.stride(0), cos_sin.data_ptr(),
+            cos_sin.stride(0), ctypes.addressof(self._qkv_args), ctypes.addressof(paged),
+            ctypes.addressof(self._mlp_args), attn.backend.paged_kernel.function_address)
+        rc = self._fn(ctypes.addressof(args))
+        if rc != 0:
+            raise RuntimeError(f"kvserve_decode_layers failed ({rc}): a kernel refused its "
+                               "arguments")
+        return hidden
+
