@@ -10,7 +10,7 @@ runs. Everything goes through `LLMEngine.add_request` / `step` / `abort_request`
 stats, so that the comparison survives any redesign of the KV internals.
 
 The generator draws every choice through a `Chooser`, so one generator serves both hypothesis
-(tests/test_differential.py: shrinkable, derandomised) and a plain `random.Random`
+(tests/test_differential.py: shrinkable, seeded) and a plain `random.Random`
 (benchmarks/soak_differential.py: a long soak).
 """
 

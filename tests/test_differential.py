@@ -24,14 +24,17 @@ import pytest
 import torch
 from differential import (TIER_COMBOS, DrawChooser, RunResult, Tiers, Workload, compare,
                           make_llm, make_workload, run)
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 EXAMPLES_PER_TIER_COMBO = 30
 EXAMPLES_PREFIX_CACHING = 30
 
-SETTINGS = settings(max_examples=EXAMPLES_PER_TIER_COMBO, deadline=None, derandomize=True,
-                    print_blob=True,
+# The same 30 workloads in every run and every test order: a fixed seed, no example database,
+# and no source constants in the draws (`_no_source_constants`).
+SEED = 20261130
+SETTINGS = settings(max_examples=EXAMPLES_PER_TIER_COMBO, deadline=None, derandomize=False,
+                    database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -48,6 +51,21 @@ def model_dir(tmp_path_factory) -> Path:
     from conftest import make_hf_checkpoint
 
     return make_hf_checkpoint("llama", tmp_path_factory.mktemp("diff") / "llama")
+
+
+@pytest.fixture(autouse=True)
+def _no_source_constants(monkeypatch):
+    """Hypothesis mixes integer literals of every local module imported so far into its draws
+    (5% of them), so the examples, and the tier-hit count asserted below, depended on which
+    other test files pytest had imported first: this file alone failed that count (21 of 30
+    workloads with tier hits), the whole suite passed it. Without those constants the
+    workloads are a function of SEED alone. (An internal hook: where a Hypothesis version
+    lacks it, nothing is patched.)"""
+    from hypothesis.internal.conjecture import providers
+
+    if hasattr(providers.HypothesisProvider, "_maybe_draw_constant"):
+        monkeypatch.setattr(providers.HypothesisProvider, "_maybe_draw_constant",
+                            lambda self, *args, **kwargs: None)
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +96,7 @@ def test_tiers_do_not_change_outputs(model_dir, combo, request):
     redis_server = request.getfixturevalue("redis_server") if "redis" in combo else None
     tier_hits = []
 
+    @seed(SEED)
     @SETTINGS
     @given(workloads())
     def check(w: Workload) -> None:
@@ -96,6 +115,7 @@ def test_tiers_do_not_change_outputs(model_dir, combo, request):
 def test_prefix_caching_does_not_change_outputs(model_dir):
     hits = []
 
+    @seed(SEED)
     @settings(SETTINGS, max_examples=EXAMPLES_PREFIX_CACHING)
     @given(workloads())
     def check(w: Workload) -> None:
