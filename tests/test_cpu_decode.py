@@ -73,3 +73,18 @@ def test_qk_norm_models_stay_on_the_layer_path(hf_checkpoints, monkeypatch):
     monkeypatch.setenv("KVSERVE_GEMM", "gemv")
     llm = LLM(model=str(hf_checkpoints["qwen3"]), dtype="float32", max_model_len=128)
     assert llm.engine.runner.model._fast_decode is None
+
+
+def test_layer_path_steps_between_one_call_steps(hf_checkpoints, monkeypatch):
+    """Short prompts one after another: each prefill (<= 4 rows, so the same GEMV ops, but the
+    layer path) runs between one-call decode steps on the same bound ops; every continuation
+    still equals transformers'."""
+    path = hf_checkpoints["llama"]
+    prompts = random_prompts([3, 2, 4, 3], 512, seed=13)
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    llm, counts = _engine(path, monkeypatch, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, want in zip(prompts, expected):
+        out = generate_checked(llm, [{"prompt_token_ids": prompt}], params)[0]
+        assert out.outputs[0].token_ids == want
+    assert counts["left"] >= len(prompts) and counts["ran"] >= len(prompts) * (NEW_TOKENS - 1)

@@ -40,7 +40,6 @@ class FastDecode:
         n = len(ops)
         self._qkv_args = (ctypes.c_void_p * n)()
         self._mlp_args = (ctypes.c_void_p * n)()
-        self._threads = -1
 
     def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object
             ) -> torch.Tensor | None:
@@ -63,12 +62,12 @@ class FastDecode:
             if a is None:
                 return None
             kernel_args.append(a)
+        # Every step: the MLP block's argument array is shared with the layer path, whose
+        # calls leave their own o pointer in it.
         threads = torch.get_num_threads()
-        if threads != self._threads:  # the buffers are fixed: only the thread count changes
-            for i, (qkv_op, block) in enumerate(self._ops):
-                self._qkv_args[i] = qkv_op.args_address(self._qkv, threads)
-                self._mlp_args[i] = block.args_address(self._out, threads)
-            self._threads = threads
+        for i, (qkv_op, block) in enumerate(self._ops):
+            self._qkv_args[i] = qkv_op.args_address(self._qkv, threads)
+            self._mlp_args[i] = block.args_address(self._out, threads)
         paged = (ctypes.c_void_p * len(kernel_args))(*[ctypes.addressof(a)
                                                        for a in kernel_args])
         args = (ctypes.c_int64 * 10)(
