@@ -429,3 +429,23 @@ def test_warm_up_compiles_every_packed_shape(checkpoints):
                                                                                "MoE"]
     assert moe_model.warm_up_gemms(32, 8) > 0
     assert torch.equal(_logits_through_pool(model, config, ids), before)
+
+
+def test_the_planner_reads_an_omitted_q_lora_rank_as_transformers_does():
+    """A DeepSeek-V2 config without `q_lora_rank`: transformers (and the engine's parse_mla)
+    take 1536, a q bottleneck; the planner's parameter count must too (it read a full q_proj)."""
+    import transformers
+
+    from kvserve.planner.model import estimate_params
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1)
+    assert cfg.q_lora_rank == 1536
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    d = cfg.to_dict()
+    del d["q_lora_rank"]
+    params = sum(p.numel() for p in model.parameters())
+    assert estimate_params(d) == pytest.approx(params, rel=5e-3)

@@ -203,10 +203,11 @@ def estimate_params(d: dict[str, Any]) -> int:
     inter = int(d.get("intermediate_size") or 4 * h)
     embed = vocab * h * (1 if d.get("tie_word_embeddings", False) else 2)
 
-    if d.get("kv_lora_rank"):
-        q_lora = d.get("q_lora_rank")
-        rope, nope = int(d["qk_rope_head_dim"]), int(d["qk_nope_head_dim"])
-        v_dim, kv_lora = int(d.get("v_head_dim") or nope), int(d["kv_lora_rank"])
+    mla = parse_mla(d)  # the engine's reading of the MLA keys, defaults included
+    if mla is not None:
+        q_lora = mla.q_lora_rank
+        rope, nope = mla.qk_rope_head_dim, mla.qk_nope_head_dim
+        v_dim, kv_lora = mla.v_head_dim, mla.kv_lora_rank
         q = (h * q_lora + q_lora + q_lora * heads * (nope + rope)) if q_lora \
             else h * heads * (nope + rope)
         attn = q + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) \
