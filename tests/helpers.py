@@ -8,10 +8,11 @@ from kvserve.outputs import RequestOutput
 
 
 def generate_checked(llm, prompts, params, max_steps: int = 100_000) -> list[RequestOutput]:
-    """Like LLM.generate, but runs check_invariants() after every step and checks that every
-    KV block is back in the pool at the end."""
+    """Like LLM.generate (one SamplingParams, or one per prompt), but runs check_invariants()
+    after every step and checks that every KV block is back in the pool at the end."""
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
     done: dict[str, RequestOutput] = {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():

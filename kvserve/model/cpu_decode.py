@@ -56,12 +56,15 @@ class FastDecode:
         k = qkv[:, h * d: (h + hkv) * d].view(rows, hkv, d)
         v = qkv[:, (h + hkv) * d:].view(rows, hkv, d)
         out = self._out[:rows].view(rows, h, d)
-        kernel_args = []
+        kernel_args, functions = [], set()
         for i in range(len(self._ops)):
             a = attn.kernel_args(i, q, k, v, out)
             if a is None:
                 return None
-            kernel_args.append(a)
+            functions.add(a[0])
+            kernel_args.append(a[1])
+        if len(functions) != 1:  # one kernel runs every layer's arguments
+            return None
         # Every step: the MLP block's argument array is shared with the layer path, whose
         # calls leave their own o pointer in it.
         threads = torch.get_num_threads()
@@ -73,7 +76,7 @@ class FastDecode:
         args = (ctypes.c_int64 * 10)(
             len(self._ops), rows, hidden.data_ptr(), hidden.stride(0), cos_sin.data_ptr(),
             cos_sin.stride(0), ctypes.addressof(self._qkv_args), ctypes.addressof(paged),
-            ctypes.addressof(self._mlp_args), attn.backend.paged_kernel.function_address)
+            ctypes.addressof(self._mlp_args), functions.pop())
         rc = self._fn(ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"kvserve_decode_layers failed ({rc}): a kernel refused its "

@@ -76,7 +76,7 @@ class BoundAttention:
         return self.backend.forward(layer_idx, q, k, v, self.metas[g], self.states[g])
 
     def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor) -> object | None:
+                    out: torch.Tensor) -> tuple[int, object] | None:
         g = self._group[layer_idx] if self._group is not None else 0
         return self.backend.kernel_args(layer_idx, q, k, v, out, self.metas[g], self.states[g])
 
@@ -137,10 +137,12 @@ class AttentionBackend(ABC):
         return BoundAttention(self, metas, [self.prepare(m) for m in metas])
 
     def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, meta: AttentionMetadata, state: object) -> object | None:
-        """The paged decode kernel's prepared arguments for this layer's decodes (store k/v,
-        attend q, write out), for a caller that runs the kernel itself; None where this backend
-        or step has none (the caller then calls the backend)."""
+                    out: torch.Tensor, meta: AttentionMetadata, state: object
+                    ) -> tuple[int, object] | None:
+        """(the C entry point, its prepared argument struct) of the paged decode kernel for
+        this layer's decodes (store k/v, attend q, write out), for a caller that runs the
+        kernel itself; None where this backend or step has none (the caller then calls the
+        backend)."""
         return None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -209,7 +209,8 @@ class PagedStep:
                    ) -> _Args:
         """The arguments `run` would pass, as a struct of their own (the step's fields copied):
         for a caller that runs the kernel itself (gemv.cpp's kvserve_decode_layers, through
-        PagedDecodeKernel.function_address). q float32 with heads and D contiguous; out contiguous float32."""
+        PagedDecodeKernel.function_address). q float32 with heads and D contiguous; out
+        contiguous float32."""
         a = _Args()
         ctypes.pointer(a)[0] = self._args
         self._fill(a, q, kv, scale, out, new_k, new_v)

@@ -237,7 +237,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, meta: AttentionMetadata, step: _StepState
-                    ) -> cpu_paged._Args | None:
+                    ) -> tuple[int, cpu_paged._Args] | None:
         """A decode-only step's paged-kernel arguments for this layer (the kernel stores k and
         v, attends q, writes out), where `forward` would do just that: a float cache of the
         model's dtype, no prefill rows, no decode that records attention weights (H2O)."""
@@ -249,7 +249,8 @@ class TorchAttentionBackend(AttentionBackend):
         if not (k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1
                 and v.stride(1) == d):
             return None
-        return state.paged.step.layer_args(q, self._paged_kv[layer_idx], self.scale, out, k, v)
+        return (self.paged_kernel.function_address,
+                state.paged.step.layer_args(q, self._paged_kv[layer_idx], self.scale, out, k, v))
 
     def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
                       meta: AttentionMetadata, paged: _PagedDecodes,

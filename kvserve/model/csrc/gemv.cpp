@@ -114,7 +114,6 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
-// dst[r] = rmsnorm(x[r]) * w for each row (contiguous [rows, k] destination)
 // decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row; the squares summed in 16 float
 // lanes (vectorized), the lanes in double.
 void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
@@ -137,6 +136,8 @@ void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, co
   }
 }
 
+// decoder._apply_rope in place: each head of head_dim in y[r, 0:cols) rotated by cs[r]
+// (cos | sin halves).
 void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
                const float* cs, int64_t cs_stride) {
   const int64_t half = head_dim / 2;
@@ -162,9 +163,6 @@ extern "C" {
 
 int kvserve_gemv_abi_version() { return 4; }
 
-// n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
-// cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
-// for a bad mode or RoPE layout.
 }  // extern "C"
 
 namespace {
@@ -212,6 +210,9 @@ void gemv_rows(const float* x, int64_t x_stride, int64_t rows, const float* w,
 
 extern "C" {
 
+// n: output features (gate rows in the gated modes). norm_w: RMSNorm x first (null: no);
+// cos_sin: RoPE over out[:, 0:rope_cols) after (null: no; modes 0 and 1 only). Returns 0, or 1
+// for a bad mode or RoPE layout.
 int kvserve_gemv_f32(const float* x, int64_t x_stride, int64_t rows, const float* w,
                      const float* bias, int64_t n, int64_t k, float* out, int64_t out_stride,
                      int mode, int num_threads, const float* norm_w, float eps,
@@ -278,8 +279,6 @@ int kvserve_gemv_packed(const int64_t* a) {
                           a[16]);
 }
 
-// Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
-// probe: a GEMV at batch 1 can go no faster than this over its weights).
 // A decode step's decoder layers at a few rows, one C call for all of them (cpu_decode.py): per
 // layer the bound qkv GEMV (input norm, RoPE) into the qkv scratch its arguments name, the paged
 // decode kernel (its arguments, prepared for the step, read q and the new K/V from that
@@ -287,7 +286,9 @@ int kvserve_gemv_packed(const int64_t* a) {
 // Python between these calls was ~10% of a batch-1 step.
 // a: n_layers, rows, hidden (residual [rows, H]), hidden_stride, cos_sin, cs_stride,
 // qkv_args (int64_t* per layer: BoundGemv arrays), paged_args (void* per layer), mlp_args
-// (int64_t* per layer: BoundMLPBlock arrays), paged_fn.
+// (int64_t* per layer: BoundMLPBlock arrays), paged_fn. A non-zero return leaves the layers
+// before the failing one done (their K/V stored, hidden updated), as the layer path would have
+// left them; the arguments are checked when bound, so it does not happen in practice.
 int kvserve_decode_layers(const int64_t* a) {
   using paged_fn_t = int (*)(const void*);
   const int64_t n_layers = a[0], rows = a[1], hidden_stride = a[3];
@@ -331,6 +332,8 @@ int kvserve_rope_f32(float* y, int64_t y_stride, int64_t rows, int64_t cols, int
   return 0;
 }
 
+// Sum of p[0..n): reads a buffer once on num_threads threads (the benchmarks' read-bandwidth
+// probe: a GEMV at batch 1 can go no faster than this over its weights).
 double kvserve_read_sum_f32(const float* p, int64_t n, int num_threads) {
   double total = 0.0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
