@@ -73,11 +73,16 @@ def _ranges(tensors: Iterable[torch.Tensor], maps: list[tuple[int, int]]
     starts = [lo for lo, _ in maps]
     out: list[tuple[int, int]] = []
     for t in tensors:
-        if t is None or t.device.type != "cpu" or t.is_mkldnn \
-                or t.untyped_storage().nbytes() < MIN_BYTES:
+        if t is None or t.device.type != "cpu" or t.is_mkldnn or t.is_sparse:
             continue  # (oneDNN's opaque packed weights: their memory is not ours to see)
-        begin = t.untyped_storage().data_ptr()
-        end = begin + t.untyped_storage().nbytes()
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a layout with no plain storage
+            continue
+        if storage.nbytes() < MIN_BYTES:
+            continue
+        begin = storage.data_ptr()
+        end = begin + storage.nbytes()
         # every mapping the tensor overlaps (an earlier madvise may have split its mapping)
         i = max(bisect.bisect_right(starts, begin) - 1, 0)
         while i < len(maps) and maps[i][0] < end:

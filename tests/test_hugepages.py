@@ -80,3 +80,9 @@ def test_engine_weights_and_kv_pool_sit_on_huge_pages(tiny_model_dir):
     biggest = max(engine.model.weight_tensors(), key=lambda w: w.numel())
     if biggest.untyped_storage().nbytes() >= 4 << 20 and release >= (6, 1):
         assert huge_bytes_under(biggest) >= 2 << 20
+
+
+def test_tensors_without_plain_storage_are_skipped():
+    """Sparse and oneDNN-opaque tensors have no memory range to advise: skipped, no error."""
+    sparse = torch.eye(1024).to_sparse()
+    assert hugepages.advise([sparse, torch.empty(0)]) == 0
