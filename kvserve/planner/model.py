@@ -19,7 +19,7 @@ from typing import Any
 from kvserve.dtypes import short_dtype_name
 from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
 from kvserve.model.deepseek_config import MLAConfig, parse_mla
-from kvserve.planner import presets
+from kvserve.planner.presets import lookup, preset_names
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                       "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -122,7 +122,7 @@ class ModelSpec:
     def load(cls, what: str) -> "ModelSpec":
         """A preset name, a config.json, or a checkpoint directory (whose safetensors headers
         give the exact parameter count)."""
-        found = presets.lookup(what)
+        found = lookup(what)
         if found is not None:
             key, d = found
             return cls.from_hf_config(d, key, "preset")
@@ -132,7 +132,7 @@ class ModelSpec:
         elif path.is_file():
             config_file = path
         else:
-            raise ValueError(f"{what!r} is neither a preset ({', '.join(presets.preset_names())})"
+            raise ValueError(f"{what!r} is neither a preset ({', '.join(preset_names())})"
                              " nor a config.json / checkpoint directory")
         if not config_file.is_file():
             raise ValueError(f"{str(path)!r} holds no config.json")
