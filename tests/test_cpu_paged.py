@@ -138,11 +138,15 @@ def test_backend_kernel_matches_gather_path(dtype):
 
 def test_unsupported_caches_fall_back():
     """Integer tensors and caches off the CPU or beyond the kernel's buffers keep the gather
-    path; the float types are read in place."""
-    supports = cpu_paged.PagedDecodeKernel.supports
+    path; the float types are read in place (`paged_kv`, what the backend asks per layer)."""
+    def supports(k):
+        codec = KVTensorPool.wrap(decoder_kv_spec(1, 2, k.shape[-1], KVStorage("fp32"),
+                                                  k.shape[1]), [(k, k)]).codecs[0]
+        return cpu_paged.paged_kv(codec, (k, k), 0) is not None
+
     assert not supports(torch.zeros(4, 16, 2, 8, dtype=torch.int8))
     assert not supports(torch.zeros(4, 512, 2, 8))  # block beyond MAX_BLOCK_SIZE
-    assert not supports(torch.zeros(4, 16, 2, 8)[:, :, :, :4])  # not contiguous
+    assert not supports(torch.zeros(4, 16, 2, 8, 2)[..., 0])  # not contiguous
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert supports(torch.zeros(4, 16, 2, 8, dtype=dtype))
 

@@ -77,7 +77,7 @@ def test_engine_weights_and_kv_pool_sit_on_huge_pages(tiny_model_dir):
     # the weights were written before they were advised: only MADV_COLLAPSE (Linux >= 6.1)
     # re-backs them
     release = tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit())
-    biggest = max(engine.model.weight_tensors(), key=lambda w: w.numel())
+    biggest = max(engine.model.parameters(), key=lambda w: w.numel())
     if biggest.untyped_storage().nbytes() >= 4 << 20 and release >= (6, 1):
         assert huge_bytes_under(biggest) >= 2 << 20
 

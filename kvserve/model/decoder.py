@@ -828,11 +828,6 @@ class CausalLM(nn.Module):
                 warmed += 1
         return warmed
 
-    def weight_tensors(self) -> list[torch.Tensor]:
-        """The tensors a forward reads weights from that `hugepages.advise` can back with huge
-        pages (oneDNN's packed copies are opaque: not listed)."""
-        return [*self.parameters(), *self.buffers()]
-
     def warm_up_layers(self) -> list[nn.Module]:
         """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
         return [self.layers[0]]

@@ -135,7 +135,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     if pack_weights:
         model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"))
     if device.type == "cpu":
-        hugepages.advise(model.weight_tensors())
+        # (oneDNN's packed copies the GEMM plan made are opaque: they keep 4 KiB pages)
+        hugepages.advise([*model.parameters(), *model.buffers()])
     return model, config
 
 

@@ -37,8 +37,6 @@ logger = logging.getLogger("kvserve")
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 ABI_VERSION = 3
 # Limits of the kernel's fixed per-thread buffers (see the .cpp file).
-MAX_GROUP = 64
-MAX_GROUP_DIM = 16384
 MAX_BLOCK_SIZE = 256
 MAX_HEAD_DIM = 1024
 # The kernel's storage kinds (`Kind` in the .cpp file).
@@ -131,18 +129,6 @@ class PagedDecodeKernel:
         """The C entry point, for C code that runs the kernel itself (PagedStep.layer_args)."""
         return ctypes.cast(self._fn, ctypes.c_void_p).value
 
-    @staticmethod
-    def supports(k_cache: torch.Tensor) -> bool:
-        """Whether an unquantized cache tensor ([blocks, block_size, Hkv, D]) fits the kernel:
-        float32 / bfloat16 / float16, contiguous, on the CPU, within its buffers. (Quantized
-        layers: `paged_kv`.)"""
-        if k_cache.device.type != "cpu" or k_cache.dtype not in FLOAT_KINDS:
-            return False
-        if not k_cache.is_contiguous() or k_cache.dim() != 4:
-            return False
-        _, block_size, hkv, d = k_cache.shape
-        return hkv > 0 and block_size <= MAX_BLOCK_SIZE and d <= MAX_HEAD_DIM
-
     def __call__(self, q: torch.Tensor, kv: PagedKV | torch.Tensor, v_cache: torch.Tensor | None,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, starts: torch.Tensor | None = None,
@@ -211,8 +197,7 @@ class PagedStep:
         for a caller that runs the kernel itself (gemv.cpp's kvserve_decode_layers, through
         PagedDecodeKernel.function_address). q float32 with heads and D contiguous; out
         contiguous float32."""
-        a = _Args()
-        ctypes.pointer(a)[0] = self._args
+        a = _Args.from_buffer_copy(self._args)
         self._fill(a, q, kv, scale, out, new_k, new_v)
         return a
 

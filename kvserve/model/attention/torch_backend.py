@@ -210,8 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, d = self._num_kv_heads, self._head_dim
         # The paged kernel stores the decodes' new K/V itself (one scatter less per layer);
         # the prefill rows, which come first, are stored here.
-        in_kernel = state.paged is not None and k.stride(2) == 1 and k.stride(1) == d \
-            and v.stride(2) == 1 and v.stride(1) == d
+        in_kernel = state.paged is not None and self._kernel_can_store(k, v)
         stored = meta.num_prefill_tokens if in_kernel else k.shape[0]
         if stored:
             slots = meta.slot_mapping[:stored]
@@ -245,12 +244,16 @@ class TorchAttentionBackend(AttentionBackend):
         if self.through_codec or state.paged is None or meta.prefills \
                 or any(s.observe_len for s in meta.decodes):
             return None
-        d = self._head_dim
-        if not (k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1
-                and v.stride(1) == d):
+        if not self._kernel_can_store(k, v):
             return None
         return (self.paged_kernel.function_address,
                 state.paged.step.layer_args(q, self._paged_kv[layer_idx], self.scale, out, k, v))
+
+    def _kernel_can_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the paged kernel can store these new K/V rows itself (heads and D
+        contiguous; the rows may be strided)."""
+        d = self._head_dim
+        return all(t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
 
     def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
                       meta: AttentionMetadata, paged: _PagedDecodes,
