@@ -53,8 +53,9 @@ def _case(dtype, h, hkv, d, bs, lens, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8)],
-                         ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8),
+                                        (6, 2, 40, 48), (10, 2, 24, 20)],
+                         ids=["gqa", "mha", "mqa", "gqa3-d40-bs48", "gqa5-d24-bs20"])
 def test_kernel_matches_reference(dtype, h, hkv, d, bs, threads):
     lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 37]
     q, k, v, tables = _case(dtype, h, hkv, d, bs, lens)

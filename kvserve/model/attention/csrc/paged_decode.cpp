@@ -1,15 +1,16 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence, read
 // straight from the cache blocks its block table names (no gather into a new tensor), in any
 // storage format of kvserve/kv/quant.py: float32, bfloat16, float16, fp8 (e4m3, e5m2), int8
-// and int4 (KIVI). Quantized rows are decoded one token row at a time into a D-float buffer
-// that stays in L1 and is used by every query head of the group: no dequantized copy of the
-// cache is ever written.
+// and int4 (KIVI). Quantized rows are decoded 16 token rows at a time into D-float buffers
+// that stay in L1 and are read by every query head of the group: no dequantized copy of the
+// cache is ever written. Scores, softmax and the value sums work on 16 rows at a time in
+// vector registers (see chunk_scores, exp16, add_values).
 //
 // Built at first use by kvserve/model/attention/cpu_paged.py with the machine's compiler
 // (-O3 -march=native -fopenmp) and called through ctypes with raw pointers: no torch headers,
 // so it compiles in about a second. OpenMP resolves to the libgomp torch has already loaded,
-// so the kernel shares torch's thread count (torch.set_num_threads). Plain C++ loops only (the
-// compiler vectorizes them for whatever the CPU has) and GCC/Clang's __builtin_prefetch: no
+// so the kernel shares torch's thread count (torch.set_num_threads). Plain C++ loops, GCC/Clang
+// vector extensions (the compiler lowers them to whatever the CPU has) and __builtin_prefetch: no
 // intrinsics, no instruction set assumed.
 //
 // Layout (what kvserve/kv/quant.py's codecs allocate, per layer):
@@ -177,12 +178,12 @@ inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int6
 // as q is in the same one, and the value accumulator is put back in channel order at the end.
 inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
 
-// q . k over D floats: sixteen lanes of partial sums (a generic 16-float vector, which the
-// compiler maps onto whatever registers the CPU has: one AVX-512 register, two AVX2 ones),
-// reduced by halving with vector adds. Why not `omp simd reduction`: GCC summed its 16 lanes
-// as one chain of dependent scalar adds through the stack, per dot product, which was the
+// Generic 16-float vectors (the compiler maps them onto whatever registers the CPU has: one
+// AVX-512 register, two AVX2 ones). Why not `omp simd reduction`: GCC summed the 16 lanes of
+// each dot product as one chain of dependent scalar adds through the stack, which was the
 // kernel's largest cost at batch 1 and ~15% of it at batch 64.
 typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline v16f load16(const float* p) {
   v16f v;
@@ -193,6 +194,8 @@ inline v16f load16(const float* p) {
 #if defined(__clang__) || __GNUC__ >= 12
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+// lanes of (a, b) by index, 0-15 from a, 16-31 from b
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 
 inline float hsum(v16f x) {
   const v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -202,7 +205,7 @@ inline float hsum(v16f x) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 #else  // GCC < 12 has no __builtin_shufflevector: full-width shuffles (~8% slower here)
-typedef int32_t v16i __attribute__((vector_size(64)));
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
 
 inline float hsum(v16f x) {
   x += __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -213,16 +216,114 @@ inline float hsum(v16f x) {
 }
 #endif
 
-inline float dot(const float* q, const float* k, int64_t D) {
-  v16f acc = {};
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) acc += load16(q + d) * load16(k + d);
-  float s = hsum(acc);
-  for (; d < D; ++d) s += q[d] * k[d];
-  return s;
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+// Lane j of the result = the sum of x[j]'s lanes: sixteen horizontal sums as a transpose by
+// halves (15 vector adds, 30 two-register shuffles) instead of sixteen reductions of their own.
+inline v16f transpose_sum(const v16f* x) {
+  v16f y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s halves added; 8-15: x[2i+1]'s
+    y[i] = SHUF2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF2(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                 30, 31);
+  for (int i = 0; i < 4; ++i)  // four lanes each of x[4i .. 4i+3]
+    z[i] = SHUF2(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                 27) +
+           SHUF2(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                 31);
+  for (int i = 0; i < 2; ++i)  // two lanes each of x[8i .. 8i+7]
+    w[i] = SHUF2(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                 29) +
+           SHUF2(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                 31);
+  return SHUF2(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF2(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// Ask for one block's rows of one KV head (`rows` rows of `row_bytes` every `stride` bytes)
+constexpr int64_t kChunk = 16;  // token rows whose scores come out as one vector
+
+// Scores of q against 16 rows of D floats. The channels are the outer loop so that the
+// rows' sums are 16 independent chains of FMAs held in registers: row by row, each dot
+// product was one chain of D / 16 dependent FMAs and the kernel waited on their latency.
+// Not inlined (nor add_values): inside decode's loop nest the compiler spilled their
+// accumulators to the stack (batch 64, one thread, data in cache: 0.60 -> 0.56 ms per layer).
+__attribute__((noinline)) v16f chunk_scores(const float* q, const float* const* rows, int64_t D) {
+  v16f x[kChunk];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kChunk; ++j) x[j] = v16f{};
+  const int64_t Dv = D - D % 16;
+  for (int64_t d = 0; d < Dv; d += 16) {
+    const v16f qd = load16(q + d);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kChunk; ++j) x[j] += qd * load16(rows[j] + d);
+  }
+  if (Dv < D) {
+    for (int64_t j = 0; j < kChunk; ++j) {
+      float tail = 0.f;
+      for (int64_t d = Dv; d < D; ++d) tail += q[d] * rows[j][d];
+      x[j][0] += tail;
+    }
+  }
+  return transpose_sum(x);
+}
+
+// acc_t += sum_j p_t[j] v_j for NT query heads t (acc_t at acc + t * D, p_t at p + t *
+// p_stride) over m rows v_j of D floats. Each 16 channels of the NT accumulators stay in
+// registers over the rows, every row load serves all NT heads, and even and odd rows sum in
+// separate registers: one head's single running sum was a chain of dependent FMAs whose
+// latency the kernel waited on.
+template <int NT>
+__attribute__((noinline)) void add_values(float* acc, int64_t D, const float* p, int64_t p_stride,
+                       const float* const* rows, int64_t m) {
+  const int64_t Dv = D - D % 16;
+  for (int64_t d = 0; d < Dv; d += 16) {
+    v16f x[NT], y[NT];
+    for (int t = 0; t < NT; ++t) {
+      x[t] = load16(acc + t * D + d);
+      y[t] = v16f{};
+    }
+    int64_t j = 0;
+    for (; j + 2 <= m; j += 2) {
+      const v16f v0 = load16(rows[j] + d), v1 = load16(rows[j + 1] + d);
+      for (int t = 0; t < NT; ++t) {
+        x[t] += p[t * p_stride + j] * v0;
+        y[t] += p[t * p_stride + j + 1] * v1;
+      }
+    }
+    if (j < m) {
+      const v16f v0 = load16(rows[j] + d);
+      for (int t = 0; t < NT; ++t) x[t] += p[t * p_stride + j] * v0;
+    }
+    for (int t = 0; t < NT; ++t) store16(acc + t * D + d, x[t] + y[t]);
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int64_t d = Dv; d < D; ++d)
+      for (int64_t j = 0; j < m; ++j) acc[t * D + d] += p[t * p_stride + j] * rows[j][d];
+}
+
+// exp of 16 floats <= 0 (a score minus the running max), or -inf (a lane past the block's
+// visible tokens) -> 0; NaN stays NaN. Cephes' expf: round x / ln 2 to n, a polynomial on
+// the remainder, times 2^n; within a few ulp of std::exp, which the kernel called once per
+// score as a scalar function.
+inline v16f exp16(v16f x) {
+  const v16i under = x < -87.3365f;  // e^x below FLT_MIN: 0
+  x = (v16f)(((v16i)x & ~under) | ((v16i)(v16f{} - 87.3365f) & under));
+  const v16f shifter = v16f{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v16f t = x * 1.44269504088896341f + shifter;
+  const v16f n = t - shifter;
+  const v16i ni = (v16i)t - 0x4b400000;
+  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v16f scale = (v16f)((ni + 127) << 23);
+  return (v16f)((v16i)(p * scale) & ~under);
+}
+
+// Ask for one block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes)
 // before they are needed. Why: a block's rows are a new address stream the hardware
 // prefetcher has not seen, and in a running engine they come from DRAM, not cache (the weights
 // and the other layers' KV pass through the cache between two reads of one layer): without
@@ -244,12 +345,14 @@ void decode(const Args& a) {
   const float q_mul = a.scale * a.k_scale;    // fp8's per-layer scales fold into q and out
   constexpr int64_t esize = K == F32 ? 4 : (K == BF16 || K == F16) ? 2 : 1;  // bytes
   // Work items: one sequence with all its KV heads when there are enough sequences to share
-  // out: a head's rows sit next to the other heads' in every block (same pages, neighbouring
-  // lines that the hardware prefetchers bring along), so the later heads of an item find part
-  // of theirs in cache (batch 64 x ~200 tokens: 10.0 -> 8.8 ms of attention per step); else
-  // one (sequence, KV head) pair, so that a single sequence still uses every thread.
-  const int64_t per_item = a.n >= 4 * omp_get_max_threads() ? Hkv : 1;
+  // out, read a block at a time (a token's heads are neighbours, so a block of the item is one
+  // contiguous run that the hardware prefetchers follow: batch 64 x ~200 tokens, 0.73 -> 0.5 ms
+  // per layer); else one (sequence, KV head) pair, so that a single sequence still uses every
+  // thread.
+  const int64_t per_item =
+      a.n >= 4 * omp_get_max_threads() && H * D <= kMaxGroupDim && H <= kMaxGroup ? Hkv : 1;
   const int64_t parts = Hkv / per_item;
+  const int64_t heads = per_item * G;  // query heads of an item
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < a.n * parts; ++item) {
     const int64_t s = item / parts;
@@ -268,148 +371,179 @@ void decode(const Args& a) {
                     bytes);
       }
     }
-    for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
-      float acc[kMaxGroupDim];
-      float qs[kMaxGroupDim];
-      float scores[kMaxGroup * kMaxBlock];
-      float m[kMaxGroup], l[kMaxGroup];
-      float kbuf[kMaxDim], vbuf[kMaxDim];
-      float ks[kMaxDim], kz[kMaxDim];  // int4: the block's per-channel key scale and zero
-      const float* qrow = a.q + s * a.q_stride + hk * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t at = K == INT4 ? nibble_order(d, D) : d;
-          qs[g * D + at] = qrow[g * D + d] * q_mul;
-          acc[g * D + d] = 0.f;
-        }
+    // Per query head h of the item (query head hk0 * G + h of the sequence): its running
+    // softmax max and sum, value accumulator, scaled query (int4: in nibble order), this
+    // block's scores (at h * kMaxBlock, padded to kChunk).
+    float m[kMaxGroup], l[kMaxGroup];
+    float acc[kMaxGroupDim];
+    float qs[kMaxGroupDim];
+    float scores[kMaxGroup * kMaxBlock];
+    // a chunk's decoded rows (float32 reads the cache itself)
+    float bufs[(K == F32 ? 1 : kChunk) * kMaxDim];
+    float tmp[kMaxDim];
+    float ks[kMaxDim], kz[kMaxDim];  // int4: the block's per-channel key scale and zero
+    const float* rows[kChunk];
+    const float* qrow = a.q + s * a.q_stride + hk0 * G * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      m[h] = -INFINITY;
+      l[h] = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t at = K == INT4 ? nibble_order(d, D) : d;
+        qs[h * D + at] = qrow[h * D + d] * q_mul;
+        acc[h * D + d] = 0.f;
       }
-      const int64_t len = a.lens[s];
-      const int64_t first = a.starts ? a.starts[s] : 0;
-      const int64_t* table = a.tables + s * a.table_stride;
-      for (int64_t b = first / bs; b * bs < len; ++b) {
-        const int64_t lo = b * bs < first ? first - b * bs : 0;
-        const int64_t hi = len - b * bs < bs ? len - b * bs : bs;
-        const int64_t count = hi - lo;
-        if (count <= 0) continue;
-        const int64_t block = table[b];
-        const int64_t base = block * block_stride + hk * row_width;
-        // The next block's rows of this head, asked for one row per row used here (a burst
-        // of a whole block fills the line-fill buffers and stalls on the prefetches).
-        const char* next_k = nullptr;
-        const char* next_v = nullptr;
-        if ((b + 1) * bs < len) {
-          const int64_t next = (table[b + 1] * block_stride + hk * row_width) * esize;
-          next_k = static_cast<const char*>(a.k) + next;
-          next_v = static_cast<const char*>(a.v) + next;
-        }
-        const int64_t row_bytes = row_width * esize, row_stride = token_stride * esize;
-        // rows of the next block to ask for per row of this one (all of it by the last row)
-        const int64_t per_row = (bs + count - 1) / count;
-        const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
-                                                          : -1;
-        if constexpr (K == INT4) {
-          if (res_row < 0) {
-            const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
-            for (int64_t d = 0; d < D; ++d) {
-              ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
-              kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
+    }
+    const int64_t len = a.lens[s];
+    const int64_t first = a.starts ? a.starts[s] : 0;
+    const int64_t* table = a.tables + s * a.table_stride;
+    const int64_t row_bytes = per_item * row_width * esize, row_stride = token_stride * esize;
+    for (int64_t b = first / bs; b * bs < len; ++b) {
+      const int64_t lo = b * bs < first ? first - b * bs : 0;
+      const int64_t hi = len - b * bs < bs ? len - b * bs : bs;
+      const int64_t count = hi - lo;
+      if (count <= 0) continue;
+      const int64_t block = table[b];
+      // The next block's rows of this item, asked for one row per row used here (a burst of
+      // a whole block fills the line-fill buffers and stalls on the prefetches). Why at all:
+      // each block is a new address stream, from DRAM in a running engine (the weights and
+      // the other layers' KV pass through the cache between two reads of one layer).
+      const char* next_k = nullptr;
+      const char* next_v = nullptr;
+      if ((b + 1) * bs < len) {
+        const int64_t next = (table[b + 1] * block_stride + hk0 * row_width) * esize;
+        next_k = static_cast<const char*>(a.k) + next;
+        next_v = static_cast<const char*>(a.v) + next;
+      }
+      const int64_t per_row = (bs + count - 1) / count;  // all of it by the last row
+      const auto prefetch_next = [&](const char* next, int64_t j) {
+        if (next && j * per_row < bs)
+          prefetch_rows(next + j * per_row * row_stride, std::min(per_row, bs - j * per_row),
+                        row_bytes, row_stride);
+      };
+      const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
+                                                        : -1;
+      // Token t's key row of KV head hk as D floats (int4: in nibble order, with ks / kz of
+      // that head loaded); buf: where to decode it.
+      const auto key_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
+        const int64_t off = block * block_stride + t * token_stride + hk * row_width;
+        if constexpr (K == F32 || K == BF16 || K == F16) {
+          return float_row<K>(a.k, off, D, buf);
+        } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
+          const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d)
+            buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
+          return buf;
+        } else if constexpr (K == INT8) {
+          affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
+                            a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
+                            buf);
+          return buf;
+        } else {  // INT4 keys: per channel over the block, or the residual row
+          if (res_row >= 0) {  // exact keys in channel order: into nibble order
+            const float* r = residual_row(a.res_kind, a.k_res,
+                                          ((res_row * bs + t) * Hkv + hk) * D, D, tmp);
+            for (int64_t d = 0; d < D; ++d) buf[nibble_order(d, D)] = r[d];
+          } else {
+            const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+            const int64_t half = D / 2;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+              buf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
+              buf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
             }
           }
+          return buf;
         }
-        // scores[g * count + j] = q_g . k_j for the block's visible tokens.
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t t = lo + j;
-          const int64_t off = base + t * token_stride;
-          if (next_k && j * per_row < bs)
-            prefetch_rows(next_k + j * per_row * row_stride,
-                          std::min(per_row, bs - j * per_row), row_bytes, row_stride);
-          const float* krow;
-          if constexpr (K == F32 || K == BF16 || K == F16) {
-            krow = float_row<K>(a.k, off, D, kbuf);
-          } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
-            const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+      };
+      const auto value_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
+        const int64_t off = block * block_stride + t * token_stride + hk * row_width;
+        if constexpr (K == F32 || K == BF16 || K == F16) {
+          return float_row<K>(a.v, off, D, buf);
+        } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
+          const uint8_t* c = static_cast<const uint8_t*>(a.v) + off;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d)
-              kbuf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
-            krow = kbuf;
-          } else if constexpr (K == INT8) {
-            affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
-                              a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
-                              kbuf);
-            krow = kbuf;
-          } else {  // INT4 keys: per channel over the block, or the residual row
-            if (res_row >= 0) {  // exact keys in channel order: into nibble order
-              const float* r = residual_row(a.res_kind, a.k_res,
-                                            ((res_row * bs + t) * Hkv + hk) * D, D, vbuf);
-              for (int64_t d = 0; d < D; ++d) kbuf[nibble_order(d, D)] = r[d];
-            } else {
-              const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
-              const int64_t half = D / 2;
-#pragma omp simd
-              for (int64_t i = 0; i < half; ++i) {
-                kbuf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
-                kbuf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
+          for (int64_t d = 0; d < D; ++d)
+            buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
+          return buf;
+        } else {
+          affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
+                                a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
+                                groups, buf);
+          return buf;
+        }
+      };
+      // scores[h * kMaxBlock + j] = q_h . k_j for the block's visible tokens, a chunk of 16
+      // rows at a time (decoded once, read by every query head of the group); -inf past the
+      // last one.
+      for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+        const int64_t mrows = std::min(kChunk, count - j0);
+        for (int64_t j = 0; j < mrows; ++j) prefetch_next(next_k, j0 + j);
+        for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
+          if constexpr (K == INT4) {
+            if (res_row < 0) {
+              const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
+              for (int64_t d = 0; d < D; ++d) {
+                ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
+                kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
               }
             }
-            krow = kbuf;
           }
-          for (int64_t g = 0; g < G; ++g) scores[g * count + j] = dot(qs + g * D, krow, D);
-        }
-        // Online softmax: rescale what the earlier blocks accumulated.
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores + g * count;
-          float bmax = -INFINITY;
-          for (int64_t j = 0; j < count; ++j) bmax = sg[j] > bmax ? sg[j] : bmax;
-          const float m_new = bmax > m[g] ? bmax : m[g];
-          const float rescale = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first block
-          float sum = 0.f;
-          for (int64_t j = 0; j < count; ++j) {
-            sg[j] = std::exp(sg[j] - m_new);
-            sum += sg[j];
-          }
-          float* ag = acc + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
-          l[g] = l[g] * rescale + sum;
-          m[g] = m_new;
-        }
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t t = lo + j;
-          const int64_t off = base + t * token_stride;
-          if (next_v && j * per_row < bs)
-            prefetch_rows(next_v + j * per_row * row_stride,
-                          std::min(per_row, bs - j * per_row), row_bytes, row_stride);
-          const float* vrow;
-          if constexpr (K == F32 || K == BF16 || K == F16) {
-            vrow = float_row<K>(a.v, off, D, vbuf);
-          } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
-            const uint8_t* c = static_cast<const uint8_t*>(a.v) + off;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d)
-              vbuf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
-            vrow = vbuf;
-          } else {
-            affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
-                                  a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
-                                  groups, vbuf);
-            vrow = vbuf;
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * count + j];
-            float* ag = acc + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
+          for (int64_t j = 0; j < mrows; ++j)
+            rows[j] = key_row(hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
+          for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes set to -inf
+          for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
+            float* sh = scores + h * kMaxBlock + j0;
+            store16(sh, chunk_scores(qs + h * D, rows, D));
+            for (int64_t j = mrows; j < kChunk; ++j) sh[j] = -INFINITY;
           }
         }
       }
-      float* orow = a.out + (s * H + hk * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.f ? a.v_scale / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d)
-          orow[g * D + d] = acc[g * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
+      // Online softmax: rescale what the earlier blocks accumulated.
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sh = scores + h * kMaxBlock;
+        float bmax = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) bmax = sh[j] > bmax ? sh[j] : bmax;
+        const float m_new = bmax > m[h] ? bmax : m[h];
+        const float rescale = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
+        v16f sum = {};
+        for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+          const v16f e = exp16(load16(sh + j0) - m_new);
+          store16(sh + j0, e);
+          sum += e;
+        }
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ah[d] *= rescale;
+        l[h] = l[h] * rescale + hsum(sum);
+        m[h] = m_new;
       }
+      // acc_h += p_hj v_j, a chunk of rows at a time, each 16 channels of acc_h held in a
+      // register over the chunk's rows.
+      for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+        const int64_t mrows = std::min(kChunk, count - j0);
+        for (int64_t j = 0; j < mrows; ++j) prefetch_next(next_v, j0 + j);
+        for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
+          for (int64_t j = 0; j < mrows; ++j)
+            rows[j] = value_row(hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
+          for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
+            const float* p = scores + h * kMaxBlock + j0;
+            float* ah = acc + h * D;
+            switch (std::min<int64_t>(4, (hk - hk0 + 1) * G - h)) {
+              case 4: add_values<4>(ah, D, p, kMaxBlock, rows, mrows); break;
+              case 3: add_values<3>(ah, D, p, kMaxBlock, rows, mrows); break;
+              case 2: add_values<2>(ah, D, p, kMaxBlock, rows, mrows); break;
+              default: add_values<1>(ah, D, p, kMaxBlock, rows, mrows); break;
+            }
+          }
+        }
+      }
+    }
+    float* orow = a.out + (s * H + hk0 * G) * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
+      for (int64_t d = 0; d < D; ++d)
+        orow[h * D + d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
     }
   }
 }
@@ -428,7 +562,7 @@ int kvserve_paged_decode(const Args* a) {
       (a->H / Hkv) * a->D > kMaxGroupDim || a->D > kMaxDim || a->block_size > kMaxBlock ||
       a->block_size <= 0)
     return -1;
-  if (a->new_k && (a->kind != F32 && a->kind != BF16 && a->kind != F16 || !a->new_v))
+  if (a->new_k && ((a->kind != F32 && a->kind != BF16 && a->kind != F16) || !a->new_v))
     return -1;
   if ((a->kind == INT8 || a->kind == INT4) && (a->groups <= 0 || a->D % a->groups != 0 ||
                                                (a->kind == INT4 && (a->D / a->groups) % 2 != 0)))
