@@ -4,9 +4,14 @@ against the gather + SDPA path it replaces, through TorchAttentionBackend, same 
 
 Each figure is the minimum over --repeats calls of bind (the per-step prepare) + one layer's
 forward: on a shared machine the minimum is the sample other processes disturbed least.
-Reference-model shapes by default (8 query heads, 2 KV heads, head dim 64, block 16).
+Reference-model shapes by default (8 query heads, 2 KV heads, head dim 64, block 16), blocks
+scattered over the cache as a running engine's are. With --cold every call first reads a
+buffer of twice the L3 size, so the K/V comes from DRAM as in an engine step (where the
+weights and the other layers' K/V pass through the cache between two reads of a layer);
+without it the K/V of a case may sit in cache.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 1
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 2 --cold
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,12 +33,16 @@ from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noq
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.cpu_features import cpu_info  # noqa: E402
 
+from bench_throughput import l3_cache_bytes  # noqa: E402
 
-def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int) -> dict:
+
+def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int,
+        evict: Callable[[], object] | None) -> dict:
     per = -(-(ctx + 1) // bs)
     k = torch.randn(n * per + 1, bs, kv_heads, dim)
     v = torch.randn_like(k)
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+    order = torch.randperm(n * per, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[i * per:(i + 1) * per] for i in range(n)]
     decodes = [SequenceSlice(i, 1, ctx, tables[i]) for i in range(n)]
     slots = [tables[i][(ctx - 1) // bs] * bs + (ctx - 1) % bs for i in range(n)]
     meta = AttentionMetadata(torch.tensor(slots), [], decodes, 0)
@@ -49,6 +59,8 @@ def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats:
         best = float("inf")
         with torch.inference_mode():
             for _ in range(repeats):
+                if evict is not None:
+                    evict()
                 t0 = time.perf_counter()
                 backend.bind(meta)(0, q, nk, nv)
                 best = min(best, time.perf_counter() - t0)
@@ -60,15 +72,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--cases", default="64x200,1x200,256x600", help="decodes x context, ...")
+    p.add_argument("--cases", default="64x200,1x200,8x4000,256x600",
+                   help="decodes x context, ...")
+    p.add_argument("--cold", action="store_true",
+                   help="evict the caches before each call (K/V from DRAM)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    evict = None
+    if args.cold:
+        buf = torch.ones(2 * (l3_cache_bytes() or 64 << 20) // 4)
+        evict = buf.sum
     print(f"cpu: {cpu_info().summary()}; {args.threads} thread(s); load average "
-          f"{os.getloadavg()[0]:.1f}")
+          f"{os.getloadavg()[0]:.1f}; K/V {'from DRAM (--cold)' if args.cold else 'maybe cached'}")
     print(f"{'decodes x ctx':>14} {'kernel':>10} {'gather':>10} {'speed-up':>9}")
     for case in args.cases.split(","):
         n, ctx = (int(x) for x in case.split("x"))
-        r = one(n, ctx, 8, 2, 64, 16, args.repeats)
+        r = one(n, ctx, 8, 2, 64, 16, args.repeats, evict)
         print(f"{case:>14} {r['kernel'] * 1e3:>8.2f}ms {r['gather'] * 1e3:>8.2f}ms "
               f"{r['gather'] / r['kernel']:>8.2f}x")
     return 0
