@@ -27,9 +27,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.model.cpu_features import cpu_info
 from kvserve.paths import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("kvserve")
 
@@ -98,3 +102,8 @@ def load_library(source: Path, flags: tuple[str, ...] = CXXFLAGS) -> ctypes.CDLL
         return None
     logger.debug("C++ kernel %s: %s", source.name, path)
     return lib
+
+
+def address(t: torch.Tensor | None) -> int:
+    """A tensor's data address as a C pointer argument; 0 (NULL) for an optional one left out."""
+    return 0 if t is None else t.data_ptr()

@@ -98,10 +98,10 @@ class Gemv:
              eps: float = 0.0, cos_sin: torch.Tensor | None = None, rope_cols: int = 0,
              head_dim: int = 0) -> torch.Tensor:
         rc = self._fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(),
-                      None if b is None else b.data_ptr(), n, w.shape[1], out.data_ptr(),
+                      cpu_ext.address(b), n, w.shape[1], out.data_ptr(),
                       out.stride(0), mode, torch.get_num_threads(),
-                      None if norm_weight is None else norm_weight.data_ptr(), eps,
-                      None if cos_sin is None else cos_sin.data_ptr(),
+                      cpu_ext.address(norm_weight), eps,
+                      cpu_ext.address(cos_sin),
                       0 if cos_sin is None else cos_sin.stride(0), rope_cols, head_dim)
         if rc != 0:
             raise ValueError(f"gemv: bad mode {mode} or RoPE layout (rope_cols {rope_cols}, "
@@ -239,9 +239,9 @@ class BoundGemv:
         self.rope_cols = rope_cols
         a = (ctypes.c_int64 * 17)()
         a[3] = w.data_ptr()
-        a[4] = _ptr0(b)
+        a[4] = cpu_ext.address(b)
         a[5], a[6], a[9] = self.n, self.k, mode
-        a[11] = _ptr0(norm_weight)
+        a[11] = cpu_ext.address(norm_weight)
         a[12] = struct.unpack("<i", struct.pack("<f", eps))[0]
         a[15], a[16] = rope_cols, head_dim
         self._args = a
@@ -292,12 +292,12 @@ class BoundMLPBlock:
         self._m = torch.empty(MAX_ROWS * self.inter, dtype=torch.float32)
         a = (ctypes.c_int64 * 19)()
         a[17] = self._m.data_ptr()
-        a[5], a[6] = o_w.data_ptr(), _ptr0(o_b)
+        a[5], a[6] = o_w.data_ptr(), cpu_ext.address(o_b)
         a[7], a[8] = self.hidden, self.q_size
         a[9], a[10] = norm_w.data_ptr(), struct.unpack("<i", struct.pack("<f", eps))[0]
-        a[11], a[12], a[13] = gu_w.data_ptr(), _ptr0(gu_b), self.inter
+        a[11], a[12], a[13] = gu_w.data_ptr(), cpu_ext.address(gu_b), self.inter
         a[14] = MODE_GELU_MUL if gelu else MODE_SILU_MUL
-        a[15], a[16] = d_w.data_ptr(), _ptr0(d_b)
+        a[15], a[16] = d_w.data_ptr(), cpu_ext.address(d_b)
         self._args = a
         self._ptr = ctypes.addressof(a)
 
@@ -328,8 +328,6 @@ class BoundMLPBlock:
         return self._ptr
 
 
-def _ptr0(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 @functools.lru_cache(maxsize=1)

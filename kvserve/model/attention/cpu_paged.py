@@ -106,8 +106,6 @@ def paged_kv(codec: KVCodec, parts: tuple[torch.Tensor, ...], layer: int) -> Pag
     return PagedKV(FLOAT_KINDS[k.dtype], k, parts[1], d)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class PagedDecodeKernel:
@@ -168,8 +166,9 @@ class PagedStep:
         self._keep = (tables, lens, starts, res_rows)  # the pointers below stay valid
         self.n = lens.shape[0]
         self._res_rows = res_rows
-        self._args = _Args(tables=tables.data_ptr(), starts=_ptr(starts), lens=lens.data_ptr(),
-                           res_rows=_ptr(res_rows), table_stride=tables.stride(0), n=self.n)
+        self._args = _Args(tables=tables.data_ptr(), starts=cpu_ext.address(starts),
+                           lens=lens.data_ptr(), res_rows=cpu_ext.address(res_rows),
+                           table_stride=tables.stride(0), n=self.n)
 
     def run(self, q: torch.Tensor, kv: PagedKV, scale: float, out: torch.Tensor | None = None,
             new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None
@@ -224,8 +223,9 @@ class PagedStep:
         else:
             a.new_k = a.new_v = None
         a.q, a.q_stride, a.out = q.data_ptr(), q.stride(0), out.data_ptr()
-        a.k, a.v, a.k_sz, a.v_sz = kv.k.data_ptr(), kv.v.data_ptr(), _ptr(kv.k_sz), _ptr(kv.v_sz)
-        a.k_res = _ptr(residual)
+        a.k, a.v = kv.k.data_ptr(), kv.v.data_ptr()
+        a.k_sz, a.v_sz = cpu_ext.address(kv.k_sz), cpu_ext.address(kv.v_sz)
+        a.k_res = cpu_ext.address(residual)
         a.res_kind = FLOAT_KINDS[residual.dtype] if residual is not None else F32
         a.H, a.Hkv, a.D = h, kv.k.shape[2], d
         a.block_size, a.groups, a.kind = kv.k.shape[1], kv.groups, kv.kind
