@@ -135,6 +135,21 @@ inline const float* float_row(const void* base, int64_t offset, int64_t D, float
   }
 }
 
+// One token row of an element-wise format (float32, bfloat16, float16, fp8) as D floats: a
+// pointer into the cache for float32, else the row decoded into buf.
+template <int K>
+inline const float* elementwise_row(const void* base, int64_t offset, int64_t D, float* buf) {
+  if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
+    const uint8_t* c = static_cast<const uint8_t*>(base) + offset;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d)
+      buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
+    return buf;
+  } else {
+    return float_row<K>(base, offset, D, buf);
+  }
+}
+
 inline const float* residual_row(int32_t kind, const void* base, int64_t offset, int64_t D,
                                  float* buf) {
   if (kind == F32) return float_row<F32>(base, offset, D, buf);
@@ -426,14 +441,8 @@ void decode(const Args& a) {
       // that head loaded); buf: where to decode it.
       const auto key_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
         const int64_t off = block * block_stride + t * token_stride + hk * row_width;
-        if constexpr (K == F32 || K == BF16 || K == F16) {
-          return float_row<K>(a.k, off, D, buf);
-        } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
-          const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d)
-            buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
-          return buf;
+        if constexpr (K <= FP8_E5M2) {
+          return elementwise_row<K>(a.k, off, D, buf);
         } else if constexpr (K == INT8) {
           affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
                             a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
@@ -458,14 +467,8 @@ void decode(const Args& a) {
       };
       const auto value_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
         const int64_t off = block * block_stride + t * token_stride + hk * row_width;
-        if constexpr (K == F32 || K == BF16 || K == F16) {
-          return float_row<K>(a.v, off, D, buf);
-        } else if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
-          const uint8_t* c = static_cast<const uint8_t*>(a.v) + off;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d)
-            buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
-          return buf;
+        if constexpr (K <= FP8_E5M2) {
+          return elementwise_row<K>(a.v, off, D, buf);
         } else {
           affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
                                 a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
