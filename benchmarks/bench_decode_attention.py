@@ -12,6 +12,7 @@ without it the K/V of a case may sit in cache.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 1
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 2 --cold
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_decode_attention.py --threads 2 --march x86-64-v3
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch  # noqa: E402
 
 from kvserve.kv.spec import KVStorage, decoder_kv_spec  # noqa: E402
 from kvserve.kv.tensors import KVTensorPool  # noqa: E402
+from kvserve.model import cpu_ext  # noqa: E402
+from kvserve.model.attention import cpu_paged  # noqa: E402
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.cpu_features import cpu_info  # noqa: E402
@@ -37,7 +40,8 @@ from bench_throughput import l3_cache_bytes  # noqa: E402
 
 
 def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int,
-        evict: Callable[[], object] | None) -> dict:
+        evict: Callable[[], object] | None,
+        kernel: cpu_paged.PagedDecodeKernel | None = None) -> dict:
     per = -(-(ctx + 1) // bs)
     k = torch.randn(n * per + 1, bs, kv_heads, dim)
     v = torch.randn_like(k)
@@ -53,6 +57,8 @@ def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats:
         backend = TorchAttentionBackend(KVTensorPool.wrap(spec, [(k, v)]), dim ** -0.5)
         if mode == "gather":
             backend.paged_kernel = None
+        elif kernel is not None:
+            backend.paged_kernel = kernel
         elif backend.paged_kernel is None:
             out[mode] = float("nan")
             continue
@@ -76,18 +82,29 @@ def main() -> int:
                    help="decodes x context, ...")
     p.add_argument("--cold", action="store_true",
                    help="evict the caches before each call (K/V from DRAM)")
+    p.add_argument("--march", help="build the kernel for this -march (e.g. x86-64-v3: AVX2 "
+                   "code on a CPU with AVX-512) instead of native")
     args = p.parse_args()
+    kernel = None
+    if args.march:
+        flags = tuple(f"-march={args.march}" if f.startswith("-march") else f
+                      for f in cpu_ext.CXXFLAGS)
+        lib = cpu_ext.load_library(cpu_paged.SOURCE, flags)
+        if lib is None:
+            p.error(f"the kernel does not build with -march={args.march}")
+        kernel = cpu_paged.PagedDecodeKernel(lib)
     torch.set_num_threads(args.threads)
     evict = None
     if args.cold:
         buf = torch.ones(2 * (l3_cache_bytes() or 64 << 20) // 4)
         evict = buf.sum
     print(f"cpu: {cpu_info().summary()}; {args.threads} thread(s); load average "
-          f"{os.getloadavg()[0]:.1f}; K/V {'from DRAM (--cold)' if args.cold else 'maybe cached'}")
+          f"{os.getloadavg()[0]:.1f}; K/V {'from DRAM (--cold)' if args.cold else 'maybe cached'}; "
+          f"kernel built for -march={args.march or 'native'}")
     print(f"{'decodes x ctx':>14} {'kernel':>10} {'gather':>10} {'speed-up':>9}")
     for case in args.cases.split(","):
         n, ctx = (int(x) for x in case.split("x"))
-        r = one(n, ctx, 8, 2, 64, 16, args.repeats, evict)
+        r = one(n, ctx, 8, 2, 64, 16, args.repeats, evict, kernel)
         print(f"{case:>14} {r['kernel'] * 1e3:>8.2f}ms {r['gather'] * 1e3:>8.2f}ms "
               f"{r['gather'] / r['kernel']:>8.2f}x")
     return 0

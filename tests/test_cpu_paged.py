@@ -9,6 +9,8 @@ End-to-end agreement with transformers through the kernel is in test_model_parit
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from helpers import pool_over
@@ -20,6 +22,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.cpu_ext import CXXFLAGS, load_library
 
 kernel = cpu_paged.load_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="paged decode kernel could not be built")
@@ -323,3 +326,26 @@ def test_kernel_reads_a_float_cache_of_another_dtype_than_the_model(cache, model
         torch.testing.assert_close(out[i].float(), ref, atol=1e-2, rtol=0)
     with pytest.raises(ValueError, match="built for"):
         TorchAttentionBackend(pool, 0.25).bind(meta)(0, q.to(model), new_k, new_v)
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+def test_kernel_built_for_an_older_x86_matches_reference(march):
+    """The kernel's vector width follows the instruction set it is built for (16 lanes with
+    AVX-512, 8 with AVX2, 4 below): the machine running the tests builds it with
+    -march=native, so the narrower paths are built here and checked the same way (and must
+    run on this CPU, which has everything they use)."""
+    flags = tuple(f"-march={march}" if f.startswith("-march") else f for f in CXXFLAGS)
+    lib = load_library(cpu_paged.SOURCE, flags)
+    assert lib is not None, f"the kernel did not build with -march={march}"
+    narrow = cpu_paged.PagedDecodeKernel(lib)
+    for h, hkv, d, bs in [(8, 2, 64, 16), (6, 2, 40, 48), (10, 2, 24, 20)]:
+        lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 37]
+        q, k, v, tables = _case(torch.float32, h, hkv, d, bs, lens)
+        width = max(len(t) for t in tables)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        out = narrow(q, k, v, table_t, torch.tensor(lens), 0.125)
+        for i, n in enumerate(lens):
+            ref = reference_paged_attention(q[i: i + 1], k, v, tables[i], n, 0.125)[0]
+            torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=1e-5)

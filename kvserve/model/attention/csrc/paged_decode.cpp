@@ -1,10 +1,10 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence, read
 // straight from the cache blocks its block table names (no gather into a new tensor), in any
 // storage format of kvserve/kv/quant.py: float32, bfloat16, float16, fp8 (e4m3, e5m2), int8
-// and int4 (KIVI). Quantized rows are decoded 16 token rows at a time into D-float buffers
+// and int4 (KIVI). Quantized rows are decoded a chunk of rows at a time into D-float buffers
 // that stay in L1 and are read by every query head of the group: no dequantized copy of the
-// cache is ever written. Scores, softmax and the value sums work on 16 rows at a time in
-// vector registers (see chunk_scores, exp16, add_values).
+// cache is ever written. Scores, softmax and the value sums work on 8 or 16 rows at a time in
+// vector registers (see chunk_scores, expv, add_values).
 //
 // Built at first use by kvserve/model/attention/cpu_paged.py with the machine's compiler
 // (-O3 -march=native -fopenmp) and called through ctypes with raw pointers: no torch headers,
@@ -193,50 +193,52 @@ inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int6
 // as q is in the same one, and the value accumulator is put back in channel order at the end.
 inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
 
-// Generic 16-float vectors (the compiler maps them onto whatever registers the CPU has: one
-// AVX-512 register, two AVX2 ones). Why not `omp simd reduction`: GCC summed the 16 lanes of
-// each dot product as one chain of dependent scalar adds through the stack, which was the
-// kernel's largest cost at batch 1 and ~15% of it at batch 64.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+// Generic float vectors of kLanes lanes, which the compiler maps onto one of the CPU's
+// registers: 16 where it may use AVX-512, 8 with AVX/AVX2, else 4 (SSE, NEON). Why not always
+// 16: without AVX-512, GCC lowers a 64-byte generic vector through the stack, and the kernel
+// built for AVX2 ran ~9x slower than for AVX-512 on the same CPU, not ~2x. Why vectors and not
+// `omp simd reduction`: GCC summed the lanes of each dot product as one chain of dependent
+// scalar adds through the stack.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf x) {  // once per block and head: plain code is fine
+  float t[kLanes];
+  std::memcpy(t, &x, sizeof t);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+
+// lanes of (a, b) by index, 0 .. kLanes - 1 from a, kLanes .. 2 kLanes - 1 from b
 #if defined(__clang__) || __GNUC__ >= 12
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-// lanes of (a, b) by index, 0-15 from a, 16-31 from b
 #define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-
-inline float hsum(v16f x) {
-  const v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
-                __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-#else  // GCC < 12 has no __builtin_shufflevector: full-width shuffles (~8% slower here)
-#define SHUF2(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
-
-inline float hsum(v16f x) {
-  x += __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return x[0];
-}
+#else  // GCC < 12 has no __builtin_shufflevector; its two-operand __builtin_shuffle is the same
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-
-// Lane j of the result = the sum of x[j]'s lanes: sixteen horizontal sums as a transpose by
-// halves (15 vector adds, 30 two-register shuffles) instead of sixteen reductions of their own.
-inline v16f transpose_sum(const v16f* x) {
-  v16f y[8], z[4], w[2];
+// Lane j of the result = the sum of x[j]'s lanes: kLanes horizontal sums as a transpose by
+// halves (kLanes - 1 vector adds and twice as many two-register shuffles) instead of one
+// reduction each.
+#if defined(__AVX512F__)
+inline vf transpose_sum(const vf* x) {
+  vf y[8], z[4], w[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s halves added; 8-15: x[2i+1]'s
     y[i] = SHUF2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            SHUF2(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
@@ -254,23 +256,42 @@ inline v16f transpose_sum(const v16f* x) {
   return SHUF2(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUF2(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#elif defined(__AVX__)
+inline vf transpose_sum(const vf* x) {
+  vf y[4], z[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: x[2i]'s halves added; 4-7: x[2i+1]'s
+    y[i] = SHUF2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUF2(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // two lanes each of x[4i .. 4i+3]
+    z[i] = SHUF2(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           SHUF2(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return SHUF2(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         SHUF2(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+inline vf transpose_sum(const vf* x) {
+  const vf y0 = SHUF2(x[0], x[1], 0, 1, 4, 5) + SHUF2(x[0], x[1], 2, 3, 6, 7);  // x0 x0 x1 x1
+  const vf y1 = SHUF2(x[2], x[3], 0, 1, 4, 5) + SHUF2(x[2], x[3], 2, 3, 6, 7);  // x2 x2 x3 x3
+  return SHUF2(y0, y1, 0, 2, 4, 6) + SHUF2(y0, y1, 1, 3, 5, 7);
+}
+#endif
 
-constexpr int64_t kChunk = 16;  // token rows whose scores come out as one vector
+constexpr int64_t kChunk = kLanes;  // token rows whose scores come out as one vector
 
-// Scores of q against 16 rows of D floats. The channels are the outer loop so that the
+// Scores of q against kChunk rows of D floats. The channels are the outer loop so that the
 // rows' sums are 16 independent chains of FMAs held in registers: row by row, each dot
 // product was one chain of D / 16 dependent FMAs and the kernel waited on their latency.
 // Not inlined (nor add_values): inside decode's loop nest the compiler spilled their
 // accumulators to the stack (batch 64, one thread, data in cache: 0.60 -> 0.56 ms per layer).
-__attribute__((noinline)) v16f chunk_scores(const float* q, const float* const* rows, int64_t D) {
-  v16f x[kChunk];
+__attribute__((noinline)) vf chunk_scores(const float* q, const float* const* rows, int64_t D) {
+  vf x[kChunk];
 #pragma GCC unroll 16
-  for (int64_t j = 0; j < kChunk; ++j) x[j] = v16f{};
-  const int64_t Dv = D - D % 16;
-  for (int64_t d = 0; d < Dv; d += 16) {
-    const v16f qd = load16(q + d);
+  for (int64_t j = 0; j < kChunk; ++j) x[j] = vf{};
+  const int64_t Dv = D - D % kLanes;
+  for (int64_t d = 0; d < Dv; d += kLanes) {
+    const vf qd = loadv(q + d);
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < kChunk; ++j) x[j] += qd * load16(rows[j] + d);
+    for (int64_t j = 0; j < kChunk; ++j) x[j] += qd * loadv(rows[j] + d);
   }
   if (Dv < D) {
     for (int64_t j = 0; j < kChunk; ++j) {
@@ -283,59 +304,60 @@ __attribute__((noinline)) v16f chunk_scores(const float* q, const float* const* 
 }
 
 // acc_t += sum_j p_t[j] v_j for NT query heads t (acc_t at acc + t * D, p_t at p + t *
-// p_stride) over m rows v_j of D floats. Each 16 channels of the NT accumulators stay in
+// p_stride) over m rows v_j of D floats. Each kLanes channels of the NT accumulators stay in
 // registers over the rows, every row load serves all NT heads, and even and odd rows sum in
 // separate registers: one head's single running sum was a chain of dependent FMAs whose
 // latency the kernel waited on.
 template <int NT>
 __attribute__((noinline)) void add_values(float* acc, int64_t D, const float* p, int64_t p_stride,
                        const float* const* rows, int64_t m) {
-  const int64_t Dv = D - D % 16;
-  for (int64_t d = 0; d < Dv; d += 16) {
-    v16f x[NT], y[NT];
+  const int64_t Dv = D - D % kLanes;
+  for (int64_t d = 0; d < Dv; d += kLanes) {
+    vf x[NT], y[NT];
     for (int t = 0; t < NT; ++t) {
-      x[t] = load16(acc + t * D + d);
-      y[t] = v16f{};
+      x[t] = loadv(acc + t * D + d);
+      y[t] = vf{};
     }
     int64_t j = 0;
     for (; j + 2 <= m; j += 2) {
-      const v16f v0 = load16(rows[j] + d), v1 = load16(rows[j + 1] + d);
+      const vf v0 = loadv(rows[j] + d), v1 = loadv(rows[j + 1] + d);
       for (int t = 0; t < NT; ++t) {
         x[t] += p[t * p_stride + j] * v0;
         y[t] += p[t * p_stride + j + 1] * v1;
       }
     }
     if (j < m) {
-      const v16f v0 = load16(rows[j] + d);
+      const vf v0 = loadv(rows[j] + d);
       for (int t = 0; t < NT; ++t) x[t] += p[t * p_stride + j] * v0;
     }
-    for (int t = 0; t < NT; ++t) store16(acc + t * D + d, x[t] + y[t]);
+    for (int t = 0; t < NT; ++t) storev(acc + t * D + d, x[t] + y[t]);
   }
   for (int t = 0; t < NT; ++t)
     for (int64_t d = Dv; d < D; ++d)
       for (int64_t j = 0; j < m; ++j) acc[t * D + d] += p[t * p_stride + j] * rows[j][d];
 }
 
-// exp of 16 floats <= 0 (a score minus the running max), or -inf (a lane past the block's
+// exp of kLanes floats <= 0 (a score minus the running max), or -inf (a lane past the block's
 // visible tokens) -> 0; NaN stays NaN. Cephes' expf: round x / ln 2 to n, a polynomial on
 // the remainder, times 2^n; within a few ulp of std::exp, which the kernel called once per
-// score as a scalar function.
-inline v16f exp16(v16f x) {
-  const v16i under = x < -87.3365f;  // e^x below FLT_MIN: 0
-  x = (v16f)(((v16i)x & ~under) | ((v16i)(v16f{} - 87.3365f) & under));
-  const v16f shifter = v16f{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v16f t = x * 1.44269504088896341f + shifter;
-  const v16f n = t - shifter;
-  const v16i ni = (v16i)t - 0x4b400000;
-  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+// score as a scalar function. Needs IEEE rounding as written (no -ffast-math: the
+// shifter's add and subtract would fold away).
+inline vf expv(vf x) {
+  const vi under = x < -87.3365f;  // e^x below FLT_MIN: 0
+  x = (vf)(((vi)x & ~under) | ((vi)(vf{} - 87.3365f) & under));
+  const vf shifter = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = x * 1.44269504088896341f + shifter;
+  const vf n = t - shifter;
+  const vi ni = (vi)t - 0x4b400000;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v16f scale = (v16f)((ni + 127) << 23);
-  return (v16f)((v16i)(p * scale) & ~under);
+  const vf scale = (vf)((vu)(ni + 127) << 23);  // 2^n (unsigned: a NaN's n is garbage)
+  return (vf)((vi)(p * scale) & ~under);
 }
 
 // Ask for one block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes)
@@ -476,7 +498,7 @@ void decode(const Args& a) {
           return buf;
         }
       };
-      // scores[h * kMaxBlock + j] = q_h . k_j for the block's visible tokens, a chunk of 16
+      // scores[h * kMaxBlock + j] = q_h . k_j for the block's visible tokens, a chunk of kChunk
       // rows at a time (decoded once, read by every query head of the group); -inf past the
       // last one.
       for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
@@ -497,7 +519,7 @@ void decode(const Args& a) {
           for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes set to -inf
           for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
             float* sh = scores + h * kMaxBlock + j0;
-            store16(sh, chunk_scores(qs + h * D, rows, D));
+            storev(sh, chunk_scores(qs + h * D, rows, D));
             for (int64_t j = mrows; j < kChunk; ++j) sh[j] = -INFINITY;
           }
         }
@@ -509,10 +531,10 @@ void decode(const Args& a) {
         for (int64_t j = 0; j < count; ++j) bmax = sh[j] > bmax ? sh[j] : bmax;
         const float m_new = bmax > m[h] ? bmax : m[h];
         const float rescale = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
-        v16f sum = {};
+        vf sum = {};
         for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
-          const v16f e = exp16(load16(sh + j0) - m_new);
-          store16(sh + j0, e);
+          const vf e = expv(loadv(sh + j0) - m_new);
+          storev(sh + j0, e);
           sum += e;
         }
         float* ah = acc + h * D;
@@ -521,7 +543,7 @@ void decode(const Args& a) {
         l[h] = l[h] * rescale + hsum(sum);
         m[h] = m_new;
       }
-      // acc_h += p_hj v_j, a chunk of rows at a time, each 16 channels of acc_h held in a
+      // acc_h += p_hj v_j, a chunk of rows at a time, each kLanes channels of acc_h held in a
       // register over the chunk's rows.
       for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
         const int64_t mrows = std::min(kChunk, count - j0);
