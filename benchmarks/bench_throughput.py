@@ -614,7 +614,7 @@ def print_machine_ceilings(machine: dict, table: list[dict], engines: list[str],
                            params: dict[str, int]) -> None:
     if "gemm_us" in machine:
         print("best GEMM per shape (us per call, min over samples; dense = F.linear/MKL, "
-              "onednn = packed):")
+              "onednn = packed, gemv / panel = kvserve's C++ kernels):")
         for rows, per in machine["gemm_us"].items():
             cells = ", ".join(f"{p} " + "/".join(f"{k} {v:.0f}" for k, v in ks.items())
                               for p, ks in per.items())

@@ -39,8 +39,19 @@ def test_decide_extends_the_last_measured_bucket():
         ["onednn"] * N
 
 
+def test_partial_kernels_take_the_buckets_they_win():
+    """The GEMV (row-major, first bucket) replaces dense by any margin; the panel GEMM (its own
+    layout, above the first bucket) only by MIXED_MIN_GAIN."""
+    times = {"qkv": {"dense": [1, 1, 1, 1, 1], "onednn": [2, 2, 2, 2, 2],
+                     "gemv": [0.99, None, None, None, None],
+                     "panel": [None, 0.95, 0.85, 0.8, 1.2]}}
+    assert gs.decide(times)["qkv"] == ["gemv", "dense", "panel", "panel", "dense"]
+
+
 def test_forced_plan_and_bad_names():
     assert gs.forced_plan("dense").kernels["mlp"] == ["dense"] * N
+    assert gs.forced_plan("gemv").kernels["qkv"] == ["gemv"] + ["dense"] * (N - 1)
+    assert gs.forced_plan("panel").kernels["head"] == ["dense"] + ["panel"] * (N - 1)
     with pytest.raises(ValueError, match="GEMM kernel"):
         gs.forced_plan("mkl")
 

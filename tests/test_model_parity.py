@@ -23,6 +23,7 @@ from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noq
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from kvserve.model import panel_gemm  # noqa: E402
 from kvserve.model.decoder import (CausalLM, gemv_available, onednn_available,  # noqa: E402
                                    rope_inv_freq)
 from kvserve.model.loader import load_model  # noqa: E402
@@ -142,17 +143,21 @@ def saved(tmp_path_factory):
 
 # -- float32 parity ---------------------------------------------------------------------------
 @pytest.mark.parametrize("variant,gemm", [(v, g) for v in sorted(VARIANTS)
-                                          for g in ("onednn", "dense")]
+                                          for g in ("onednn", "dense", "panel")]
                          + [("llama_bias", "auto"), ("qwen3", "auto")])
 def test_logits_match_transformers(saved, variant, gemm):
-    """Every GEMM kernel choice: all oneDNN-packed, all dense (F.linear), and what this CPU's
-    measurement picks (gemm_select.py; two variants, as it measures at load)."""
+    """Every GEMM kernel choice: all oneDNN-packed, all dense (F.linear), all through the panel
+    GEMM (where it builds; else dense), and what this CPU's measurement picks (gemm_select.py;
+    two variants, as it measures at load)."""
     hf, path = saved(variant)
     model, config = load_model(path, gemm=gemm)
     assert next(model.parameters()).dtype == torch.float32
     if gemm != "auto":
         assert model.packed == (gemm == "onednn"
                                 and onednn_available(torch.float32, torch.device("cpu")))
+    if gemm == "panel" and panel_gemm.available(torch.float32, torch.device("cpu")):
+        assert set(model.gemm_plan.kernels["qkv"][1:] + model.gemm_plan.kernels["head"][1:]) \
+            == {"panel"}  # above the first row bucket (the GEMV's)
     assert model.gemm_plan is not None
     for i, n in enumerate(LENGTHS):
         ids = token_ids(n, seed=100 + i)
@@ -184,18 +189,21 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
     """A plan that switches kernel between row buckets, differently per projection, gives
     transformers' logits at a row count in every bucket (so each bucket's bound ops are the
     right ones, biases and residual adds included; Gemma 3: the GELU-tanh gate and the output
-    norms before the residual adds, on both kernels)."""
+    norms before the residual adds, on every kernel): dense, oneDNN and (where it builds) the
+    panel GEMM."""
     from kvserve.model.gemm_select import BUCKETS, GemmPlan
 
     hf, path = saved(variant)
     model, config = load_model(path, pack_weights=False)
     n = len(BUCKETS)
-    kinds = ("dense", "onednn")
-    plan = GemmPlan({"qkv": [kinds[b % 2] for b in range(n)],
-                     "o": [kinds[(b + 1) % 2] for b in range(n)],
-                     "mlp": [kinds[b // 2 % 2] for b in range(n)],
-                     "down": [kinds[(b + 1) // 2 % 2] for b in range(n)],
-                     "head": [kinds[b % 2] for b in range(n)]}, "test")
+    kinds = ("dense", "onednn") + (
+        ("panel",) if panel_gemm.available(torch.float32, torch.device("cpu")) else ())
+    k = len(kinds)
+    plan = GemmPlan({"qkv": [kinds[b % k] for b in range(n)],
+                     "o": [kinds[(b + 1) % k] for b in range(n)],
+                     "mlp": [kinds[(b + 2) % k] for b in range(n)],
+                     "down": [kinds[b // 2 % k] for b in range(n)],
+                     "head": [kinds[(b + 1) % k] for b in range(n)]}, "test")
     model.gemm_plan = None
     model.apply_gemm_plan(plan)
     assert model.packed

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,13 +53,31 @@ def compiler() -> str | None:
     return None
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The files `source` includes with quotes (#include "..."), relative to it, recursively:
+    they are part of what a build compiles, so of its key."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        current = todo.pop()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', current.read_text(),
+                               flags=re.MULTILINE):
+            path = (current.parent / name).resolve()
+            if path not in found:
+                found.append(path)
+                todo.append(path)
+    return found
+
+
 def build_key(source: Path, flags: tuple[str, ...], cxx: str) -> str:
-    """Hash of source + flags + compiler version + CPU model and flags + architecture."""
+    """Hash of source (and its local includes) + flags + compiler version + CPU model and
+    flags + architecture."""
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True,
                              text=True, timeout=30).stdout.splitlines()[:1]
     info = cpu_info()
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), repr(version).encode(),
+    for part in (source.read_bytes(), *(p.read_bytes() for p in local_includes(source)),
+                 " ".join(flags).encode(), repr(version).encode(),
                  info.model_name.encode(), " ".join(sorted(info.flags)).encode(),
                  platform.machine().encode()):
         h.update(part)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import gemm_select, gemv
+from kvserve.model import gemm_select, gemv, panel_gemm
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.cpu_decode import FastDecode
 from kvserve.model.config import ModelConfig
@@ -290,17 +290,18 @@ class DecoderLayer(nn.Module):
             kernels["onednn"] = _onednn_ops(self)
         if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["gemv"] = _gemv_ops(self, fused=layer_ops)
+        if panel_gemm.available(self.qkv_proj.dtype, self.qkv_proj.device):
+            kernels["panel"] = _panel_ops(self)
         if layer_ops:
             for kernel, ops in kernels.items():
                 _wrap_unfused(self, kernel, ops)
         p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
         h, q = self.qkv_proj.shape[1], self.q_size
 
-        def factory(kind: str, ops: dict[str, Callable]) -> gemm_select.RunFactory:
-            gemv_ops = ops is kernels.get("gemv")
-
+        def factory(kind: str, kernel: str, ops: dict[str, Callable]
+                    ) -> gemm_select.RunFactory:
             def make(rows: int) -> Callable[[], object] | None:
-                if gemv_ops and rows > gemv.MAX_ROWS:
+                if not gemm_select.offered(kernel, gemm_select.bucket_of(rows)):
                     return None
                 x = torch.randn(rows, h, **p)
                 if kind == "qkv" and layer_ops:
@@ -318,7 +319,7 @@ class DecoderLayer(nn.Module):
                 return lambda: ops["down"](xd, r)
             return make
 
-        return {kind: {k: factory(kind, ops) for k, ops in kernels.items()} for kind in _PROJS}
+        return {kind: {k: factory(kind, k, ops) for k, ops in kernels.items()} for kind in _PROJS}
 
     def set_gemm_plan(self, plan: GemmPlan) -> None:
         """Bind one set of projection ops per row bucket as `plan` says: pack (oneDNN) the
@@ -330,7 +331,8 @@ class DecoderLayer(nn.Module):
         built = {"dense": _dense_ops(self, tuple(p for p in _PROJS if plan.uses(p, "dense"))),
                  "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
                  "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
-                                   fused=True)}
+                                   fused=True),
+                 "panel": _panel_ops(self, tuple(p for p in _PROJS if plan.uses(p, "panel")))}
         for kernel, ops in built.items():
             _wrap_unfused(self, kernel, ops)
         self._ops = []
@@ -561,6 +563,36 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
     return ops
 
 
+def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+    """kvserve's panel GEMM (panel_gemm.py) on packed copies of the weights (made here), for
+    `projs` only: bias and the residual add in its epilogue, the gated activation after it."""
+    if not projs:
+        return {}
+    g = panel_gemm.load()
+    if g is None:
+        raise ValueError("the panel GEMM kernel cannot be built here")
+
+    def linear_add(x: torch.Tensor, residual: torch.Tensor, w: panel_gemm.PanelWeight,
+                   b: torch.Tensor | None) -> torch.Tensor:
+        return g.linear(x, w, b, residual=residual)
+
+    ops: dict[str, Callable] = {}
+    if "qkv" in projs:
+        qkv_w, qkv_b = g.pack(layer.qkv_proj), layer.qkv_bias
+        ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+    if "o" in projs:
+        ops["o"] = _output_add(g.linear, linear_add, g.pack(layer.o_proj), layer.o_bias,
+                               layer.attn_out_norm, layer.eps)
+    if "mlp" in projs:
+        gu_w, gu_b, i = g.pack(layer.gate_up_proj), layer.gate_up_bias, layer.intermediate_size
+        gelu = layer.gelu
+        ops["mlp"] = lambda x: _gated(g.linear(x, gu_w, gu_b), i, gelu)
+    if "down" in projs:
+        ops["down"] = _output_add(g.linear, linear_add, g.pack(layer.down_proj),
+                                  layer.down_bias, layer.mlp_out_norm, layer.eps)
+    return ops
+
+
 def gemv_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the C++ GEMV kernel (gemv.py) can run this model's projections."""
     return device.type == "cpu" and dtype == torch.float32 and gemv.load() is not None
@@ -679,9 +711,10 @@ class CausalLM(nn.Module):
 
         kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
         shapes) and packs everything in other dtypes, "onednn" packs everything, "dense"
-        packs nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere.
-        On a build or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses
-        between dense and gemv); without a compiler "gemv" stays dense. With tied embeddings
+        packs nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere,
+        "panel" the panel GEMM above the first bucket (panel_gemm.py, float32). On a build
+        or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses between dense
+        and the C++ kernels); without a compiler "gemv" and "panel" stay dense. With tied embeddings
         a oneDNN LM head needs a packed copy of the embedding table (vocab_size x hidden_size
         more memory)."""
         if self.gemm_plan is not None:
@@ -694,7 +727,8 @@ class CausalLM(nn.Module):
             return False
         onednn = onednn_available(self.dtype, device)
         has_gemv = gemv_available(self.dtype, device)
-        if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv):
+        if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv) or \
+                (kernel == "panel" and not panel_gemm.available(self.dtype, device)):
             kernel = "dense"
         elif kernel == "auto" and self.dtype != torch.float32:
             # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
@@ -713,6 +747,9 @@ class CausalLM(nn.Module):
         if any(plan.uses(p, "gemv") for p in (*_PROJS, "head")) and \
                 not gemv_available(self.dtype, self.embed_tokens.device):
             raise ValueError(f"the C++ GEMV kernel cannot run {self.dtype} weights here")
+        if any(plan.uses(p, "panel") for p in (*_PROJS, "head")) and \
+                not panel_gemm.available(self.dtype, self.embed_tokens.device):
+            raise ValueError(f"the panel GEMM kernel cannot run {self.dtype} weights here")
         for layer in self.layers:
             layer.set_gemm_plan(plan)
         head_dense = self.lm_head if self.lm_head is not None else self.embed_tokens
@@ -721,8 +758,10 @@ class CausalLM(nn.Module):
                 not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
             self.lm_head = None  # the packed copy is the head now
         head_gemv = gemv.load().bind(head_dense) if plan.uses("head", "gemv") else None
+        head_panel = panel_gemm.load().pack(head_dense) if plan.uses("head", "panel") else None
         by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
-                     "gemv": (lambda x, w, b: head_gemv(x), head_dense)}
+                     "gemv": (lambda x, w, b: head_gemv(x), head_dense),
+                     "panel": (panel_gemm.load().linear if head_panel else None, head_panel)}
         self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         if gemv_available(self.dtype, self.embed_tokens.device):
             self._norm = gemv.load().rms_norm  # the final norm too (see _attn_in_unfused)
@@ -754,17 +793,20 @@ class CausalLM(nn.Module):
         packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
         # bound once, as apply_gemm_plan binds it: the checked call costs ~10 us more
         head_gemv = gemv.load().bind(head) if "gemv" in factories["qkv"] else None
+        head_panel = panel_gemm.load().pack(head) if "panel" in factories["qkv"] else None
         p = {"dtype": self.dtype, "device": head.device}
 
         def head_run(kind: str) -> gemm_select.RunFactory:
             def make(rows: int) -> Callable[[], object] | None:
-                if kind == "gemv" and rows > gemv.MAX_ROWS:
+                if not gemm_select.offered(kind, gemm_select.bucket_of(rows)):
                     return None
                 x = torch.randn(rows, h, **p)
                 if kind == "onednn":
                     return lambda: _onednn_linear(x, packed_head, None)
                 if kind == "gemv":
                     return lambda: head_gemv(x)
+                if kind == "panel":
+                    return lambda: panel_gemm.load().linear(x, head_panel)
                 return lambda: _dense_linear(x, head, None)
             return make
 

@@ -193,8 +193,9 @@ class DeepseekLayer(nn.Module):
         """Bind `plan`'s kernel: these layers have one set of ops for every row bucket (the
         per-bucket choice of gemm_select.py is measured on DecoderLayer's projections), so a
         plan must give every projection and bucket the same kernel (the LM head may differ)."""
-        # the C++ GEMV is not wired into MLA / MoE: those projections stay dense
-        kernels = {"dense" if k == "gemv" else k for p in _PROJS for k in plan.kernels[p]}
+        # the C++ GEMV and panel GEMM are not wired into MLA / MoE: those projections stay dense
+        kernels = {"dense" if k in ("gemv", "panel") else k for p in _PROJS
+                   for k in plan.kernels[p]}
         if len(kernels) != 1:
             raise ValueError("DeepSeek layers run one GEMM kernel for every projection and "
                              f"batch size; the plan mixes {sorted(kernels)}")

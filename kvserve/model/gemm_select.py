@@ -13,14 +13,16 @@ with SiLU, the SwiGLU product and the residual add fused as epilogues; its row c
 rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded), and
 "gemv" (kvserve/model/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
 SiLU/GELU * up and the residual add fused; float32, offered for the first row bucket only,
-`PARTIAL_KERNELS`).
+`PARTIAL_KERNELS`), and "panel" (kvserve/model/panel_gemm.py: a C++ GEMM on weights packed
+in panels of 32 output features, which streams them from DRAM while it computes; float32,
+with bias and the residual add fused).
 
 A projection keeps both layouts (twice its weight memory) only where the minority kernel wins
 its buckets by at least `MIXED_MIN_GAIN`; otherwise it takes the one kernel that is best over
 all buckets. Results are cached per CPU model, flags, torch version, threads, dtype and weight
 shapes in `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
-`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` forces it
-where it is offered (the first bucket) and dense elsewhere.
+`KVSERVE_GEMM=dense|onednn|panel` forces one kernel everywhere (tests, comparisons); `gemv`
+forces it where it is offered (the first bucket) and dense elsewhere.
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 
-KERNELS = ("dense", "onednn", "gemv")
-# Kernels offered for some row buckets only (their factories return None for the others): they
-# never make a projection's single choice, they replace it in the buckets where they win.
-PARTIAL_KERNELS = {"gemv": 0}  # kernel -> its last bucket
+KERNELS = ("dense", "onednn", "gemv", "panel")
 # Kernels that read the row-major weight (no second layout when mixed with each other).
 ROW_MAJOR = ("dense", "gemv")
 PROJECTIONS = ("qkv", "o", "mlp", "down", "head")
@@ -51,9 +50,14 @@ PROJECTIONS = ("qkv", "o", "mlp", "down", "head")
 BUCKETS: tuple[tuple[float, int], ...] = ((4, 1), (32, 16), (128, 64), (512, 256),
                                           (float("inf"), 1000))
 BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
+# Kernels offered for some row buckets only (their factories return None for the others): they
+# never make a projection's single choice, they replace it in the buckets where they win. The
+# GEMV only for a few rows; the panel GEMM above them, where the GEMV (and the one-call decode
+# path it enables, cpu_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
+PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, len(BUCKETS) - 1)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 3  # 3: the head GEMV timed as bound (as it runs)
+CACHE_VERSION = 4  # 3: the head GEMV timed as bound (as it runs); 4: the panel GEMM
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
@@ -92,9 +96,14 @@ def forced_plan(kernel: str) -> GemmPlan:
     elsewhere)."""
     if kernel not in KERNELS:
         raise ValueError(f"GEMM kernel must be one of {KERNELS}, got {kernel!r}")
-    last = PARTIAL_KERNELS.get(kernel, len(BUCKETS) - 1)
-    per_bucket = [kernel if b <= last else "dense" for b in range(len(BUCKETS))]
+    per_bucket = [kernel if offered(kernel, b) else "dense" for b in range(len(BUCKETS))]
     return GemmPlan({p: list(per_bucket) for p in PROJECTIONS}, "forced")
+
+
+def offered(kernel: str, bucket: int) -> bool:
+    """Whether `kernel` is a candidate for row bucket `bucket` (PARTIAL_KERNELS)."""
+    first, last = PARTIAL_KERNELS.get(kernel, (0, len(BUCKETS) - 1))
+    return first <= bucket <= last
 
 
 def time_once(run: Callable[[], object], calls: int) -> float:
@@ -135,18 +144,19 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
     """Per projection: among the kernels offered for every bucket, the faster kernel per
     bucket where that gains >= MIXED_MIN_GAIN in every bucket the minority wins, else the
     single kernel with the lowest summed relative cost; buckets past the last measured one
-    take its choice. Then a partial kernel (gemv) takes the buckets where it is faster: by
-    any margin where the projection keeps its row-major weight anyway, by MIXED_MIN_GAIN
-    where it would add that layout beside oneDNN's."""
+    take its choice. Then a partial kernel (gemv, panel) takes the buckets where it is faster:
+    the GEMV by any margin where the projection keeps its row-major weight anyway, else by
+    MIXED_MIN_GAIN (it adds a weight layout)."""
     kernels: dict[str, list[str]] = {}
     for proj, per_kernel in times.items():
         full = {k: v for k, v in per_kernel.items() if k not in PARTIAL_KERNELS}
         kernels[proj] = _decide_full(full)
         chosen = kernels[proj]
-        gain = 0.0 if any(c in ROW_MAJOR for c in chosen) else MIXED_MIN_GAIN
         for k, ts in per_kernel.items():
             if k not in PARTIAL_KERNELS:
                 continue
+            gain = 0.0 if k in ROW_MAJOR and any(c in ROW_MAJOR for c in chosen) \
+                else MIXED_MIN_GAIN
             for b, t in enumerate(ts):
                 other = per_kernel.get(chosen[b], [None] * len(BUCKETS))[b]
                 if t is None or other is None:

@@ -102,9 +102,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     problem with the checkpoint, naming the file or tensor at fault.
 
     With `pack_weights` (the default) each projection gets the GEMM kernel that measures
-    fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn" or
-    "dense", default $KVSERVE_GEMM or "auto"); the logits are the same up to float rounding
-    either way. Without it every GEMM stays dense (F.linear)."""
+    fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn",
+    "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
+    to float rounding either way. Without it every GEMM stays dense (F.linear)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     if device == "auto":

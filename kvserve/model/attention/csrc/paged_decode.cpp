@@ -43,6 +43,8 @@
 
 #include <omp.h>
 
+#include "../../csrc/vec.h"
+
 namespace {
 
 constexpr int kMaxGroup = 64;        // query heads per KV head
@@ -193,31 +195,8 @@ inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int6
 // as q is in the same one, and the value accumulator is put back in channel order at the end.
 inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
 
-// Generic float vectors of kLanes lanes, which the compiler maps onto one of the CPU's
-// registers: 16 where it may use AVX-512, 8 with AVX/AVX2, else 4 (SSE, NEON). Why not always
-// 16: without AVX-512, GCC lowers a 64-byte generic vector through the stack, and the kernel
-// built for AVX2 ran ~9x slower than for AVX-512 on the same CPU, not ~2x. Why vectors and not
-// `omp simd reduction`: GCC summed the lanes of each dot product as one chain of dependent
-// scalar adds through the stack.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
+// vf: kLanes floats in one vector register (see vec.h); "why not omp simd reduction": GCC summed
+// the lanes of each dot product as one chain of dependent scalar adds through the stack.
 inline float hsum(vf x) {  // once per block and head: plain code is fine
   float t[kLanes];
   std::memcpy(t, &x, sizeof t);
