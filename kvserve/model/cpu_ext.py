@@ -63,7 +63,7 @@ def local_includes(source: Path) -> list[Path]:
         for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', current.read_text(),
                                flags=re.MULTILINE):
             path = (current.parent / name).resolve()
-            if path not in found:
+            if path.is_file() and path not in found:  # else a system header's quoted name
                 found.append(path)
                 todo.append(path)
     return found

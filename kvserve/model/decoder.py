@@ -714,9 +714,9 @@ class CausalLM(nn.Module):
         packs nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere,
         "panel" the panel GEMM above the first bucket (panel_gemm.py, float32). On a build
         or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses between dense
-        and the C++ kernels); without a compiler "gemv" and "panel" stay dense. With tied embeddings
-        a oneDNN LM head needs a packed copy of the embedding table (vocab_size x hidden_size
-        more memory)."""
+        and the C++ kernels); without a compiler "gemv" and "panel" stay dense. With tied
+        embeddings a oneDNN or panel LM head needs a packed copy of the embedding table
+        (vocab_size x hidden_size more memory, each)."""
         if self.gemm_plan is not None:
             return self.packed
         if kernel not in ("auto", *gemm_select.KERNELS):
@@ -734,7 +734,8 @@ class CausalLM(nn.Module):
             # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
             # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
             kernel = "onednn" if onednn else "dense"
-        elif kernel == "auto" and not (onednn or has_gemv):
+        elif kernel == "auto" and not (onednn or has_gemv
+                                       or panel_gemm.available(self.dtype, device)):
             kernel = "dense"  # nothing to choose between
         plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
         return self.apply_gemm_plan(plan)

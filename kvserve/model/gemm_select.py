@@ -17,9 +17,11 @@ SiLU/GELU * up and the residual add fused; float32, offered for the first row bu
 in panels of 32 output features, which streams them from DRAM while it computes; float32,
 with bias and the residual add fused).
 
-A projection keeps both layouts (twice its weight memory) only where the minority kernel wins
-its buckets by at least `MIXED_MIN_GAIN`; otherwise it takes the one kernel that is best over
-all buckets. Results are cached per CPU model, flags, torch version, threads, dtype and weight
+A projection keeps a second weight layout only where the minority kernel wins its buckets by
+at least `MIXED_MIN_GAIN`; otherwise it takes the one kernel that is best over all buckets. The
+partial kernels replace it bucket by bucket on the same rule (the GEMV by any margin beside a
+row-major weight), so a projection can keep up to three layouts: row-major for the GEMV, the
+panel GEMM's and oneDNN's. Results are cached per CPU model, flags, torch version, threads, dtype and weight
 shapes in `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
 `KVSERVE_GEMM=dense|onednn|panel` forces one kernel everywhere (tests, comparisons); `gemv`
 forces it where it is offered (the first bucket) and dense elsewhere.

@@ -82,11 +82,13 @@ class PanelGemm:
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, k] float32 (unit stride along k) -> x W^T + bias [rows, n]; with `residual`
-        ([rows, n], unit stride along n) the sum is added to it in place and returned."""
+        ([rows, n], unit stride along n, not overlapping x) the sum is added to it in place
+        and returned."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or x.shape[1] != w.k or x.stride(1) != 1:
+            raise ValueError(f"panel GEMM: x must be [rows, {w.k}] float32 on the CPU with unit "
+                             f"stride along k, got {tuple(x.shape)} {x.dtype} on {x.device}")
         rows = x.shape[0]
-        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != w.k or x.stride(1) != 1:
-            raise ValueError(f"panel GEMM: x must be [rows, {w.k}] float32 with unit stride "
-                             f"along k, got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"panel GEMM: bias must be a contiguous float32 [{w.n}]")

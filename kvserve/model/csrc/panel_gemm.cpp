@@ -7,8 +7,8 @@
 // K/V on top, more than the L3 keeps), and there the projections ran ~1.5x slower than in a
 // loop on one layer's weights. This kernel streams each panel once: a tile of rows keeps
 // rows x 32 accumulators in registers over all of K (the panel's K x 32 floats stay in L2 for
-// the other tiles of rows), and while it computes it asks for the next panel, spread over the
-// tiles, one cache line per step of K.
+// the other tiles of rows), and while it computes it asks for the next panel, two cache lines
+// per step of K.
 //
 // Built at first use with the machine's compiler (kvserve/model/cpu_ext.py) and called through
 // ctypes. Generic vectors (vec.h) sized for the instruction set it is built for; OpenMP over
@@ -55,9 +55,10 @@ void tile(const Args& a, int64_t m0, int64_t p, const char* next, int64_t next_b
   for (int64_t kk = 0; kk < a.k; ++kk) {
     vf wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = loadv(w + kk * kPanel + v * kLanes);
-    if (asked < next_bytes) {
+    if (asked < next_bytes) {  // two lines per step of K: a whole panel in one tile
       __builtin_prefetch(next + asked, 0, 2);
-      asked += 64;
+      __builtin_prefetch(next + asked + 64, 0, 2);
+      asked += 128;
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -103,9 +104,10 @@ int kvserve_panel_gemm(const Args* args) {
           p + 1 < panels ? reinterpret_cast<const char*>(a.w) + (p + 1) * panel_bytes : nullptr;
       int64_t t = 0;
       for (int64_t m0 = b0; m0 < b1; m0 += kTileRows, ++t) {
-        // tile t asks for lines [t * k, (t + 1) * k) of the next panel
-        const int64_t from = std::min(t * a.k * 64, panel_bytes);
-        const int64_t bytes = next ? std::min(a.k * 64, panel_bytes - from) : 0;
+        // tile t asks for lines [2 t k, 2 (t + 1) k) of the next panel (k * 128 bytes: all of
+        // it in the first tile)
+        const int64_t from = std::min(t * a.k * 128, panel_bytes);
+        const int64_t bytes = next ? std::min(a.k * 128, panel_bytes - from) : 0;
         const char* at = next ? next + from : nullptr;
         switch (std::min<int64_t>(kTileRows, b1 - m0)) {
           case 8: tile<8>(a, m0, p, at, bytes); break;
