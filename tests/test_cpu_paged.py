@@ -60,11 +60,16 @@ def _case(dtype, h, hkv, d, bs, lens, seed=0):
                                         (6, 2, 40, 48), (10, 2, 24, 20)],
                          ids=["gqa", "mha", "mqa", "gqa3-d40-bs48", "gqa5-d24-bs20"])
 def test_kernel_matches_reference(dtype, h, hkv, d, bs, threads):
+    _check_against_reference(kernel, dtype, h, hkv, d, bs)
+
+
+def _check_against_reference(k_fn, dtype, h, hkv, d, bs):
+    """Lengths around the block size and past several blocks, scattered tables."""
     lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 37]
     q, k, v, tables = _case(dtype, h, hkv, d, bs, lens)
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out = kernel(q, k, v, table_t, torch.tensor(lens), 0.125)
+    out = k_fn(q, k, v, table_t, torch.tensor(lens), 0.125)
     for i, n in enumerate(lens):
         ref = reference_paged_attention(q[i: i + 1], k, v, tables[i], n, 0.125)[0]
         torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=1e-5)
@@ -341,11 +346,4 @@ def test_kernel_built_for_an_older_x86_matches_reference(march):
     assert lib is not None, f"the kernel did not build with -march={march}"
     narrow = cpu_paged.PagedDecodeKernel(lib)
     for h, hkv, d, bs in [(8, 2, 64, 16), (6, 2, 40, 48), (10, 2, 24, 20)]:
-        lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 37]
-        q, k, v, tables = _case(torch.float32, h, hkv, d, bs, lens)
-        width = max(len(t) for t in tables)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        out = narrow(q, k, v, table_t, torch.tensor(lens), 0.125)
-        for i, n in enumerate(lens):
-            ref = reference_paged_attention(q[i: i + 1], k, v, tables[i], n, 0.125)[0]
-            torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=1e-5)
+        _check_against_reference(narrow, torch.float32, h, hkv, d, bs)
