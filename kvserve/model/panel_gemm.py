@@ -7,8 +7,8 @@ than the L3 keeps): the projections ran ~1.5x slower in the engine than in a loo
 layer's weights. This kernel streams each panel of 32 output features once, keeps a tile of
 rows' accumulators in registers over all of K, and prefetches the next panel while it
 computes; the bias and the residual add are its epilogue. Measured at 64 rows on this
-project's AVX-512 CPU: ~310 GFLOP/s with the weights hot, and within ~25% of that cold, where
-oneDNN lost ~35-75%.
+project's AVX-512 CPU: ~310 GFLOP/s with the weights hot, and 3-33% slower cold, where oneDNN
+lost 5-76%.
 
 gemm_select times it against the others at every row bucket on the model's own weights and
 uses it where it wins. It reads its own layout (a packed copy, like oneDNN's): a projection
