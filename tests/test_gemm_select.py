@@ -48,6 +48,26 @@ def test_partial_kernels_take_the_buckets_they_win():
     assert gs.decide(times)["qkv"] == ["gemv", "dense", "panel", "panel", "dense"]
 
 
+def test_a_partial_kernel_extends_past_the_last_measured_bucket():
+    """The LM head is measured up to 128 rows: its larger buckets follow the last choice."""
+    times = {"head": {"dense": [4, 4, 4, None, None], "onednn": [3, 3, 3, None, None],
+                      "gemv": [1, None, None, None, None], "panel": [None, 2, 2, None, None]}}
+    assert gs.decide(times)["head"] == ["gemv"] + ["panel"] * (N - 1)
+
+
+def test_a_third_weight_layout_needs_a_real_gain():
+    dense, gemv = [1, 1, 1, 2, 2], [0.9, None, None, None, None]
+    onednn = [2, 2, 2, 1, 1]
+    # the panel GEMM within 5% of oneDNN where oneDNN wins: one packed layout is enough
+    near = {"q": {"dense": dense, "onednn": onednn, "gemv": gemv,
+                  "panel": [None, 0.5, 0.5, 1.05, 1.05]}}
+    assert gs.decide(near)["q"] == ["gemv"] + ["panel"] * (N - 1)
+    # 50% slower there: both packed layouts earn their memory
+    far = {"q": {"dense": dense, "onednn": onednn, "gemv": gemv,
+                 "panel": [None, 0.5, 0.5, 1.5, 1.5]}}
+    assert gs.decide(far)["q"] == ["gemv", "panel", "panel", "onednn", "onednn"]
+
+
 def test_forced_plan_and_bad_names():
     assert gs.forced_plan("dense").kernels["mlp"] == ["dense"] * N
     assert gs.forced_plan("gemv").kernels["qkv"] == ["gemv"] + ["dense"] * (N - 1)

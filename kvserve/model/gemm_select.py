@@ -59,7 +59,7 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, len(BUCKETS) - 1)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 4  # 3: the head GEMV timed as bound (as it runs); 4: the panel GEMM
+CACHE_VERSION = 5  # 3: the head GEMV timed as bound; 4: the panel GEMM; 5: fewer layouts
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
@@ -148,7 +148,10 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
     single kernel with the lowest summed relative cost; buckets past the last measured one
     take its choice. Then a partial kernel (gemv, panel) takes the buckets where it is faster:
     the GEMV by any margin where the projection keeps its row-major weight anyway, else by
-    MIXED_MIN_GAIN (it adds a weight layout)."""
+    MIXED_MIN_GAIN (it adds a weight layout); buckets past the last one a partial kernel was
+    measured in take that bucket's choice too. Last, a projection left with two packed
+    layouts (oneDNN's and the panel GEMM's) drops one where the other kernels come within
+    MIXED_MIN_GAIN of it in every bucket it holds (`_fewer_layouts`)."""
     kernels: dict[str, list[str]] = {}
     for proj, per_kernel in times.items():
         full = {k: v for k, v in per_kernel.items() if k not in PARTIAL_KERNELS}
@@ -165,7 +168,38 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
                     continue
                 if other >= (1 + gain) * t:
                     chosen[b] = k
+        last = max((b for ts in per_kernel.values() for b, t in enumerate(ts) if t is not None),
+                   default=len(BUCKETS) - 1)
+        chosen[last + 1:] = [chosen[last]] * (len(BUCKETS) - last - 1)
+        _fewer_layouts(chosen, per_kernel)
     return kernels
+
+
+def _fewer_layouts(chosen: list[str], per_kernel: dict[str, list[float | None]]) -> None:
+    """In place: where `chosen` uses both packed layouts, hand the buckets of the one that
+    costs least to give up to the fastest other kernel in each, if that is within
+    MIXED_MIN_GAIN of it everywhere. Why: a third copy of a weight (row-major for the GEMV,
+    panels, oneDNN's) for a few percent in some buckets is a poor trade of memory."""
+    packed = [k for k in KERNELS if k not in ROW_MAJOR and k in chosen]
+    if len(packed) < 2:
+        return
+    for drop in sorted(packed, key=lambda k: chosen.count(k)):
+        plan = list(chosen)
+        for b, k in enumerate(chosen):
+            if k != drop:
+                continue
+            t = per_kernel[drop][b]
+            others = {o: ts[b] for o, ts in per_kernel.items()
+                      if o != drop and ts[b] is not None and (o in ROW_MAJOR or o in chosen)}
+            if t is None or not others:
+                break
+            best = min(others, key=others.get)
+            if others[best] > (1 + MIXED_MIN_GAIN) * t:
+                break
+            plan[b] = best
+        else:
+            chosen[:] = plan
+            return
 
 
 def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
