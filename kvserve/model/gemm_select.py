@@ -59,7 +59,7 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, len(BUCKETS) - 1)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 5  # 3: the head GEMV timed as bound; 4: the panel GEMM; 5: fewer layouts
+CACHE_VERSION = 6  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer weight layouts
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
@@ -148,8 +148,9 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
     single kernel with the lowest summed relative cost; buckets past the last measured one
     take its choice. Then a partial kernel (gemv, panel) takes the buckets where it is faster:
     the GEMV by any margin where the projection keeps its row-major weight anyway, else by
-    MIXED_MIN_GAIN (it adds a weight layout); buckets past the last one a partial kernel was
-    measured in take that bucket's choice too. Last, a projection left with two packed
+    MIXED_MIN_GAIN (it adds a weight layout), or by any margin where it replaces a packed
+    layout in all of its buckets (`_take_over`); buckets past the last measured one take that
+    bucket's choice. Last, a projection left with two packed
     layouts (oneDNN's and the panel GEMM's) drops one where the other kernels come within
     MIXED_MIN_GAIN of it in every bucket it holds (`_fewer_layouts`)."""
     kernels: dict[str, list[str]] = {}
@@ -157,9 +158,13 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
         full = {k: v for k, v in per_kernel.items() if k not in PARTIAL_KERNELS}
         kernels[proj] = _decide_full(full)
         chosen = kernels[proj]
+        last = max((b for ts in per_kernel.values() for b, t in enumerate(ts) if t is not None),
+                   default=len(BUCKETS) - 1)
         for k, ts in per_kernel.items():
             if k not in PARTIAL_KERNELS:
                 continue
+            if k not in ROW_MAJOR:
+                _take_over(chosen, per_kernel, k, last)
             gain = 0.0 if k in ROW_MAJOR and any(c in ROW_MAJOR for c in chosen) \
                 else MIXED_MIN_GAIN
             for b, t in enumerate(ts):
@@ -168,11 +173,25 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
                     continue
                 if other >= (1 + gain) * t:
                     chosen[b] = k
-        last = max((b for ts in per_kernel.values() for b, t in enumerate(ts) if t is not None),
-                   default=len(BUCKETS) - 1)
         chosen[last + 1:] = [chosen[last]] * (len(BUCKETS) - last - 1)
         _fewer_layouts(chosen, per_kernel)
     return kernels
+
+
+def _take_over(chosen: list[str], per_kernel: dict[str, list[float | None]], kernel: str,
+               last: int) -> None:
+    """In place: give packed partial `kernel` every bucket of a packed kernel it beats, by any
+    margin, in all of that kernel's buckets up to `last` (the last measured one): it then
+    replaces that weight layout instead of adding one, so MIXED_MIN_GAIN does not apply."""
+    ts = per_kernel[kernel]
+    for packed in {c for c in chosen if c not in ROW_MAJOR and c != kernel}:
+        held = [b for b, c in enumerate(chosen) if c == packed and b <= last]
+        theirs = per_kernel[packed]
+        if held and all(ts[b] is not None and theirs[b] is not None and ts[b] < theirs[b]
+                        for b in held):
+            for b, c in enumerate(chosen):
+                if c == packed:
+                    chosen[b] = kernel
 
 
 def _fewer_layouts(chosen: list[str], per_kernel: dict[str, list[float | None]]) -> None:
