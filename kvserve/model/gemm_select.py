@@ -150,12 +150,11 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
     bucket where that gains >= MIXED_MIN_GAIN in every bucket the minority wins, else the
     single kernel with the lowest summed relative cost; buckets past the last measured one
     take its choice. Then a partial kernel (gemv, panel) takes the buckets where it is faster:
-    the GEMV unless MIXED_MIN_GAIN slower where the projection keeps its row-major weight
-    anyway, else by
-    MIXED_MIN_GAIN (it adds a weight layout), or by any margin where it replaces a packed
-    layout in all of its buckets (`_take_over`); buckets past the last measured one take that
-    bucket's choice. Last, a projection left with two packed
-    layouts (oneDNN's and the panel GEMM's) drops one where the other kernels come within
+    the GEMV unless it is MIXED_MIN_GAIN slower where the projection keeps its row-major
+    weight anyway; else by MIXED_MIN_GAIN (it adds a weight layout), or by any margin where it
+    replaces a packed layout in all of its buckets (`_take_over`). Buckets past the last
+    measured one take that bucket's choice. Last, a projection left with two packed layouts
+    (oneDNN's and the panel GEMM's) drops one where the other kernels come within
     MIXED_MIN_GAIN of it in every bucket it holds (`_fewer_layouts`)."""
     kernels: dict[str, list[str]] = {}
     for proj, per_kernel in times.items():
