@@ -571,26 +571,31 @@ def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str
     g = panel_gemm.load()
     if g is None:
         raise ValueError("the panel GEMM kernel cannot be built here")
-
-    def linear_add(x: torch.Tensor, residual: torch.Tensor, w: panel_gemm.PanelWeight,
-                   b: torch.Tensor | None) -> torch.Tensor:
-        return g.linear(x, w, b, residual=residual)
-
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
-        qkv_w, qkv_b = g.pack(layer.qkv_proj), layer.qkv_bias
-        ops["qkv"] = lambda x: g.linear(x, qkv_w, qkv_b)
+        ops["qkv"] = g.bind(g.pack(layer.qkv_proj), layer.qkv_bias)
     if "o" in projs:
-        ops["o"] = _output_add(g.linear, linear_add, g.pack(layer.o_proj), layer.o_bias,
+        ops["o"] = _output_add(_panel_linear, _panel_linear_add,
+                               g.bind(g.pack(layer.o_proj), layer.o_bias), None,
                                layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
-        gu_w, gu_b, i = g.pack(layer.gate_up_proj), layer.gate_up_bias, layer.intermediate_size
+        gate_up, i = g.bind(g.pack(layer.gate_up_proj), layer.gate_up_bias), layer.intermediate_size
         gelu = layer.gelu
-        ops["mlp"] = lambda x: _gated(g.linear(x, gu_w, gu_b), i, gelu)
+        ops["mlp"] = lambda x: _gated(gate_up(x), i, gelu)
     if "down" in projs:
-        ops["down"] = _output_add(g.linear, linear_add, g.pack(layer.down_proj),
-                                  layer.down_bias, layer.mlp_out_norm, layer.eps)
+        ops["down"] = _output_add(_panel_linear, _panel_linear_add,
+                                  g.bind(g.pack(layer.down_proj), layer.down_bias), None,
+                                  layer.mlp_out_norm, layer.eps)
     return ops
+
+
+def _panel_linear(x: torch.Tensor, w: panel_gemm.BoundPanel, b: None) -> torch.Tensor:
+    return w(x)  # (the bias is bound in w)
+
+
+def _panel_linear_add(x: torch.Tensor, residual: torch.Tensor, w: panel_gemm.BoundPanel,
+                      b: None) -> torch.Tensor:
+    return w(x, residual)
 
 
 def gemv_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -759,10 +764,11 @@ class CausalLM(nn.Module):
                 not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
             self.lm_head = None  # the packed copy is the head now
         head_gemv = gemv.load().bind(head_dense) if plan.uses("head", "gemv") else None
-        head_panel = panel_gemm.load().pack(head_dense) if plan.uses("head", "panel") else None
+        head_panel = panel_gemm.load().bind(panel_gemm.load().pack(head_dense)) \
+            if plan.uses("head", "panel") else None
         by_kernel = {"onednn": (_onednn_linear, head_packed), "dense": (_dense_linear, head_dense),
                      "gemv": (lambda x, w, b: head_gemv(x), head_dense),
-                     "panel": (panel_gemm.load().linear if head_panel else None, head_panel)}
+                     "panel": (_panel_linear, head_panel)}
         self._head_ops = [by_kernel[k] for k in plan.kernels["head"]]
         if gemv_available(self.dtype, self.embed_tokens.device):
             self._norm = gemv.load().rms_norm  # the final norm too (see _attn_in_unfused)
@@ -794,7 +800,8 @@ class CausalLM(nn.Module):
         packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
         # bound once, as apply_gemm_plan binds it: the checked call costs ~10 us more
         head_gemv = gemv.load().bind(head) if "gemv" in factories["qkv"] else None
-        head_panel = panel_gemm.load().pack(head) if "panel" in factories["qkv"] else None
+        head_panel = panel_gemm.load().bind(panel_gemm.load().pack(head)) \
+            if "panel" in factories["qkv"] else None
         p = {"dtype": self.dtype, "device": head.device}
 
         def head_run(kind: str) -> gemm_select.RunFactory:
@@ -807,7 +814,7 @@ class CausalLM(nn.Module):
                 if kind == "gemv":
                     return lambda: head_gemv(x)
                 if kind == "panel":
-                    return lambda: panel_gemm.load().linear(x, head_panel)
+                    return lambda: head_panel(x)
                 return lambda: _dense_linear(x, head, None)
             return make
 
