@@ -205,6 +205,14 @@ inline float hsum(vf x) {  // once per block and head: plain code is fine
   return t[0];
 }
 
+inline float hmax(vf x) {  // once per tile and head
+  float t[kLanes];
+  std::memcpy(t, &x, sizeof t);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+  return t[0];
+}
+
 // lanes of (a, b) by index, 0 .. kLanes - 1 from a, kLanes .. 2 kLanes - 1 from b
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -256,6 +264,11 @@ inline vf transpose_sum(const vf* x) {
 #endif
 
 constexpr int64_t kChunk = kLanes;  // token rows whose scores come out as one vector
+// Tokens per tile (whole blocks; one block where a block is larger) and a head's room for
+// the tile's scores: a block's last chunk may write kChunk lanes past its rows, and the
+// softmax pads the tile to a whole chunk.
+constexpr int64_t kTile = kMaxBlock;
+constexpr int64_t kScoreStride = kTile + 2 * kChunk;
 
 // Scores of q against kChunk rows of D floats. The channels are the outer loop so that the
 // rows' sums are 16 independent chains of FMAs held in registers: row by row, each dot
@@ -389,11 +402,11 @@ void decode(const Args& a) {
     }
     // Per query head h of the item (query head hk0 * G + h of the sequence): its running
     // softmax max and sum, value accumulator, scaled query (int4: in nibble order), this
-    // block's scores (at h * kMaxBlock, padded to kChunk).
+    // tile's scores (at h * kScoreStride).
     float m[kMaxGroup], l[kMaxGroup];
     float acc[kMaxGroupDim];
     float qs[kMaxGroupDim];
-    float scores[kMaxGroup * kMaxBlock];
+    float scores[kMaxGroup * kScoreStride];
     // a chunk's decoded rows (float32 reads the cache itself)
     float bufs[(K == F32 ? 1 : kChunk) * kMaxDim];
     float tmp[kMaxDim];
@@ -413,105 +426,128 @@ void decode(const Args& a) {
     const int64_t first = a.starts ? a.starts[s] : 0;
     const int64_t* table = a.tables + s * a.table_stride;
     const int64_t row_bytes = per_item * row_width * esize, row_stride = token_stride * esize;
-    for (int64_t b = first / bs; b * bs < len; ++b) {
-      const int64_t lo = b * bs < first ? first - b * bs : 0;
-      const int64_t hi = len - b * bs < bs ? len - b * bs : bs;
-      const int64_t count = hi - lo;
-      if (count <= 0) continue;
-      const int64_t block = table[b];
-      // The next block's rows of this item, asked for one row per row used here (a burst of
-      // a whole block fills the line-fill buffers and stalls on the prefetches). Why at all:
-      // each block is a new address stream, from DRAM in a running engine (the weights and
-      // the other layers' KV pass through the cache between two reads of one layer).
-      const char* next_k = nullptr;
-      const char* next_v = nullptr;
-      if ((b + 1) * bs < len) {
-        const int64_t next = (table[b + 1] * block_stride + hk0 * row_width) * esize;
-        next_k = static_cast<const char*>(a.k) + next;
-        next_v = static_cast<const char*>(a.v) + next;
-      }
+    // Visible token rows [lo, lo + count) of table entry b.
+    const auto visible = [&](int64_t b, int64_t& lo, int64_t& count) {
+      lo = b * bs < first ? first - b * bs : 0;
+      count = (len - b * bs < bs ? len - b * bs : bs) - lo;
+    };
+    // Ask for table entry b's rows of this item in `data` (K or V) while the current block's
+    // rows are worked on, one row's share per row used here (a burst of a whole block fills
+    // the line-fill buffers and stalls on the prefetches). Why at all: each block is a new
+    // address stream, from DRAM in a running engine (the weights and the other layers' KV
+    // pass through the cache between two reads of one layer).
+    const auto prefetch_block = [&](const void* data, int64_t b, int64_t j, int64_t count) {
+      if (b < 0) return;
       const int64_t per_row = (bs + count - 1) / count;  // all of it by the last row
-      const auto prefetch_next = [&](const char* next, int64_t j) {
-        if (next && j * per_row < bs)
-          prefetch_rows(next + j * per_row * row_stride, std::min(per_row, bs - j * per_row),
-                        row_bytes, row_stride);
-      };
-      const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
-                                                        : -1;
-      // Token t's key row of KV head hk as D floats (int4: in nibble order, with ks / kz of
-      // that head loaded); buf: where to decode it.
-      const auto key_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
-        const int64_t off = block * block_stride + t * token_stride + hk * row_width;
-        if constexpr (K <= FP8_E5M2) {
-          return elementwise_row<K>(a.k, off, D, buf);
-        } else if constexpr (K == INT8) {
-          affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
-                            a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
-                            buf);
-          return buf;
-        } else {  // INT4 keys: per channel over the block, or the residual row
-          if (res_row >= 0) {  // exact keys in channel order: into nibble order
-            const float* r = residual_row(a.res_kind, a.k_res,
-                                          ((res_row * bs + t) * Hkv + hk) * D, D, tmp);
-            for (int64_t d = 0; d < D; ++d) buf[nibble_order(d, D)] = r[d];
-          } else {
-            const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
-            const int64_t half = D / 2;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-              buf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
-              buf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
-            }
-          }
-          return buf;
-        }
-      };
-      const auto value_row = [&](int64_t hk, int64_t t, float* buf) -> const float* {
-        const int64_t off = block * block_stride + t * token_stride + hk * row_width;
-        if constexpr (K <= FP8_E5M2) {
-          return elementwise_row<K>(a.v, off, D, buf);
+      if (j * per_row >= bs) return;
+      const char* base = static_cast<const char*>(data) +
+                         (table[b] * block_stride + hk0 * row_width) * esize;
+      prefetch_rows(base + j * per_row * row_stride, std::min(per_row, bs - j * per_row),
+                    row_bytes, row_stride);
+    };
+    // Token t's key row of KV head hk in `block` as D floats (int4: in nibble order, with ks
+    // / kz of that head loaded; res_row: the block's KIVI residual row or -1); buf: where to
+    // decode it.
+    const auto key_row = [&](int64_t block, int64_t res_row, int64_t hk, int64_t t,
+                             float* buf) -> const float* {
+      const int64_t off = block * block_stride + t * token_stride + hk * row_width;
+      if constexpr (K <= FP8_E5M2) {
+        return elementwise_row<K>(a.k, off, D, buf);
+      } else if constexpr (K == INT8) {
+        affine_row<false>(static_cast<const uint8_t*>(a.k) + off,
+                          a.k_sz + (block * bs + t) * sz_token + hk * groups * 2, D, groups,
+                          buf);
+        return buf;
+      } else {  // INT4 keys: per channel over the block, or the residual row
+        if (res_row >= 0) {  // exact keys in channel order: into nibble order
+          const float* r = residual_row(a.res_kind, a.k_res,
+                                        ((res_row * bs + t) * Hkv + hk) * D, D, tmp);
+          for (int64_t d = 0; d < D; ++d) buf[nibble_order(d, D)] = r[d];
         } else {
-          affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
-                                a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
-                                groups, buf);
-          return buf;
+          const uint8_t* c = static_cast<const uint8_t*>(a.k) + off;
+          const int64_t half = D / 2;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            buf[i] = static_cast<float>(c[i] & 0x0f) * ks[i] + kz[i];
+            buf[half + i] = static_cast<float>(c[i] >> 4) * ks[half + i] + kz[half + i];
+          }
         }
-      };
-      // scores[h * kMaxBlock + j] = q_h . k_j for the block's visible tokens, a chunk of kChunk
-      // rows at a time (decoded once, read by every query head of the group); -inf past the
-      // last one.
-      for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
-        const int64_t mrows = std::min(kChunk, count - j0);
-        for (int64_t j = 0; j < mrows; ++j) prefetch_next(next_k, j0 + j);
-        for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
-          if constexpr (K == INT4) {
-            if (res_row < 0) {
-              const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
-              for (int64_t d = 0; d < D; ++d) {
-                ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
-                kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
+        return buf;
+      }
+    };
+    const auto value_row = [&](int64_t block, int64_t hk, int64_t t, float* buf) -> const float* {
+      const int64_t off = block * block_stride + t * token_stride + hk * row_width;
+      if constexpr (K <= FP8_E5M2) {
+        return elementwise_row<K>(a.v, off, D, buf);
+      } else {
+        affine_row<K == INT4>(static_cast<const uint8_t*>(a.v) + off,
+                              a.v_sz + (block * bs + t) * sz_token + hk * groups * 2, D,
+                              groups, buf);
+        return buf;
+      }
+    };
+    // Tiles of whole blocks, up to kTile tokens: all the tile's scores first (K pass), one
+    // softmax update per head, then the value sums (V pass). Why tiles, not blocks: the
+    // online softmax's per-head work (max, rescale of the accumulator, sum) ran once per block
+    // of 16 tokens and, being short dependent chains, cost about as much as the dot products.
+    const int64_t tile_blocks = std::max<int64_t>(1, kTile / bs);
+    const int64_t end_block = (len + bs - 1) / bs;
+    for (int64_t b0 = first / bs; b0 < end_block; b0 += tile_blocks) {
+      const int64_t b1 = std::min(b0 + tile_blocks, end_block);
+      // K pass: scores[h * kScoreStride + pos + j] = q_h . k_j, the tile's visible rows packed
+      // one after another; a chunk of kChunk rows at a time (decoded once, read by every
+      // query head of the group).
+      int64_t pos = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t lo, count;
+        visible(b, lo, count);
+        if (count <= 0) continue;
+        const int64_t block = table[b];
+        const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
+                                                          : -1;
+        // next: the tile's next K block, else its first V block
+        const void* next_data = b + 1 < b1 ? a.k : a.v;
+        const int64_t next = b + 1 < b1 ? b + 1 : b0;
+        for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+          const int64_t mrows = std::min(kChunk, count - j0);
+          for (int64_t j = 0; j < mrows; ++j) prefetch_block(next_data, next, j0 + j, count);
+          for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
+            if constexpr (K == INT4) {
+              if (res_row < 0) {
+                const uint16_t* sz = a.k_sz + (block * Hkv + hk) * D * 2;
+                for (int64_t d = 0; d < D; ++d) {
+                  ks[nibble_order(d, D)] = f16_to_float(sz[2 * d]);
+                  kz[nibble_order(d, D)] = f16_to_float(sz[2 * d + 1]);
+                }
               }
             }
-          }
-          for (int64_t j = 0; j < mrows; ++j)
-            rows[j] = key_row(hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
-          for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes set to -inf
-          for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
-            float* sh = scores + h * kMaxBlock + j0;
-            storev(sh, chunk_scores(qs + h * D, rows, D));
-            for (int64_t j = mrows; j < kChunk; ++j) sh[j] = -INFINITY;
+            for (int64_t j = 0; j < mrows; ++j)
+              rows[j] = key_row(block, res_row, hk, lo + j0 + j,
+                                bufs + (K == F32 ? 0 : j * kMaxDim));
+            for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes overwritten
+            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h)
+              storev(scores + h * kScoreStride + pos + j0, chunk_scores(qs + h * D, rows, D));
           }
         }
+        pos += count;
       }
-      // Online softmax: rescale what the earlier blocks accumulated.
+      const int64_t n_rows = pos;
+      if (n_rows == 0) continue;
+      // Online softmax, once per tile: rescale what the earlier tiles accumulated.
       for (int64_t h = 0; h < heads; ++h) {
-        float* sh = scores + h * kMaxBlock;
-        float bmax = -INFINITY;
-        for (int64_t j = 0; j < count; ++j) bmax = sh[j] > bmax ? sh[j] : bmax;
+        float* sh = scores + h * kScoreStride;
+        for (int64_t j = n_rows; j % kChunk != 0; ++j) sh[j] = -INFINITY;  // padding lanes
+        vf vmax = loadv(sh);
+        for (int64_t j0 = kChunk; j0 < n_rows; j0 += kChunk) {
+          const vf x = loadv(sh + j0);
+          const vi more = x > vmax;  // masks, not ?: (which not every compiler takes on vectors)
+          vmax = (vf)(((vi)x & more) | ((vi)vmax & ~more));
+        }
+        const float bmax = hmax(vmax);
         const float m_new = bmax > m[h] ? bmax : m[h];
-        const float rescale = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
+        const float rescale = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first tile
         vf sum = {};
-        for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+        for (int64_t j0 = 0; j0 < n_rows; j0 += kChunk) {
           const vf e = expv(loadv(sh + j0) - m_new);
           storev(sh + j0, e);
           sum += e;
@@ -522,25 +558,36 @@ void decode(const Args& a) {
         l[h] = l[h] * rescale + hsum(sum);
         m[h] = m_new;
       }
-      // acc_h += p_hj v_j, a chunk of rows at a time, each kLanes channels of acc_h held in a
-      // register over the chunk's rows.
-      for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
-        const int64_t mrows = std::min(kChunk, count - j0);
-        for (int64_t j = 0; j < mrows; ++j) prefetch_next(next_v, j0 + j);
-        for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
-          for (int64_t j = 0; j < mrows; ++j)
-            rows[j] = value_row(hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
-          for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
-            const float* p = scores + h * kMaxBlock + j0;
-            float* ah = acc + h * D;
-            switch (std::min<int64_t>(4, (hk - hk0 + 1) * G - h)) {
-              case 4: add_values<4>(ah, D, p, kMaxBlock, rows, mrows); break;
-              case 3: add_values<3>(ah, D, p, kMaxBlock, rows, mrows); break;
-              case 2: add_values<2>(ah, D, p, kMaxBlock, rows, mrows); break;
-              default: add_values<1>(ah, D, p, kMaxBlock, rows, mrows); break;
+      // V pass: acc_h += p_hj v_j, a chunk of rows at a time, each kLanes channels of acc_h
+      // held in a register over the chunk's rows.
+      pos = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t lo, count;
+        visible(b, lo, count);
+        if (count <= 0) continue;
+        const int64_t block = table[b];
+        // next: the tile's next V block, else the next tile's first K block
+        const void* next_data = b + 1 < b1 ? a.v : a.k;
+        const int64_t next = b + 1 < end_block ? b + 1 : -1;
+        for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
+          const int64_t mrows = std::min(kChunk, count - j0);
+          for (int64_t j = 0; j < mrows; ++j) prefetch_block(next_data, next, j0 + j, count);
+          for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
+            for (int64_t j = 0; j < mrows; ++j)
+              rows[j] = value_row(block, hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
+            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
+              const float* p = scores + h * kScoreStride + pos + j0;
+              float* ah = acc + h * D;
+              switch (std::min<int64_t>(4, (hk - hk0 + 1) * G - h)) {
+                case 4: add_values<4>(ah, D, p, kScoreStride, rows, mrows); break;
+                case 3: add_values<3>(ah, D, p, kScoreStride, rows, mrows); break;
+                case 2: add_values<2>(ah, D, p, kScoreStride, rows, mrows); break;
+                default: add_values<1>(ah, D, p, kScoreStride, rows, mrows); break;
+              }
             }
           }
         }
+        pos += count;
       }
     }
     float* orow = a.out + (s * H + hk0 * G) * D;
