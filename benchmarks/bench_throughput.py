@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
-from kvserve.model.cpu_features import cpu_info
+from kvserve.model.cpu_features import cpu_info, l3_cache_bytes
 from kvserve.paths import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,20 +271,6 @@ def copy_bandwidth(samples: int, mib: int = 256) -> dict:
 def weight_bytes(params: dict[str, int]) -> int:
     """fp32 bytes a batch-1 decode step reads: every layer's weights and the LM head."""
     return 4 * (params["non_embedding"] + params["lm_head"])
-
-
-def l3_cache_bytes() -> int | None:
-    """The L3 (last-level) cache of CPU 0, from sysfs; None where it is not reported."""
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            if (index / "level").read_text().strip() != "3":
-                continue
-            size = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return None
 
 
 def read_bandwidth(samples: int, nbytes: int) -> dict:

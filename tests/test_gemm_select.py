@@ -143,3 +143,55 @@ def test_engine_logs_and_uses_the_choice(tmp_path, monkeypatch, caplog):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_cold_timing_evicts_before_every_timed_call():
+    """With an evictor, every sample is one call right after an eviction (the warm-up and
+    the first timing, which only size the samples, run without)."""
+    log = []
+
+    def factory(kernel):
+        return lambda rows: (lambda: log.append(kernel))
+
+    factories = {"qkv": {"dense": factory("dense"), "onednn": factory("onednn")}}
+    times = gs.measure(factories, {"qkv": 1}, repeats=3, evict=lambda: log.append("evict"))
+    assert all(t is not None for k in ("dense", "onednn") for t in times["qkv"][k][:2])
+    per_bucket = len(log) // 2
+    for b in range(2):
+        timed = log[b * per_bucket + 4:(b + 1) * per_bucket]  # after 2 warm-ups + 2 sizings
+        assert all(timed[i] == "evict" and timed[i + 1] in ("dense", "onednn")
+                   for i in range(0, len(timed), 2))
+        assert len(timed) == 2 * 3 * 2  # 3 rounds x 2 kernels, one eviction + one call each
+
+
+def test_weights_stream_past_half_the_last_level_cache():
+    assert gs.weights_stream(130, 256) and not gs.weights_stream(120, 256)
+    # unknown size: the typical one
+    assert gs.weights_stream(gs.UNKNOWN_L3_BYTES // 2 + 1, None)
+    assert not gs.weights_stream(gs.UNKNOWN_L3_BYTES // 2, None)
+    assert gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x", cold=True).endswith("|cold")
+    assert not gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x").endswith("|cold")
+
+
+def test_a_model_larger_than_the_cache_is_timed_cold(tmp_path, monkeypatch):
+    """The engine times its kernels with the weights evicted where its weights stream from
+    DRAM (here: a last-level cache made tiny), under a key of its own."""
+    from kvserve import LLM
+    from kvserve.model import decoder
+    from kvserve.model.make_model import ensure_default_model
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))  # cache it whatever the load
+    monkeypatch.setattr(decoder, "l3_cache_bytes", lambda: 4096)
+    evictions = []
+    real = gs.cache_evictor
+
+    def counting(l3, *a, **k):
+        run = real(l3, *a, **k)
+        return lambda: (evictions.append(l3), run())
+
+    monkeypatch.setattr(gs, "cache_evictor", counting)
+    LLM(model=str(ensure_default_model()), dtype="float32", max_model_len=64, num_threads=1)
+    assert evictions and set(evictions) == {4096}
+    stored = json.loads((tmp_path / "gemm-choice.json").read_text())
+    assert [k.endswith("|cold") for k in stored] == [True]

@@ -63,3 +63,21 @@ def cpu_info() -> CpuInfo:
         return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
         return CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)
+
+
+@functools.lru_cache(maxsize=1)
+def l3_cache_bytes() -> int | None:
+    """The last-level (L3) cache of CPU 0, from sysfs; None where it is not reported."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        try:
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (ValueError, IndexError):
+            return None
+    return None

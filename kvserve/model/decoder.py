@@ -43,7 +43,7 @@ from kvserve.model import gemm_select, gemv, panel_gemm
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.cpu_decode import FastDecode
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_features import cpu_info
+from kvserve.model.cpu_features import cpu_info, l3_cache_bytes
 from kvserve.model.gemm_select import GemmPlan
 
 logger = logging.getLogger("kvserve")
@@ -832,10 +832,17 @@ class CausalLM(nn.Module):
         # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows
         max_bucket = {k: len(gemm_select.BUCKETS) - 1 for k in shapes}
         max_bucket["head"] = gemm_select.bucket_of(128)
+        # every layer's projections and the LM head, as one decode step reads them
+        per_layer = sum(o * i for p, (o, i) in shapes.items() if p != "head")
+        weight_bytes = (c.num_hidden_layers * per_layer + c.vocab_size * h) \
+            * self.embed_tokens.element_size()
+        l3 = l3_cache_bytes()
+        cold = gemm_select.weights_stream(weight_bytes, l3)
         key = gemm_select.cache_key(str(self.dtype).split(".")[-1], torch.get_num_threads(),
-                                    shapes, torch.__version__)
+                                    shapes, torch.__version__, cold)
         with torch.inference_mode():
-            return gemm_select.choose(key, factories, max_bucket)
+            return gemm_select.choose(key, factories, max_bucket,
+                                      (lambda: gemm_select.cache_evictor(l3)) if cold else None)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
         """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the

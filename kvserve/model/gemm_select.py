@@ -61,8 +61,10 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 # path it enables, cpu_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
 PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, len(BUCKETS) - 1)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
+UNKNOWN_L3_BYTES = 32 << 20  # a last-level cache sysfs does not report: a typical size
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 7  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV ties
+CACHE_VERSION = 8  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV ties;
+# 8: cold timing (weights_stream)
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
@@ -119,11 +121,14 @@ def time_once(run: Callable[[], object], calls: int) -> float:
 
 
 def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, int],
-            repeats: int = 5, target_s: float = 1e-3) -> dict[str, dict[str, list[float | None]]]:
+            repeats: int = 5, target_s: float = 1e-3,
+            evict: Callable[[], object] | None = None) -> dict[str, dict[str, list[float | None]]]:
     """Seconds per call, min over `repeats` alternating rounds (the minimum is the figure least
     disturbed by other processes), for each projection, kernel and bucket up to
     max_bucket[projection]. Each sample runs as many calls as fill about `target_s` (from
-    the first, warm-up call), at most 20, so the whole measurement stays near a second."""
+    the first, warm-up call), at most 20, so the whole measurement stays near a second.
+    With `evict` (see `cache_evictor`) each sample is one call after evict(): the weights
+    come from DRAM, as in an engine whose step streams more than the cache holds."""
     out: dict[str, dict[str, list[float | None]]] = {}
     for proj, per_kernel in factories.items():
         out[proj] = {k: [None] * len(BUCKETS) for k in per_kernel}
@@ -134,11 +139,13 @@ def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, i
             for run in runs.values():
                 run()  # compile / first touch
             first = min(time_once(run, 1) for run in runs.values())
-            calls = max(1, min(20, int(target_s / max(first, 1e-7))))
+            calls = 1 if evict else max(1, min(20, int(target_s / max(first, 1e-7))))
             best = {k: float("inf") for k in runs}
             for r in range(repeats):
                 order = list(runs) if r % 2 == 0 else list(runs)[::-1]
                 for k in order:
+                    if evict:
+                        evict()
                     best[k] = min(best[k], time_once(runs[k], calls))
             for k in runs:
                 out[proj][k][b] = best[k]
@@ -255,12 +262,34 @@ def cache_path() -> Path:
 
 
 def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],
-              torch_version: str) -> str:
+              torch_version: str, cold: bool = False) -> str:
     info = cpu_info()
     flags = ",".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma"))))
     shape_s = ",".join(f"{p}={o}x{i}" for p, (o, i) in sorted(shapes.items()))
     return (f"v{CACHE_VERSION}|{info.model_name}|{flags}|torch {torch_version}|"
-            f"threads {threads}|{dtype}|{shape_s}")
+            f"threads {threads}|{dtype}|{shape_s}{'|cold' if cold else ''}")
+
+
+def weights_stream(weight_bytes: int, l3_bytes: int | None) -> bool:
+    """Whether a running engine reads the model's projection weights from DRAM: where they
+    fill more than half the last-level cache. Why half: a decode step reads the weights and
+    then the K/V of every running sequence (at batch 64, as much again as the reference
+    model's weights), so weights that leave less than half the cache to the rest do not
+    survive from one step to the next. An unknown cache size counts as UNKNOWN_L3_BYTES."""
+    return 2 * weight_bytes > (l3_bytes or UNKNOWN_L3_BYTES)
+
+
+def cache_evictor(l3_bytes: int | None, max_bytes: int = 1 << 30) -> Callable[[], object]:
+    """A call that pushes the timed weights out of the caches by reading a buffer the size of
+    the L3 (UNKNOWN_L3_BYTES where unknown; at most max_bytes), so that a sample times the kernel on
+    weights from DRAM. Why: kernels differ in how they bear that. At 64 rows on an AVX-512
+    Xeon, oneDNN lost 5-76% and the panel GEMM 3-33% against a hot loop; hot timings had the
+    LM head on oneDNN by a coin toss, ~13% slower in the engine than the panel GEMM."""
+    import torch  # deferred: nothing else here needs it
+
+    size = min(l3_bytes or UNKNOWN_L3_BYTES, max_bytes)
+    buf = torch.ones(size // 4)
+    return lambda: buf.sum()
 
 
 def load_cached(key: str) -> GemmPlan | None:
@@ -305,8 +334,10 @@ def _busy_cpu_s() -> float | None:
 
 
 def choose(key: str, factories: dict[str, dict[str, RunFactory]],
-           max_bucket: dict[str, int]) -> GemmPlan:
-    """The cached plan for `key`, else measure, decide, cache and return it.
+           max_bucket: dict[str, int],
+           evict: Callable[[], Callable[[], object]] | None = None) -> GemmPlan:
+    """The cached plan for `key`, else measure, decide, cache and return it; `evict` makes
+    the evicting call for `measure` (built only when measuring).
 
     A measurement during which other processes kept more than DISTURBED_CORES cores busy is
     used for this process but not cached (source "measured, disturbed"): a choice made on a
@@ -315,7 +346,7 @@ def choose(key: str, factories: dict[str, dict[str, RunFactory]],
     if cached is not None:
         return cached
     t0, busy0, own0 = time.perf_counter(), _busy_cpu_s(), time.process_time()
-    times = measure(factories, max_bucket)
+    times = measure(factories, max_bucket, evict=evict() if evict else None)
     wall = time.perf_counter() - t0
     busy1, own = _busy_cpu_s(), time.process_time() - own0
     others = None if busy0 is None or busy1 is None else max(busy1 - busy0 - own, 0) / wall
