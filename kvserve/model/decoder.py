@@ -837,12 +837,13 @@ class CausalLM(nn.Module):
         weight_bytes = (c.num_hidden_layers * per_layer + c.vocab_size * h) \
             * self.embed_tokens.element_size()
         l3 = l3_cache_bytes()
-        cold = gemm_select.weights_stream(weight_bytes, l3)
+        cold = [gemm_select.weights_stream(weight_bytes, l3, b)
+                for b in range(len(gemm_select.BUCKETS))]
         key = gemm_select.cache_key(str(self.dtype).split(".")[-1], torch.get_num_threads(),
                                     shapes, torch.__version__, cold)
         with torch.inference_mode():
             return gemm_select.choose(key, factories, max_bucket,
-                                      (lambda: gemm_select.cache_evictor(l3)) if cold else None)
+                                      lambda: gemm_select.cache_evictor(l3), cold)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
         """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the

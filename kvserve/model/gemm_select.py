@@ -26,8 +26,8 @@ where it beats it in all of them (it replaces that layout). A projection left wi
 packed layouts drops one where that costs under 10% (`decide`). Results are cached per CPU
 model, flags, torch version, threads, dtype and weight shapes in
 `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
-`KVSERVE_GEMM=dense|onednn|panel` forces one kernel everywhere (tests, comparisons); `gemv`
-forces it where it is offered (the first bucket) and dense elsewhere.
+`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` and
+`panel` force theirs where they are offered (`PARTIAL_KERNELS`) and dense elsewhere.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,10 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 # never make a projection's single choice, they replace it in the buckets where they win. The
 # GEMV only for a few rows; the panel GEMM above them, where the GEMV (and the one-call decode
 # path it enables, cpu_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
-PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, len(BUCKETS) - 1)}  # kernel -> first, last bucket
+# Not the panel GEMM for prefills above 512 rows: there its row blocks stream every weight from
+# the L3 once per 192 rows, and at 8,192 rows it ran 6-18% behind oneDNN and MKL (bench_throughput's
+# ceiling), though level with them at the bucket's 1,000-row probe, where a coin toss chose it.
+PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, 3)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 UNKNOWN_L3_BYTES = 32 << 20  # a last-level cache sysfs does not report: a typical size
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
@@ -122,13 +125,15 @@ def time_once(run: Callable[[], object], calls: int) -> float:
 
 def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, int],
             repeats: int = 5, target_s: float = 1e-3,
-            evict: Callable[[], object] | None = None) -> dict[str, dict[str, list[float | None]]]:
+            evict: Callable[[], object] | None = None, cold: Sequence[bool] = ()
+            ) -> dict[str, dict[str, list[float | None]]]:
     """Seconds per call, min over `repeats` alternating rounds (the minimum is the figure least
     disturbed by other processes), for each projection, kernel and bucket up to
     max_bucket[projection]. Each sample runs as many calls as fill about `target_s` (from
     the first, warm-up call), at most 20, so the whole measurement stays near a second.
-    With `evict` (see `cache_evictor`) each sample is one call after evict(): the weights
-    come from DRAM, as in an engine whose step streams more than the cache holds."""
+    In the buckets where cold[bucket] (see `weights_stream`) each sample is one call after
+    evict() (`cache_evictor`): the weights come from DRAM, as in an engine whose step streams
+    more than the cache holds."""
     out: dict[str, dict[str, list[float | None]]] = {}
     for proj, per_kernel in factories.items():
         out[proj] = {k: [None] * len(BUCKETS) for k in per_kernel}
@@ -139,12 +144,13 @@ def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, i
             for run in runs.values():
                 run()  # compile / first touch
             first = min(time_once(run, 1) for run in runs.values())
-            calls = 1 if evict else max(1, min(20, int(target_s / max(first, 1e-7))))
+            evicting = evict is not None and b < len(cold) and cold[b]
+            calls = 1 if evicting else max(1, min(20, int(target_s / max(first, 1e-7))))
             best = {k: float("inf") for k in runs}
             for r in range(repeats):
                 order = list(runs) if r % 2 == 0 else list(runs)[::-1]
                 for k in order:
-                    if evict:
+                    if evicting:
                         evict()
                     best[k] = min(best[k], time_once(runs[k], calls))
             for k in runs:
@@ -262,21 +268,25 @@ def cache_path() -> Path:
 
 
 def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],
-              torch_version: str, cold: bool = False) -> str:
+              torch_version: str, cold: Sequence[bool] = ()) -> str:
     info = cpu_info()
     flags = ",".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma"))))
     shape_s = ",".join(f"{p}={o}x{i}" for p, (o, i) in sorted(shapes.items()))
     return (f"v{CACHE_VERSION}|{info.model_name}|{flags}|torch {torch_version}|"
-            f"threads {threads}|{dtype}|{shape_s}{'|cold' if cold else ''}")
+            f"threads {threads}|{dtype}|{shape_s}"
+            + (f"|cold {''.join('1' if c else '0' for c in cold)}" if any(cold) else ""))
 
 
-def weights_stream(weight_bytes: int, l3_bytes: int | None) -> bool:
-    """Whether a running engine reads the model's projection weights from DRAM: where they
-    fill more than half the last-level cache. Why half: a decode step reads the weights and
-    then the K/V of every running sequence (at batch 64, as much again as the reference
-    model's weights), so weights that leave less than half the cache to the rest do not
-    survive from one step to the next. An unknown cache size counts as UNKNOWN_L3_BYTES."""
-    return 2 * weight_bytes > (l3_bytes or UNKNOWN_L3_BYTES)
+def weights_stream(weight_bytes: int, l3_bytes: int | None, bucket: int) -> bool:
+    """Whether a running engine reads the model's projection weights from DRAM at the row
+    counts of `bucket`. A step reads the weights and the K/V of every running sequence. At a
+    few rows (bucket 0) the K/V is small, and weights that fit in the last-level cache are
+    read from it at every step (the reference model's 156 MB in a 260 MiB L3: batch 1 runs
+    at ~53 GB/s, twice the DRAM copy speed). At more rows (at batch 64 the K/V is as much
+    again as the reference model's weights) weights that fill more than half the cache do
+    not survive from one step to the next. An unknown cache size counts as UNKNOWN_L3_BYTES."""
+    l3 = l3_bytes or UNKNOWN_L3_BYTES
+    return weight_bytes > l3 if bucket == 0 else 2 * weight_bytes > l3
 
 
 def cache_evictor(l3_bytes: int | None, max_bytes: int = 1 << 30) -> Callable[[], object]:
@@ -335,9 +345,10 @@ def _busy_cpu_s() -> float | None:
 
 def choose(key: str, factories: dict[str, dict[str, RunFactory]],
            max_bucket: dict[str, int],
-           evict: Callable[[], Callable[[], object]] | None = None) -> GemmPlan:
+           evict: Callable[[], Callable[[], object]] | None = None,
+           cold: Sequence[bool] = ()) -> GemmPlan:
     """The cached plan for `key`, else measure, decide, cache and return it; `evict` makes
-    the evicting call for `measure` (built only when measuring).
+    the evicting call for `measure`'s `cold` buckets (built only when measuring).
 
     A measurement during which other processes kept more than DISTURBED_CORES cores busy is
     used for this process but not cached (source "measured, disturbed"): a choice made on a
@@ -346,7 +357,8 @@ def choose(key: str, factories: dict[str, dict[str, RunFactory]],
     if cached is not None:
         return cached
     t0, busy0, own0 = time.perf_counter(), _busy_cpu_s(), time.process_time()
-    times = measure(factories, max_bucket, evict=evict() if evict else None)
+    times = measure(factories, max_bucket, evict=evict() if evict and any(cold) else None,
+                    cold=cold)
     wall = time.perf_counter() - t0
     busy1, own = _busy_cpu_s(), time.process_time() - own0
     others = None if busy0 is None or busy1 is None else max(busy1 - busy0 - own, 0) / wall
