@@ -125,9 +125,13 @@ def param_counts(model_dir: Path) -> dict[str, int]:
     embed = sum(v for k, v in numel.items() if k.endswith("embed_tokens.weight"))
     head_stored = sum(v for k, v in numel.items() if k.endswith("lm_head.weight"))
     lm_head = cfg["vocab_size"] * cfg["hidden_size"]  # tied or not, the head does this work
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     return {"total_stored": total, "embedding": embed,
             "non_embedding": total - embed - head_stored, "lm_head": lm_head,
-            "tied": bool(cfg.get("tie_word_embeddings", False))}
+            "tied": bool(cfg.get("tie_word_embeddings", False)),
+            # fp32 K and V of one token over all layers: what each later decode step re-reads
+            "kv_bytes_per_token": 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4}
 
 
 def _prod(shape: list[int]) -> int:
@@ -576,6 +580,12 @@ def machine_ceilings(ceilings: list[dict], params: dict[str, int], n: int, plen:
     l3 = [c["l3_bytes"] for c in ceilings if c.get("l3_bytes")]
     if l3:
         out["l3_bytes"] = l3[0]
+    if "gemm_ceiling_s" in out and "read_gbps" in out and "kv_bytes_per_token" in params:
+        # Decode step t (1 .. gen - 1) attends to plen + t tokens of each of the n sequences.
+        kv = n * params["kv_bytes_per_token"] * sum(plen + t for t in range(1, gen))
+        out["kv_read_bytes"] = kv
+        out["kv_read_s"] = kv / (out["read_gbps"] * 1e9)
+        out["gemm_kv_floor_s"] = out["gemm_ceiling_s"] + out["kv_read_s"]
     return out
 
 
@@ -605,6 +615,13 @@ def print_machine_ceilings(machine: dict, table: list[dict], engines: list[str],
             cells = ", ".join(f"{p} " + "/".join(f"{k} {v:.0f}" for k, v in ks.items())
                               for p, ks in per.items())
             print(f"  {rows:>5} rows: {cells}")
+    if "gemm_kv_floor_s" in machine:
+        print(f"  the decode steps re-read {machine['kv_read_bytes'] / 1e9:.1f} GB of fp32 K/V: "
+              f"{machine['kv_read_s']:.2f} s at the in-run read bandwidth "
+              f"({machine['read_gbps']:.1f} GB/s); with the projections at the GEMM ceiling a "
+              f"run takes at least {machine['gemm_kv_floor_s']:.2f} s, so at most "
+              f"{100 * machine['gemm_ceiling_s'] / machine['gemm_kv_floor_s']:.1f}% of the GEMM "
+              f"ceiling is reachable (before norms, RoPE, sampling, scheduling)")
     for row in table:
         if row["dtype"] != "float32":
             continue
@@ -616,6 +633,12 @@ def print_machine_ceilings(machine: dict, table: list[dict], engines: list[str],
                 print(f"  {eng:<13} main float32: {100 * frac:.1f}% of the in-run GEMM ceiling "
                       f"(the model's projections alone at the best kernel per shape: "
                       f"{machine['gemm_ceiling_s']:.2f} s; the run took {wall['median']:.2f} s)")
+                if "gemm_kv_floor_s" in machine:
+                    floor = machine["gemm_kv_floor_s"] / wall["median"]
+                    row[eng]["frac_gemm_kv_floor"] = floor
+                    print(f"  {eng:<13} main float32: {100 * floor:.1f}% of the projections at "
+                          f"the ceiling plus the decode's K/V read at the read bandwidth "
+                          f"({machine['gemm_kv_floor_s']:.2f} s)")
             dec = row[eng]["decode_tok_s"]
             if row["workload"] == "batch1" and dec and "batch1_limit_tok_s" in machine:
                 frac = dec["median"] / machine["batch1_limit_tok_s"]
