@@ -352,15 +352,37 @@ inline vf expv(vf x) {
   return (vf)((vi)(p * scale) & ~under);
 }
 
-// Ask for one block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes)
-// before they are needed. Why: a block's rows are a new address stream the hardware
-// prefetcher has not seen, and in a running engine they come from DRAM, not cache (the weights
-// and the other layers' KV pass through the cache between two reads of one layer): without
-// this the kernel stalled on the K and V loads for ~60% of its time at batch 64.
-inline void prefetch_rows(const char* p, int64_t rows, int64_t row_bytes, int64_t stride) {
-  for (int64_t t = 0; t < rows; ++t, p += stride)
-    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
+// The next block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes),
+// asked for a few cache lines at a time while the current block is worked on. Why at all: a
+// block's rows are a new address stream the hardware prefetcher has not seen, and in a running
+// engine they come from DRAM, not cache (the weights and the other layers' KV pass through the
+// cache between two reads of one layer): without it the kernel stalled on the K and V loads
+// for ~60% of its time at batch 64. Why a few at a time: a burst of a whole block (128 lines
+// at batch 64) fills the core's line-fill buffers, and the burst itself stalls.
+struct Ahead {
+  const char* row = nullptr;  // the row of the next line to ask for
+  int64_t stride = 0, row_bytes = 0, offset = 0, total = 0, done = 0;
+
+  void start(const char* p, int64_t rows, int64_t bytes, int64_t row_stride) {
+    row = p;
+    stride = row_stride;
+    row_bytes = bytes;
+    offset = 0;
+    total = p ? rows * ((bytes + 63) / 64) : 0;
+    done = 0;
+  }
+  // The next n lines (all that are left with n >= total).
+  void ask(int64_t n) {
+    for (const int64_t end = std::min(total, done + n); done < end; ++done) {
+      __builtin_prefetch(row + offset, 0, 3);
+      offset += 64;
+      if (offset >= row_bytes) {
+        offset = 0;
+        row += stride;
+      }
+    }
+  }
+};
 
 template <int K>
 void decode(const Args& a) {
@@ -431,19 +453,16 @@ void decode(const Args& a) {
       lo = b * bs < first ? first - b * bs : 0;
       count = (len - b * bs < bs ? len - b * bs : bs) - lo;
     };
-    // Ask for table entry b's rows of this item in `data` (K or V) while the current block's
-    // rows are worked on, one row's share per row used here (a burst of a whole block fills
-    // the line-fill buffers and stalls on the prefetches). Why at all: each block is a new
-    // address stream, from DRAM in a running engine (the weights and the other layers' KV
-    // pass through the cache between two reads of one layer).
-    const auto prefetch_block = [&](const void* data, int64_t b, int64_t j, int64_t count) {
-      if (b < 0) return;
-      const int64_t per_row = (bs + count - 1) / count;  // all of it by the last row
-      if (j * per_row >= bs) return;
-      const char* base = static_cast<const char*>(data) +
-                         (table[b] * block_stride + hk0 * row_width) * esize;
-      prefetch_rows(base + j * per_row * row_stride, std::min(per_row, bs - j * per_row),
-                    row_bytes, row_stride);
+    // Table entry b's rows of this item in `data` (K or V) as the next block to ask for
+    // (none for b < 0), spread over `calls` kernel calls on the current block.
+    Ahead ahead;
+    int64_t ask_per_call = 0;
+    const auto start_ahead = [&](const void* data, int64_t b, int64_t calls) {
+      ahead.start(b < 0 ? nullptr
+                        : static_cast<const char*>(data) +
+                              (table[b] * block_stride + hk0 * row_width) * esize,
+                  bs, row_bytes, row_stride);
+      ask_per_call = (ahead.total + calls - 1) / calls;
     };
     // Token t's key row of KV head hk in `block` as D floats (int4: in nibble order, with ks
     // / kz of that head loaded; res_row: the block's KIVI residual row or -1); buf: where to
@@ -506,11 +525,10 @@ void decode(const Args& a) {
         const int64_t res_row = (K == INT4 && a.res_rows) ? a.res_rows[s * a.table_stride + b]
                                                           : -1;
         // next: the tile's next K block, else its first V block
-        const void* next_data = b + 1 < b1 ? a.k : a.v;
-        const int64_t next = b + 1 < b1 ? b + 1 : b0;
+        start_ahead(b + 1 < b1 ? a.k : a.v, b + 1 < b1 ? b + 1 : b0,
+                    (count + kChunk - 1) / kChunk * heads);
         for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
           const int64_t mrows = std::min(kChunk, count - j0);
-          for (int64_t j = 0; j < mrows; ++j) prefetch_block(next_data, next, j0 + j, count);
           for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
             if constexpr (K == INT4) {
               if (res_row < 0) {
@@ -525,8 +543,10 @@ void decode(const Args& a) {
               rows[j] = key_row(block, res_row, hk, lo + j0 + j,
                                 bufs + (K == F32 ? 0 : j * kMaxDim));
             for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes overwritten
-            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h)
+            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
+              ahead.ask(ask_per_call);
               storev(scores + h * kScoreStride + pos + j0, chunk_scores(qs + h * D, rows, D));
+            }
           }
         }
         pos += count;
@@ -567,15 +587,15 @@ void decode(const Args& a) {
         if (count <= 0) continue;
         const int64_t block = table[b];
         // next: the tile's next V block, else the next tile's first K block
-        const void* next_data = b + 1 < b1 ? a.v : a.k;
-        const int64_t next = b + 1 < end_block ? b + 1 : -1;
+        start_ahead(b + 1 < b1 ? a.v : a.k, b + 1 < end_block ? b + 1 : -1,
+                    (count + kChunk - 1) / kChunk * per_item * ((G + 3) / 4));
         for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
           const int64_t mrows = std::min(kChunk, count - j0);
-          for (int64_t j = 0; j < mrows; ++j) prefetch_block(next_data, next, j0 + j, count);
           for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
             for (int64_t j = 0; j < mrows; ++j)
               rows[j] = value_row(block, hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
             for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
+              ahead.ask(ask_per_call);
               const float* p = scores + h * kScoreStride + pos + j0;
               float* ah = acc + h * D;
               switch (std::min<int64_t>(4, (hk - hk0 + 1) * G - h)) {
