@@ -219,6 +219,33 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
         assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
 
 
+@pytest.mark.parametrize("variant", ["llama_bias", "gemma3"])
+@pytest.mark.parametrize("gemm", ["onednn", "dense"])
+def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
+    """A long prefill's MLP runs a chunk of rows at a time (decoder.mlp_chunk_rows; made 200
+    rows here, the last chunk partial): transformers' logits, with the residual added in
+    place (dense) and through oneDNN's padded rows, whose result is copied back; Gemma 3's
+    output norm before the add."""
+    from kvserve.model.decoder import mlp_chunk_rows
+
+    # ~16 MiB of gate/up activations per chunk, >= 256 rows, a multiple of 64
+    assert mlp_chunk_rows(1408, 4) == 1472 and mlp_chunk_rows(11008, 4) == 256
+    hf, path = saved(variant)
+    model, config = load_model(path, gemm=gemm)
+    for layer in model.layers:
+        assert layer._mlp_chunk_rows is not None
+        layer._mlp_chunk_rows = 200
+    t = 650
+    ids = token_ids(t, seed=400)
+    pos = torch.arange(t) % config.max_position_embeddings
+    with torch.inference_mode():
+        out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
+    with torch.no_grad():
+        ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
+    diff = (out - ref).abs().max().item()
+    assert diff < ATOL, f"{variant}, {gemm}, {t} rows in MLP chunks of 200: max abs diff {diff}"
+
+
 @pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
                     reason="the C++ GEMV kernel could not be built")
 @pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2"])
