@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.model import gemv
 from kvserve.sampling import SamplingParams
 
 __all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow", "apply_bitmask"]
@@ -422,9 +423,14 @@ def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row argmax (the first maximum on ties). On CPU NumPy's SIMD argmax is several times faster
-    than torch's for 32k-wide rows."""
+    """Row argmax (the first maximum on ties). On CPU float32 rows kvserve's C++ argmax on
+    torch's threads (gemv.Gemv.argmax; ~2x NumPy's at batch 64), else NumPy's SIMD argmax,
+    several times faster than torch's for 32k-wide rows."""
     if x.device.type == "cpu":
+        g = gemv.load() if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] \
+            and x.stride(1) == 1 else None
+        if g is not None:
+            return g.argmax(x)
         return torch.from_numpy(x.numpy().argmax(axis=-1)).long()
     return x.argmax(dim=-1)
 

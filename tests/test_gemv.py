@@ -222,3 +222,32 @@ def test_mlp_block_is_the_layer_after_attention(rows, bias, gelu):
         block(torch.randn(rows, q + 1), got)
     with pytest.raises(ValueError, match="fit together"):
         g.bind_mlp_block(o_w, o_b, ln, 1e-6, gu_w[:-2], gu_b, d_w, d_b)
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 1000, 32000])
+def test_argmax_is_numpys(n):
+    """The sampler's row argmax: NumPy's answer (the first maximum; the first NaN of a row
+    with one) for random rows, ties, -inf rows, NaN rows and strided rows, on 1 and 2
+    threads."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n + 7, generator=gen)[:, 3:3 + n]  # strided rows
+    x[1] = 2.0  # all tied: index 0
+    x[2] = float("-inf")
+    if n > 2:
+        x[3, n // 2] = x[3, n - 1] = 50.0  # tie between two positions: the first
+        x[4, n // 3] = float("nan")
+        x[4, n - 1] = float("nan")
+        x[5, 1] = float("inf")
+    x[6, n - 1] = 100.0  # the last position
+    expect = torch.from_numpy(x.numpy().argmax(axis=-1))
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(g.argmax(x), expect)
+        finally:
+            torch.set_num_threads(2)
+    assert g.argmax(x[:0]).shape == (0,)
+    with pytest.raises(ValueError, match="argmax"):
+        g.argmax(x.double())
+    with pytest.raises(ValueError, match="argmax"):
+        g.argmax(x.t())

@@ -30,7 +30,7 @@ from kvserve.model import cpu_ext
 logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_ROWS = 4  # the row counts gemm_select offers it for (its first bucket)
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 
@@ -69,6 +69,10 @@ class Gemv:
         read = lib.kvserve_read_sum_f32
         read.argtypes = [ptr, i64, ctypes.c_int]
         read.restype = ctypes.c_double
+        argmax = lib.kvserve_argmax_f32
+        argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+        argmax.restype = ctypes.c_int
+        self._argmax = argmax
         self._fn = fn
         self._read = read
         self._lib = lib  # keeps the library loaded
@@ -210,6 +214,18 @@ class Gemv:
                       cos_sin.stride(0), torch.get_num_threads()) != 0:
             raise ValueError(f"rope_: {cols} columns are not heads of {head_dim}")
         return y
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row argmax of x [rows, n] (float32, unit stride along n) as int64 [rows]: the first
+        maximum, or the first NaN of a row that has one (as NumPy and torch)."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or x.stride(1) != 1 or x.shape[1] == 0:
+            raise ValueError(f"argmax: [rows, n > 0] float32 CPU rows with unit stride, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                     torch.get_num_threads())
+        return out
 
     def read_sum(self, t: torch.Tensor) -> float:
         """Sum of a contiguous float32 tensor, read once on torch's threads (the benchmarks'
