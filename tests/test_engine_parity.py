@@ -91,3 +91,50 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
         got = captured[tuple(p)]
         assert got.dtype == torch.float32
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
+    """Fresh prompts of one length in one step share one attention call (a run of prefills);
+    runs of two lengths, a prompt alone between them, and a sequence with a cached prefix
+    (never in a run): first-token logits against transformers' forward on each prompt."""
+    import transformers
+
+    prompts = random_prompts([17] * 4 + [5] + [40] * 3, VOCAB, seed=21)
+    prompts.append(prompts[0][:12] + prompts[5][:9])  # shares 12 tokens with the first
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoints[arch],
+                                                                  dtype=torch.float32)
+    with torch.no_grad():
+        ref = [ref_model(torch.tensor([p])).logits[0, -1] for p in prompts]
+    llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=4)
+    runner = llm.engine.runner
+    captured: dict[tuple[int, ...], torch.Tensor] = {}
+    runs: list[int] = []
+    original = runner.execute
+    from kvserve.model.attention import torch_backend
+
+    real_runs = torch_backend._prefill_runs
+
+    def spy_runs(plans):
+        out = real_runs(plans)
+        runs.extend(len(r) for r in out)
+        return out
+
+    def spy(batch):
+        out = original(batch)
+        for j, i in enumerate(out.sampled):
+            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
+        return out
+
+    torch_backend._prefill_runs, runner.execute = spy_runs, spy
+    try:
+        generate_checked(llm, [{"prompt_token_ids": p} for p in prompts[:1]],
+                         SamplingParams(temperature=0.0, max_tokens=1))  # caches its prefix
+        generate_checked(llm, [{"prompt_token_ids": p} for p in prompts[1:]],
+                         SamplingParams(temperature=0.0, max_tokens=1))
+    finally:
+        torch_backend._prefill_runs = real_runs
+    assert max(runs) >= 3, runs  # the equal-length prompts did share a call
+    for p, want in zip(prompts, ref):
+        got = captured[tuple(p)]
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
