@@ -33,7 +33,8 @@
 //            stored at position lens[s] - 1 of its sequence before that sequence is read
 //            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
-// (running max and sum per head, flash-attention style) in float32, block by block. Table
+// (running max and sum per head, flash-attention style) in float32, a tile of whole blocks
+// (up to 256 tokens) at a time. Table
 // entries before starts[s] / block_size and past the length are never read (NULL_BLOCK there
 // is fine).
 #include <algorithm>
