@@ -60,19 +60,19 @@ def test_greedy_matches_transformers(arch, scenario, hf_checkpoints, references)
         assert llm.engine.config.max_num_batched_tokens == 48
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_first_token_logits_match(arch, hf_checkpoints, references):
-    """The logits our paged path produces for each prompt's last position (the first generated
-    token), batched, against transformers' forward on each prompt alone."""
+def _hf_last_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits at each prompt's last position, each prompt alone."""
     import transformers
 
-    prompts, _ = references[arch]
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoints[arch],
-                                                                  dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
-        ref = [ref_model(torch.tensor([p])).logits[0, -1] for p in prompts]
+        return [model(torch.tensor([p])).logits[0, -1] for p in prompts]
 
-    llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=16)
+
+def _first_token_logits(llm: LLM, batches: list[list[list[int]]]
+                        ) -> dict[tuple[int, ...], torch.Tensor]:
+    """Each batch of prompts generated for one token in turn; by prompt, the logits its first
+    token was sampled from (the batched paged path's)."""
     runner = llm.engine.runner
     captured: dict[tuple[int, ...], torch.Tensor] = {}
     original = runner.execute
@@ -84,8 +84,23 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
         return out
 
     runner.execute = spy
-    generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=1))
+    try:
+        for prompts in batches:
+            generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0.0, max_tokens=1))
+    finally:
+        runner.execute = original
+    return captured
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_token_logits_match(arch, hf_checkpoints, references):
+    """The logits our paged path produces for each prompt's last position (the first generated
+    token), batched, against transformers' forward on each prompt alone."""
+    prompts, _ = references[arch]
+    ref = _hf_last_logits(hf_checkpoints[arch], prompts)
+    llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=16)
+    captured = _first_token_logits(llm, [prompts])
     assert len(captured) == len(prompts)
     for p, want in zip(prompts, ref):
         got = captured[tuple(p)]
@@ -98,21 +113,13 @@ def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
     """Fresh prompts of one length in one step share one attention call (a run of prefills);
     runs of two lengths, a prompt alone between them, and a sequence with a cached prefix
     (never in a run): first-token logits against transformers' forward on each prompt."""
-    import transformers
+    from kvserve.model.attention import torch_backend
 
     prompts = random_prompts([17] * 4 + [5] + [40] * 3, VOCAB, seed=21)
     prompts.append(prompts[0][:12] + prompts[5][:9])  # shares 12 tokens with the first
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoints[arch],
-                                                                  dtype=torch.float32)
-    with torch.no_grad():
-        ref = [ref_model(torch.tensor([p])).logits[0, -1] for p in prompts]
+    ref = _hf_last_logits(hf_checkpoints[arch], prompts)
     llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=4)
-    runner = llm.engine.runner
-    captured: dict[tuple[int, ...], torch.Tensor] = {}
     runs: list[int] = []
-    original = runner.execute
-    from kvserve.model.attention import torch_backend
-
     real_runs = torch_backend._prefill_runs
 
     def spy_runs(plans):
@@ -120,18 +127,9 @@ def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
         runs.extend(len(r) for r in out)
         return out
 
-    def spy(batch):
-        out = original(batch)
-        for j, i in enumerate(out.sampled):
-            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
-        return out
-
-    torch_backend._prefill_runs, runner.execute = spy_runs, spy
-    try:
-        generate_checked(llm, [{"prompt_token_ids": p} for p in prompts[:1]],
-                         SamplingParams(temperature=0.0, max_tokens=1))  # caches its prefix
-        generate_checked(llm, [{"prompt_token_ids": p} for p in prompts[1:]],
-                         SamplingParams(temperature=0.0, max_tokens=1))
+    torch_backend._prefill_runs = spy_runs
+    try:  # the first prompt alone first: its prefix is cached for the last one
+        captured = _first_token_logits(llm, [prompts[:1], prompts[1:]])
     finally:
         torch_backend._prefill_runs = real_runs
     assert max(runs) >= 3, runs  # the equal-length prompts did share a call

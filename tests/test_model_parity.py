@@ -209,14 +209,19 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
     assert model.packed
     for i, (limit, probe) in enumerate(BUCKETS):
         t = min(probe + 3, int(limit)) if limit != float("inf") else 600
-        ids = token_ids(t, seed=200 + i)
-        pos = torch.arange(t) % config.max_position_embeddings
-        with torch.inference_mode():
-            out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
-        with torch.no_grad():
-            ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
-        diff = (out - ref).abs().max().item()
+        diff = _one_forward_diff(model, hf, config, token_ids(t, seed=200 + i))
         assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
+
+
+def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
+    """Max |logits - transformers'| for ids [T] as one forward of T rows (positions wrap at
+    max_position_embeddings)."""
+    pos = torch.arange(ids.shape[0]) % config.max_position_embeddings
+    with torch.inference_mode():
+        out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
+    with torch.no_grad():
+        ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
+    return (out - ref).abs().max().item()
 
 
 @pytest.mark.parametrize("variant", ["llama_bias", "gemma3"])
@@ -235,15 +240,8 @@ def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
     for layer in model.layers:
         assert layer._mlp_chunk_rows is not None
         layer._mlp_chunk_rows = 200
-    t = 650
-    ids = token_ids(t, seed=400)
-    pos = torch.arange(t) % config.max_position_embeddings
-    with torch.inference_mode():
-        out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
-    with torch.no_grad():
-        ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
-    diff = (out - ref).abs().max().item()
-    assert diff < ATOL, f"{variant}, {gemm}, {t} rows in MLP chunks of 200: max abs diff {diff}"
+    diff = _one_forward_diff(model, hf, config, token_ids(650, seed=400))
+    assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: max abs diff {diff}"
 
 
 @pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
