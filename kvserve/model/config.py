@@ -31,7 +31,7 @@ SUPPORTED_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
     "Gemma3ForCausalLM",
 )
-_ARCH_BY_MODEL_TYPE = {
+ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -353,8 +353,8 @@ def _architecture(d: dict[str, Any]) -> str:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ValueError(f"'architectures' must be a list of names, got {archs!r}")
         arch = archs[0]
-    elif d.get("model_type") in _ARCH_BY_MODEL_TYPE:
-        arch = _ARCH_BY_MODEL_TYPE[d["model_type"]]
+    elif d.get("model_type") in ARCH_BY_MODEL_TYPE:
+        arch = ARCH_BY_MODEL_TYPE[d["model_type"]]
     else:
         raise ValueError("config has no 'architectures' entry and no known 'model_type' "
                          f"(got {d.get('model_type')!r}); supported architectures: "

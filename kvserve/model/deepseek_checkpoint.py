@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from kvserve.model.config import ARCH_BY_MODEL_TYPE
+
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
 DEEPSEEK_SIZES = ("tiny", "small")
-_ARCHITECTURE = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, vocab_size=2048, max_position_embeddings=2048,
@@ -37,7 +38,7 @@ def deepseek_hf_config(arch: str, size: str, common: dict[str, Any]) -> dict[str
     s = dict(_SHAPES[size])
     v3 = arch == "deepseek_v3"
     config = {**common, **s,
-              "architectures": [_ARCHITECTURE[arch]], "model_type": arch,
+              "architectures": [ARCH_BY_MODEL_TYPE[arch]], "model_type": arch,
               "attention_bias": False, "head_dim": s["qk_rope_head_dim"],
               "num_key_value_heads": s["num_attention_heads"],
               "qk_head_dim": s["qk_nope_head_dim"] + s["qk_rope_head_dim"],

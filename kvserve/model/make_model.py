@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
+from kvserve.model.config import ARCH_BY_MODEL_TYPE
 from kvserve.paths import cache_dir
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v2", "deepseek_v3")
@@ -30,10 +31,7 @@ DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
 _HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
 
-_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
-_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # make_model's arch name -> config.json model_type
 # Gemma 3's hybrid layout: five sliding layers to one global, a window per size (the real
 # models' 1,024 would cover a tiny model's whole test prompts).
 GEMMA3_PATTERN = 6
@@ -79,7 +77,7 @@ def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 
     if arch == "gemma3" and size == "tiny":
         layers = s["num_hidden_layers"] = GEMMA3_PATTERN  # one whole local/global period
     common: dict[str, Any] = {
-        "architectures": [_ARCHITECTURE[arch]],
+        "architectures": [ARCH_BY_MODEL_TYPE[_MODEL_TYPE.get(arch, arch)]],
         **_common_config(arch, size, dtype, bos_token_id, eos_token_id),
         **s,
     }
