@@ -34,9 +34,8 @@ from kvserve.model import cpu_ext  # noqa: E402
 from kvserve.model.attention import cpu_paged  # noqa: E402
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.cpu_features import cpu_info  # noqa: E402
-
-from bench_throughput import l3_cache_bytes  # noqa: E402
+from kvserve.model.cpu_features import cpu_info, l3_cache_bytes  # noqa: E402
+from kvserve.model.gemm_select import cache_evictor  # noqa: E402
 
 
 def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int,
@@ -94,10 +93,8 @@ def main() -> int:
             p.error(f"the kernel does not build with -march={args.march}")
         kernel = cpu_paged.PagedDecodeKernel(lib)
     torch.set_num_threads(args.threads)
-    evict = None
-    if args.cold:
-        buf = torch.ones(2 * (l3_cache_bytes() or 64 << 20) // 4)
-        evict = buf.sum
+    l3 = l3_cache_bytes()
+    evict = cache_evictor(2 * l3 if l3 else None) if args.cold else None
     print(f"cpu: {cpu_info().summary()}; {args.threads} thread(s); load average "
           f"{os.getloadavg()[0]:.1f}; K/V {'from DRAM (--cold)' if args.cold else 'maybe cached'}; "
           f"kernel built for -march={args.march or 'native'}")

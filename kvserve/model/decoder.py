@@ -762,15 +762,15 @@ class CausalLM(nn.Module):
             return False
         onednn = onednn_available(self.dtype, device)
         has_gemv = gemv_available(self.dtype, device)
+        has_panel = panel_gemm.available(self.dtype, device)
         if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv) or \
-                (kernel == "panel" and not panel_gemm.available(self.dtype, device)):
+                (kernel == "panel" and not has_panel):
             kernel = "dense"
         elif kernel == "auto" and self.dtype != torch.float32:
             # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
             # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
             kernel = "onednn" if onednn else "dense"
-        elif kernel == "auto" and not (onednn or has_gemv
-                                       or panel_gemm.available(self.dtype, device)):
+        elif kernel == "auto" and not (onednn or has_gemv or has_panel):
             kernel = "dense"  # nothing to choose between
         plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
         return self.apply_gemm_plan(plan)

@@ -215,11 +215,16 @@ class Gemv:
             raise ValueError(f"rope_: {cols} columns are not heads of {head_dim}")
         return y
 
+    @staticmethod
+    def takes_argmax(x: torch.Tensor) -> bool:
+        """Whether `argmax` runs on x: [rows, n > 0] float32 CPU rows with unit stride."""
+        return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" \
+            and x.stride(1) == 1 and x.shape[1] > 0
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Row argmax of x [rows, n] (float32, unit stride along n) as int64 [rows]: the first
         maximum, or the first NaN of a row that has one (as NumPy and torch)."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-                or x.stride(1) != 1 or x.shape[1] == 0:
+        if not self.takes_argmax(x):
             raise ValueError(f"argmax: [rows, n > 0] float32 CPU rows with unit stride, got "
                              f"{tuple(x.shape)} {x.dtype} on {x.device}")
         out = torch.empty(x.shape[0], dtype=torch.int64)
@@ -342,8 +347,6 @@ class BoundMLPBlock:
         in, for kvserve_decode_layers, which fills in the rows and the residual itself."""
         self._args[0], self._args[1], self._args[18] = o.data_ptr(), o.stride(0), threads
         return self._ptr
-
-
 
 
 @functools.lru_cache(maxsize=1)

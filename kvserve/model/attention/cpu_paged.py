@@ -106,8 +106,6 @@ def paged_kv(codec: KVCodec, parts: tuple[torch.Tensor, ...], layer: int) -> Pag
     return PagedKV(FLOAT_KINDS[k.dtype], k, parts[1], d)
 
 
-
-
 class PagedDecodeKernel:
     """The loaded library; `__call__` runs one layer's decode attention for a batch."""
 

@@ -198,21 +198,17 @@ inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : 
 
 // vf: kLanes floats in one vector register (see vec.h); "why not omp simd reduction": GCC summed
 // the lanes of each dot product as one chain of dependent scalar adds through the stack.
-inline float hsum(vf x) {  // once per block and head: plain code is fine
+// x's lanes combined by op, halves at a time (once per tile and head: plain code is fine)
+template <typename Op>
+inline float hreduce(vf x, Op op) {
   float t[kLanes];
   std::memcpy(t, &x, sizeof t);
   for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+    for (int i = 0; i < w; ++i) t[i] = op(t[i], t[i + w]);
   return t[0];
 }
-
-inline float hmax(vf x) {  // once per tile and head
-  float t[kLanes];
-  std::memcpy(t, &x, sizeof t);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
-  return t[0];
-}
+inline float hsum(vf x) { return hreduce(x, [](float a, float b) { return a + b; }); }
+inline float hmax(vf x) { return hreduce(x, [](float a, float b) { return a > b ? a : b; }); }
 
 // lanes of (a, b) by index, 0 .. kLanes - 1 from a, kLanes .. 2 kLanes - 1 from b
 #if defined(__clang__) || __GNUC__ >= 12
