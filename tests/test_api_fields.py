@@ -251,7 +251,15 @@ def case_include_stop_str_in_output(ep, ctx) -> None:
 def case_stream(ep, ctx) -> None:
     full = ep.texts(max_tokens=12, ignore_eos=True)[0]
     chunks = ep.stream(max_tokens=12, ignore_eos=True)
-    assert len(chunks) > 2 and ep.stream_text(chunks) == full
+    # Server-sent chunks that add up to the whole text, the finish reason on the last one only.
+    # How many chunks carry the 12 tokens is not asserted: a stream keeps only the newest
+    # output for a reader that falls behind (async_engine.RequestStream), so on a loaded
+    # machine the tokens may arrive in one or two chunks.
+    finishes = [c["finish_reason"] for ch in chunks for c in ch["choices"]]
+    assert ep.stream_text(chunks) == full and finishes[-1] == "length" \
+        and not any(finishes[:-1])
+    assert all(ch["object"].endswith("chunk") or ch["object"] == "text_completion"
+               for ch in chunks)
     assert ep.ok(stream=False)["object"] in ("text_completion", "chat.completion")
 
 
