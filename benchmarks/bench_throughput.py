@@ -248,6 +248,11 @@ def worker_ceiling(args: argparse.Namespace) -> dict:
                                      if args.model else 0)
     if read_bytes:
         out["read_gbps"] = read_bandwidth(args.samples, read_bytes)
+    if args.model and args.max_tokens and read_bytes:
+        params = param_counts(Path(args.model))
+        mean_ctx = args.prompt_len + args.max_tokens // 2  # the decode steps' mean context
+        kv_bytes = args.num_prompts * params["kv_bytes_per_token"] * mean_ctx
+        out["kv_read_gbps"] = read_bandwidth(args.samples, kv_bytes, between=read_bytes)
     out["l3_bytes"] = l3_cache_bytes()
     if args.model:
         out["gemm"] = model_gemm_ceiling(args)
@@ -277,23 +282,32 @@ def weight_bytes(params: dict[str, int]) -> int:
     return 4 * (params["non_embedding"] + params["lm_head"])
 
 
-def read_bandwidth(samples: int, nbytes: int) -> dict:
-    """Read-only bandwidth, GB/s, of a buffer of `nbytes` (the model's weights), each sample one
-    pass over it after a warm pass: the batch-1 decode ceiling. Where the weights fit in the
-    L3 cache they are read from there at each step, not from DRAM, so a DRAM copy bandwidth
-    understates what is reachable. The pass is kvserve's C++ read kernel (csrc/gemv.cpp) on
-    torch's threads, or torch.sum without a compiler."""
+def read_bandwidth(samples: int, nbytes: int, between: int = 0) -> dict:
+    """Read-only bandwidth, GB/s, of a buffer of `nbytes`, each sample one pass over it after a
+    warm pass. The model's weights: the batch-1 decode ceiling (where they fit in the L3
+    cache they are read from there at each step, not from DRAM, so a DRAM copy bandwidth
+    understates what is reachable). `between`: bytes of another buffer read before each
+    timed pass, as a decode step reads all the weights between two reads of the K/V: the
+    rate the K/V can be read at in an engine, which the L3 helps far less. The pass is
+    kvserve's C++ read kernel (csrc/gemv.cpp) on torch's threads, or torch.sum without a
+    compiler."""
     import torch
 
     from kvserve.model import gemv
 
-    buf = torch.ones(nbytes // 4)
     kernel = gemv.load()
-    read = (lambda: kernel.read_sum(buf)) if kernel is not None else (lambda: float(buf.sum()))
+
+    def reader(t: torch.Tensor):
+        return (lambda: kernel.read_sum(t)) if kernel is not None else (lambda: float(t.sum()))
+
+    buf = torch.ones(nbytes // 4)
+    read = reader(buf)
+    other = reader(torch.ones(between // 4)) if between else (lambda: None)
     read()
     read()
     rates = []
     for _ in range(samples):
+        other()
         t0 = time.perf_counter()
         read()
         rates.append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
@@ -586,6 +600,11 @@ def machine_ceilings(ceilings: list[dict], params: dict[str, int], n: int, plen:
         out["kv_read_bytes"] = kv
         out["kv_read_s"] = kv / (out["read_gbps"] * 1e9)
         out["gemm_kv_floor_s"] = out["gemm_ceiling_s"] + out["kv_read_s"]
+        kv_rates = [c["kv_read_gbps"]["median"] for c in ceilings if "kv_read_gbps" in c]
+        if kv_rates:  # the same bytes at the rate they come at with the weights read between
+            out["kv_engine_gbps"] = max(kv_rates)
+            out["kv_engine_read_s"] = kv / (out["kv_engine_gbps"] * 1e9)
+            out["gemm_kv_engine_floor_s"] = out["gemm_ceiling_s"] + out["kv_engine_read_s"]
     return out
 
 
@@ -622,6 +641,12 @@ def print_machine_ceilings(machine: dict, table: list[dict], engines: list[str],
               f"run takes at least {machine['gemm_kv_floor_s']:.2f} s, so at most "
               f"{100 * machine['gemm_ceiling_s'] / machine['gemm_kv_floor_s']:.1f}% of the GEMM "
               f"ceiling is reachable (before norms, RoPE, sampling, scheduling)")
+    if "gemm_kv_engine_floor_s" in machine:
+        print(f"  read as a decode step reads it, after the weights (a K/V-sized buffer read "
+              f"right after a weight-sized one: {machine['kv_engine_gbps']:.1f} GB/s), the K/V "
+              f"takes {machine['kv_engine_read_s']:.2f} s: at most "
+              f"{100 * machine['gemm_ceiling_s'] / machine['gemm_kv_engine_floor_s']:.1f}% of "
+              f"the GEMM ceiling is reachable ({machine['gemm_kv_engine_floor_s']:.2f} s)")
     for row in table:
         if row["dtype"] != "float32":
             continue
@@ -750,7 +775,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "ceiling":
             bar.set_postfix_str("matmul ceiling")
             res = measure(["ceiling", "--model", str(model_dir), "--num-prompts", str(n_main),
-                           "--prompt-len", str(plen)], args, "matmul ceiling", write)
+                           "--prompt-len", str(plen), "--max-tokens", str(gen)], args,
+                          "matmul ceiling", write)
             ceilings.append(res)
             if "error" in res:
                 tqdm.write(f"ceiling run failed: {res['error']}", file=sys.stderr)
