@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
-from kvserve.model.cpu_features import cpu_info, l3_cache_bytes
+from kvserve.model.cpu_features import ISA_CAPS, cpu_info, isa_cap_env, l3_cache_bytes
 from kvserve.paths import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -717,6 +717,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each run wait up to this many seconds for other processes to "
                    "go quiet (default 20; 0 disables)")
     p.add_argument("--verbose", action="store_true", help="print each worker command")
+    p.add_argument("--cpu-isa", choices=["native", *ISA_CAPS], default="native",
+                   help="run every worker (kvserve's, the peers', the ceilings) capped to this "
+                   "instruction set: kvserve's kernels built for it, ATen, MKL and oneDNN "
+                   "limited to it (an AVX2-only CPU emulated on a newer one; default native)")
     # worker-only flags
     p.add_argument("--worker", choices=["bench", "ceiling"], help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
@@ -734,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
+    if args.cpu_isa != "native":  # the workers inherit it; this process's own CPU line too
+        os.environ.update(isa_cap_env(args.cpu_isa))
+        cpu_info.cache_clear()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):
         p.error(f"--engines must be a subset of {','.join(ENGINES)}")

@@ -1,14 +1,22 @@
 """kvserve/model/cpu_ext.py: what a C++ kernel's build key covers, and that an installed package
 carries every file its kernels compile (a `pip install .` that left out a header lost the paged
-decode kernel without an error: the engine fell back to PyTorch attention)."""
+decode kernel without an error: the engine fell back to PyTorch attention); the instruction-set
+cap (KVSERVE_CPU_ISA, cpu_features) that emulates an AVX2-only CPU, end to end."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
+import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-from kvserve.model import cpu_ext, gemv, panel_gemm
+import pytest
+
+from kvserve.model import cpu_ext, cpu_features, gemv, panel_gemm
 from kvserve.model.attention import cpu_paged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,3 +44,55 @@ def test_a_local_include_changes_the_build_key(tmp_path):
     before = cpu_ext.build_key(source, cpu_ext.CXXFLAGS, cxx)
     header.write_text("#define X 2\n")
     assert cpu_ext.build_key(source, cpu_ext.CXXFLAGS, cxx) != before
+
+
+def test_isa_cap_names(monkeypatch):
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    assert cpu_features.isa_cap() == "avx2" and cpu_features.march() == "x86-64-v3"
+    env = cpu_features.isa_cap_env("avx2")
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    monkeypatch.setenv(cpu_features.ISA_ENV, "native")
+    assert cpu_features.isa_cap() is None and cpu_features.march() == "native"
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx9")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA"):
+        cpu_features.isa_cap()
+    with pytest.raises(ValueError, match="instruction-set cap"):
+        cpu_features.isa_cap_env("sse9")
+
+
+CAPPED = """
+import json, sys
+import torch
+from helpers import hf_greedy, random_prompts
+from kvserve import LLM, SamplingParams
+from kvserve.model import cpu_ext, cpu_features, gemm_select
+path = sys.argv[1]
+prompts = random_prompts([5, 40, 77], 512, seed=3)
+llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=16)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+key = gemm_select.cache_key("float32", torch.get_num_threads(), {"q": (8, 8)}, "x")
+print(json.dumps({"flags": sorted(cpu_features.cpu_info().flags), "cxxflags": cpu_ext.CXXFLAGS,
+                  "aten": torch.backends.cpu.get_cpu_capability(), "key": key,
+                  "got": [o.outputs[0].token_ids for o in outs],
+                  "want": hf_greedy(path, prompts, 12)}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 caps")
+def test_capped_to_avx2_end_to_end(hf_checkpoints):
+    """A fresh process under KVSERVE_CPU_ISA=avx2 and the libraries' caps
+    (cpu_features.isa_cap_env): kvserve's kernels are built for x86-64-v3, no flag above AVX2
+    is left in what it reads, ATen runs its AVX2 code, the GEMM choice is cached under a key
+    of its own, and greedy tokens equal transformers' (run under the same caps)."""
+    env = dict(os.environ, **cpu_features.isa_cap_env("avx2"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-c", CAPPED, str(hf_checkpoints["qwen2"])],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "-march=x86-64-v3" in out["cxxflags"]
+    assert not [f for f in out["flags"] if f.startswith(("avx512", "amx"))]
+    assert out["aten"] == "AVX2"
+    assert "|isa ATEN_CPU_CAPABILITY=avx2," in out["key"]
+    assert out["got"] == out["want"]

@@ -2,7 +2,8 @@
 
 Why: the CPU kernels (the paged decode attention, `attention/csrc/paged_decode.cpp`; the
 small-batch GEMV, `csrc/gemv.cpp`) are C++ with a C ABI, built at first use with the machine's
-compiler (`$CXX`, else `c++`/`g++`/`clang++`) and -march=native. Not torch extensions: without
+compiler (`$CXX`, else `c++`/`g++`/`clang++`) and -march=native (or the cap of
+$KVSERVE_CPU_ISA, cpu_features.march). Not torch extensions: without
 torch's headers a source builds in about a second instead of a minute, and a kernel needs
 nothing from torch but data pointers. Their OpenMP calls resolve to the libgomp torch has
 already loaded, so they run on torch's threads.
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.model.cpu_features import cpu_info
+from kvserve.model.cpu_features import cpu_info, march
 from kvserve.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvserve")
 
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CXXFLAGS = ("-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 def cache_root() -> Path:

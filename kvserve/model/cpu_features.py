@@ -4,11 +4,18 @@ Why: the right GEMM kernel, whether bf16 is a speed-up or a trap, and how a benc
 to be read all depend on the CPU. x86 machines of the same kind differ (AVX2-only EPYCs,
 AVX-512 Xeons, Zen 5 with bf16): a bf16 matmul on a CPU without bf16 instructions runs in
 software, orders of magnitude slower. No torch import: the CLI and benchmarks' drivers use it.
+
+`KVSERVE_CPU_ISA=avx2` caps what kvserve uses to an AVX2-only x86 (x86-64-v3): its C++
+kernels are built for it and the CPU's flags above it are dropped (no AVX-512, AMX, AVX-VNNI).
+Why: to measure, on this project's AVX-512 machines, what a user of an AVX2-only CPU (the
+EPYCs of issue 18) gets. The libraries under torch have caps of their own, which a benchmark
+sets with it (`isa_cap_env`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +24,43 @@ from pathlib import Path
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
+ISA_ENV = "KVSERVE_CPU_ISA"
+# cap -> (the -march its kernels are built for, the flag prefixes above it)
+ISA_CAPS = {"avx2": ("x86-64-v3", ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))}
+
+
+def isa_cap() -> str | None:
+    """The instruction-set cap $KVSERVE_CPU_ISA names (None: native, all the CPU has)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if value in ("", "native"):
+        return None
+    if value not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected native or one of {sorted(ISA_CAPS)}")
+    return value
+
+
+def march() -> str:
+    """The -march kvserve's C++ kernels are built for: native, or the cap's."""
+    cap = isa_cap()
+    return ISA_CAPS[cap][0] if cap else "native"
+
+
+def isa_cap_env(cap: str) -> dict[str, str]:
+    """The environment that caps kvserve and the libraries under torch (ATen's vector code,
+    MKL, oneDNN) to `cap`, for a process started with it: what a benchmark runs its workers
+    (kvserve's and the peers') under to emulate an older CPU."""
+    if cap not in ISA_CAPS:
+        raise ValueError(f"unknown instruction-set cap {cap!r}: one of {sorted(ISA_CAPS)}")
+    return {ISA_ENV: cap, "ATEN_CPU_CAPABILITY": cap, "MKL_ENABLE_INSTRUCTIONS": cap.upper(),
+            "ONEDNN_MAX_CPU_ISA": cap.upper()}
+
 
 @dataclass(frozen=True)
 class CpuInfo:
     model_name: str
     flags: frozenset[str]
     logical_cpus: int
+    isa_cap: str | None = None  # the flags above this cap were dropped (see ISA_ENV)
 
     @property
     def has_bf16(self) -> bool:
@@ -38,7 +76,8 @@ class CpuInfo:
 
         return (f"{self.model_name} ({self.logical_cpus} logical CPUs) | AVX2 {yes('avx2')}, "
                 f"AVX-512 {yes('avx512f')}, AVX512_BF16 {yes('avx512_bf16')}, "
-                f"AMX {yes('amx_bf16', 'amx_tile')}")
+                f"AMX {yes('amx_bf16', 'amx_tile')}"
+                + (f" (capped to {self.isa_cap.upper()} by {ISA_ENV})" if self.isa_cap else ""))
 
 
 def parse_cpuinfo(text: str) -> CpuInfo:
@@ -58,11 +97,18 @@ def parse_cpuinfo(text: str) -> CpuInfo:
 
 @functools.lru_cache(maxsize=1)
 def cpu_info() -> CpuInfo:
-    """This machine's CPU (empty flags off Linux, where /proc/cpuinfo is missing)."""
+    """This machine's CPU (empty flags off Linux, where /proc/cpuinfo is missing), less the
+    flags above $KVSERVE_CPU_ISA's cap."""
     try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        info = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        return CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)
+        info = CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)
+    cap = isa_cap()
+    if cap is None:
+        return info
+    above = ISA_CAPS[cap][1]
+    return CpuInfo(info.model_name, frozenset(f for f in info.flags if not f.startswith(above)),
+                   info.logical_cpus, cap)
 
 
 @functools.lru_cache(maxsize=1)

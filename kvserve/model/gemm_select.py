@@ -263,6 +263,9 @@ def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
 
 
 # -- cache ------------------------------------------------------------------------------------
+LIBRARY_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
 def cache_path() -> Path:
     return cache_dir() / "gemm-choice.json"
 
@@ -272,9 +275,12 @@ def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],
     info = cpu_info()
     flags = ",".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma"))))
     shape_s = ",".join(f"{p}={o}x{i}" for p, (o, i) in sorted(shapes.items()))
+    # the libraries' own instruction-set caps (cpu_features.isa_cap_env) change their speed
+    caps = ",".join(f"{v}={os.environ[v]}" for v in LIBRARY_ISA_ENV if os.environ.get(v))
     return (f"v{CACHE_VERSION}|{info.model_name}|{flags}|torch {torch_version}|"
             f"threads {threads}|{dtype}|{shape_s}"
-            + (f"|cold {''.join('1' if c else '0' for c in cold)}" if any(cold) else ""))
+            + (f"|cold {''.join('1' if c else '0' for c in cold)}" if any(cold) else "")
+            + (f"|isa {caps}" if caps else ""))
 
 
 def weights_stream(weight_bytes: int, l3_bytes: int | None, bucket: int) -> bool:
