@@ -55,13 +55,13 @@ def test_thread_counts(threads):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
 def test_built_for_an_older_x86(march):
-    """The test machine builds with -march=native; the 8- and 4-lane tiles (3 and 1 rows) are
-    built here and checked the same way."""
+    """The test machine builds with -march=native; the 8- and 4-lane tiles (6 rows over half and
+    quarter panels) are built here and checked the same way."""
     flags = tuple(f"-march={march}" if f.startswith("-march") else f for f in CXXFLAGS)
     lib = load_library(panel_gemm.SOURCE, flags)
     assert lib is not None, f"the panel GEMM did not build with -march={march}"
     g = panel_gemm.PanelGemm(lib)
-    for rows in (1, 2, 3, 4, 7, 64):
+    for rows in (1, 2, 3, 4, 6, 7, 13, 64):  # AVX2 and SSE: tiles of 6 rows
         for n, k in SHAPES[1:4]:
             _check(g, rows, n, k, seed=rows + n)
 

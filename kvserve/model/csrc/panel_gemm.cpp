@@ -5,10 +5,11 @@
 // Why a GEMM of our own: at 64 rows oneDNN and MKL reach their speed only with the weights in
 // cache. In an engine step the weights arrive from DRAM (each step reads all of them, and the
 // K/V on top, more than the L3 keeps), and there the projections ran ~1.5x slower than in a
-// loop on one layer's weights. This kernel streams each panel once: a tile of rows keeps
-// rows x 32 accumulators in registers over all of K (the panel's K x 32 floats stay in L2 for
-// the other tiles of rows), and while it computes it asks for the next panel, its lines
-// spread evenly over the panel's tiles and their steps of K.
+// loop on one layer's weights. This kernel streams each panel once: a tile of rows keeps its
+// accumulators for two vectors of the panel (all 32 columns with AVX-512, 16 with AVX2) in
+// registers over all of K (the panel stays in cache for the other tiles of rows), and while
+// it computes it asks for the next panel, its lines spread evenly over the panel's tiles and
+// their steps of K.
 //
 // Built at first use with the machine's compiler (kvserve/model/cpu_ext.py) and called through
 // ctypes. Generic vectors (vec.h) sized for the instruction set it is built for; OpenMP over
@@ -25,9 +26,15 @@ namespace {
 
 constexpr int kPanel = 32;                // output features per panel
 constexpr int kVecs = kPanel / kLanes;    // vectors per panel row: 2, 4 or 8
-// rows per tile: rows x kVecs accumulators, at most 16 registers (of 32 with AVX-512, 16 with
-// AVX2: the weight vectors and the broadcast need the rest)
-constexpr int kTileRows = kVecs == 2 ? 8 : (kVecs == 4 ? 3 : 1);
+// A tile covers two vectors of a panel (the whole panel with AVX-512, a half with AVX2, a
+// quarter with SSE): rows x 2 accumulators, 16 of the 32 registers with AVX-512, 12 of the 16
+// with fewer (the weight vectors and the broadcast need the rest). Why not the whole panel
+// everywhere: with AVX2 that left room for 3 rows, so 64 rows were 22 tiles that each read the
+// panel's 64 KB again (more than the L1), and the kernel ran 40-50% slower than MKL; a half
+// panel is 32 KB (K = 512), which the L1 keeps for all the tiles of rows.
+constexpr int kTileVecs = 2;
+constexpr int kParts = kVecs / kTileVecs;  // tiles across a panel: 1, 2 or 4
+constexpr int kTileRows = kLanes == 16 ? 8 : 6;
 // Rows per block: all panels run over one block of rows before the next, so that the block's
 // x (192 x K floats) stays in L2 while the weights stream past it; without blocks a prefill's
 // x was read again from L3 for every panel.
@@ -45,19 +52,20 @@ struct Args {
 
 // Rows m0 .. m0 + R of panel p; asks for up to next_bytes of `next` on the way.
 template <int R>
-void tile(const Args& a, int64_t m0, int64_t p, const char* next, int64_t next_bytes) {
-  vf acc[R][kVecs];
+void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,
+          int64_t next_bytes) {
+  vf acc[R][kTileVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = vf{};
-  const float* w = a.w + p * a.k * kPanel;
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vf{};
+  const float* w = a.w + p * a.k * kPanel + part * kTileVecs * kLanes;
   const float* x = a.x + m0 * a.x_stride;
   // next_bytes / 64 lines, spread evenly over the k steps (a running credit, as in
   // Bresenham's line): one line every few steps with many tiles, two a step with one tile.
   const int64_t lines = next_bytes / 64;
   int64_t asked = 0, credit = 0;
   for (int64_t kk = 0; kk < a.k; ++kk) {
-    vf wv[kVecs];
-    for (int v = 0; v < kVecs; ++v) wv[v] = loadv(w + kk * kPanel + v * kLanes);
+    vf wv[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) wv[v] = loadv(w + kk * kPanel + v * kLanes);
     credit += lines;
     while (credit >= a.k) {
       __builtin_prefetch(next + asked, 0, 2);
@@ -67,14 +75,14 @@ void tile(const Args& a, int64_t m0, int64_t p, const char* next, int64_t next_b
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float b = x[r * a.x_stride + kk];
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += b * wv[v];
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] += b * wv[v];
     }
   }
-  const int64_t col0 = p * kPanel;
-  const int64_t cols = std::min<int64_t>(kPanel, a.n - col0);
+  const int64_t col0 = p * kPanel + part * kTileVecs * kLanes;
+  const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, a.n - col0);
   for (int r = 0; r < R; ++r) {
-    float y[kPanel];
-    for (int v = 0; v < kVecs; ++v) storev(y + v * kLanes, acc[r][v]);
+    float y[kTileVecs * kLanes];
+    for (int v = 0; v < kTileVecs; ++v) storev(y + v * kLanes, acc[r][v]);
     if (a.bias)
       for (int64_t c = 0; c < cols; ++c) y[c] += a.bias[col0 + c];
     if (a.residual) {
@@ -111,22 +119,27 @@ int kvserve_panel_gemm(const Args* args) {
       // faster than a core's fill buffers bring lines from DRAM, and the tile stalled; spread
       // over the panel's tiles the batch-64 projections and LM head of an engine-like step
       // (K/V read between them) took 17.4 instead of 19.6 ms.
-      const int64_t tiles = (b1 - b0 + kTileRows - 1) / kTileRows;
+      const int64_t col0 = p * kPanel;
+      const int parts = static_cast<int>(
+          std::min<int64_t>(kParts, (a.n - col0 + kTileVecs * kLanes - 1) / (kTileVecs * kLanes)));
+      const int64_t tiles = (b1 - b0 + kTileRows - 1) / kTileRows * parts;
       const int64_t share = (panel_bytes / 64 + tiles - 1) / tiles * 64;  // bytes per tile
       int64_t t = 0;
-      for (int64_t m0 = b0; m0 < b1; m0 += kTileRows, ++t) {
-        const int64_t from = std::min(t * share, panel_bytes);
-        const int64_t bytes = next ? std::min(share, panel_bytes - from) : 0;
-        const char* at = next ? next + from : nullptr;
-        switch (std::min<int64_t>(kTileRows, b1 - m0)) {
-          case 8: tile<8>(a, m0, p, at, bytes); break;
-          case 7: tile<7>(a, m0, p, at, bytes); break;
-          case 6: tile<6>(a, m0, p, at, bytes); break;
-          case 5: tile<5>(a, m0, p, at, bytes); break;
-          case 4: tile<4>(a, m0, p, at, bytes); break;
-          case 3: tile<3>(a, m0, p, at, bytes); break;
-          case 2: tile<2>(a, m0, p, at, bytes); break;
-          default: tile<1>(a, m0, p, at, bytes); break;
+      for (int part = 0; part < parts; ++part) {
+        for (int64_t m0 = b0; m0 < b1; m0 += kTileRows, ++t) {
+          const int64_t from = std::min(t * share, panel_bytes);
+          const int64_t bytes = next ? std::min(share, panel_bytes - from) : 0;
+          const char* ahead = next ? next + from : nullptr;
+          switch (std::min<int64_t>(kTileRows, b1 - m0)) {
+            case 8: tile<8>(a, m0, p, part, ahead, bytes); break;
+            case 7: tile<7>(a, m0, p, part, ahead, bytes); break;
+            case 6: tile<6>(a, m0, p, part, ahead, bytes); break;
+            case 5: tile<5>(a, m0, p, part, ahead, bytes); break;
+            case 4: tile<4>(a, m0, p, part, ahead, bytes); break;
+            case 3: tile<3>(a, m0, p, part, ahead, bytes); break;
+            case 2: tile<2>(a, m0, p, part, ahead, bytes); break;
+            default: tile<1>(a, m0, p, part, ahead, bytes); break;
+          }
         }
       }
     }
