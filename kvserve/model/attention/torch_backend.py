@@ -29,6 +29,7 @@ It uses the same per-window gather indices and masks, so windowed layers stay in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -65,11 +66,12 @@ class _WindowState:
     decode_residual_at: ResidualAt = None  # int4 keys of decode_index read from the residual
     # Set instead of decode_index / decode_mask when the paged kernel runs (cpu_paged.py).
     paged: _PagedDecodes | None = None
-    # prefills in runs that one attention call serves (see _prefill_runs)
-    runs: list[list[_PrefillPlan]] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.runs = _prefill_runs(self.prefills)
+    @functools.cached_property
+    def runs(self) -> list[list[_PrefillPlan]]:
+        """The prefills in runs that one attention call serves (see _prefill_runs); found
+        when first asked (the path through the codecs never asks)."""
+        return _prefill_runs(self.prefills)
 
 
 def _prefill_runs(plans: list[_PrefillPlan]) -> list[list[_PrefillPlan]]:
