@@ -717,10 +717,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each run wait up to this many seconds for other processes to "
                    "go quiet (default 20; 0 disables)")
     p.add_argument("--verbose", action="store_true", help="print each worker command")
-    p.add_argument("--cpu-isa", choices=["native", *ISA_CAPS], default="native",
+    p.add_argument("--cpu-isa", choices=["native", *ISA_CAPS],
                    help="run every worker (kvserve's, the peers', the ceilings) capped to this "
                    "instruction set: kvserve's kernels built for it, ATen, MKL and oneDNN "
-                   "limited to it (an AVX2-only CPU emulated on a newer one; default native)")
+                   "limited to it (an AVX2-only CPU emulated on a newer one); native: no cap, "
+                   "whatever the environment says (default: as the environment says)")
     # worker-only flags
     p.add_argument("--worker", choices=["bench", "ceiling"], help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
@@ -738,8 +739,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    if args.cpu_isa != "native":  # the workers inherit it; this process's own CPU line too
-        os.environ.update(isa_cap_env(args.cpu_isa))
+    if args.cpu_isa:  # the workers inherit it; this process's own CPU line too
+        for var in isa_cap_env(next(iter(ISA_CAPS))):
+            os.environ.pop(var, None)
+        if args.cpu_isa != "native":
+            os.environ.update(isa_cap_env(args.cpu_isa))
         cpu_info.cache_clear()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):

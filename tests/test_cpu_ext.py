@@ -58,6 +58,12 @@ def test_isa_cap_names(monkeypatch):
         cpu_features.isa_cap()
     with pytest.raises(ValueError, match="instruction-set cap"):
         cpu_features.isa_cap_env("sse9")
+    # a cap only lowers what a CPU has: kernels built above it would stop on SIGILL
+    old_cpu = cpu_features.CpuInfo("an old x86", frozenset({"sse2", "avx"}), 2)
+    monkeypatch.setattr(cpu_features, "_host_cpu", lambda: old_cpu)
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    with pytest.raises(ValueError, match="lacks avx2, bmi1"):
+        cpu_features.isa_cap()
 
 
 CAPPED = """
@@ -65,33 +71,50 @@ import json, sys
 import torch
 from helpers import hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
-from kvserve.model import cpu_ext, cpu_features, gemm_select
+from kvserve.model import cpu_ext, cpu_features, gemm_select, gemv, panel_gemm
+from kvserve.model.attention import cpu_paged
 path = sys.argv[1]
-prompts = random_prompts([5, 40, 77], 512, seed=3)
+prompts = random_prompts([5, 40, 77, 9, 130, 3, 64, 21], 512, seed=3)  # decodes of 8 rows
 llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=16)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 key = gemm_select.cache_key("float32", torch.get_num_threads(), {"q": (8, 8)}, "x")
+plan = llm.engine.runner.model.gemm_plan.kernels
 print(json.dumps({"flags": sorted(cpu_features.cpu_info().flags), "cxxflags": cpu_ext.CXXFLAGS,
                   "aten": torch.backends.cpu.get_cpu_capability(), "key": key,
+                  "kernels": [panel_gemm.load() is not None, gemv.load() is not None,
+                              cpu_paged.load_kernel() is not None],
+                  "panel_rows_8": plan["qkv"][1],
                   "got": [o.outputs[0].token_ids for o in outs],
                   "want": hf_greedy(path, prompts, 12)}))
 """
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 caps")
+def _has_x86_64_v3() -> bool:
+    from kvserve.model.cpu_features import ISA_CAPS, _host_cpu
+
+    return all(f in _host_cpu().flags for f in ISA_CAPS["avx2"][1])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _has_x86_64_v3()
+                    or panel_gemm.load() is None, reason="the AVX2 cap needs an x86-64-v3 CPU "
+                    "and a compiler")
 def test_capped_to_avx2_end_to_end(hf_checkpoints):
     """A fresh process under KVSERVE_CPU_ISA=avx2 and the libraries' caps
-    (cpu_features.isa_cap_env): kvserve's kernels are built for x86-64-v3, no flag above AVX2
-    is left in what it reads, ATen runs its AVX2 code, the GEMM choice is cached under a key
-    of its own, and greedy tokens equal transformers' (run under the same caps)."""
-    env = dict(os.environ, **cpu_features.isa_cap_env("avx2"),
+    (cpu_features.isa_cap_env), every projection on the panel GEMM where it is offered
+    (KVSERVE_GEMM=panel): kvserve's kernels are built for x86-64-v3 and load, no flag above
+    AVX2 is left in what it reads, ATen runs its AVX2 code, the GEMM choice is cached under a
+    key of its own, and greedy tokens through the AVX2 tiles (decodes of 8 rows) equal
+    transformers' (run under the same caps)."""
+    env = dict(os.environ, **cpu_features.isa_cap_env("avx2"), KVSERVE_GEMM="panel",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     proc = subprocess.run([sys.executable, "-c", CAPPED, str(hf_checkpoints["qwen2"])],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "-march=x86-64-v3" in out["cxxflags"]
+    assert out["kernels"] == [True, True, True], "a kernel did not build under the cap"
+    assert out["panel_rows_8"] == "panel"
     assert not [f for f in out["flags"] if f.startswith(("avx512", "amx"))]
     assert out["aten"] == "AVX2"
     assert "|isa ATEN_CPU_CAPABILITY=avx2," in out["key"]

@@ -18,6 +18,7 @@ it to a minimal workload).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,8 @@ def _no_source_constants(monkeypatch):
     try:
         from hypothesis.internal.conjecture import providers
     except ImportError:
+        warnings.warn("this Hypothesis has no hypothesis.internal.conjecture.providers: the "
+                      "workloads may depend on the other test modules imported", stacklevel=1)
         return
     if hasattr(providers.HypothesisProvider, "_maybe_draw_constant"):
         monkeypatch.setattr(providers.HypothesisProvider, "_maybe_draw_constant",

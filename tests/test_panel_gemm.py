@@ -61,8 +61,10 @@ def test_built_for_an_older_x86(march):
     lib = load_library(panel_gemm.SOURCE, flags)
     assert lib is not None, f"the panel GEMM did not build with -march={march}"
     g = panel_gemm.PanelGemm(lib)
-    for rows in (1, 2, 3, 4, 6, 7, 13, 64):  # AVX2 and SSE: tiles of 6 rows
-        for n, k in SHAPES[1:4]:
+    # tiles of 6 rows over half (AVX2) or quarter (SSE) panels: last panels of 1 to 4 parts,
+    # two 192-row blocks
+    for rows in (1, 2, 3, 4, 6, 7, 13, 64, 200):
+        for n, k in (*SHAPES[1:4], (40, 9), (56, 33), (120, 7)):
             _check(g, rows, n, k, seed=rows + n)
 
 

@@ -25,17 +25,25 @@ SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 ISA_ENV = "KVSERVE_CPU_ISA"
-# cap -> (the -march its kernels are built for, the flag prefixes above it)
-ISA_CAPS = {"avx2": ("x86-64-v3", ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))}
+# cap -> (the -march its kernels are built for, the flags that level needs (Linux names), the
+# flag prefixes above it)
+ISA_CAPS = {"avx2": ("x86-64-v3", ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
+                     ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))}
 
 
 def isa_cap() -> str | None:
-    """The instruction-set cap $KVSERVE_CPU_ISA names (None: native, all the CPU has)."""
+    """The instruction-set cap $KVSERVE_CPU_ISA names (None: native, all the CPU has). A cap
+    is a maximum the CPU must reach: on a CPU without it the kernels built for it would stop
+    on an illegal instruction, so that is an error here."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if value in ("", "native"):
         return None
     if value not in ISA_CAPS:
         raise ValueError(f"{ISA_ENV}={value!r}: expected native or one of {sorted(ISA_CAPS)}")
+    missing = [f for f in ISA_CAPS[value][1] if f not in _host_cpu().flags]
+    if missing:
+        raise ValueError(f"{ISA_ENV}={value}: this CPU lacks {', '.join(missing)}, which "
+                         f"{ISA_CAPS[value][0]} needs; the cap can only lower what a CPU has")
     return value
 
 
@@ -99,16 +107,22 @@ def parse_cpuinfo(text: str) -> CpuInfo:
 def cpu_info() -> CpuInfo:
     """This machine's CPU (empty flags off Linux, where /proc/cpuinfo is missing), less the
     flags above $KVSERVE_CPU_ISA's cap."""
-    try:
-        info = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        info = CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)
+    info = _host_cpu()
     cap = isa_cap()
     if cap is None:
         return info
-    above = ISA_CAPS[cap][1]
+    above = ISA_CAPS[cap][2]
     return CpuInfo(info.model_name, frozenset(f for f in info.flags if not f.startswith(above)),
                    info.logical_cpus, cap)
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu() -> CpuInfo:
+    """What /proc/cpuinfo says, uncapped."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return CpuInfo(platform.processor() or platform.machine(), frozenset(), 1)
 
 
 @functools.lru_cache(maxsize=1)

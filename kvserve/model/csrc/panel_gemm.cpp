@@ -31,7 +31,8 @@ constexpr int kVecs = kPanel / kLanes;    // vectors per panel row: 2, 4 or 8
 // with fewer (the weight vectors and the broadcast need the rest). Why not the whole panel
 // everywhere: with AVX2 that left room for 3 rows, so 64 rows were 22 tiles that each read the
 // panel's 64 KB again (more than the L1), and the kernel ran 40-50% slower than MKL; a half
-// panel is 32 KB (K = 512), which the L1 keeps for all the tiles of rows.
+// panel's lines are 32 KB at K = 512, which an L1 of 48 KB mostly keeps for all the tiles of
+// rows (SSE's quarter panel reads half of each of the same lines: 32 KB too).
 constexpr int kTileVecs = 2;
 constexpr int kParts = kVecs / kTileVecs;  // tiles across a panel: 1, 2 or 4
 constexpr int kTileRows = kLanes == 16 ? 8 : 6;
