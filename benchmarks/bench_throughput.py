@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
-from kvserve.model.cpu_features import ISA_CAPS, cpu_info, isa_cap_env, l3_cache_bytes
+from kvserve.model.cpu_features import (ISA_CAPS, ISA_ENV, LIBRARY_ISA_ENV, cpu_info,
+                                        isa_cap_env, l3_cache_bytes)
 from kvserve.paths import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -244,12 +245,11 @@ def worker_ceiling(args: argparse.Namespace) -> dict:
         out[name] = {"median_gflops": statistics.median(gflops), "min_gflops": min(gflops),
                      "max_gflops": max(gflops), "samples": len(gflops)}
     out["copy_gbps"] = copy_bandwidth(args.samples)
-    read_bytes = args.read_bytes or (weight_bytes(param_counts(Path(args.model)))
-                                     if args.model else 0)
+    params = param_counts(Path(args.model)) if args.model else None
+    read_bytes = args.read_bytes or (weight_bytes(params) if params else 0)
     if read_bytes:
         out["read_gbps"] = read_bandwidth(args.samples, read_bytes)
-    if args.model and args.max_tokens and read_bytes:
-        params = param_counts(Path(args.model))
+    if params and args.max_tokens and read_bytes:
         mean_ctx = args.prompt_len + args.max_tokens // 2  # the decode steps' mean context
         kv_bytes = args.num_prompts * params["kv_bytes_per_token"] * mean_ctx
         out["kv_read_gbps"] = read_bandwidth(args.samples, kv_bytes, between=read_bytes)
@@ -740,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     if args.cpu_isa:  # the workers inherit it; this process's own CPU line too
-        for var in isa_cap_env(next(iter(ISA_CAPS))):
+        for var in (ISA_ENV, *LIBRARY_ISA_ENV):
             os.environ.pop(var, None)
         if args.cpu_isa != "native":
             os.environ.update(isa_cap_env(args.cpu_isa))

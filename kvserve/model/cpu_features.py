@@ -53,14 +53,18 @@ def march() -> str:
     return ISA_CAPS[cap][0] if cap else "native"
 
 
+# The libraries under torch that take a cap of their own: variable -> how it spells one
+LIBRARY_ISA_ENV = {"ATEN_CPU_CAPABILITY": str.lower, "MKL_ENABLE_INSTRUCTIONS": str.upper,
+                   "ONEDNN_MAX_CPU_ISA": str.upper}
+
+
 def isa_cap_env(cap: str) -> dict[str, str]:
     """The environment that caps kvserve and the libraries under torch (ATen's vector code,
     MKL, oneDNN) to `cap`, for a process started with it: what a benchmark runs its workers
     (kvserve's and the peers') under to emulate an older CPU."""
     if cap not in ISA_CAPS:
         raise ValueError(f"unknown instruction-set cap {cap!r}: one of {sorted(ISA_CAPS)}")
-    return {ISA_ENV: cap, "ATEN_CPU_CAPABILITY": cap, "MKL_ENABLE_INSTRUCTIONS": cap.upper(),
-            "ONEDNN_MAX_CPU_ISA": cap.upper()}
+    return {ISA_ENV: cap, **{var: spell(cap) for var, spell in LIBRARY_ISA_ENV.items()}}
 
 
 @dataclass(frozen=True)

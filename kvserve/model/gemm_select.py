@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.model.cpu_features import cpu_info
+from kvserve.model.cpu_features import LIBRARY_ISA_ENV, cpu_info
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
@@ -263,9 +263,6 @@ def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
 
 
 # -- cache ------------------------------------------------------------------------------------
-LIBRARY_ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
-
-
 def cache_path() -> Path:
     return cache_dir() / "gemm-choice.json"
 

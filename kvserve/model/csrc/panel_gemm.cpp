@@ -34,6 +34,7 @@ constexpr int kVecs = kPanel / kLanes;    // vectors per panel row: 2, 4 or 8
 // panel's lines are 32 KB at K = 512, which an L1 of 48 KB mostly keeps for all the tiles of
 // rows (SSE's quarter panel reads half of each of the same lines: 32 KB too).
 constexpr int kTileVecs = 2;
+constexpr int kTileCols = kTileVecs * kLanes;  // output features per tile: 32, 16 or 8
 constexpr int kParts = kVecs / kTileVecs;  // tiles across a panel: 1, 2 or 4
 constexpr int kTileRows = kLanes == 16 ? 8 : 6;
 // Rows per block: all panels run over one block of rows before the next, so that the block's
@@ -58,7 +59,7 @@ void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,
   vf acc[R][kTileVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vf{};
-  const float* w = a.w + p * a.k * kPanel + part * kTileVecs * kLanes;
+  const float* w = a.w + p * a.k * kPanel + part * kTileCols;
   const float* x = a.x + m0 * a.x_stride;
   // next_bytes / 64 lines, spread evenly over the k steps (a running credit, as in
   // Bresenham's line): one line every few steps with many tiles, two a step with one tile.
@@ -79,10 +80,10 @@ void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,
       for (int v = 0; v < kTileVecs; ++v) acc[r][v] += b * wv[v];
     }
   }
-  const int64_t col0 = p * kPanel + part * kTileVecs * kLanes;
-  const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, a.n - col0);
+  const int64_t col0 = p * kPanel + part * kTileCols;
+  const int64_t cols = std::min<int64_t>(kTileCols, a.n - col0);
   for (int r = 0; r < R; ++r) {
-    float y[kTileVecs * kLanes];
+    float y[kTileCols];
     for (int v = 0; v < kTileVecs; ++v) storev(y + v * kLanes, acc[r][v]);
     if (a.bias)
       for (int64_t c = 0; c < cols; ++c) y[c] += a.bias[col0 + c];
@@ -122,7 +123,7 @@ int kvserve_panel_gemm(const Args* args) {
       // (K/V read between them) took 17.4 instead of 19.6 ms.
       const int64_t col0 = p * kPanel;
       const int parts = static_cast<int>(
-          std::min<int64_t>(kParts, (a.n - col0 + kTileVecs * kLanes - 1) / (kTileVecs * kLanes)));
+          std::min<int64_t>(kParts, (a.n - col0 + kTileCols - 1) / kTileCols));
       const int64_t tiles = (b1 - b0 + kTileRows - 1) / kTileRows * parts;
       const int64_t share = (panel_bytes / 64 + tiles - 1) / tiles * 64;  // bytes per tile
       int64_t t = 0;
