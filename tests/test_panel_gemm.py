@@ -1,7 +1,8 @@
 """The panel GEMM (kvserve/model/panel_gemm.py) against F.linear: every tile height (1 to 8 rows
 and more than one tile), output widths that end mid-panel, K of any size, biases, the residual
-add in place, strided x; the kernel built for older x86 levels too (its vector width follows
-the instruction set); bad arguments are errors. End-to-end parity with transformers through
+add in place, strided x; its RMSNorm and gated-activation epilogues against torch in
+float64; the kernel built for older x86 levels too (its vector width follows the
+instruction set); bad arguments are errors. End-to-end parity with transformers through
 it: tests/test_model_parity.py (all-panel and mixed plans)."""
 
 from __future__ import annotations
@@ -36,6 +37,66 @@ def _check(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) -> Non
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def _check_fused(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) -> None:
+    """The norm (folded weight, statistic in the kernel) and the gated epilogues, with and
+    without a bias and together, against Hugging Face's RMSNorm formula, F.linear and the
+    activations in float64; errors measured against the size of the terms (a product of two
+    sums of k terms)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 2, generator=gen)[:, 1:k + 1] * 3  # strided, not unit RMS
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    w, b = torch.randn(2 * n, k, generator=gen) / k ** 0.5, torch.randn(2 * n, generator=gen)
+    xd = x.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    for act, fn in (("silu", F.silu), ("gelu_pytorch_tanh",
+                                        lambda t: F.gelu(t, approximate="tanh"))):
+        for bias in (b, None):
+            gu = F.linear(xn, w.double(), None if bias is None else bias.double())
+            expected = fn(gu[:, :n]) * gu[:, n:]
+            scale = 1 + gu[:, :n].abs() * gu[:, n:].abs()
+            for norm in (True, False):
+                pw = g.pack(w, norm_w if norm else None, act)
+                out = g.bind(pw, bias, 1e-6 if norm else None)(x if norm else xn.float())
+                assert out.shape == (rows, n)
+                err = ((out.double() - expected).abs() / scale).max().item() if rows else 0
+                assert err < 2e-5, (act, bias is None, norm, err)
+    # the norm alone, residual added in place
+    w1, b1 = w[:n], b[:n]
+    residual = torch.randn(rows, n, generator=gen)
+    expected = residual.double() + F.linear(xn, w1.double(), b1.double())
+    out = g.bind(g.pack(w1, norm_w), b1, 1e-6)(x, residual)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (17, 33), (40, 64), (1408, 512)])
+def test_norm_and_gated_epilogues(n, k):
+    for rows in (0, 1, 2, 7, 8, 9, 64, 200):
+        _check_fused(kernel, rows, n, k, seed=rows * 100 + n)
+
+
+def test_gated_activations_at_extremes():
+    """SiLU and GELU-tanh of the epilogue (through exp(-|x|)) over the float range, NaN and
+    infinities included, against torch's float32 ops: gate = up = x, put in through the bias
+    (a GEMM term 0 * inf would be NaN)."""
+    x = torch.cat([torch.linspace(-100, 100, 4001),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"),
+                                 float("nan")])])
+    for act, fn in (("silu", F.silu), ("gelu_pytorch_tanh",
+                                        lambda t: F.gelu(t, approximate="tanh"))):
+        pw = kernel.pack(torch.zeros(2 * x.numel(), 1), act=act)
+        out = kernel.bind(pw, torch.cat([x, x]))(torch.ones(1, 1))[0]
+        expected = fn(x) * x
+        assert torch.equal(out.isnan(), expected.isnan())
+        finite = expected.isfinite()
+        infinite = ~finite & ~expected.isnan()
+        assert torch.equal(out[infinite], expected[infinite])
+        # within float32 rounding of act(x) * x: GELU's 1 + tanh cancels for negative x, in
+        # torch as here, so the bound grows with x^2
+        o, e, xf = out[finite].double(), expected[finite].double(), x[finite].double()
+        assert ((o - e).abs() <= 2e-6 * e.abs() + 2e-7 * (1 + xf * xf)).all(), act
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_linear_matches_torch(n, k):
     for rows in ROWS:
@@ -66,6 +127,8 @@ def test_built_for_an_older_x86(march):
     for rows in (1, 2, 3, 4, 6, 7, 13, 64, 200):
         for n, k in (*SHAPES[1:4], (40, 9), (56, 33), (120, 7)):
             _check(g, rows, n, k, seed=rows + n)
+        for n, k in ((3, 5), (12, 40), (20, 9)):  # gated widths of 1 to 3 vector pairs
+            _check_fused(g, rows, n, k, seed=rows + n)
 
 
 def test_bad_arguments_are_errors():
@@ -82,3 +145,18 @@ def test_bad_arguments_are_errors():
         kernel.linear(torch.randn(2, 4), pw, residual=torch.randn(3, 8))
     with pytest.raises(ValueError, match="packs 2-D float32"):
         kernel.pack(torch.randn(8, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="norm weight"):
+        kernel.pack(torch.randn(8, 4), torch.ones(5))
+    with pytest.raises(ValueError, match="gated activation"):
+        kernel.pack(torch.randn(7, 4), act="silu")  # gate | up needs an even count
+    with pytest.raises(ValueError, match="gated activation"):
+        kernel.pack(torch.randn(8, 4), act="relu")
+    with pytest.raises(ValueError, match="eps"):
+        kernel.bind(kernel.pack(torch.randn(8, 4), torch.ones(4)))  # a norm without eps
+    with pytest.raises(ValueError, match="eps"):
+        kernel.bind(pw, eps=1e-6)  # eps without a norm
+    gated = kernel.pack(torch.randn(8, 4), act="silu")
+    with pytest.raises(ValueError, match="bias"):
+        kernel.bind(gated, torch.randn(4))  # gate | up's bias is 8 wide
+    with pytest.raises(ValueError, match="no residual"):
+        kernel.bind(gated)(torch.randn(2, 4), torch.randn(2, 4))

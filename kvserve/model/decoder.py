@@ -292,7 +292,7 @@ class DecoderLayer(nn.Module):
         if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["gemv"] = _gemv_ops(self, fused=layer_ops)
         if panel_gemm.available(self.qkv_proj.dtype, self.qkv_proj.device):
-            kernels["panel"] = _panel_ops(self)
+            kernels["panel"] = _panel_ops(self, fused=layer_ops)
         if layer_ops:
             for kernel, ops in kernels.items():
                 _wrap_unfused(self, kernel, ops)
@@ -333,7 +333,8 @@ class DecoderLayer(nn.Module):
                  "onednn": _onednn_ops(self, tuple(p for p in _PROJS if plan.uses(p, "onednn"))),
                  "gemv": _gemv_ops(self, tuple(p for p in _PROJS if plan.uses(p, "gemv")),
                                    fused=True),
-                 "panel": _panel_ops(self, tuple(p for p in _PROJS if plan.uses(p, "panel")))}
+                 "panel": _panel_ops(self, tuple(p for p in _PROJS if plan.uses(p, "panel")),
+                                     fused=True)}
         for kernel, ops in built.items():
             _wrap_unfused(self, kernel, ops)
         self._ops = []
@@ -447,26 +448,31 @@ def _split_qkv(layer: DecoderLayer, qkv: torch.Tensor, cos_sin: torch.Tensor,
 def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Tensor]
                      ) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
     """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE.
-    In float32 on the CPU the norm and (without q/k norms) the RoPE, in place on the GEMM's
-    output, are the C++ kernels of gemv.py rather than torch ops."""
+    In float32 on the CPU the norm is the C++ kernel of gemv.py rather than torch ops."""
     w, eps = layer.input_layernorm, layer.eps
     g = gemv.load() if gemv_available(w.dtype, w.device) else None
-    if g is None:
-        return lambda h, cos_sin: _split_qkv(layer, qkv(rms_norm(h, w, eps)), cos_sin,
-                                             rope=_apply_rope)
-    if layer.qk_norm is not None:  # q/k norms sit between the projection and RoPE
-        return lambda h, cos_sin: _split_qkv(layer, qkv(g.rms_norm(h, w, eps)), cos_sin,
-                                             rope=_apply_rope)
+    norm = g.rms_norm if g is not None else rms_norm
+    return _attn_in_after_norm(layer, lambda h: qkv(norm(h, w, eps)))
+
+
+def _attn_in_after_norm(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Tensor]
+                        ) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+    """(residual, cos_sin) -> q, k, v around `qkv` (residual -> q | k | v, normed inside):
+    split, q/k norms, RoPE. In float32 on the CPU (without q/k norms) the RoPE is gemv.py's
+    C++ kernel, in place on the GEMM's output."""
+    w = layer.input_layernorm
+    g = gemv.load() if gemv_available(w.dtype, w.device) else None
+    if g is None or layer.qk_norm is not None:  # q/k norms sit between projection and RoPE
+        return lambda h, cos_sin: _split_qkv(layer, qkv(h), cos_sin, rope=_apply_rope)
     cols, d = layer.qk_size, layer.head_dim
-    return lambda h, cos_sin: _split_qkv(
-        layer, g.rope_(qkv(g.rms_norm(h, w, eps)), cos_sin, cols, d), cos_sin)
+    return lambda h, cos_sin: _split_qkv(layer, g.rope_(qkv(h), cos_sin, cols, d), cos_sin)
 
 
 def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) -> None:
     """Turn a GEMM-level ops dict of `kernel` into the layer's ops (see _LayerOps), in place:
-    the GEMMs take normed x, the layer's ops the residual stream. The GEMV's fused ops
-    already are."""
-    if kernel == "gemv":
+    the GEMMs take normed x, the layer's ops the residual stream. The GEMV's and the panel
+    GEMM's fused ops already are."""
+    if kernel in _FUSED_KERNELS:
         return
     if "qkv" in ops:
         ops["qkv"] = _attn_in_unfused(layer, ops["qkv"])
@@ -521,6 +527,8 @@ class _LayerOps:
 
 
 _PROJS = ("qkv", "o", "mlp", "down")
+# kernels whose fused ops (gemm_candidates' layer_ops) take the norms before qkv and gate/up
+_FUSED_KERNELS = ("gemv", "panel")
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 LinearAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -593,25 +601,32 @@ def _onednn_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[st
     return ops
 
 
-def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS) -> dict[str, Callable]:
+def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
+               fused: bool = False) -> dict[str, Callable]:
     """kvserve's panel GEMM (panel_gemm.py) on packed copies of the weights (made here), for
-    `projs` only: bias and the residual add in its epilogue, the gated activation after it."""
+    `projs` only: bias and the residual add in its epilogue, the gated activation too.
+    `fused`: the layer's ops (see _LayerOps), the norms before qkv and gate/up folded into
+    those GEMMs and RoPE on qkv's output (as `_attn_in_unfused`); else plain GEMMs on normed
+    x (gemm_select's and the GEMM ceiling's)."""
     if not projs:
         return {}
     g = panel_gemm.load()
     if g is None:
         raise ValueError("the panel GEMM kernel cannot be built here")
     ops: dict[str, Callable] = {}
+    eps = layer.eps if fused else None
     if "qkv" in projs:
-        ops["qkv"] = g.bind(g.pack(layer.qkv_proj), layer.qkv_bias)
+        norm = layer.input_layernorm if fused else None
+        qkv = g.bind(g.pack(layer.qkv_proj, norm), layer.qkv_bias, eps)
+        ops["qkv"] = _attn_in_after_norm(layer, qkv) if fused else qkv
     if "o" in projs:
         ops["o"] = _output_add(_panel_linear, _panel_linear_add,
                                g.bind(g.pack(layer.o_proj), layer.o_bias), None,
                                layer.attn_out_norm, layer.eps)
     if "mlp" in projs:
-        gate_up, i = g.bind(g.pack(layer.gate_up_proj), layer.gate_up_bias), layer.intermediate_size
-        gelu = layer.gelu
-        ops["mlp"] = lambda x: _gated(gate_up(x), i, gelu)
+        norm = layer.post_attention_layernorm if fused else None
+        act = "gelu_pytorch_tanh" if layer.gelu else "silu"
+        ops["mlp"] = g.bind(g.pack(layer.gate_up_proj, norm, act), layer.gate_up_bias, eps)
     if "down" in projs:
         ops["down"] = _output_add(_panel_linear, _panel_linear_add,
                                   g.bind(g.pack(layer.down_proj), layer.down_bias), None,

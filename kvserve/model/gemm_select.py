@@ -66,8 +66,9 @@ PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, 3)}  # kernel -> first, last buc
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 UNKNOWN_L3_BYTES = 32 << 20  # a last-level cache sysfs does not report: a typical size
 DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 9  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV ties;
-# 8: cold timing (weights_stream); 9: the panel GEMM's AVX2/SSE tiles (half / quarter panels)
+CACHE_VERSION = 10  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV
+# ties; 8: cold timing (weights_stream); 9: the panel GEMM's AVX2/SSE tiles (half / quarter
+# panels); 10: the panel GEMM's norm and gated-activation epilogues
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)

@@ -8,7 +8,10 @@ layer's weights. This kernel streams each panel of 32 output features once, keep
 rows' accumulators in registers over all of K, and prefetches the next panel while it
 computes; the bias and the residual add are its epilogue. Measured at 64 rows on this
 project's AVX-512 CPU: ~310 GFLOP/s with the weights hot, and 3-33% slower cold, where oneDNN
-lost 5-76%.
+lost 5-76%. Two more epilogues take the element-wise work of a decoder layer: the RMSNorm
+before a projection (its weight folded into the packed copy, each row's statistic applied to
+the accumulators) and the gated activation after gate/up (act(gate) * up, written without the
+[rows, 2 x intermediate] product).
 
 gemm_select times it against the others at every row bucket on the model's own weights and
 uses it where it wins. It reads its own layout (a packed copy, like oneDNN's): a projection
@@ -32,7 +35,9 @@ from kvserve.model import cpu_ext
 logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
+# The gated epilogues (csrc/panel_gemm.cpp's Act), by transformers' hidden_act names
+ACTS = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
 class _Args(ctypes.Structure):
@@ -40,16 +45,25 @@ class _Args(ctypes.Structure):
                 ("residual", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("x_stride", ctypes.c_int64), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("residual_stride", ctypes.c_int64),
-                ("out_stride", ctypes.c_int64), ("threads", ctypes.c_int32)]
+                ("out_stride", ctypes.c_int64), ("threads", ctypes.c_int32),
+                ("act", ctypes.c_int32), ("cols", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("norm", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """W [n, k] in the kernel's layout: [ceil(n / width), k, width] float32, zero past n."""
+    """W [n, k] in the kernel's layout: [ceil(cols / width), k, width] float32, zero past
+    cols. `normed`: an RMSNorm's weight is folded in (x is normed in the kernel). `act`: W was
+    gate | up ([2 n, k]), its columns now in (gate, up) pairs of `lanes` (zero-padded), and
+    the kernel writes act(gate) * up, n wide."""
 
     packed: torch.Tensor
     n: int
     k: int
+    cols: int
+    normed: bool = False
+    act: str | None = None
+    lanes: int = 0
 
 
 class PanelGemm:
@@ -59,6 +73,7 @@ class PanelGemm:
         if lib.kvserve_panel_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{lib._name} has a different ABI version")
         self.width = lib.kvserve_panel_width()
+        self.lanes = lib.kvserve_panel_lanes()
         fn = lib.kvserve_panel_gemm
         fn.argtypes = [ctypes.POINTER(_Args)]
         fn.restype = ctypes.c_int
@@ -66,18 +81,47 @@ class PanelGemm:
         self._lib = lib  # keeps the library loaded
         self.path = Path(lib._name)
 
-    def pack(self, w: torch.Tensor) -> PanelWeight:
-        """A packed copy of w [n, k] (float32, on 2 MiB pages where the kernel allows)."""
+    def pack(self, w: torch.Tensor, norm_weight: torch.Tensor | None = None,
+             act: str | None = None) -> PanelWeight:
+        """A packed copy of w [n, k] (float32, on 2 MiB pages where the kernel allows).
+        norm_weight [k]: the RMSNorm before this projection, folded in (bind with its eps;
+        x then goes in un-normed). act (a key of ACTS): w is a gated MLP's gate | up [2 i, k]
+        and the GEMM returns act(gate) * up [rows, i]."""
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(f"panel GEMM packs 2-D float32 CPU weights, got {tuple(w.shape)} "
                              f"{w.dtype} on {w.device}")
         n, k = w.shape
-        panels = -(-n // self.width)
+        w = w.detach()
+        if norm_weight is not None:
+            if norm_weight.shape != (k,) or norm_weight.dtype != torch.float32:
+                raise ValueError(f"panel GEMM: norm weight must be float32 [{k}], got "
+                                 f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+            w = w * norm_weight.detach()
+        if act is not None:
+            if act not in ACTS or n % 2:
+                raise ValueError(f"panel GEMM: a gated activation of {sorted(ACTS)} over gate | "
+                                 f"up rows, got {act!r} over {n} rows")
+            w, n = self._gated_order(w), n // 2
+        cols = w.shape[0]
+        panels = -(-cols // self.width)
         padded = torch.zeros(panels * self.width, k, dtype=torch.float32)
-        padded[:n] = w.detach()
+        padded[:cols] = w
         packed = padded.view(panels, self.width, k).transpose(1, 2).contiguous()
         hugepages.advise([packed])
-        return PanelWeight(packed, n, k)
+        return PanelWeight(packed, n, k, cols, norm_weight is not None, act, self.lanes)
+
+    def _gated_order(self, t: torch.Tensor) -> torch.Tensor:
+        """gate | up rows (or a bias's entries) [2 i, ...] -> (gate, up) pairs of `lanes`
+        rows, the last pair zero-padded: what a tile of two vectors turns into one of act(gate)
+        * up."""
+        i, lanes, rest = t.shape[0] // 2, self.lanes, tuple(t.shape[1:])
+        groups = -(-i // lanes)
+        out = t.new_zeros((groups, 2, lanes) + rest)
+        for half in range(2):  # gate, then up
+            part = t.new_zeros((groups * lanes,) + rest)
+            part[:i] = t[half * i:(half + 1) * i]
+            out[:, half] = part.view((groups, lanes) + rest)
+        return out.view((groups * 2 * lanes,) + rest)
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,12 +130,21 @@ class PanelGemm:
         and returned. One call of `bind(w, bias)(x, residual)`."""
         return self.bind(w, bias)(x, residual)
 
-    def bind(self, w: PanelWeight, bias: torch.Tensor | None = None) -> BoundPanel:
-        """`linear` with w and bias fixed (see BoundPanel)."""
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)
+    def bind(self, w: PanelWeight, bias: torch.Tensor | None = None,
+             eps: float | None = None) -> BoundPanel:
+        """`linear` with w and bias fixed (see BoundPanel); eps: the folded RMSNorm's
+        (required with a `normed` w, refused without). A gated w takes gate | up's bias
+        [2 n]."""
+        want = 2 * w.n if w.act else w.n
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (want,)
                                  or not bias.is_contiguous()):
-            raise ValueError(f"panel GEMM: bias must be a contiguous float32 [{w.n}]")
-        return BoundPanel(self._fn, w, bias)
+            raise ValueError(f"panel GEMM: bias must be a contiguous float32 [{want}]")
+        if (eps is None) == w.normed:
+            raise ValueError("panel GEMM: eps goes with a weight packed with a norm, and only "
+                             "there")
+        if bias is not None and w.act:
+            bias = self._gated_order(bias)
+        return BoundPanel(self._fn, w, bias, eps)
 
 
 class BoundPanel:
@@ -99,18 +152,23 @@ class BoundPanel:
     built once and each call fills in only x, the output and the residual (~1 us less per call
     than building it: ~6 us of Python per GEMM, ~40 GEMMs in a batch-64 step)."""
 
-    def __init__(self, fn: ctypes._CFuncPtr, w: PanelWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, fn: ctypes._CFuncPtr, w: PanelWeight, bias: torch.Tensor | None,
+                 eps: float | None = None) -> None:
         self._fn = fn
         self.w, self.bias = w, bias  # the struct's pointers stay valid
-        self._args = _Args(w=w.packed.data_ptr(), bias=cpu_ext.address(bias), k=w.k, n=w.n)
+        self._args = _Args(w=w.packed.data_ptr(), bias=cpu_ext.address(bias), k=w.k, n=w.n,
+                           act=ACTS[w.act] if w.act else 0, cols=w.cols,
+                           eps=0.0 if eps is None else eps, norm=int(w.normed))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         w = self.w
         if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-                or x.shape[1] != w.k or x.stride(1) != 1:
+                or x.shape[1] != w.k or (x.stride(1) != 1 and w.k > 1):
             raise ValueError(f"panel GEMM: x must be [rows, {w.k}] float32 on the CPU with unit "
                              f"stride along k, got {tuple(x.shape)} {x.dtype} on {x.device}")
         rows = x.shape[0]
+        if residual is not None and w.act:
+            raise ValueError("panel GEMM: no residual add after a gated activation")
         if residual is not None:
             if residual.dtype != torch.float32 or residual.shape != (rows, w.n) \
                     or residual.stride(1) != 1:

@@ -30,6 +30,8 @@
 #include <cstring>
 #include <vector>
 
+#include "rms.h"
+
 namespace {
 
 constexpr int64_t kBlock = 4;  // weight rows per work item
@@ -114,22 +116,12 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
-// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row; the squares summed in 16 float
-// lanes (vectorized), the lanes in double.
+// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row (inv_rms: vec.h).
 void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
                    float eps, float* dst, int64_t dst_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
-    float lanes[16] = {};
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-#pragma omp simd
-      for (int l = 0; l < 16; ++l) lanes[l] += xr[i + l] * xr[i + l];
-    }
-    double ss = 0.0;
-    for (int l = 0; l < 16; ++l) ss += lanes[l];
-    for (; i < k; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
+    const float inv = inv_rms(xr, k, eps);
     float* d = dst + r * dst_stride;
 #pragma omp simd
     for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];

@@ -4,7 +4,7 @@
 // through the stack, and the paged decode kernel built for AVX2 ran ~9x slower than for
 // AVX-512 on the same CPU, not ~2x. Included by the kernels' sources (cpu_ext.py hashes it
 // into their build key); internal linkage, so two libraries built for different widths can
-// be loaded side by side.
+// be loaded side by side. Also expv, which more than one kernel needs.
 #pragma once
 
 #include <cstdint>
@@ -30,5 +30,28 @@ inline vf loadv(const float* p) {
 }
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// exp of kLanes floats <= 0 (paged_decode: a score minus the running max; panel_gemm: -|x| in
+// SiLU and GELU), or -inf -> 0; NaN stays NaN. Cephes' expf: round x / ln 2 to n, a
+// polynomial on the remainder, times 2^n; within a few ulp of std::exp, which the decode
+// kernel called once per score as a scalar function. Needs IEEE rounding as written (no
+// -ffast-math: the shifter's add and subtract would fold away).
+inline vf expv(vf x) {
+  const vi under = x < -87.3365f;  // e^x below FLT_MIN: 0
+  x = (vf)(((vi)x & ~under) | ((vi)(vf{} - 87.3365f) & under));
+  const vf shifter = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = x * 1.44269504088896341f + shifter;
+  const vf n = t - shifter;
+  const vi ni = (vi)t - 0x4b400000;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vf scale = (vf)((vu)(ni + 127) << 23);  // 2^n (unsigned: a NaN's n is garbage)
+  return (vf)((vi)(p * scale) & ~under);
+}
 
 }  // namespace

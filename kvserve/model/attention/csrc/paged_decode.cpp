@@ -326,29 +326,6 @@ __attribute__((noinline)) void add_values(float* acc, int64_t D, const float* p,
       for (int64_t j = 0; j < m; ++j) acc[t * D + d] += p[t * p_stride + j] * rows[j][d];
 }
 
-// exp of kLanes floats <= 0 (a score minus the running max), or -inf (a lane past the block's
-// visible tokens) -> 0; NaN stays NaN. Cephes' expf: round x / ln 2 to n, a polynomial on
-// the remainder, times 2^n; within a few ulp of std::exp, which the kernel called once per
-// score as a scalar function. Needs IEEE rounding as written (no -ffast-math: the
-// shifter's add and subtract would fold away).
-inline vf expv(vf x) {
-  const vi under = x < -87.3365f;  // e^x below FLT_MIN: 0
-  x = (vf)(((vi)x & ~under) | ((vi)(vf{} - 87.3365f) & under));
-  const vf shifter = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vf t = x * 1.44269504088896341f + shifter;
-  const vf n = t - shifter;
-  const vi ni = (vi)t - 0x4b400000;
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vf scale = (vf)((vu)(ni + 127) << 23);  // 2^n (unsigned: a NaN's n is garbage)
-  return (vf)((vi)(p * scale) & ~under);
-}
-
 // The next block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes),
 // asked for a few cache lines at a time while the current block is worked on. Why at all: a
 // block's rows are a new address stream the hardware prefetcher has not seen, and in a running
