@@ -179,6 +179,19 @@ def test_weights_stream_past_half_the_last_level_cache():
     assert "cold" not in gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x", cold=[False] * 3)
 
 
+def test_a_library_isa_cap_gets_its_own_cache_key(monkeypatch):
+    """oneDNN reads its cap under the new name and the old one (DNNL_MAX_CPU_ISA): either one
+    set changes its speed, so a choice measured under it is cached apart."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(var, raising=False)
+    plain = gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x")
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.setenv(var, "AVX2")
+        key = gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x")
+        assert key != plain and f"{var}=AVX2" in key
+        monkeypatch.delenv(var)
+
+
 def test_a_model_larger_than_the_cache_is_timed_cold(tmp_path, monkeypatch):
     """The engine times its kernels with the weights evicted where its weights stream from
     DRAM (here: a last-level cache made tiny), under a key of its own."""

@@ -53,9 +53,11 @@ def march() -> str:
     return ISA_CAPS[cap][0] if cap else "native"
 
 
-# The libraries under torch that take a cap of their own: variable -> how it spells one
+# The libraries under torch that take a cap of their own: variable -> how it spells one.
+# DNNL_MAX_CPU_ISA is oneDNN's older name, which it still reads: set in a shell it changes
+# oneDNN's speed as much as the new one, so the GEMM choice's cache key has to see it too.
 LIBRARY_ISA_ENV = {"ATEN_CPU_CAPABILITY": str.lower, "MKL_ENABLE_INSTRUCTIONS": str.upper,
-                   "ONEDNN_MAX_CPU_ISA": str.upper}
+                   "ONEDNN_MAX_CPU_ISA": str.upper, "DNNL_MAX_CPU_ISA": str.upper}
 
 
 def isa_cap_env(cap: str) -> dict[str, str]:
