@@ -38,8 +38,8 @@ def _check(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) -> Non
 
 
 def _check_fused(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) -> None:
-    """The norm (folded weight, statistic in the kernel) and the gated epilogues, with and
-    without a bias and together, against Hugging Face's RMSNorm formula, F.linear and the
+    """The norm (the rows normed in the call) and the gated epilogue, with and without a bias
+    and together, against Hugging Face's RMSNorm formula, F.linear and the
     activations in float64; errors measured against the size of the terms (a product of two
     sums of k terms)."""
     gen = torch.Generator().manual_seed(seed)
@@ -54,9 +54,10 @@ def _check_fused(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) 
             gu = F.linear(xn, w.double(), None if bias is None else bias.double())
             expected = fn(gu[:, :n]) * gu[:, n:]
             scale = 1 + gu[:, :n].abs() * gu[:, n:].abs()
+            pw = g.pack(w, act)
             for norm in (True, False):
-                pw = g.pack(w, norm_w if norm else None, act)
-                out = g.bind(pw, bias, 1e-6 if norm else None)(x if norm else xn.float())
+                bound = g.bind(pw, bias, norm_w, 1e-6) if norm else g.bind(pw, bias)
+                out = bound(x if norm else xn.float())
                 assert out.shape == (rows, n)
                 err = ((out.double() - expected).abs() / scale).max().item() if rows else 0
                 assert err < 2e-5, (act, bias is None, norm, err)
@@ -64,7 +65,7 @@ def _check_fused(g: panel_gemm.PanelGemm, rows: int, n: int, k: int, seed: int) 
     w1, b1 = w[:n], b[:n]
     residual = torch.randn(rows, n, generator=gen)
     expected = residual.double() + F.linear(xn, w1.double(), b1.double())
-    out = g.bind(g.pack(w1, norm_w), b1, 1e-6)(x, residual)
+    out = g.bind(g.pack(w1), b1, norm_w, 1e-6)(x, residual)
     assert out.data_ptr() == residual.data_ptr()
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
@@ -146,17 +147,31 @@ def test_bad_arguments_are_errors():
     with pytest.raises(ValueError, match="packs 2-D float32"):
         kernel.pack(torch.randn(8, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="norm weight"):
-        kernel.pack(torch.randn(8, 4), torch.ones(5))
+        kernel.bind(pw, norm_weight=torch.ones(5))
     with pytest.raises(ValueError, match="gated activation"):
         kernel.pack(torch.randn(7, 4), act="silu")  # gate | up needs an even count
     with pytest.raises(ValueError, match="gated activation"):
         kernel.pack(torch.randn(8, 4), act="relu")
-    with pytest.raises(ValueError, match="eps"):
-        kernel.bind(kernel.pack(torch.randn(8, 4), torch.ones(4)))  # a norm without eps
-    with pytest.raises(ValueError, match="eps"):
-        kernel.bind(pw, eps=1e-6)  # eps without a norm
     gated = kernel.pack(torch.randn(8, 4), act="silu")
     with pytest.raises(ValueError, match="bias"):
         kernel.bind(gated, torch.randn(4))  # gate | up's bias is 8 wide
     with pytest.raises(ValueError, match="no residual"):
         kernel.bind(gated)(torch.randn(2, 4), torch.randn(2, 4))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+def test_a_gated_weight_of_another_vector_width_is_refused():
+    """(gate, up) pairs are a layout of the build that packed them: a build of another width
+    refuses the weight (before, it read past the pairs and wrote past the output rows)."""
+    flags = tuple("-march=x86-64" if f.startswith("-march") else f for f in CXXFLAGS)
+    sse = panel_gemm.PanelGemm(load_library(panel_gemm.SOURCE, flags))
+    if sse.lanes == kernel.lanes:
+        pytest.skip("this machine's build has SSE's vector width")
+    with pytest.raises(ValueError, match="packed for"):
+        sse.bind(kernel.pack(torch.randn(8, 5), act="silu"))
+    # and the kernel itself checks the column count it is given
+    pw = kernel.pack(torch.randn(8, 5), act="silu")
+    bound = kernel.bind(pw)
+    bound._args.cols = pw.cols + 2 * kernel.lanes
+    with pytest.raises(ValueError, match="unsupported sizes"):
+        bound(torch.randn(3, 5))

@@ -283,9 +283,9 @@ class DecoderLayer(nn.Module):
         times. Call before `set_gemm_plan`, while the dense weights are all there.
 
         layer_ops: time each kernel's projection as the layer runs it (qkv with the input norm
-        and RoPE around it, gate/up with the post-attention norm): the GEMV fuses those, the
-        other kernels run them as torch ops, and the choice should see that. False: the GEMMs
-        alone (the benchmarks' GEMM ceiling)."""
+        and RoPE around it, gate/up with the post-attention norm): the GEMV and the panel GEMM
+        norm in their own calls, the other kernels run the norms as separate ops, and the
+        choice should see that. False: the GEMMs alone (the benchmarks' GEMM ceiling)."""
         kernels = {"dense": _dense_ops(self)}
         if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
             kernels["onednn"] = _onednn_ops(self)
@@ -605,19 +605,18 @@ def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
                fused: bool = False) -> dict[str, Callable]:
     """kvserve's panel GEMM (panel_gemm.py) on packed copies of the weights (made here), for
     `projs` only: bias and the residual add in its epilogue, the gated activation too.
-    `fused`: the layer's ops (see _LayerOps), the norms before qkv and gate/up folded into
-    those GEMMs and RoPE on qkv's output (as `_attn_in_unfused`); else plain GEMMs on normed
-    x (gemm_select's and the GEMM ceiling's)."""
+    `fused`: the layer's ops (see _LayerOps), the norms before qkv and gate/up in those GEMMs'
+    calls and RoPE on qkv's output (as `_attn_in_unfused`); else GEMMs on normed x (the GEMM
+    ceiling's)."""
     if not projs:
         return {}
     g = panel_gemm.load()
     if g is None:
         raise ValueError("the panel GEMM kernel cannot be built here")
     ops: dict[str, Callable] = {}
-    eps = layer.eps if fused else None
     if "qkv" in projs:
         norm = layer.input_layernorm if fused else None
-        qkv = g.bind(g.pack(layer.qkv_proj, norm), layer.qkv_bias, eps)
+        qkv = g.bind(g.pack(layer.qkv_proj), layer.qkv_bias, norm, layer.eps)
         ops["qkv"] = _attn_in_after_norm(layer, qkv) if fused else qkv
     if "o" in projs:
         ops["o"] = _output_add(_panel_linear, _panel_linear_add,
@@ -626,7 +625,7 @@ def _panel_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
     if "mlp" in projs:
         norm = layer.post_attention_layernorm if fused else None
         act = "gelu_pytorch_tanh" if layer.gelu else "silu"
-        ops["mlp"] = g.bind(g.pack(layer.gate_up_proj, norm, act), layer.gate_up_bias, eps)
+        ops["mlp"] = g.bind(g.pack(layer.gate_up_proj, act), layer.gate_up_bias, norm, layer.eps)
     if "down" in projs:
         ops["down"] = _output_add(_panel_linear, _panel_linear_add,
                                   g.bind(g.pack(layer.down_proj), layer.down_bias), None,

@@ -8,10 +8,10 @@ layer's weights. This kernel streams each panel of 32 output features once, keep
 rows' accumulators in registers over all of K, and prefetches the next panel while it
 computes; the bias and the residual add are its epilogue. Measured at 64 rows on this
 project's AVX-512 CPU: ~310 GFLOP/s with the weights hot, and 3-33% slower cold, where oneDNN
-lost 5-76%. Two more epilogues take the element-wise work of a decoder layer: the RMSNorm
-before a projection (its weight folded into the packed copy, each row's statistic applied to
-the accumulators) and the gated activation after gate/up (act(gate) * up, written without the
-[rows, 2 x intermediate] product).
+lost 5-76%. It also takes the element-wise work around a decoder layer's projections: the
+RMSNorm before one (the rows normed in the same call, into a buffer that stays in cache) and
+the gated activation after gate/up (act(gate) * up, written without the [rows, 2 x
+intermediate] product).
 
 gemm_select times it against the others at every row bucket on the model's own weights and
 uses it where it wins. It reads its own layout (a packed copy, like oneDNN's): a projection
@@ -46,22 +46,21 @@ class _Args(ctypes.Structure):
                 ("x_stride", ctypes.c_int64), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("residual_stride", ctypes.c_int64),
                 ("out_stride", ctypes.c_int64), ("threads", ctypes.c_int32),
-                ("act", ctypes.c_int32), ("cols", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("norm", ctypes.c_int32)]
+                ("act", ctypes.c_int32), ("cols", ctypes.c_int64), ("norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
 class PanelWeight:
     """W [n, k] in the kernel's layout: [ceil(cols / width), k, width] float32, zero past
-    cols. `normed`: an RMSNorm's weight is folded in (x is normed in the kernel). `act`: W was
-    gate | up ([2 n, k]), its columns now in (gate, up) pairs of `lanes` (zero-padded), and
-    the kernel writes act(gate) * up, n wide."""
+    cols. `act`: W was gate | up ([2 n, k]), its columns now in (gate, up) pairs of `lanes`
+    (zero-padded: a layout of the build that packed it), and the kernel writes act(gate) * up,
+    n wide."""
 
     packed: torch.Tensor
     n: int
     k: int
     cols: int
-    normed: bool = False
     act: str | None = None
     lanes: int = 0
 
@@ -81,22 +80,15 @@ class PanelGemm:
         self._lib = lib  # keeps the library loaded
         self.path = Path(lib._name)
 
-    def pack(self, w: torch.Tensor, norm_weight: torch.Tensor | None = None,
-             act: str | None = None) -> PanelWeight:
-        """A packed copy of w [n, k] (float32, on 2 MiB pages where the kernel allows).
-        norm_weight [k]: the RMSNorm before this projection, folded in (bind with its eps;
-        x then goes in un-normed). act (a key of ACTS): w is a gated MLP's gate | up [2 i, k]
-        and the GEMM returns act(gate) * up [rows, i]."""
+    def pack(self, w: torch.Tensor, act: str | None = None) -> PanelWeight:
+        """A packed copy of w [n, k] (float32, on 2 MiB pages where the kernel allows). act (a
+        key of ACTS): w is a gated MLP's gate | up [2 i, k] and the GEMM returns act(gate) *
+        up [rows, i]."""
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(f"panel GEMM packs 2-D float32 CPU weights, got {tuple(w.shape)} "
                              f"{w.dtype} on {w.device}")
         n, k = w.shape
         w = w.detach()
-        if norm_weight is not None:
-            if norm_weight.shape != (k,) or norm_weight.dtype != torch.float32:
-                raise ValueError(f"panel GEMM: norm weight must be float32 [{k}], got "
-                                 f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-            w = w * norm_weight.detach()
         if act is not None:
             if act not in ACTS or n % 2:
                 raise ValueError(f"panel GEMM: a gated activation of {sorted(ACTS)} over gate | "
@@ -108,7 +100,7 @@ class PanelGemm:
         padded[:cols] = w
         packed = padded.view(panels, self.width, k).transpose(1, 2).contiguous()
         hugepages.advise([packed])
-        return PanelWeight(packed, n, k, cols, norm_weight is not None, act, self.lanes)
+        return PanelWeight(packed, n, k, cols, act, self.lanes)
 
     def _gated_order(self, t: torch.Tensor) -> torch.Tensor:
         """gate | up rows (or a bias's entries) [2 i, ...] -> (gate, up) pairs of `lanes`
@@ -124,27 +116,32 @@ class PanelGemm:
         return out.view((groups * 2 * lanes,) + rest)
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
         """x [rows, k] float32 (unit stride along k) -> x W^T + bias [rows, n]; with `residual`
         ([rows, n], unit stride along n, not overlapping x) the sum is added to it in place
-        and returned. One call of `bind(w, bias)(x, residual)`."""
-        return self.bind(w, bias)(x, residual)
+        and returned. One call of `bind(w, bias, norm_weight, eps)(x, residual)`."""
+        return self.bind(w, bias, norm_weight, eps)(x, residual)
 
     def bind(self, w: PanelWeight, bias: torch.Tensor | None = None,
-             eps: float | None = None) -> BoundPanel:
-        """`linear` with w and bias fixed (see BoundPanel); eps: the folded RMSNorm's
-        (required with a `normed` w, refused without). A gated w takes gate | up's bias
-        [2 n]."""
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> BoundPanel:
+        """`linear` with w and bias fixed (see BoundPanel). A gated w takes gate | up's bias
+        [2 n]. norm_weight [k]: x's rows are RMS-normed (decoder.rms_norm with eps) first, in
+        the same call."""
         want = 2 * w.n if w.act else w.n
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (want,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"panel GEMM: bias must be a contiguous float32 [{want}]")
-        if (eps is None) == w.normed:
-            raise ValueError("panel GEMM: eps goes with a weight packed with a norm, and only "
-                             "there")
+        if norm_weight is not None and (norm_weight.dtype != torch.float32
+                                        or norm_weight.shape != (w.k,)
+                                        or not norm_weight.is_contiguous()):
+            raise ValueError(f"panel GEMM: norm weight must be a contiguous float32 [{w.k}]")
+        if w.act and w.lanes != self.lanes:
+            raise ValueError(f"panel GEMM: a gated weight packed for {w.lanes}-float vectors, "
+                             f"this kernel's are {self.lanes}")
         if bias is not None and w.act:
             bias = self._gated_order(bias)
-        return BoundPanel(self._fn, w, bias, eps)
+        return BoundPanel(self._fn, w, bias, norm_weight, eps)
 
 
 class BoundPanel:
@@ -153,12 +150,12 @@ class BoundPanel:
     than building it: ~6 us of Python per GEMM, ~40 GEMMs in a batch-64 step)."""
 
     def __init__(self, fn: ctypes._CFuncPtr, w: PanelWeight, bias: torch.Tensor | None,
-                 eps: float | None = None) -> None:
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
         self._fn = fn
-        self.w, self.bias = w, bias  # the struct's pointers stay valid
+        self.w, self.bias, self.norm_weight = w, bias, norm_weight  # the pointers stay valid
         self._args = _Args(w=w.packed.data_ptr(), bias=cpu_ext.address(bias), k=w.k, n=w.n,
                            act=ACTS[w.act] if w.act else 0, cols=w.cols,
-                           eps=0.0 if eps is None else eps, norm=int(w.normed))
+                           norm=cpu_ext.address(norm_weight), eps=eps)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         w = self.w

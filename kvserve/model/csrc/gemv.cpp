@@ -116,18 +116,6 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
-// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row (inv_rms: vec.h).
-void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
-                   float eps, float* dst, int64_t dst_stride) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * x_stride;
-    const float inv = inv_rms(xr, k, eps);
-    float* d = dst + r * dst_stride;
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];
-  }
-}
-
 // decoder._apply_rope in place: each head of head_dim in y[r, 0:cols) rotated by cs[r]
 // (cos | sin halves).
 void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,

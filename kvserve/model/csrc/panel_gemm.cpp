@@ -2,8 +2,8 @@
 // ([panels][K][32], zero past N: kvserve/model/panel_gemm.py packs it), for the decode-sized
 // GEMMs of a CPU step (a few to a few hundred rows). Two more epilogues fuse the element-wise
 // work around a decoder layer's projections:
-// - norm: x's rows RMS-normed first, as y = inv_rms(x_r) * (x_r (W diag(w_norm))^T) + bias,
-//   the norm's weight folded into the packed W: no normed copy of x is written and re-read;
+// - norm: x's rows RMS-normed first (decoder.rms_norm, rounded as the separate norm rounds)
+//   into a buffer of the call's own, which stays in cache for the tiles;
 // - act: W's columns come in pairs of vectors, gate then up (pack's `gated` order), and the
 //   tile writes act(gate) * up (SiLU or GELU-tanh): the [rows, 2 x intermediate] product of
 //   the gate/up GEMM is never stored.
@@ -63,8 +63,8 @@ struct Args {
   int32_t threads;
   int32_t act;    // Act: W's columns are (gate, up) pairs of kLanes each; n = the gated width
   int64_t cols;   // W's columns (n without act; with act 2 x n rounded up to pairs)
-  float eps;      // with norm: the RMSNorm's epsilon
-  int32_t norm;   // nonzero: x's rows are RMS-normed (the norm's weight is folded into W)
+  const float* norm;  // [k]: x's rows are RMS-normed with this weight first; or null
+  float eps;          // the norm's epsilon
 };
 
 constexpr int32_t kSignBit = INT32_MIN;
@@ -87,10 +87,9 @@ inline vf gelu_tanh(vf x) {
   return 0.5f * x * (1.f + (vf)((vi)t | ((vi)y & kSignBit)));
 }
 
-// Rows m0 .. m0 + R of panel p; asks for up to next_bytes of `next` on the way. inv: each
-// row's inv_rms (norm), else null.
+// Rows m0 .. m0 + R of panel p; asks for up to next_bytes of `next` on the way.
 template <int R>
-void tile(const Args& a, const float* inv, int64_t m0, int64_t p, int part, const char* next,
+void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,
           int64_t next_bytes) {
   vf acc[R][kTileVecs];
   for (int r = 0; r < R; ++r)
@@ -121,7 +120,7 @@ void tile(const Args& a, const float* inv, int64_t m0, int64_t p, int part, cons
   for (int r = 0; r < R; ++r) {
     float y[kTileCols];
     for (int v = 0; v < kTileVecs; ++v)
-      storev(y + v * kLanes, inv ? acc[r][v] * inv[m0 + r] : acc[r][v]);
+      storev(y + v * kLanes, acc[r][v]);
     if (a.bias)
       for (int64_t c = 0; c < cols; ++c) y[c] += a.bias[col0 + c];
     float* out = a.out + (m0 + r) * a.out_stride;
@@ -153,20 +152,27 @@ int kvserve_panel_lanes() { return kLanes; }
 
 // Returns 0, or -1 on sizes it cannot run (checked by the caller first).
 int kvserve_panel_gemm(const Args* args) {
-  const Args& a = *args;
-  if (a.rows < 0 || a.k <= 0 || a.n <= 0 || a.threads <= 0 || a.cols < a.n) return -1;
-  if (a.act != kNone && (a.residual || a.cols % (2 * kLanes) != 0 || 2 * a.n > a.cols))
-    return -1;
+  if (args->rows < 0 || args->k <= 0 || args->n <= 0 || args->threads <= 0) return -1;
+  // W's columns as pack lays them out for this build: n, or n gates and ups in pairs of
+  // kLanes (a weight packed by a build of another vector width does not fit)
+  const int64_t pairs = (args->n + kLanes - 1) / kLanes;
+  if (args->cols != (args->act == kNone ? args->n : 2 * kLanes * pairs)) return -1;
+  if (args->act != kNone && args->residual) return -1;
+  Args a = *args;
+  std::vector<float> normed(a.norm ? a.rows * a.k : 0);
+  if (a.norm) {  // the tiles read the normed rows (filled below, before any tile runs)
+    a.x = normed.data();
+    a.x_stride = a.k;
+  }
   const int64_t panels = (a.cols + kPanel - 1) / kPanel;
   const int64_t panel_bytes = a.k * kPanel * static_cast<int64_t>(sizeof(float));
-  std::vector<float> inv_rows(a.norm ? a.rows : 0);
-  const float* inv = a.norm ? inv_rows.data() : nullptr;
 #pragma omp parallel num_threads(a.threads)
   {
     if (a.norm) {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < a.rows; ++r)
-        inv_rows[r] = inv_rms(a.x + r * a.x_stride, a.k, a.eps);
+        rms_norm_rows(args->x + r * args->x_stride, args->x_stride, 1, a.k, a.norm, a.eps,
+                      normed.data() + r * a.k, a.k);
     }
     for (int64_t b0 = 0; b0 < a.rows; b0 += kBlockRows) {  // every thread runs every block
       const int64_t b1 = std::min(a.rows, b0 + kBlockRows);
@@ -192,14 +198,14 @@ int kvserve_panel_gemm(const Args* args) {
             const int64_t bytes = next ? std::min(share, panel_bytes - from) : 0;
             const char* ahead = next ? next + from : nullptr;
             switch (std::min<int64_t>(kTileRows, b1 - m0)) {
-              case 8: tile<8>(a, inv, m0, p, part, ahead, bytes); break;
-              case 7: tile<7>(a, inv, m0, p, part, ahead, bytes); break;
-              case 6: tile<6>(a, inv, m0, p, part, ahead, bytes); break;
-              case 5: tile<5>(a, inv, m0, p, part, ahead, bytes); break;
-              case 4: tile<4>(a, inv, m0, p, part, ahead, bytes); break;
-              case 3: tile<3>(a, inv, m0, p, part, ahead, bytes); break;
-              case 2: tile<2>(a, inv, m0, p, part, ahead, bytes); break;
-              default: tile<1>(a, inv, m0, p, part, ahead, bytes); break;
+              case 8: tile<8>(a, m0, p, part, ahead, bytes); break;
+              case 7: tile<7>(a, m0, p, part, ahead, bytes); break;
+              case 6: tile<6>(a, m0, p, part, ahead, bytes); break;
+              case 5: tile<5>(a, m0, p, part, ahead, bytes); break;
+              case 4: tile<4>(a, m0, p, part, ahead, bytes); break;
+              case 3: tile<3>(a, m0, p, part, ahead, bytes); break;
+              case 2: tile<2>(a, m0, p, part, ahead, bytes); break;
+              default: tile<1>(a, m0, p, part, ahead, bytes); break;
             }
           }
         }

@@ -1,5 +1,5 @@
-// The statistic of decoder.rms_norm, shared by the GEMV (which norms rows before its dots) and
-// the panel GEMM (which scales its accumulators by it, the norm's weight folded into W).
+// decoder.rms_norm in C++, shared by the GEMV and the panel GEMM (which norm the rows of x
+// before their dots, in the same call).
 #pragma once
 
 #include <cmath>
@@ -20,6 +20,18 @@ inline float inv_rms(const float* x, int64_t k, float eps) {
   for (int l = 0; l < 16; ++l) ss += lanes[l];
   for (; i < k; ++i) ss += static_cast<double>(x[i]) * x[i];
   return 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
+}
+
+// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row.
+inline void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
+                   float eps, float* dst, int64_t dst_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    const float inv = inv_rms(xr, k, eps);
+    float* d = dst + r * dst_stride;
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) d[j] = (xr[j] * inv) * w[j];
+  }
 }
 
 }  // namespace
