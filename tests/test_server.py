@@ -189,6 +189,25 @@ def test_streaming_chat(client):
     assert all(c.usage is None for c in chunks)  # no usage unless include_usage
 
 
+def test_a_stream_arrives_while_it_is_generated(server):
+    """A stream is sent as it is generated, not as one body at the end: a 200-token completion
+    comes in more than one piece. (A stream coalesces the outputs a slow reader has not taken
+    yet, so this does not count pieces per token; 200 tokens take far longer than any stall of
+    the reader here.)"""
+    pieces: list[str] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                      json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            text = json.loads(line[len("data: "):])["choices"][0]["text"]
+            if text:
+                pieces.append(text)
+    assert len(pieces) >= 2, f"the whole completion came as {len(pieces)} piece(s)"
+
+
 def test_raw_sse_framing(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                       json={"prompt": "hello", "max_tokens": 4, "stream": True,
