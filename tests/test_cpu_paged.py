@@ -57,8 +57,10 @@ def _case(dtype, h, hkv, d, bs, lens, seed=0):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8),
-                                        (6, 2, 40, 48), (10, 2, 24, 20)],
-                         ids=["gqa", "mha", "mqa", "gqa3-d40-bs48", "gqa5-d24-bs20"])
+                                        (6, 2, 40, 48), (10, 2, 24, 20), (8, 2, 128, 16),
+                                        (4, 4, 128, 32)],
+                         ids=["gqa", "mha", "mqa", "gqa3-d40-bs48", "gqa5-d24-bs20",
+                              "gqa-d128", "mha-d128-bs32"])
 def test_kernel_matches_reference(dtype, h, hkv, d, bs, threads):
     _check_against_reference(kernel, dtype, h, hkv, d, bs)
 
@@ -347,5 +349,5 @@ def test_kernel_built_for_an_older_x86_matches_reference(march):
     lib = load_library(cpu_paged.SOURCE, flags)
     assert lib is not None, f"the kernel did not build with -march={march}"
     narrow = cpu_paged.PagedDecodeKernel(lib)
-    for h, hkv, d, bs in [(8, 2, 64, 16), (6, 2, 40, 48), (10, 2, 24, 20)]:
+    for h, hkv, d, bs in [(8, 2, 64, 16), (6, 2, 40, 48), (10, 2, 24, 20), (8, 2, 128, 16)]:
         _check_against_reference(narrow, torch.float32, h, hkv, d, bs)
