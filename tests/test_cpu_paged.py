@@ -234,15 +234,17 @@ def _dequantized(pool, name):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("bs", [16, 5, 40])
 @pytest.mark.parametrize("window", [None, 12, 300])
-def test_kernel_reads_every_format_like_the_reference(name, bs, window, threads):
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64"])
+def test_kernel_reads_every_format_like_the_reference(name, bs, window, d, threads):
     """The kernel on the pool's own parts (codes and scales in place) equals softmax attention
     over K/V dequantized by the formats' definitions; GQA, sequences ending mid-block and on a
     block boundary, int8 with two scale groups per vector, int4 with the filling blocks' keys in
     the residual; a sequence of 600 tokens spans several of the kernel's tiles (whole blocks
     up to 256 tokens: 16, 51 or 6 blocks here), and a window of 300 starts inside a tile.
     With a window, the table entries wholly before it point at a block of NaN (as released
-    NULL_BLOCK entries point at nothing): a kernel that read one fails."""
-    h, hkv, d = 8, 2, 32
+    NULL_BLOCK entries point at nothing): a kernel that read one fails. Head size 64 takes
+    float32's strided path (whole chunks of rows at a stride), 32 the general one."""
+    h, hkv = 8, 2
     lens = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 41, 600]
     pool, tables, spare = _filled_pool(name, hkv, d, bs, lens, seed=bs,
                                        group_size=16 if name in ("int8", "int4") else None)
