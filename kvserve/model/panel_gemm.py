@@ -108,12 +108,9 @@ class PanelGemm:
         * up."""
         i, lanes, rest = t.shape[0] // 2, self.lanes, tuple(t.shape[1:])
         groups = -(-i // lanes)
-        out = t.new_zeros((groups, 2, lanes) + rest)
-        for half in range(2):  # gate, then up
-            part = t.new_zeros((groups * lanes,) + rest)
-            part[:i] = t[half * i:(half + 1) * i]
-            out[:, half] = part.view((groups, lanes) + rest)
-        return out.view((groups * 2 * lanes,) + rest)
+        padded = t.new_zeros((2, groups * lanes) + rest)  # gate, up: each padded to groups
+        padded[:, :i] = t.view((2, i) + rest)
+        return padded.view((2, groups, lanes) + rest).transpose(0, 1).reshape((-1,) + rest)
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,

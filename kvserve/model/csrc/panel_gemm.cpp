@@ -24,7 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include <omp.h>
 
@@ -119,8 +119,7 @@ void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,
   const int64_t cols = std::min<int64_t>(kTileCols, a.cols - col0);
   for (int r = 0; r < R; ++r) {
     float y[kTileCols];
-    for (int v = 0; v < kTileVecs; ++v)
-      storev(y + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kTileVecs; ++v) storev(y + v * kLanes, acc[r][v]);
     if (a.bias)
       for (int64_t c = 0; c < cols; ++c) y[c] += a.bias[col0 + c];
     float* out = a.out + (m0 + r) * a.out_stride;
@@ -159,9 +158,11 @@ int kvserve_panel_gemm(const Args* args) {
   if (args->cols != (args->act == kNone ? args->n : 2 * kLanes * pairs)) return -1;
   if (args->act != kNone && args->residual) return -1;
   Args a = *args;
-  std::vector<float> normed(a.norm ? a.rows * a.k : 0);
-  if (a.norm) {  // the tiles read the normed rows (filled below, before any tile runs)
-    a.x = normed.data();
+  // the tiles read the normed rows (filled below, before any tile runs); not zeroed first:
+  // every element is written
+  std::unique_ptr<float[]> normed(a.norm ? new float[a.rows * a.k] : nullptr);
+  if (a.norm) {
+    a.x = normed.get();
     a.x_stride = a.k;
   }
   const int64_t panels = (a.cols + kPanel - 1) / kPanel;
@@ -172,7 +173,7 @@ int kvserve_panel_gemm(const Args* args) {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < a.rows; ++r)
         rms_norm_rows(args->x + r * args->x_stride, args->x_stride, 1, a.k, a.norm, a.eps,
-                      normed.data() + r * a.k, a.k);
+                      normed.get() + r * a.k, a.k);
     }
     for (int64_t b0 = 0; b0 < a.rows; b0 += kBlockRows) {  // every thread runs every block
       const int64_t b1 = std::min(a.rows, b0 + kBlockRows);

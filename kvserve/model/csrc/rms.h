@@ -23,8 +23,8 @@ inline float inv_rms(const float* x, int64_t k, float eps) {
 }
 
 // decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row.
-inline void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, const float* w,
-                   float eps, float* dst, int64_t dst_stride) {
+inline void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k,
+                          const float* w, float eps, float* dst, int64_t dst_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
     const float inv = inv_rms(xr, k, eps);

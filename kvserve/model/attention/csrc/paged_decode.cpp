@@ -326,14 +326,15 @@ __attribute__((noinline)) void add_values(float* acc, int64_t D, const float* p,
       for (int64_t j = 0; j < m; ++j) acc[t * D + d] += p[t * p_stride + j] * rows[j][d];
 }
 
+// Vector registers of the instruction set the file is built for (AVX-512: 32, else 16).
+constexpr int kRegisters = kLanes == 16 ? 32 : 16;
+
 // chunk_scores and add_values for float32 rows one `stride` apart (a block's rows of one KV
 // head) and a head_dim known at compile time (64, 128): the rows' addresses are one register
 // and an offset, the channel loops unrolled. Why: with an array of row pointers the compiler
 // ran out of general registers (it parked pointers in vector ones) and zeroed the accumulators
 // through the stack on every call. The kernel alone, 64 x 192 tokens, alternated: 0.87x the
 // time with the K/V in cache, 0.94x from DRAM (AVX2 build: 0.91x, 0.96x).
-// Vector registers of the instruction set the file is built for (AVX-512: 32, else 16).
-constexpr int kRegisters = kLanes == 16 ? 32 : 16;
 
 template <int D>
 __attribute__((noinline)) vf chunk_scores_strided(const float* q, const float* r0,
