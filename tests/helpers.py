@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from kvserve.outputs import RequestOutput
+from kvserve.sampling import SamplingParams
 
 
 def generate_checked(llm, prompts, params, max_steps: int = 100_000) -> list[RequestOutput]:
@@ -97,3 +98,27 @@ def save_random_checkpoint(config, out, seed: int = 0, perturb_norms: bool = Fal
     model.save_pretrained(out)
     train_tokenizer(out, 512)
     return out
+
+
+def first_token_logits(llm, batches: list[list[list[int]]]
+                       ) -> dict[tuple[int, ...], "torch.Tensor"]:
+    """Each batch of prompts generated for one token in turn; by prompt, the logits its first
+    token was sampled from (the batched paged path's)."""
+    runner = llm.engine.runner
+    captured: dict[tuple[int, ...], torch.Tensor] = {}
+    original = runner.execute
+
+    def spy(batch):
+        out = original(batch)
+        for j, i in enumerate(out.sampled):
+            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
+        return out
+
+    runner.execute = spy
+    try:
+        for prompts in batches:
+            generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0.0, max_tokens=1))
+    finally:
+        runner.execute = original
+    return captured

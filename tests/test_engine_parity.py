@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate_checked, hf_greedy, kv_bytes_per_token, random_prompts
+from helpers import (first_token_logits, generate_checked, hf_greedy, kv_bytes_per_token,
+                     random_prompts)
 
 from kvserve import LLM, SamplingParams
 
@@ -69,30 +70,6 @@ def _hf_last_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [model(torch.tensor([p])).logits[0, -1] for p in prompts]
 
 
-def _first_token_logits(llm: LLM, batches: list[list[list[int]]]
-                        ) -> dict[tuple[int, ...], torch.Tensor]:
-    """Each batch of prompts generated for one token in turn; by prompt, the logits its first
-    token was sampled from (the batched paged path's)."""
-    runner = llm.engine.runner
-    captured: dict[tuple[int, ...], torch.Tensor] = {}
-    original = runner.execute
-
-    def spy(batch):
-        out = original(batch)
-        for j, i in enumerate(out.sampled):
-            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
-        return out
-
-    runner.execute = spy
-    try:
-        for prompts in batches:
-            generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
-                             SamplingParams(temperature=0.0, max_tokens=1))
-    finally:
-        runner.execute = original
-    return captured
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_first_token_logits_match(arch, hf_checkpoints, references):
     """The logits our paged path produces for each prompt's last position (the first generated
@@ -100,7 +77,7 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
     prompts, _ = references[arch]
     ref = _hf_last_logits(hf_checkpoints[arch], prompts)
     llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=512, block_size=16)
-    captured = _first_token_logits(llm, [prompts])
+    captured = first_token_logits(llm, [prompts])
     assert len(captured) == len(prompts)
     for p, want in zip(prompts, ref):
         got = captured[tuple(p)]
@@ -129,7 +106,7 @@ def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
 
     torch_backend._prefill_runs = spy_runs
     try:  # the first prompt alone first: its prefix is cached for the last one
-        captured = _first_token_logits(llm, [prompts[:1], prompts[1:]])
+        captured = first_token_logits(llm, [prompts[:1], prompts[1:]])
     finally:
         torch_backend._prefill_runs = real_runs
     assert max(runs) >= 3, runs  # the equal-length prompts did share a call

@@ -25,6 +25,7 @@ from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
 from kvserve.model.decoder import CausalLM
+from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 
 logger = logging.getLogger("kvserve")
 
@@ -98,20 +99,22 @@ def half_precision_cost(dtype: torch.dtype, n: int = 256) -> float:
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
                pack_weights: bool = True, gemm: str | None = None) -> tuple[CausalLM, ModelConfig]:
-    """Read config.json and the safetensors weights of `model_dir`; raises ValueError on any
-    problem with the checkpoint, naming the file or tensor at fault.
+    """Read config.json and the safetensors weights of `model_dir`, or a GGUF file (its tensors
+    dequantized into the model dtype); raises ValueError on any problem with the checkpoint,
+    naming the file or tensor at fault.
 
     With `pack_weights` (the default) each projection gets the GEMM kernel that measures
     fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn",
     "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
     to float rounding either way. Without it every GEMM stays dense (F.linear)."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
+    gguf = open_gguf(model_dir) if is_gguf(model_dir) else None
+    config = ModelConfig.from_dir(model_dir if gguf is None else gguf.dir)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = resolve_dtype(dtype, config, device)
     device = torch.device(device)
-    files = checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir) if gguf is None else []
     with torch.no_grad():
         if config.mla is not None:
             from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
@@ -126,6 +129,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config)
+        if gguf is not None:
+            _load_gguf(gguf, targets, loaded, config)
     missing = sorted(set(targets) - loaded, key=_natural_key)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)"
@@ -234,10 +239,32 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                 raise ValueError(f"tensor {key!r} in {str(file)!r} has dtype {tensor.dtype}; "
                                  "expected a floating-point tensor (quantised checkpoints are "
                                  "not supported)")
-            target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
-            if target.offset:
-                target.dest.add_(target.offset)
-            loaded.add(name)
+            _copy(target, tensor, loaded, name)
+
+
+def _copy(target: _Target, tensor: torch.Tensor, loaded: set[str], name: str,
+          offset: bool = True) -> None:
+    target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
+    if target.offset and offset:
+        target.dest.add_(target.offset)
+    loaded.add(name)
+
+
+def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[str],
+               config: ModelConfig) -> None:
+    """Every GGUF tensor dequantized (in float32) into its place; Gemma 3 GGUFs hold 1 + w in
+    their norms already, so no offset is added there."""
+    offset = not gguf.norms_hold_one_plus_w
+    where = f"GGUF file {str(gguf.path)!r}"
+    for tensor in gguf.tensors():
+        target = targets.get(tensor.name)
+        if target is None:
+            raise ValueError(f"unexpected tensor {tensor.info.name!r} ({tensor.name}) in {where} "
+                             f"for {config.architecture} with {config.num_hidden_layers} layers")
+        if tensor.shape != target.shape:
+            raise ValueError(f"tensor {tensor.info.name!r} in {where} has shape "
+                             f"{list(tensor.shape)}, expected {list(target.shape)}")
+        _copy(target, torch.from_numpy(tensor.dequantize()), loaded, tensor.name, offset)
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

