@@ -395,8 +395,17 @@ class Proc:
         self._log.close()
 
 
+def replica_model() -> str:
+    """The replicas serve the tiny random-weight Qwen2 under the name "default": routing is
+    under test here, not the model (the embedded SmolLM2 would cost each replica 0.5 GB)."""
+    from kvserve.model.make_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
 def replica(name: str, log_dir: Path, port: int | None = None, extra=()) -> Proc:
-    return Proc(name, ["serve", "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1",
+    return Proc(name, ["serve", replica_model(), "--served-model-name", "default",
+                       "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1",
                        "--max-num-seqs", "4", "--disable-log-stats", *extra],
                 port or _free_port(), log_dir)
 
@@ -418,7 +427,8 @@ def cluster(tmp_path_factory):
     try:
         for r in reps:
             r.wait_ready()
-        gw = gateway(reps, log_dir, "--policy", "cache_aware", "--tokenizer", "default")
+        gw = gateway(reps, log_dir, "--policy", "cache_aware", "--tokenizer",
+                     replica_model())
         gw_key = gateway(reps, log_dir, "--policy", "round_robin", "--api-key", "sk-gw")
         gw.wait_ready()
         gw_key.wait_ready()
@@ -502,10 +512,9 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(c
     assert all(c > 100 for c in cached[1:]), cached
     # The gateway's keys (its own tokenizer and chat template) are the replica's block hashes:
     # every full block of the prompt but the last token was published as BlockStored.
-    from kvserve.model.make_model import default_model_dir
     from kvserve.tokenizer import Tokenizer
 
-    keyer = PrefixKeyer(16, Tokenizer.from_dir(default_model_dir()))
+    keyer = PrefixKeyer(16, Tokenizer.from_dir(replica_model()))
     body = {"messages": [{"role": "system", "content": SYSTEM},
                          {"role": "user", "content": "question number 0"}]}
     keys = keyer.keys("/v1/chat/completions", body)

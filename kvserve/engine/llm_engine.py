@@ -48,6 +48,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.model.attention.select import make_attention_backend
+from kvserve.model.gguf_checkpoint import is_gguf, tokenizer_dir
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -88,14 +89,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_dir = config.model
         if model_dir is None:
-            from kvserve.model.make_model import default_model_dir
+            from kvserve.model.default import embedded_model_path
 
-            model_dir = str(default_model_dir())
+            model_dir = str(embedded_model_path())
             config.model = model_dir
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         if config.attention_backend == "triton":
             self.model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
-        self.tokenizer = Tokenizer.from_dir(config.tokenizer or model_dir)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
         config.finalize(self.model_config.max_position_embeddings)
         self.dtype = next(self.model.parameters()).dtype
 
@@ -221,7 +222,8 @@ class LLMEngine:
             return None, False
         from kvserve.model.loader import read_kv_scales
 
-        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
+        scales = None if is_gguf(model_dir) else \
+            read_kv_scales(model_dir, self.model_config.num_hidden_layers)
         if scales is not None:
             logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
         elif self.config.calculate_kv_scales:

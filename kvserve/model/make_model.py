@@ -2,8 +2,7 @@
 
 The checkpoints load in kvserve and in transformers alike (`AutoModelForCausalLM.from_pretrained`),
 which is what the parity tests and benchmarks rely on. `ensure_default_model` builds the tiny
-random-weight Qwen2 once per cache directory: the tests' shared checkpoint, and the engine's
-fallback when the trained `stdlib-coder` (see `default_model_dir`) is not installed.
+random-weight Qwen2 once per cache directory: the tests' shared checkpoint.
 
     python -m kvserve.model.make_model OUT_DIR --arch qwen2 --size small
 """
@@ -263,17 +262,9 @@ def default_model_path() -> Path:
     return cache_dir() / f"default-{DEFAULT_ARCH}-{DEFAULT_SIZE}-v{DEFAULT_MODEL_VERSION}"
 
 
-# The trained model kvserve ships as package data (scripts/train_model.py makes it).
+# The trained model kvserve ships as package data (scripts/train_model.py makes it): no longer
+# the default (kvserve.model.default is), kept as the asset that shows training reproduces.
 TRAINED_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "stdlib-coder"
-
-
-def default_model_dir() -> Path:
-    """The model `LLM()` and the CLI use when none is given: the trained `stdlib-coder` shipped
-    with kvserve, so a newcomer's first run completes real code; the tiny random-weight model
-    only where the package was installed without its data."""
-    if (TRAINED_MODEL_DIR / "model.safetensors").is_file():
-        return TRAINED_MODEL_DIR
-    return ensure_default_model()
 
 
 def ensure_default_model() -> Path:

@@ -60,11 +60,12 @@ def load_tokenizer(path: str | None):
         return None
     from kvserve.tokenizer import Tokenizer
 
-    if path == "default":  # the model `kvserve serve` runs when given none
-        from kvserve.model.make_model import default_model_dir
+    from kvserve.model.default import NAME, embedded_model_path
+    from kvserve.model.gguf_checkpoint import tokenizer_dir
 
-        path = str(default_model_dir())
-    return Tokenizer.from_dir(path)
+    if path in ("default", NAME):  # the model `kvserve serve` runs when given none
+        path = str(embedded_model_path())
+    return Tokenizer.from_dir(tokenizer_dir(path))
 
 
 def build_gateway(args: argparse.Namespace):

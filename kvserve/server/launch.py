@@ -12,9 +12,15 @@ logger = logging.getLogger("kvserve")
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
+    """vLLM's rule: --served-model-name, else the model as it was given; the embedded default
+    answers to its own name."""
     if args.served_model_name:
         return list(args.served_model_name)
-    return [args.model if args.model is not None else "default"]
+    if args.model is not None:
+        return [args.model]
+    from kvserve.model.default import NAME
+
+    return [NAME]
 
 
 def warm_up_gemms(engine) -> None:
