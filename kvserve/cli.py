@@ -86,13 +86,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvserve import LLM
     from kvserve.demo import DemoOptions, run_demo
+    from kvserve.logging_setup import init_logging
 
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
-    print(f"loaded {llm.engine.config.model} in {time.perf_counter() - t0:.2f} s\n")
-    run_demo(llm, DemoOptions(max_tokens=args.max_tokens, seed=args.sampling_seed))
+    init_logging()  # the engine's start-up lines (the KV capacity line among them)
+    run_demo(DemoOptions(max_tokens=args.max_tokens, seed=args.sampling_seed,
+                         engine_kwargs=engine_kwargs(args)))
     return 0
 
 
@@ -130,14 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="what kvserve is for, in one screen: code completions "
-                          "on the embedded model, then requests sharing a cached prefix")
-    demo.add_argument("--max-tokens", type=int, default=40)
+    demo = sub.add_parser("demo", help="what kvserve is for, in one screen: chat answers "
+                          "streamed from the server, a long system prompt served from the prefix "
+                          "cache, fp8/int8 KV")
+    demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--sampling-seed", type=int, default=0)
     add_engine_args(demo)
-    # A 64 MiB pool (about 21k tokens of stdlib-coder's KV) starts in a blink; the engine's
+    # A 256 MiB pool (about 11k tokens of SmolLM2's float32 KV) starts in a blink; the engine's
     # default pool is sized for serving and takes seconds to allocate on a small machine.
-    demo.set_defaults(func=cmd_demo, kv_cache_memory_bytes=64 << 20)
+    demo.set_defaults(func=cmd_demo, kv_cache_memory_bytes=256 << 20, max_model_len=4096)
 
     from kvserve.server.args import add_server_args
 

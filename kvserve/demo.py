@@ -1,132 +1,211 @@
-"""`kvserve demo` (what `make demo` runs): one screen that shows what kvserve is for.
+"""`kvserve demo` (what `make demo` runs): one screen that shows what kvserve is for, on the
+embedded SmolLM2-135M-Instruct.
 
-Round 1 completes a few code prompts with the embedded `stdlib-coder` model, greedy and sampled,
-in one continuous batch. Round 2 is the case prefix caching exists for: several requests that
-share a long prefix (a standard-library module's source as context, then a different question
-each), sent one after another. The first computes the prefix cold; the others find it in the
-paged KV cache, and the demo prints how many prompt tokens each one got from the cache, TTFT cold
-vs cached, and how much of the KV pool the cached prefix occupies.
+1. The OpenAI-compatible server (a real HTTP server on a free local port) streams chat answers
+   token by token, as any client sees them.
+2. A long shared system prompt (a reference document, then a different question each): the
+   first request computes it cold, the others are served from the prefix cache; each line
+   shows cached prompt tokens and TTFT, as the API reports and the client measures them.
+3. The same question with the KV cache in fp8 and int8: how many tokens the same memory holds,
+   and what each does to the answer.
 """
 
 from __future__ import annotations
 
+import argparse
+import http.client
+import json
+import socket
 import statistics
 import sysconfig
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvserve.engine.llm import LLM
-from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 
-# Each prompt stops mid-line, where the next tokens are code rather than indentation.
-CODE_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n <",
-    "import os\n\n\ndef list_python_files(root):\n    for dirpath, dirnames, filenames in os.",
-    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n        self.",
+CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
 ]
-
-# Round 2's shared context: a short, stable standard-library module.
-CONTEXT_MODULE = "bisect.py"
-# The "questions": the searching recipes of the bisect documentation, each asked of the module.
+# Round 2's shared system prompt: the history section of the running Python's own LICENSE file
+# (on every machine that has Python, and real English text).
+DOCUMENT_CHARS = 5000
 QUESTIONS = [
-    "\n\ndef index(a, x):\n    'Locate the leftmost value exactly equal to x'\n    i = bisect_",
-    "\n\ndef find_lt(a, x):\n    'Find rightmost value less than x'\n    i = bisect_",
-    "\n\ndef find_gt(a, x):\n    'Find leftmost value greater than x'\n    i = bisect_",
-    "\n\ndef find_ge(a, x):\n    'Find leftmost item greater than or equal to x'\n    i = bisect_",
+    "Who created Python?",
+    "In which country was Python created?",
+    "Which language was Python a successor of?",
+    "Where did Guido continue his work on Python in 1995?",
 ]
+KV_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass
 class DemoOptions:
-    max_tokens: int = 40
-    temperature: float = 0.8
-    top_p: float = 0.95
+    max_tokens: int = 64
     seed: int = 0
-    show_lines: int = 4  # lines of each completion shown
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _shown(text: str, lines: int) -> str:
-    """The first `lines` lines of a completion, indented, so that a screen holds the demo."""
-    parts = text.split("\n")
-    more = len(parts) > lines
-    body = "\n".join("      | " + p for p in parts[:lines])
-    return body + ("\n      | ..." if more else "")
+@dataclass
+class StreamResult:
+    text: str
+    ttft: float  # seconds from sending the request to the first content delta
+    cached_tokens: int
+    prompt_tokens: int
 
 
-def _ms(seconds: float | None) -> float:
-    return (seconds or 0.0) * 1000.0
+def document() -> str:
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
+    return text[:DOCUMENT_CHARS].rsplit("\n\n", 1)[0]
 
 
-def round_one(llm: LLM, opts: DemoOptions) -> None:
-    """Greedy and sampled completions of every code prompt, all in one batch."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens)
-    sampled = SamplingParams(temperature=opts.temperature, top_p=opts.top_p,
-                             max_tokens=opts.max_tokens, seed=opts.seed)
-    prompts = CODE_PROMPTS + CODE_PROMPTS
-    params = [greedy] * len(CODE_PROMPTS) + [sampled] * len(CODE_PROMPTS)
+class DemoServer:
+    """`kvserve serve`'s app on the demo's own engine, in a thread, on a free loopback port."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        import uvicorn
+
+        from kvserve.engine.async_engine import AsyncLLMEngine
+        from kvserve.server.app import build_app
+        from kvserve.server.launch import served_names
+
+        self.engine = AsyncLLMEngine.from_kwargs(log_stats=False, **llm_kwargs)
+        self.name = served_names(argparse.Namespace(served_model_name=None,
+                                                    model=llm_kwargs.get("model")))[0]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(build_app(self.engine, [self.name]), host="127.0.0.1",
+                                port=self.port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "DemoServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the demo server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.engine.shutdown()
+
+    def stream_chat(self, messages: list[dict[str, str]], max_tokens: int,
+                    echo: bool = True) -> StreamResult:
+        """POST /v1/chat/completions with stream=true, printing each delta as it arrives."""
+        body = json.dumps({"model": self.name, "messages": messages, "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", body,
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"server answered {response.status}: {response.read()[:300]!r}")
+        text, ttft, usage = [], 0.0, {}
+        for event in _sse_events(response):
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta", {}).get("content") or ""
+                if delta and not text:
+                    ttft = time.perf_counter() - t0
+                if delta:
+                    text.append(delta)
+                    if echo:
+                        print(delta, end="", flush=True)
+            usage = event.get("usage") or usage
+        conn.close()
+        details = usage.get("prompt_tokens_details") or {}
+        return StreamResult("".join(text), ttft, int(details.get("cached_tokens") or 0),
+                            int(usage.get("prompt_tokens") or 0))
+
+
+def _sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def round_one(server: DemoServer, opts: DemoOptions) -> None:
+    print(f"== 1. Chat answers streamed from the server ({server.name}, "
+          f"http://127.0.0.1:{server.port}/v1/chat/completions)")
+    for question in CHATS:
+        print(f"\n  user: {question}\n  assistant: ", end="", flush=True)
+        out = server.stream_chat([{"role": "user", "content": question}], opts.max_tokens)
+        print(f"\n  (first token after {out.ttft * 1000:.0f} ms)")
+
+
+def round_two(server: DemoServer, opts: DemoOptions) -> None:
+    doc = document()
+    system = ("Answer the user's question in one short sentence, using this document.\n\n"
+              + doc)
+    results = []
+    for question in QUESTIONS:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        results.append(server.stream_chat(messages, 32, echo=False))
+    print(f"\n== 2. A long shared system prompt ({results[0].prompt_tokens - 20}+ tokens: the "
+          "history in Python's LICENSE.txt), a different question each")
+    print(f"  {'request':<9}{'prompt':>7}{'cached':>8}{'TTFT ms':>9}  answer")
+    for i, (q, r) in enumerate(zip(QUESTIONS, results)):
+        answer = " ".join(r.text.split())[:70]
+        print(f"  {'cold' if i == 0 else 'warm':<9}{r.prompt_tokens:>7}{r.cached_tokens:>8}"
+              f"{r.ttft * 1000:>9.0f}  {q} -> {answer}")
+    cold = results[0].ttft
+    warm = statistics.median(r.ttft for r in results[1:])
+    print(f"  TTFT cold {cold * 1000:.0f} ms vs cached {warm * 1000:.0f} ms (median of "
+          f"{len(results) - 1}): {cold / max(warm, 1e-6):.1f}x faster; the prefix is stored once")
+
+
+def round_three(opts: DemoOptions) -> None:
+    """The KV cache's storage format: capacity in the same memory, and the answer it gives."""
+    question = [{"role": "user", "content": CHATS[0] + " Answer in one sentence."}]
+    print("\n== 3. The KV cache in fp8 and int8: the same memory, and the same question")
+    print(f"  {'kv dtype':<10}{'bytes/token':>12}{'tokens in pool':>16}  answer (greedy)")
+    reference: list[int] | None = None
+    for kv_dtype in KV_DTYPES:
+        # fp8 scales computed from the first batch (vLLM's calculate_kv_scales): the GGUF
+        # carries none, and 1.0 is a poor scale for this model's keys
+        llm = LLM(**{**opts.engine_kwargs, "kv_cache_dtype": kv_dtype,
+                     "calculate_kv_scales": kv_dtype == "fp8"})
+        out = llm.chat(question, SamplingParams(temperature=0, max_tokens=24),
+                       use_tqdm=False)[0].outputs[0]
+        kv = llm.engine.kv
+        per_token = llm.engine.kv_spec.bytes_per_token
+        tokens = list(out.token_ids)
+        same = "" if reference is None else \
+            ("  (= the float32 answer)" if tokens == reference
+             else f"  (differs from token {_first_difference(tokens, reference)})")
+        reference = reference if reference is not None else tokens
+        label = "float32" if kv_dtype == "auto" else kv_dtype
+        print(f"  {label:<10}{per_token:>12,}{kv.num_blocks * kv.block_size:>16,}  "
+              f"{' '.join(out.text.split())[:60]}{same}")
+        del llm
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_demo(opts: DemoOptions) -> None:
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    n = len(CODE_PROMPTS)
-    print(f"== Round 1: {n} code prompts, greedy and sampled (T={opts.temperature}, "
-          f"top_p={opts.top_p}), {len(prompts)} requests in one batch")
-    for i, prompt in enumerate(CODE_PROMPTS):
-        lines = prompt.split("\n")
-        print(f"\n  [{i + 1}] {lines[0]}" + (f"  ... {lines[-1]}" if len(lines) > 1 else ""))
-        print("    greedy:\n" + _shown(outs[i].outputs[0].text, opts.show_lines))
-        print("    sampled:\n" + _shown(outs[n + i].outputs[0].text, opts.show_lines))
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n  {tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s across the batch)")
-
-
-def context_source() -> str:
-    """The context module's source, from the running Python's standard library."""
-    return (Path(sysconfig.get_paths()["stdlib"]) / CONTEXT_MODULE).read_text(encoding="utf-8")
-
-
-def _first_line(out: RequestOutput) -> str:
-    """What the model wrote after `i = bisect_`, up to the end of that line."""
-    return ("bisect_" + out.outputs[0].text.split("\n")[0])[:44]
-
-
-def round_two(llm: LLM, opts: DemoOptions) -> None:
-    """A shared long prefix: one cold request, then the rest served from the prefix cache."""
-    context = context_source()
-    llm.reset_prefix_cache()
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
-    prompts = [context + q for q in QUESTIONS]
-    # One at a time, so that each TTFT is one request's prefill: cold, then from the cache.
-    outs = [llm.generate(p, greedy, use_tqdm=False)[0] for p in prompts]
-    ctx_tokens = len(llm.get_tokenizer().encode(context, add_special_tokens=False))
-    print(f"\n== Round 2: {len(QUESTIONS)} requests sharing a prefix: the source of "
-          f"{CONTEXT_MODULE} ({ctx_tokens} tokens) + a different function each")
-    print(f"  {'request':<13}{'prompt':>7}{'cached':>8}{'TTFT ms':>9}  completion")
-    for i, (q, out) in enumerate(zip(QUESTIONS, outs)):
-        name = q.strip().split("(")[0].removeprefix("def ")
-        label = f"{name} ({'cold' if i == 0 else 'warm'})"
-        print(f"  {label:<13}{len(out.prompt_token_ids):>7}{out.num_cached_tokens:>8}"
-              f"{_ms(out.metrics.ttft):>9.1f}  {_first_line(out)}")
-    cold_ms = _ms(outs[0].metrics.ttft)
-    # The median: on a shared machine one request in a few can stall behind another job.
-    warm_ms = statistics.median(_ms(o.metrics.ttft) for o in outs[1:])
-    print(f"  TTFT cold {cold_ms:.1f} ms vs cached {warm_ms:.1f} ms (median of "
-          f"{len(outs) - 1}): {cold_ms / max(warm_ms, 1e-6):.1f}x faster")
-    kv = llm.engine.kv
-    stats = llm.engine.stats()
-    prefix_blocks = outs[1].num_cached_tokens // kv.block_size
-    print(f"  KV pool: {kv.num_blocks:,} blocks of {kv.block_size} tokens; the shared prefix is "
-          f"{prefix_blocks} blocks, stored once for {len(outs)} requests; now "
-          f"{kv.pool.num_cached_idle} blocks hold idle cached prefixes, usage "
-          f"{stats.kv_cache_usage:.1%} (idle cached blocks count as free)")
-    print(f"  prefix cache: {stats.prefix_cache_hits:,} of {stats.prefix_cache_queries:,} prompt "
-          f"tokens hit ({stats.prefix_cache_hits / max(1, stats.prefix_cache_queries):.0%})")
-
-
-def run_demo(llm: LLM, opts: DemoOptions | None = None) -> None:
-    opts = opts or DemoOptions()
-    t0 = time.perf_counter()
-    round_one(llm, opts)
-    round_two(llm, opts)
-    print(f"\ndemo rounds took {time.perf_counter() - t0:.1f} s on model {llm.engine.config.model}")
+    with DemoServer(opts.engine_kwargs) as server:
+        print(f"loaded {server.engine.config.model} in {time.perf_counter() - t0:.1f} s; "
+              f"the server answers /health on port {server.port}\n")
+        round_one(server, opts)
+        round_two(server, opts)
+    round_three(opts)
+    print(f"\ndemo took {time.perf_counter() - t0:.1f} s")

@@ -11,6 +11,7 @@ MLPs for the parameter count.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from kvserve.dtypes import short_dtype_name
 from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
 from kvserve.model.deepseek_config import MLAConfig, parse_mla
+from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
 from kvserve.planner.presets import lookup, preset_names
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -120,13 +122,17 @@ class ModelSpec:
 
     @classmethod
     def load(cls, what: str) -> "ModelSpec":
-        """A preset name, a config.json, or a checkpoint directory (whose safetensors headers
-        give the exact parameter count)."""
+        """A preset name, a config.json, a checkpoint directory (whose safetensors headers
+        give the exact parameter count) or a GGUF file (its tensor shapes do)."""
         found = lookup(what)
         if found is not None:
             key, d = found
             return cls.from_hf_config(d, key, "preset")
         path = Path(what)
+        if is_gguf(path):  # its metadata as config.json, its tensors' shapes counted
+            checkpoint = open_gguf(path)
+            counted = sum(math.prod(t.shape) for t in checkpoint.index.tensors.values())
+            return cls.from_hf_config(checkpoint.config, path.stem, str(path), counted, "gguf")
         if path.is_dir():
             config_file = path / "config.json"
         elif path.is_file():

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.model.gguf_checkpoint import arch as _arch
-from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, is_gguf, read_index,
-                                                  sidecar_dir)
+from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, check_types, is_gguf,
+                                                  read_index, sidecar_dir)
 from kvserve.model.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
 
 __all__ = ["GGUFCheckpoint", "GGUFTensor", "is_gguf", "open_gguf", "tokenizer_dir"]
@@ -53,6 +53,7 @@ class GGUFCheckpoint:
         self.path = path
         self.index = read_index(path)
         self.architecture = _arch.check_architecture(self.index.metadata)
+        check_types(self.index)
         shapes = {name: t.shape for name, t in self.index.tensors.items()}
         self.config = _arch.hf_config(self.index.metadata, shapes)
         self.dir = sidecar_dir(path)

@@ -69,6 +69,8 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
         "head_dim": int(key("attention.key_length", hidden // heads)),
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        # what the loader dequantizes into with dtype "auto" (and what the planner sizes)
+        "torch_dtype": "float32",
         "vocab_size": int(embed[0]),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),

@@ -27,7 +27,7 @@ logger = logging.getLogger("kvserve")
 
 GGUF_MAGIC = b"GGUF"
 # Bump when what the index holds, or how the sidecar files are written, changes.
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 # Metadata arrays kept whole (the tokenizer's); every other array is kept only when short.
 _KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                 "tokenizer.ggml.scores")
@@ -197,20 +197,39 @@ class TensorData:
         if info.type_name == "BF16":
             widened = raw.view(np.uint16).astype(np.uint32) << 16
             return widened.view(np.float32).reshape(info.shape)
-        try:
-            qtype = gguf.GGMLQuantizationType[info.type_name]
-            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        except KeyError as e:
-            raise ValueError(f"tensor {info.name!r} has ggml type {info.type_name}, which "
-                             "kvserve cannot read") from e
+        qtype = gguf.GGMLQuantizationType[info.type_name]  # check_types let it through
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         if n % block or info.nbytes != n // block * block_bytes:
             raise ValueError(f"tensor {info.name!r} ({info.type_name}, shape "
                              f"{list(info.shape)}) has {info.nbytes} bytes, expected "
                              f"{n // block * block_bytes}")
         rows = raw.reshape(-1, info.shape[-1] // block * block_bytes)
-        try:
-            return gguf.quants.dequantize(rows, qtype).reshape(info.shape)
-        except NotImplementedError as e:
-            raise ValueError(f"tensor {info.name!r} has ggml type {info.type_name}, which "
-                             "gguf cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, "
-                             "Q5_0, Q5_1, Q8_0, the K-quants and the IQ types)") from e
+        return gguf.quants.dequantize(rows, qtype).reshape(info.shape)
+
+
+def check_types(index: GGUFIndex) -> None:
+    """Refuse, before anything is allocated, a tensor whose type `gguf` cannot dequantize
+    (Q8_K, Q8_1, the integer types, ...), naming the first such tensor."""
+    import gguf
+
+    readable: dict[str, bool] = {}
+    for info in index.tensors.values():
+        if info.type_name not in readable:
+            readable[info.type_name] = _dequantizable(gguf, info.type_name)
+        if not readable[info.type_name]:
+            raise ValueError(f"GGUF file {str(index.path)!r}: tensor {info.name!r} has ggml "
+                             f"type {info.type_name}, which kvserve cannot load (it reads F32, "
+                             "F16, BF16 and every block format gguf can dequantize: Q4_0, "
+                             "Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ types)")
+
+
+def _dequantizable(gguf, type_name: str) -> bool:
+    if type_name in ("F32", "F16", "BF16"):
+        return True
+    try:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), qtype)
+    except (KeyError, NotImplementedError):
+        return False
+    return True
