@@ -85,3 +85,12 @@ def test_invalid_values_exit_with_a_message(capsys):
     assert "--max-waiting-requests" in capsys.readouterr().err
     assert cli.main(["serve", "--block-size", "0", "--port", "1"]) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_served_model_names_follow_vllm():
+    """--served-model-name, else the model as given; the embedded default by its own name."""
+    from kvserve.server.launch import served_names
+
+    assert served_names(_parse()) == ["SmolLM2-135M-Instruct"]
+    assert served_names(_parse("./ckpt")) == ["./ckpt"]
+    assert served_names(_parse("x.gguf", "--served-model-name", "a", "b")) == ["a", "b"]

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Perplexity of one GGUF file through kvserve and through llama.cpp, on the same tokens.
+
+The file (default: the embedded SmolLM2-135M-Instruct, Q4_1) is scored on English and code text
+found on the machine (kvserve.eval.corpus: license texts, package descriptions, the stdlib's
+held-out split), cut into non-overlapping windows of --context tokens; every token of a window
+but its first is predicted from those before it. kvserve reads the file with its own GGUF
+loader (weights dequantized to float32) and scores through the engine's prompt logprobs;
+llama.cpp (llama-cpp-python, in its own venv: no torch, no kvserve) evaluates the same token
+ids with `logits_all` and its own Q4_1 kernels. Both tokenizations of the text are compared
+too (llama.cpp's tokenizer on the same documents).
+
+Set-up, once (llama-cpp-python builds from source, minutes; nice it on a shared machine):
+    python3 -m venv /tmp/lcpp && nice /tmp/lcpp/bin/pip install numpy llama-cpp-python==0.3.36
+
+Run:
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_gguf_ppl.py --llama-python /tmp/lcpp/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def worker_llamacpp(args: argparse.Namespace) -> dict:
+    """Under the llama.cpp venv's python: the NLL of every window, and its tokenization of
+    the documents' texts."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    job = json.loads(Path(args.job).read_text())
+    llm = Llama(model_path=job["gguf"], n_ctx=job["context"], n_batch=job["context"],
+                n_threads=job["threads"], n_threads_batch=job["threads"], logits_all=True,
+                verbose=False)
+    nll, tokens = 0.0, 0
+    t0 = time.perf_counter()
+    for win in job["windows"]:
+        llm.reset()
+        llm.eval(win)
+        logits = np.asarray(llm.scores[: len(win) - 1], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll -= float(logp[np.arange(len(win) - 1), win[1:]].sum())
+        tokens += len(win) - 1
+    seconds = time.perf_counter() - t0
+    toks = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in job["texts"]]
+    return {"nll": nll, "tokens": tokens, "seconds": seconds, "tokenized": toks}
+
+
+def cpu_line() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((l.split(":", 1)[1].strip() for l in text.splitlines()
+                  if l.startswith("model name")), platform.processor())
+    flags = text.split("flags")[1].split("\n")[0]
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags.split()]
+    return f"CPU: {model}; {', '.join(isa)}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2 GGUF")
+    p.add_argument("--llama-python", default="/tmp/lcpp/bin/python")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--windows", type=int, default=16, help="per kind (English, code)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        Path(args.out).write_text(json.dumps(worker_llamacpp(args)))
+        return 0
+
+    from kvserve.eval.corpus import KINDS, describe, document_windows, documents
+    from kvserve.eval.perplexity import engine_nll
+    from kvserve.model.default import embedded_model_path
+    from kvserve.model.gguf_checkpoint import tokenizer_dir
+    from kvserve.tokenizer import Tokenizer
+
+    gguf = args.gguf or str(embedded_model_path())
+    tok = Tokenizer.from_dir(tokenizer_dir(gguf))
+    print(cpu_line())
+    print(f"model {gguf}; windows of {args.context} tokens, {args.windows} per kind")
+    ok = True
+    for kind in KINDS:
+        docs = documents(kind)
+        windows = document_windows(tok, docs, args.context, args.windows)
+        wins = [w.tokens for w in windows]
+        texts = [d.text for d in docs[:8]]
+        t0 = time.perf_counter()
+        ours = engine_nll(gguf, wins, dtype="float32")
+        ours_s = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as tmp:
+            job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+            job.write_text(json.dumps({"gguf": gguf, "context": args.context,
+                                       "threads": args.threads, "windows": wins,
+                                       "texts": texts}))
+            subprocess.run([args.llama_python, __file__, "--worker", "--job", str(job),
+                            "--out", str(out)], check=True)
+            theirs = json.loads(out.read_text())
+        ppl_ours = math.exp(ours.total / ours.tokens)
+        ppl_theirs = math.exp(theirs["nll"] / theirs["tokens"])
+        rel = ppl_ours / ppl_theirs - 1
+        same_tok = sum(tok.encode(t, add_special_tokens=False) == ids
+                       for t, ids in zip(texts, theirs["tokenized"]))
+        ok &= abs(rel) < 0.01
+        print(f"\n{kind}: {len(wins)} windows, {ours.tokens:,} predicted tokens\n"
+              + describe(windows))
+        print(f"  kvserve (dequantized, float32)  perplexity {ppl_ours:8.4f}  ({ours_s:.1f} s)")
+        print(f"  llama.cpp (its Q4_1 kernels)    perplexity {ppl_theirs:8.4f}  "
+              f"({theirs['seconds']:.1f} s)")
+        print(f"  kvserve / llama.cpp - 1: {rel:+.3%} (target within 1%)")
+        print(f"  tokenization of {len(texts)} documents identical to llama.cpp's: "
+              f"{same_tok} of {len(texts)}")
+    print("\nwithin 1% on every kind" if ok else "\nOUTSIDE 1% on some kind")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
