@@ -12,6 +12,9 @@ limit, and which routes the API key guards.
 from __future__ import annotations
 
 import asyncio
+import socket
+import statistics
+import threading
 import time
 
 import httpx
@@ -274,3 +277,110 @@ def test_api_key_protect_all_leaves_only_health_open(server):
         _assert_error_shape(httpx.get(f"{server.url}{path}"), 401)
         assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 200, path
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------
+# hostile bodies: refused at once, /health answering throughout
+# ------------------------------------------------------------------------------------------
+
+HOSTILE_BYTES = 200 * 1024**2
+
+
+def _upload(server, total: int, chunk: int, pause_s: float, chunked: bool) -> dict:
+    """POST a `total`-byte body over a raw socket, `chunk` bytes at a time with `pause_s`
+    between, declared by Content-Length or sent chunked, while a thread reads the answer as
+    it comes (httpx would read only after sending everything). Times are from the headers."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+    sock.sendall((f"POST {C} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {AUTH['Authorization']}"
+                  f"\r\nContent-Type: application/json\r\n{framing}\r\n\r\n").encode())
+    start = time.monotonic()
+    answer = bytearray()
+    first: list[float] = []
+
+    def read() -> None:
+        while data := sock.recv(65536):
+            first.append(first[0] if first else time.monotonic() - start)
+            answer.extend(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    body = (b'{"prompt": "' + b"a" * chunk)[:chunk]
+    sent = 0
+    try:
+        while sent < total:
+            piece = body[:min(chunk, total - sent)]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            sent += len(piece)
+            time.sleep(pause_s)
+        if chunked:
+            sock.sendall(b"0\r\n\r\n")
+    except OSError:  # the server closed the connection before the upload ended
+        pass
+    upload_s = time.monotonic() - start
+    reader.join(60)
+    sock.close()
+    return {"answer": bytes(answer), "first_s": first[0] if first else None,
+            "upload_s": upload_s, "sent": sent}
+
+
+class _HealthProbe:
+    """/health every 20 ms from a thread with its own connection, as a load balancer probes."""
+
+    def __init__(self, server) -> None:
+        self._url = f"{server.url}/health"
+        self._stop = threading.Event()
+        self.ms: list[float] = []
+        self.bad = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            http.get(self._url)
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                ok = http.get(self._url).status_code == 200
+                self.ms.append((time.perf_counter() - t0) * 1000)
+                self.bad += not ok
+                time.sleep(0.02)
+
+    def __enter__(self) -> "_HealthProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked-slow"])
+def test_a_200_mb_body_is_refused_at_once_and_health_stays_fast(server, chunked):
+    """A 200 MB body, 1 MiB every 20 ms (a slow client: some 5 s in all), declared by its
+    Content-Length or chunked (no Content-Length: counted as it arrives; the limit is 1 MB, so
+    the first MiB is past it). The 413 must arrive within 2 s of the request's start, long
+    before the upload ends, and /health must keep answering meanwhile.
+
+    /health is held to its median (< 100 ms) and its worst answer (< 500 ms) rather than to
+    every answer < 100 ms: this runs on 2 CPU cores shared with other jobs, where the test's
+    own threads and the server's process can wait a scheduler slice or two for a core. Before
+    the fix the 413 came only after the whole body had been read and dropped (here: after the
+    upload's 5 s)."""
+    with _HealthProbe(server) as probe:
+        time.sleep(0.3)  # idle answers first, so that the probe is connected and warm
+        result = _upload(server, HOSTILE_BYTES, 1024**2, 0.02, chunked)
+        time.sleep(0.3)
+    head = result["answer"].split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert head.startswith("http/1.1 413"), result["answer"][:300]
+    assert "connection: close" in head
+    assert b"--max-request-body-bytes" in result["answer"]
+    assert result["first_s"] < 2.0, result
+    assert result["upload_s"] > result["first_s"] + 2.0, result  # long before the upload ended
+    during = probe.ms
+    assert probe.bad == 0 and len(during) >= 10, (probe.bad, len(during))
+    median, worst = statistics.median(during), max(during)
+    print(f"413 after {result['first_s'] * 1000:.0f} ms, upload {result['upload_s']:.1f} s "
+          f"({result['sent'] / 1024**2:.0f} MiB sent); /health over {len(during)} probes: "
+          f"median {median:.1f} ms, max {worst:.1f} ms")
+    assert median < 100 and worst < 500, (median, worst)
+    assert _post(server, C, {"prompt": "still serving", "max_tokens": 2}).status_code == 200

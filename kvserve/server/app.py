@@ -33,7 +33,7 @@ from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
-from kvserve.server.serving import OpenAIServing
+from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.validation import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("kvserve")
@@ -141,12 +141,19 @@ class _JSONRoute(APIRoute):
 
 
 class BodySizeLimitMiddleware:
-    """413 for a request body over `max_bytes`: by its Content-Length before reading any of
-    it, or (chunked uploads) as soon as the bytes received pass the limit. The rest of the body
-    is read and dropped before the 413 goes out, up to `_DRAIN_LIMIT` bytes, so that a client
-    still uploading sees the answer instead of a reset connection."""
+    """413 for a request body over `max_bytes`, answered at once: by its Content-Length before
+    any of the body is read, or (a chunked upload) as soon as the bytes received pass the limit,
+    the rest never reaching the app. Either way /health is not kept waiting: the app neither
+    reads nor parses such a body.
+
+    The answer goes out whole as soon as it is known, with `Connection: close`; what the client
+    still sends is then read and dropped, up to `_DRAIN_LIMIT` bytes or `_DRAIN_SECONDS` (a
+    lingering close, as nginx does), before the connection closes. Closing with the upload
+    still arriving would reset the connection, and a client that reads only after sending its
+    whole body (httpx, requests) would see the reset rather than the 413."""
 
     _DRAIN_LIMIT = 256 * 1024**2
+    _DRAIN_SECONDS = 30.0
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -160,22 +167,12 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if _content_length(scope) > self.max_bytes:
+            await self._refuse(JSONResponse(error_body(413, self._message()), status_code=413),
+                               receive, send)
+            return
         received = 0
         more_body = True
-
-        async def drain() -> None:
-            nonlocal more_body
-            drained = 0
-            while more_body and drained < self._DRAIN_LIMIT:
-                message = await receive()
-                drained += len(message.get("body", b""))
-                more_body = message["type"] == "http.request" and message.get("more_body", False)
-
-        if _content_length(scope) > self.max_bytes:
-            await drain()
-            await JSONResponse(error_body(413, self._message()), status_code=413)(
-                scope, receive, send)
-            return
 
         async def counting_receive():
             nonlocal received, more_body
@@ -187,12 +184,45 @@ class BodySizeLimitMiddleware:
                     raise StarletteHTTPException(413, self._message())
             return message
 
-        async def draining_send(message) -> None:
-            if message["type"] == "http.response.start" and received > self.max_bytes:
-                await drain()
-            await send(message)
+        start: dict[str, Any] | None = None
+        chunks: list[bytes] = []
 
-        await self.app(scope, counting_receive, draining_send)
+        async def refusing_send(message) -> None:
+            """The handler's 413 for an overflow goes out as `_refuse` sends one."""
+            nonlocal start
+            if received <= self.max_bytes:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                start = message
+            else:
+                chunks.append(bytes(message.get("body", b"")))
+                if start is not None and not message.get("more_body", False):
+                    await self._send_then_drain(start, b"".join(chunks), receive, send,
+                                                more_body)
+
+        await self.app(scope, counting_receive, refusing_send)
+
+    async def _refuse(self, response: Response, receive, send) -> None:
+        start = {"type": "http.response.start", "status": response.status_code,
+                 "headers": response.raw_headers}
+        await self._send_then_drain(start, response.body, receive, send, more_body=True)
+
+    async def _send_then_drain(self, start: dict[str, Any], body: bytes, receive, send,
+                               more_body: bool) -> None:
+        headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"connection"]
+        await send({**start, "headers": headers + [(b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._DRAIN_SECONDS
+        drained = 0
+        while more_body and drained < self._DRAIN_LIMIT:  # the client's bytes, dropped
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                break
+            drained += len(message.get("body", b""))
+            more_body = message["type"] == "http.request" and message.get("more_body", False)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _content_length(scope) -> int:
@@ -254,7 +284,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     if kv_events is None:
         kv_events = KVEventPublisher()
         engine.stat_loggers.append(kv_events)
-    serving = OpenAIServing(engine, served_model_names)
+    serving = OpenAIServingChat(engine, served_model_names)
     created = int(time.time())
 
     @asynccontextmanager
