@@ -1,7 +1,15 @@
 """The field walk (issue 13, acceptance 4): every field of every request model in
 kvserve/server/protocol.py is either honoured (a case below shows its effect on a real
-`kvserve serve`) or refused with a 400 that names it; none is accepted and ignored. A field
-added to protocol.py without a case here fails `test_every_field_has_a_case`.
+`kvserve serve`) or refused with a 400 that names it. A field added to protocol.py without a
+case here fails `test_every_field_has_a_case`.
+
+One field is accepted for what it cannot do here: chat's `store` (OpenAI's stored
+completions). OpenAI clients and frameworks send it, often as false, and OpenAI has it, so
+refusing it as unknown would break them for nothing; kvserve stores no completion, as vLLM
+does not, so `store: true` changes nothing and nothing can be fetched back (case_store). Its
+companions `metadata` (validated as OpenAI documents it, echoed) and `service_tier` (OpenAI's
+values; the answer names the tier that served, "default") are honoured. The completions
+endpoint, which has none of the three at OpenAI, still refuses them as unknown.
 
 Also: JSON null in every optional field is its default; unknown fields are refused (OpenAI's
 behaviour, pinned here); echo and prompt_logprobs against transformers' log_softmax on the same
@@ -512,6 +520,42 @@ def case_function_call(ep, ctx) -> None:
     ep.refused("function_call", function_call={"name": "f"})
 
 
+def case_metadata(ep, ctx) -> None:
+    """OpenAI's rule: at most 16 pairs, string keys of at most 64 characters, string values
+    of at most 512; echoed in the chat.completion object (as OpenAI's stored completions
+    return it), and the text is what it is without it."""
+    tags = {f"k{i}": "v" * 512 for i in range(15)} | {"k" * 64: "tenant-a"}
+    resp = ep.ok(metadata=tags)
+    assert resp["metadata"] == tags and "metadata" not in ep.ok()
+    assert ep.text(resp) == ep.texts()[0]
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513},
+                {"k": 1}, ["k", "v"]):
+        ep.refused("metadata", metadata=bad)
+
+
+def case_store(ep, ctx) -> None:
+    """Accepted and without effect (the module docstring says why): the same text, and no
+    stored completion to fetch (OpenAI's GET /v1/chat/completions/{id} is not served)."""
+    resp = ep.ok(store=True)
+    assert ep.text(resp) == ep.texts(store=False)[0] == ep.texts()[0]
+    got = httpx.get(f"{ctx['server'].url}/v1/chat/completions/{resp['id']}", timeout=30)
+    assert got.status_code in (404, 405), got.text
+    ep.refused("store", store="yes")
+
+
+def case_service_tier(ep, ctx) -> None:
+    """Every tier OpenAI lists is accepted; the answer (each stream chunk too) names the tier
+    that served the request, "default": kvserve has one. Not set, no service_tier."""
+    for tier in ("auto", "default", "flex", "scale", "priority", "fast"):
+        resp = ep.ok(service_tier=tier)
+        assert resp["service_tier"] == "default" and ep.text(resp) == ep.texts()[0], tier
+    assert "service_tier" not in ep.ok()
+    chunks = ep.stream(max_tokens=3, service_tier="flex",
+                       stream_options={"include_usage": True})
+    assert chunks and all(ch["service_tier"] == "default" for ch in chunks)
+    ep.refused("service_tier", service_tier="turbo")
+
+
 # nested models
 
 def case_role(ep, ctx) -> None:
@@ -603,7 +647,9 @@ CASES.update({("ChatCompletionRequest", f): c for f, c in {
     "top_logprobs": case_top_logprobs, "add_generation_prompt": case_add_generation_prompt,
     "chat_template_kwargs": case_chat_template_kwargs, "tool_choice": case_tool_choice,
     "function_call": case_function_call, "tools": case_tools,
-    "parallel_tool_calls": case_parallel_tool_calls, "functions": case_functions}.items()})
+    "parallel_tool_calls": case_parallel_tool_calls, "functions": case_functions,
+    "metadata": case_metadata, "store": case_store,
+    "service_tier": case_service_tier}.items()})
 CASES.update({("ChatMessage", "role"): case_role, ("ChatMessage", "content"): case_content,
               ("ChatMessage", "name"): case_name, ("ChatMessage", "tool_calls"): case_tool_calls,
               ("ChatMessage", "tool_call_id"): case_tool_call_id,
@@ -697,16 +743,20 @@ def test_null_is_the_default_in_every_optional_field(model_name, comp, chat):
 
 def test_unknown_fields_are_refused_and_named(comp, chat):
     """OpenAI refuses an unrecognised argument; vLLM ignores it with a warning. kvserve does
-    what OpenAI does, so a misspelt or unsupported option is never silently dropped."""
-    for ep, body in ((comp, {"use_beam_search": True}), (chat, {"store": True}),
+    what OpenAI does, so a misspelt or unsupported option is never silently dropped: a name
+    OpenAI does not have on that endpoint (vLLM's beam search, a misspelling, chat's `store`
+    sent to completions, where OpenAI has no stored completions) is a 400 naming it."""
+    for ep, body in ((comp, {"use_beam_search": True}), (chat, {"temprature": 0.5}),
+                     (comp, {"store": True}), (comp, {"service_tier": "auto"}),
+                     (comp, {"metadata": {"k": "v"}}),
                      (comp, {"stream": True, "stream_options": {"include_usage": True,
                                                                "chunk": 1}}),
                      (chat, {"messages": [{"role": "user", "content": "x", "weight": 2}]})):
         r = ep.post(**body)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        name = next(k for k in ("use_beam_search", "store", "chunk", "weight")
-                    if k in json.dumps(body))
+        name = next(k for k in ("use_beam_search", "temprature", "store", "service_tier",
+                                "metadata", "chunk", "weight") if k in json.dumps(body))
         assert name in err["message"] and "unknown field" in err["message"], err
 
 

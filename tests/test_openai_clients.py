@@ -174,15 +174,16 @@ def test_named_and_required_tool_choice_give_parsable_calls(client):
                                 tool["function"]["parameters"])
 
 
-def test_streamed_tool_calls_assemble_to_the_same_shape(client):
-    stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
-        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, seed=1,
-        stream=True)
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """delta.tool_calls assembled as a client does, the last finish_reason, and the content."""
     calls: dict[int, dict] = {}
-    finish = None
+    finish, content = None, ""
     for chunk in stream:
         for c in chunk.choices:
+            content += c.delta.content or ""
             for tc in c.delta.tool_calls or []:
                 entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
                 if tc.id:
@@ -192,9 +193,61 @@ def test_streamed_tool_calls_assemble_to_the_same_shape(client):
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and list(calls) == [0]
-    assert calls[0]["id"].startswith("call_") and calls[0]["name"] == "get_weather"
-    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    return calls, finish, content
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_streamed_tool_calls_assemble_to_the_same_shape(client, choice):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
+        tool_choice=choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS, seed=1,
+        stream=True)
+    calls, finish, content = _streamed_calls(stream)
+    assert finish == "tool_calls" and list(calls) == [0] and content == ""
+    assert calls[0]["id"].startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0]["name"]]
+    assert choice == "required" or tool is WEATHER
+    jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+
+
+def test_a_named_tool_choice_writes_only_its_compact_arguments(client):
+    """The grammar holds a named choice's output to the arguments alone, without the chat
+    template's wrapper and without loose whitespace: the arguments are exactly what
+    `json.dumps` writes for their value (the stdlib as the independent serializer)."""
+    for seed in range(4):
+        resp = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER, TIME], tool_choice=NAMED_WEATHER, max_tokens=64, seed=seed,
+            temperature=1.0)
+        c = resp.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        args = c.message.tool_calls[0].function.arguments
+        assert args == json.dumps(json.loads(args), ensure_ascii=False), args
+        jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_a_tool_call_cut_by_max_tokens_is_still_a_call(client, stream, choice):
+    """max_tokens too small for the arguments: finish_reason "length", and the call is still
+    there, its arguments the text written so far (here a JSON prefix, not yet a document)."""
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[WEATHER], tool_choice=choice, max_tokens=6, seed=0, temperature=1.0)
+    if stream:
+        calls, finish, content = _streamed_calls(
+            client.chat.completions.create(stream=True, **kwargs))
+        assert content == "" and list(calls) == [0]
+        call = calls[0]
+    else:
+        c = client.chat.completions.create(**kwargs).choices[0]
+        finish, (tc,) = c.finish_reason, c.message.tool_calls
+        call = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+    assert finish == "length"
+    assert call["id"].startswith("call_") and call["name"] == "get_weather"
+    if choice != "required":  # (required spends some of its 6 tokens on the call's own JSON)
+        assert call["arguments"].startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call["arguments"])
 
 
 def test_two_turn_tool_conversation_round_trips_through_the_template(client, server):
@@ -249,6 +302,36 @@ def test_langchain_with_structured_output(server, method):
 
     for schema, result in _parallel(ask, enumerate(SCHEMAS)):
         jsonschema.validate(result, schema)
+
+
+PERSON = {"title": "Person", "description": "a person", "type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_langchain_function_calling_within_64_tokens(server):
+    """The report this answers: `with_structured_output(method="function_calling")` with 64
+    tokens got finish_reason "length" and the Hermes wrapper as content, no tool_calls. Now
+    64 tokens hold the arguments, which LangChain parses from tool_calls; and with too few
+    tokens the response is still a call (finish_reason "length"), which LangChain reports as
+    an invalid tool call of that name rather than as text."""
+    from langchain_openai import ChatOpenAI
+
+    def llm(max_tokens: int, seed: int):
+        return ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused",
+                          max_tokens=max_tokens, max_retries=0, timeout=300, seed=seed,
+                          temperature=1.0)
+
+    for seed in range(4):
+        result = llm(64, seed).with_structured_output(
+            PERSON, method="function_calling").invoke("Describe a person.")
+        jsonschema.validate(result, PERSON)
+    cut = llm(5, 0).with_structured_output(PERSON, method="function_calling",
+                                           include_raw=True).invoke("Describe a person.")
+    raw = cut["raw"]
+    assert raw.response_metadata["finish_reason"] == "length"
+    assert [c["name"] for c in raw.tool_calls + raw.invalid_tool_calls] == ["Person"]
 
 
 def test_langchain_json_mode_returns_a_json_object(server):

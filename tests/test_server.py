@@ -490,7 +490,9 @@ HOSTILE = [
     ("logit-bias-out-of-vocab", C, {"prompt": "hi", "logit_bias": {str(10**6): 1}}, 400),
     ("logit-bias-string-value", C, {"prompt": "hi", "logit_bias": {"5": "1"}}, 400),
     ("unknown-field", C, {"prompt": "hi", "use_beam_search": True}, 400),
-    ("unknown-field-chat", CHAT, {"messages": MSG, "store": True}, 400),
+    # (chat's store is OpenAI's and accepted; OpenAI's completions have no store)
+    ("unknown-field-chat", CHAT, {"messages": MSG, "use_beam_search": True}, 400),
+    ("store-on-completions", C, {"prompt": "hi", "store": True}, 400),
     ("unknown-message-field", CHAT, {"messages": [{"role": "user", "content": "hi",
                                                    "weight": 1}]}, 400),
     ("stream-options-without-stream", C, {"prompt": "hi",

@@ -17,7 +17,7 @@ from helpers import kv_bytes_per_token
 from kvserve import LLM, SamplingParams
 from kvserve.model.make_model import ensure_default_model
 from kvserve.sampler import Sampler, SamplingRow, apply_bitmask
-from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
+from kvserve.server.tool_parser import ForcedToolCalls, ToolCallStream, assemble, parse_tool_calls
 from kvserve.structured import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {
@@ -180,6 +180,93 @@ def test_tool_call_parser():
     # what does not parse stays content; nothing is lost
     assert parse_tool_calls("<tool_call>{oops}</tool_call> <tool") == \
         ("<tool_call>{oops}</tool_call> <tool", [])
+
+
+FORCED_CALLS = [("get_weather", {"city": "Pa}ri\\\"s", "unit": ["c", {"q": "]"}]}),
+                ("get_time", {"zone": -3.5}), ("get_weather", {})]
+
+
+def _read_forced(text: str, step: int, named: str | None = None) -> tuple[str, list[dict]]:
+    reader = ForcedToolCalls(named, ["get_weather", "get_time"])
+    events = []
+    for i in range(0, len(text), step):
+        events += reader.feed(text[i:i + step])[1]
+    content, last = reader.feed("", final=True)
+    return content, events + last
+
+
+def test_forced_tool_call_reader():
+    """The outputs a forced tool_choice's grammar allows, written by `json.dumps` (the
+    independent serializer), read back in pieces of every size: "required"'s array of calls,
+    and a named choice's bare arguments. Every prefix (max_tokens may stop anywhere) still
+    reads as calls whose arguments are a prefix of the full ones, with the call whose name
+    was cut kept when its name is known."""
+    text = json.dumps([{"name": n, "arguments": a} for n, a in FORCED_CALLS])
+    whole = [(n, json.dumps(a)) for n, a in FORCED_CALLS]
+    for step in (1, 2, 3, 7, len(text)):
+        content, events = _read_forced(text, step)
+        calls = assemble(events)
+        assert content == "" and [(c["function"]["name"], c["function"]["arguments"])
+                                  for c in calls] == whole, step
+        assert [e["index"] for e in events if "id" in e] == [0, 1, 2]  # each id once, first
+        assert len({c["id"] for c in calls}) == 3 and all(c["type"] == "function"
+                                                          for c in calls)
+    for cut in range(len(text)):
+        content, events = _read_forced(text[:cut], 5)
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in assemble(events)]
+        for (name, args), (want_name, want_args) in zip(calls, whole):
+            assert name == want_name and want_args.startswith(args), (cut, calls)
+        # the calls begun in the text, less one whose name is cut where both tools match
+        begun = text[:cut].count('{"name": "')
+        name_cut = text[:cut].endswith(('{"name": "', '{"name": "g', '{"name": "ge',
+                                        '{"name": "get', '{"name": "get_'))
+        assert len(calls) in (begun, begun - name_cut), (cut, calls)
+        assert (content == text[:cut]) == (not calls), cut  # no call: nothing is lost
+    args = json.dumps(FORCED_CALLS[0][1])
+    for cut in range(len(args) + 1):
+        content, events = _read_forced(args[:cut], 4, named="get_weather")
+        assert content == "" and [(c["function"]["name"], c["function"]["arguments"])
+                                  for c in assemble(events)] == [("get_weather", args[:cut])]
+        assert "id" in events[0] and events[0]["function"]["name"] == "get_weather"
+    one = ForcedToolCalls(None, ["only"])  # one tool: a call even before its name is written
+    assert [c["function"]["name"] for c in assemble(one.feed("[{", final=True)[1])] == ["only"]
+
+
+def test_forced_tool_choice_grammars_hold_the_tiny_model(llm):
+    """What tool_choice "required" and a named function constrain a random-weight model to:
+    output valid against the schema (jsonschema, the independent validator), with json.dumps'
+    separators only, read back by ForcedToolCalls into calls whose arguments are valid against
+    their tool's parameters. One tool's parameters refer to its `$defs`, which the required
+    schema moves to its root, where the references then point."""
+    from kvserve.structured.tool_calls import parameters_schema, required_calls_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+             "required": ["x"], "additionalProperties": False}
+    tools = [{"name": "move", "parameters": {
+                 "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"},
+                                                  "why": {"type": "string", "maxLength": 4}},
+                 "required": ["to", "why"], "additionalProperties": False,
+                 "$defs": {"Point": point}}},
+             {"name": "stop", "parameters": {"type": "object", "properties": {},
+                                             "additionalProperties": False}}]
+    cases = [(None, required_calls_schema(tools, parallel=False)),
+             (None, required_calls_schema(tools[:1], parallel=False)),  # $defs moved: used
+             ("move", parameters_schema(tools[0]))]
+    for named, schema in cases:
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        outs = llm.generate("call", SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=300,
+                                                   structured_outputs=so), use_tqdm=False)
+        for c in outs[0].outputs:
+            assert c.finish_reason == "stop", c.text
+            value = json.loads(c.text)
+            jsonschema.validate(value, schema)
+            assert c.text == json.dumps(value, ensure_ascii=False)
+            calls = assemble(ForcedToolCalls(named, ["move", "stop"]).feed(c.text, True)[1])
+            assert len(calls) == 1, c.text
+            fn = calls[0]["function"]
+            params = {t["name"]: t["parameters"] for t in tools}[fn["name"]]
+            jsonschema.validate(json.loads(fn["arguments"]), params)
 
 
 def _byte_token_ids(tokenizer, data: bytes) -> list[int]:

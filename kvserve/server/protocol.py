@@ -38,6 +38,12 @@ StopString = Annotated[str, Field(min_length=1)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                       Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+# OpenAI's metadata: "Set of 16 key-value pairs ... Keys are strings with a maximum length of 64
+# characters. Values are strings with a maximum length of 512 characters."
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+# OpenAI's service tiers (its SDK's Literal, 2026: "fast" is priority processing's new name).
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 
 # Fields to which null does not mean "the default" (see the module docstring).
 _NULL_IS_MEANINGFUL = frozenset({"max_tokens"})
@@ -144,6 +150,12 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming the new ones.
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
+    # OpenAI's stored completions and service tiers (chat only, as OpenAI has them): metadata is
+    # checked and echoed, store=true stores nothing (as in vLLM), service_tier's answer is
+    # "default" (kvserve/server/serving_chat.py says why).
+    metadata: Optional[Metadata] = None
+    store: Optional[bool] = False
+    service_tier: Optional[ServiceTier] = None
 
 
 # -- errors ---------------------------------------------------------------------------------

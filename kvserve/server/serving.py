@@ -1,5 +1,6 @@
-"""The /v1/completions and /v1/chat/completions handlers: request -> engine requests -> OpenAI
-response objects (JSON or server-sent events).
+"""What both endpoints share (`OpenAIServing`), and the /v1/completions handler: request ->
+engine requests -> OpenAI response objects (JSON or server-sent events). The chat endpoint is
+the subclass `kvserve.server.serving_chat.OpenAIServingChat`, which serves both endpoints.
 
 Engine outputs are cumulative (full text and tokens so far); the streaming code keeps per-choice
 cursors and sends only what is new. While a choice is running, trailing text that could be the
@@ -10,7 +11,6 @@ too early could not be taken back).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineQueueFullError,
                                          EngineStepError, RequestStream)
@@ -27,9 +27,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
-from kvserve.server.structured_request import (ToolPlan, history_tool_calls,
-                                               structured_outputs_of, tool_plan)
-from kvserve.server.tool_parser import ToolCallStream, parse_tool_calls
+from kvserve.server.streaming import event_stream, sse
+from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import holdback
 from kvserve.validation import check_text_fits, shorten
@@ -39,8 +38,7 @@ logger = logging.getLogger("kvserve")
 # Text longer than this is rendered and tokenized in a worker thread, keeping the event loop
 # (and /health) responsive; shorter text costs less than the thread hop.
 _TOKENIZE_INLINE_CHARS = 8192
-_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -75,16 +73,12 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_DECODER = _byte_level_alphabet()
 
 
-def _lp(value: float) -> float:
-    return value if value == value and value > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def finite_logprob(value: float) -> float:
+    return value if value == value and value > MIN_LOGPROB else MIN_LOGPROB
 
 
 @dataclass
-class _Prepared:
+class Prepared:
     """An endpoint's request, turned into engine inputs."""
 
     prompts: list[dict[str, Any]]
@@ -94,7 +88,7 @@ class _Prepared:
 
 
 @dataclass
-class _ChoiceCursor:
+class ChoiceCursor:
     text_len: int = 0
     num_tokens: int = 0
     text_offset: int = 0
@@ -217,7 +211,7 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
 
-    async def _add_all(self, prep: _Prepared, base_id: str, req, streaming: bool,
+    async def _add_all(self, prep: Prepared, base_id: str, req, streaming: bool,
                        arrival: float) -> list[RequestStream]:
         """Add one engine request per prompt, all in one go (the loop thread takes them in one
         batch); all or nothing."""
@@ -241,12 +235,12 @@ class OpenAIServing:
             raise engine_error(errors[0]) from errors[0]
         return list(results)
 
-    def _abort_all(self, prep: _Prepared, streams: Sequence[RequestStream]) -> None:
+    def _abort_all(self, prep: Prepared, streams: Sequence[RequestStream]) -> None:
         for rid, rs in zip(prep.engine_ids, streams):
             if not rs.finished:
                 self.engine.abort(rid)
 
-    async def _collect(self, raw: Request, prep: _Prepared,
+    async def _collect(self, raw: Request, prep: Prepared,
                        streams: list[RequestStream]) -> list[RequestOutput] | None:
         """Wait for every stream to finish, or for the client to go (then abort; None)."""
         async def final(rs: RequestStream) -> RequestOutput:
@@ -326,7 +320,7 @@ class OpenAIServing:
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": num_prompt_tokens + completion}
 
-    def _text_delta(self, c: CompletionOutput, cur: _ChoiceCursor,
+    def _text_delta(self, c: CompletionOutput, cur: ChoiceCursor,
                     stop_list: list[str]) -> str:
         """New text of a choice, holding back a possible stop-string prefix while it runs."""
         text = c.text
@@ -356,20 +350,20 @@ class OpenAIServing:
         structured = structured_outputs_of(req)
         await self._check_grammar(structured, "structured_outputs"
                                   if req.structured_outputs is not None else "response_format")
-        prompts = await _off_loop(_text_size(req.prompt), self._completion_prompts, req.prompt)
+        prompts = await off_loop(text_size(req.prompt), self._completion_prompts, req.prompt)
         # echo with logprobs reports the prompt tokens' logprobs too (OpenAI's legacy API)
         echo_lps = req.logprobs if req.echo else None
         prompt_lps = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None),
                          default=None)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
                                        structured)
-        prep = _Prepared(prompts, params, params.stop_list)
+        prep = Prepared(prompts, params, params.stop_list)
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
-            return _event_stream(self._completion_events(prep, streams, cid, created, model,
-                                                         req),
-                                 lambda: self._abort_all(prep, streams))
+            return event_stream(self._completion_events(prep, streams, cid, created, model,
+                                                        req),
+                                lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
@@ -431,13 +425,13 @@ class OpenAIServing:
                 token_lps.append(None)
                 tops.append(None)
                 continue
-            token_lps.append(_lp(lps.get(tid, _MIN_LOGPROB)))
+            token_lps.append(finite_logprob(lps.get(tid, MIN_LOGPROB)))
             ranked = sorted(lps.items(), key=lambda kv: -kv[1])
             if top_n is not None and len(ranked) > top_n + 1:
                 ranked = ranked[:top_n] + [(tid, lps[tid])]
             top: dict[str, float] = {}
             for t, v in ranked:
-                top.setdefault(self.token_str(t), _lp(v))
+                top.setdefault(self.token_str(t), finite_logprob(v))
             tops.append(top)
         return ({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                  "text_offset": offsets}, text_offset)
@@ -456,21 +450,21 @@ class OpenAIServing:
                 result.append(None)
                 continue
             item: dict[str, dict[str, Any]] = {}
-            item[str(tid)] = {"logprob": _lp(entry[tid]), "rank": rank,
+            item[str(tid)] = {"logprob": finite_logprob(entry[tid]), "rank": rank,
                               "decoded_token": self.token_str(tid)}
             tops = sorted(((t, v) for t, v in entry.items()), key=lambda kv: -kv[1])[:k]
             for r, (t, v) in enumerate(tops, start=1):
-                item.setdefault(str(t), {"logprob": _lp(v), "rank": r,
+                item.setdefault(str(t), {"logprob": finite_logprob(v), "rank": r,
                                          "decoded_token": self.token_str(t)})
             result.append(item)
         return result
 
-    async def _completion_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
+    async def _completion_events(self, prep: Prepared, streams: list[RequestStream], cid: str,
                                  created: int, model: str, req: CompletionRequest
                                  ) -> AsyncIterator[str]:
         n = req.n
         opts = req.stream_options or StreamOptions()
-        cursors = [[_ChoiceCursor() for _ in range(n)] for _ in streams]
+        cursors = [[ChoiceCursor() for _ in range(n)] for _ in streams]
         last: list[RequestOutput | None] = [None] * len(streams)
         echo_texts = [self._echo_text(pr, req) if req.echo else "" for pr in prep.prompts]
         try:
@@ -510,208 +504,17 @@ class OpenAIServing:
                                  "stop_reason": c.stop_reason}]}
                     if opts.continuous_usage_stats:
                         chunk["usage"] = self._choice_usage(len(out.prompt_token_ids), c)
-                    yield _sse(chunk)
+                    yield sse(chunk)
             if opts.include_usage:
-                yield _sse({"id": cid, "object": "text_completion", "created": created,
-                            "model": model, "choices": [], "usage": self._usage(last)})
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], "usage": self._usage(last)})
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are out: report in the stream, then end it
             err = engine_error(exc)
-            yield _sse(err.body())
+            yield sse(err.body())
             yield "data: [DONE]\n\n"
         finally:  # also on cancellation / GeneratorExit when the client went away
             self._abort_all(prep, streams)
-
-    # -- /v1/chat/completions ---------------------------------------------------------------
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        arrival = time.time()
-        model = self.check_model(req.model)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        self._check_common(req, cid)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        structured = structured_outputs_of(req)
-        tools = tool_plan(req, structured)
-        if tools.grammar is not None:
-            structured = tools.grammar
-        self._check_size(1, req.n)
-        await self._check_grammar(structured, "tool_choice" if tools.grammar is not None
-                                  else "structured_outputs" if req.structured_outputs is not None
-                                  else "response_format")
-        prompt = await _off_loop(_text_size([m.content for m in req.messages]),
-                                 self._chat_prompt, req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
-                                       structured)
-        prep = _Prepared([prompt], params, params.stop_list)
-        created = int(time.time())
-        streams = await self._add_all(prep, cid, req, req.stream, arrival)
-        if req.stream:
-            return _event_stream(self._chat_events(prep, streams, cid, created, model, req,
-                                                   tools),
-                                 lambda: self._abort_all(prep, streams))
-        outputs = await self._collect(raw, prep, streams)
-        if outputs is None:
-            return Response(status_code=499)
-        out = outputs[0]
-        choices = []
-        for c in out.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            finish = c.finish_reason
-            if tools.parse:
-                content, calls = parse_tool_calls(c.text)
-                calls = calls[:tools.max_calls]
-                if calls:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [call.to_openai() for call in calls]}
-                    finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs,
-                                                            req.top_logprobs)
-                            if req.logprobs else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
-        body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": self._usage(outputs)}
-        if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
-        return JSONResponse(body)
-
-    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.content is None:
-                content = ""
-            elif isinstance(m.content, str):
-                content = m.content
-            else:
-                content = "\n".join(part.text for part in m.content)
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_calls:
-                msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                  if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools or None, **kwargs)
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param="messages") from exc
-        except Exception as exc:  # a template is user-supplied code: any failure is a 400
-            raise APIError(400, f"chat template error: {type(exc).__name__}: {exc}",
-                           param="messages") from exc
-        return {"prompt": text,
-                "prompt_token_ids": self._encode(text, False, "the chat prompt")}
-
-    def _chat_logprobs(self, token_ids: Sequence[int],
-                       logprobs: Sequence[dict[int, float]] | None,
-                       top_n: int | None) -> dict[str, Any] | None:
-        if logprobs is None:
-            return None
-        content = []
-        for tid, lps in zip(token_ids, logprobs):
-            s = self.token_str(tid)
-            top = []
-            if top_n:
-                for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]:
-                    ts = self.token_str(t)
-                    top.append({"token": ts, "logprob": _lp(v), "bytes": self.token_bytes(t)})
-            content.append({"token": s, "logprob": _lp(lps.get(tid, _MIN_LOGPROB)),
-                            "bytes": self.token_bytes(tid), "top_logprobs": top})
-        return {"content": content}
-
-    async def _chat_events(self, prep: _Prepared, streams: list[RequestStream], cid: str,
-                           created: int, model: str, req: ChatCompletionRequest,
-                           tools: ToolPlan) -> AsyncIterator[str]:
-        cursors = [_ChoiceCursor() for _ in range(req.n)]
-        parsers = [ToolCallStream() for _ in range(req.n)] if tools.parse else None
-        last: RequestOutput | None = None
-        opts = req.stream_options or StreamOptions()
-        num_prompt = len(prep.prompts[0]["prompt_token_ids"])
-
-        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None,
-                  c: CompletionOutput | None = None):
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": [{
-                        "index": index, "delta": delta, "logprobs": logprobs,
-                        "finish_reason": finish, "stop_reason": stop}]}
-            if opts.continuous_usage_stats:
-                body["usage"] = self._choice_usage(num_prompt, c)
-            return _sse(body)
-
-        try:
-            for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for _, out in self._merge(streams):
-                last = out
-                for c in out.outputs:
-                    cur = cursors[c.index]
-                    if cur.done:
-                        continue
-                    delta = self._text_delta(c, cur, prep.stop_list)
-                    lp = None
-                    if req.logprobs and c.logprobs is not None \
-                            and len(c.token_ids) > cur.num_tokens:
-                        lp = self._chat_logprobs(c.token_ids[cur.num_tokens:],
-                                                 c.logprobs[cur.num_tokens:], req.top_logprobs)
-                        cur.num_tokens = len(c.token_ids)
-                    finished = c.finish_reason is not None
-                    finish = c.finish_reason
-                    if parsers is not None:
-                        parser = parsers[c.index]
-                        delta, calls = parser.feed(delta, final=finished)
-                        for entry in calls:
-                            if tools.max_calls is None or entry["index"] < tools.max_calls:
-                                yield chunk(c.index, {"tool_calls": [entry]}, c=c)
-                        if finish == "stop" and parser.num_started:
-                            finish = "tool_calls"
-                    if not delta and lp is None and not finished:
-                        continue
-                    cur.done = finished
-                    yield chunk(c.index, {"content": delta} if delta or not finished else {},
-                                lp, finish, c.stop_reason, c)
-            if opts.include_usage:
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": self._usage([last])})
-            yield "data: [DONE]\n\n"
-        except Exception as exc:
-            yield _sse(engine_error(exc).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            self._abort_all(prep, streams)
-
-
-class _EventStreamResponse(StreamingResponse):
-    """A StreamingResponse that always cleans up when the response ends, however it ends.
-
-    When the client goes away while the generator waits for tokens, Starlette cancels it there
-    and its `finally` aborts the engine requests. But the client may also go away while a write
-    is pending (the generator is then suspended at a `yield`: closing it runs the `finally`) or
-    before the generator ever ran (then only `on_close` can abort the requests)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                self._on_close()
-
-
-def _event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
-    return _EventStreamResponse(events, on_close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -751,18 +554,18 @@ def _num_prompts(prompt) -> int:
     return len(_prompt_items(prompt))
 
 
-def _text_size(value) -> int:
+def text_size(value) -> int:
     """Characters of text in a prompt or message contents (token ids count one each)."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, list):
         if value and isinstance(value[0], int):  # token ids: no walk over 100k items
             return len(value)
-        return sum(map(_text_size, value)) + len(value)
+        return sum(map(text_size, value)) + len(value)
     return len(getattr(value, "text", "") or "")
 
 
-async def _off_loop(size: int, fn, *args):
+async def off_loop(size: int, fn, *args):
     """`fn(*args)` in a worker thread when the input is large (rendering and tokenizing 1 MB
     holds the event loop for long), inline when it is small (the thread hop costs more)."""
     if size > _TOKENIZE_INLINE_CHARS:

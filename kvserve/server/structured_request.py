@@ -1,8 +1,8 @@
 """What a request's structured-output and tool fields ask for, checked and turned into engine
-terms: a `StructuredOutputsParams` (response_format, vLLM's structured_outputs, or the tool-call
-grammar that tool_choice "required" / a named function imposes) and a `ToolPlan` (whether the
-output is parsed for tool calls, and how many may be kept). Every malformed or unsupported
-value is an APIError 400 that names its field.
+terms: a `StructuredOutputsParams` (response_format, vLLM's structured_outputs, or the JSON that
+tool_choice "required" / a named function imposes: kvserve.structured.tool_calls) and a
+`ToolPlan` (whether and how the output is read for tool calls, and how many may be kept). Every
+malformed or unsupported value is an APIError 400 that names its field.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.server.protocol import APIError
+from kvserve.server.tool_parser import (ForcedToolCalls, ToolCallStream, assemble,
+                                        parse_tool_calls)
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.structured.tool_calls import tool_calls_source
+from kvserve.structured.tool_calls import parameters_schema, required_calls_schema
 from kvserve.validation import shorten
 
 # vLLM's names before 0.12 (which removed them) -> the structured_outputs key that replaced them.
@@ -68,6 +70,22 @@ class ToolPlan:
     parse: bool = False  # look for tool calls in the output
     max_calls: int | None = None  # parallel_tool_calls false: keep the first call only
     grammar: StructuredOutputsParams | None = None  # required / named: the forced format
+    named: str | None = None  # a named tool_choice: the output is this function's arguments
+    required: tuple[str, ...] = ()  # "required": the output is an array of calls to these
+
+    def parser(self) -> ToolCallStream | ForcedToolCalls:
+        """A streaming reader of one choice's output."""
+        if self.named is not None or self.required:
+            return ForcedToolCalls(self.named, self.required)
+        return ToolCallStream()
+
+    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A finished choice's (content, `message.tool_calls`)."""
+        if self.named is None and not self.required:
+            content, calls = parse_tool_calls(text)
+            return content or None, [call.to_openai() for call in calls[:self.max_calls]]
+        content, events = self.parser().feed(text, final=True)
+        return content or None, assemble(events)
 
 
 def tool_plan(req, structured: StructuredOutputsParams | None) -> ToolPlan:
@@ -105,7 +123,15 @@ def tool_plan(req, structured: StructuredOutputsParams | None) -> ToolPlan:
         if structured is not None:
             raise APIError(400, "tool_choice required or a named function cannot be combined "
                            "with response_format or structured_outputs", param="tool_choice")
-        plan.grammar = StructuredOutputsParams(tool_calls=tool_calls_source(forced, parallel))
+        if choice == "required":
+            plan.required = tuple(f["name"] for f in forced)
+            try:
+                schema = required_calls_schema(forced, parallel)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools") from None
+        else:
+            plan.named, schema = forced[0]["name"], parameters_schema(forced[0])
+        plan.grammar = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     return plan
 
 

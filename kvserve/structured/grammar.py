@@ -130,10 +130,6 @@ class GrammarCompiler:
             return xgr.Grammar.from_regex(choice_regex(list(params.choice)))
         if kind == "grammar":
             return _grammar_from_text(params.grammar)
-        if kind == "tool_calls":
-            from kvserve.structured.tool_calls import tool_call_grammar
-
-            return strict_json_strings(tool_call_grammar(json.loads(params.tool_calls), **ws))
         raise AssertionError(kind)
 
     def new_state(self, compiled) -> "GrammarState":

@@ -1,9 +1,9 @@
 """StructuredOutputsParams: vLLM's request-level description of a constrained output.
 
 Exactly one kind is set: `json` (a JSON schema, dict or string), `regex`, `choice` (the output is
-one of these strings), `grammar` (EBNF, in xgrammar's dialect of GBNF, or Lark), `json_object`
-(any JSON object), or `tool_calls` (kvserve's own: the chat template's tool-call format, built by
-the server for `tool_choice` required or named). The check here is only of shapes; whether a
+one of these strings), `grammar` (EBNF, in xgrammar's dialect of GBNF, or Lark) or `json_object`
+(any JSON object). (A forced `tool_choice` is a `json` schema with `disable_any_whitespace`:
+kvserve.structured.tool_calls.) The check here is only of shapes; whether a
 schema, regex or grammar is valid is the grammar library's call, made when it compiles
 (`kvserve.structured.grammar`), and its reason is the error message.
 """
@@ -33,13 +33,11 @@ class StructuredOutputsParams:
     # vLLM's flag; False (its default) allows whitespace between JSON tokens, at most
     # MAX_JSON_WHITESPACE characters of it in a row so that any model ends its JSON.
     disable_any_whitespace: bool = False
-    # Internal: the tool-call grammar's source (see kvserve.structured.tool_calls).
-    tool_calls: str | None = None
 
     def __post_init__(self) -> None:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "tool_calls")
+        kinds = [k for k in ("json", "regex", "choice", "grammar")
                  if getattr(self, k) is not None] + ["json_object"] * bool(self.json_object)
         if len(kinds) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
@@ -89,7 +87,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        for k in ("json", "regex", "choice", "grammar", "tool_calls"):
+        for k in ("json", "regex", "choice", "grammar"):
             if getattr(self, k) is not None:
                 return k
         return "json_object"

@@ -1,0 +1,41 @@
+"""Server-sent events: how a streamed response goes out, and ends however the client ends it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that always cleans up when the response ends, however it ends.
+
+    When the client goes away while the generator waits for tokens, Starlette cancels it there
+    and its `finally` aborts the engine requests. But the client may also go away while a write
+    is pending (the generator is then suspended at a `yield`: closing it runs the `finally`) or
+    before the generator ever ran (then only `on_close` can abort the requests)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
+def event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
+    return _EventStreamResponse(events, on_close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
