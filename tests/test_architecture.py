@@ -104,9 +104,23 @@ def test_the_gateway_imports_no_engine_model_or_server():
     graph = import_graph()
     heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",
              "kvserve.planner")
-    # `--tokenizer default` makes the embedded model's directory, lazily, only then
-    lazy_ok = {("kvserve.router.launch", "kvserve.model.make_model")}
+    # `--tokenizer default` (or a .gguf) reads the embedded model's GGUF header, lazily, only
+    # then: kvserve.model.default and the GGUF reader import neither torch nor the model
+    lazy_ok = {("kvserve.router.launch", "kvserve.model.default"),
+               ("kvserve.router.launch", "kvserve.model.gguf_checkpoint")}
     bad = {(mod, dep) for mod, deps in graph.items() if mod.startswith("kvserve.router")
            for dep in deps if dep.startswith(heavy) and (mod, dep) not in lazy_ok}
     assert not bad, f"the gateway imports heavy modules: {sorted(bad)}"
     assert "kvserve.router.policies" in graph["kvserve.sim.replay"]
+
+
+def test_the_gguf_reader_and_the_default_model_import_no_torch():
+    """What the gateway may import of kvserve.model stays free of torch and the decoder."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import kvserve.model.default, kvserve.model.gguf_checkpoint; "
+            "print('torch' in sys.modules, 'kvserve.model.decoder' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]

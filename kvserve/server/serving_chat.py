@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
                 content, calls = tools.read(c.text)
                 if calls:  # cut off by max_tokens, still calls, and finish_reason "length"
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls" if finish == "stop" else finish
+                    finish = _tool_finish(finish, tools)
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs,
                                                             req.top_logprobs)
@@ -184,8 +184,8 @@ class OpenAIServingChat(OpenAIServing):
                         for entry in calls:
                             if tools.max_calls is None or entry["index"] < tools.max_calls:
                                 yield chunk(c.index, {"tool_calls": [entry]}, c=c)
-                        if finish == "stop" and parser.num_started:
-                            finish = "tool_calls"
+                        if parser.num_started:
+                            finish = _tool_finish(finish, tools)
                     if not delta and lp is None and not finished:
                         continue
                     cur.done = finished
@@ -211,3 +211,12 @@ def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
     if req.metadata is not None:
         out["metadata"] = req.metadata
     return out
+
+
+def _tool_finish(finish: str | None, tools) -> str | None:
+    """A finished call's finish_reason as OpenAI and vLLM give it: "tool_calls" when the model
+    chose to call (auto) or had to call one of several (required), "stop" for a named
+    tool_choice (the caller already knows what is called); "length" stays "length"."""
+    if finish != "stop" or tools.named is not None:
+        return finish
+    return "tool_calls"
