@@ -114,14 +114,143 @@ def test_choose_caches_an_undisturbed_measurement(tmp_path, monkeypatch):
     assert gs.choose("key-a", factories, max_bucket).source == "measured"
 
 
-def test_disturbed_measurement_is_not_cached(tmp_path, monkeypatch):
+def _fake_timed(monkeypatch, table, calls=None):
+    """Factories whose runs take table[kernel][bucket] seconds, as `measure` times them (no
+    real timing: time_once returns what the run says); `calls` collects (projection, kernel,
+    bucket) per factory call."""
+    monkeypatch.setattr(gs, "time_once", lambda run, n: run())
+
+    def factory(proj, kernel):
+        def make(rows):
+            b = gs.bucket_of(rows)
+            if calls is not None:
+                calls.append((proj, kernel, b))
+            return lambda: table[kernel][b]
+        return make
+
+    return {p: {k: factory(p, k) for k in table} for p in gs.PROJECTIONS}
+
+
+def _measured(calls):
+    return sorted({(p, b) for p, _, b in calls})
+
+
+MAX_BUCKET = {p: N - 1 for p in gs.PROJECTIONS}
+
+
+def test_a_disturbed_measurement_is_cached_and_refined_a_few_cells_at_a_time(
+        tmp_path, monkeypatch):
+    """Measured on a busy machine: cached with every cell marked, used at the next start
+    without measuring it all again; on a quiet machine the cheapest disturbed cells (one here:
+    no budget) are measured again, their faster figures kept, and the choice made again."""
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    table = {"dense": [2.0] * N, "onednn": [1.0] * N}
+    calls = []
+    factories = _fake_timed(monkeypatch, table, calls)
     monkeypatch.setattr(gs, "DISTURBED_CORES", -1.0)  # everything counts as disturbed
-    factories = {p: {"dense": lambda rows: (lambda: None)} for p in gs.PROJECTIONS}
-    plan = gs.choose("key-b", factories, {p: 0 for p in gs.PROJECTIONS})
-    assert plan.source == "measured, disturbed"
-    assert plan.kernels["qkv"] == ["dense"] * N
-    assert not (tmp_path / "gemm-choice.json").exists()
+    plan = gs.choose("key-b", factories, MAX_BUCKET)
+    assert plan.source == "measured, disturbed" and plan.kernels["qkv"] == ["onednn"] * N
+    assert len(_measured(calls)) == len(gs.PROJECTIONS) * N
+    stored = json.loads((tmp_path / "gemm-choice.json").read_text())["key-b"]
+    assert stored["kernels"] == plan.kernels
+    assert stored["disturbed"] == {p: [1] * N for p in gs.PROJECTIONS}
+
+    # next start, still busy: the cached plan as it is, nothing measured
+    monkeypatch.setattr(gs, "_quiet", lambda: False)
+    calls.clear()
+    again = gs.choose("key-b", factories, MAX_BUCKET)
+    assert again.source == "cached, disturbed" and again.kernels == plan.kernels and not calls
+
+    # a quiet start: one cell (the budget is spent by the first) measured again, quiet now
+    monkeypatch.setattr(gs, "_quiet", lambda: True)
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
+    monkeypatch.setattr(gs, "REFINE_BUDGET_S", 0.0)
+    table["dense"] = [0.5] * N  # dense was slow only because the machine was busy
+    calls.clear()
+    refined = gs.choose("key-b", factories, MAX_BUCKET)
+    assert refined.source == "cached, refined 1 disturbed cell"
+    (cell,) = _measured(calls)
+    stored = json.loads((tmp_path / "gemm-choice.json").read_text())["key-b"]
+    assert sum(n for ns in stored["disturbed"].values() for n in ns) == \
+        len(gs.PROJECTIONS) * N - 1
+    assert stored["disturbed"][cell[0]][cell[1]] == 0
+    assert stored["times_us"][cell[0]]["dense"][cell[1]] == 0.5e6  # the faster figure kept
+    assert stored["times_us"][cell[0]]["onednn"][cell[1]] == 1e6
+
+    # a whole budget: every disturbed cell at once, then nothing is left to measure
+    monkeypatch.setattr(gs, "REFINE_BUDGET_S", float("inf"))
+    calls.clear()
+    done = gs.choose("key-b", factories, MAX_BUCKET)
+    assert len(_measured(calls)) == len(gs.PROJECTIONS) * N - 1 and cell not in _measured(calls)
+    assert done.kernels == {p: ["dense"] * N for p in gs.PROJECTIONS}  # decided again
+    calls.clear()
+    last = gs.choose("key-b", factories, MAX_BUCKET)
+    assert last.source == "cached" and last.kernels == done.kernels and not calls
+
+
+def test_a_cell_disturbed_again_and_again_is_kept_as_it_is(tmp_path, monkeypatch):
+    """On a machine that is busy whenever it measures, each cell is measured again at most
+    MAX_DISTURBED - 1 times, then the plan is settled: starts stop measuring for good."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    calls = []
+    factories = _fake_timed(monkeypatch, {"dense": [2.0] * N, "onednn": [1.0] * N}, calls)
+    monkeypatch.setattr(gs, "DISTURBED_CORES", -1.0)
+    monkeypatch.setattr(gs, "_quiet", lambda: True)  # quiet before, busy during
+    monkeypatch.setattr(gs, "REFINE_BUDGET_S", float("inf"))
+    gs.choose("key-c", factories, MAX_BUCKET)
+    starts = 0
+    while True:
+        calls.clear()
+        plan = gs.choose("key-c", factories, MAX_BUCKET)
+        if not calls:
+            break
+        starts += 1
+        assert plan.source.endswith("(disturbed again)")
+    assert starts == gs.MAX_DISTURBED - 1 and plan.source == "cached"
+
+
+def test_remeasure_measures_everything_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
+    table = {"dense": [2.0] * N, "onednn": [1.0] * N}
+    calls = []
+    factories = _fake_timed(monkeypatch, table, calls)
+    assert gs.choose("key-d", factories, MAX_BUCKET).kernels["o"] == ["onednn"] * N
+    table["dense"] = [0.5] * N
+    calls.clear()
+    assert gs.choose("key-d", factories, MAX_BUCKET).source == "cached" and not calls
+    plan = gs.choose("key-d", factories, MAX_BUCKET, remeasure=True)
+    assert plan.source == "measured" and plan.kernels["o"] == ["dense"] * N
+    assert len(_measured(calls)) == len(gs.PROJECTIONS) * N
+    assert gs.load_cached("key-d").kernels == plan.kernels  # and cached for the next start
+
+
+def test_a_plan_cached_for_another_shape_or_machine_is_not_used(tmp_path, monkeypatch):
+    """The key names the CPU, its flags, torch, threads, dtype and every weight shape: a
+    cache written under another one is a miss (measured), never reused."""
+    from kvserve.model import cpu_features
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
+    calls = []
+    factories = _fake_timed(monkeypatch, {"dense": [1.0] * N, "onednn": [2.0] * N}, calls)
+    shapes = {"qkv": (192, 64), "o": (64, 64), "mlp": (256, 64), "down": (64, 128),
+              "head": (512, 64)}
+    key = gs.cache_key("float32", 2, shapes, "2.x")
+    gs.choose(key, factories, MAX_BUCKET)
+    others = [gs.cache_key("float32", 2, dict(shapes, mlp=(512, 64)), "2.x"),
+              gs.cache_key("float32", 1, shapes, "2.x"),
+              gs.cache_key("bfloat16", 2, shapes, "2.x"),
+              gs.cache_key("float32", 2, shapes, "2.y")]
+    real = cpu_features.cpu_info()
+    monkeypatch.setattr(gs, "cpu_info", lambda: type(real)(**{**vars(real),
+                                                              "model_name": "Another CPU"}))
+    others.append(gs.cache_key("float32", 2, shapes, "2.x"))
+    assert len(set(others) | {key}) == len(others) + 1
+    for other in others:
+        assert gs.load_cached(other) is None
+        calls.clear()
+        assert gs.choose(other, factories, MAX_BUCKET).source == "measured" and calls
 
 
 def test_engine_logs_and_uses_the_choice(tmp_path, monkeypatch, caplog):
@@ -143,6 +272,76 @@ def test_engine_logs_and_uses_the_choice(tmp_path, monkeypatch, caplog):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_the_engine_reuses_the_cached_choice_unless_told_to_remeasure(tmp_path, monkeypatch):
+    """LLM() measures once per machine and model shape; the next one reads the cache;
+    remeasure_kernels=True (--remeasure-kernels) measures again."""
+    from kvserve import LLM
+    from kvserve.model.make_model import ensure_default_model
+
+    model_dir = str(ensure_default_model())
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
+    args = dict(model=model_dir, dtype="float32", max_model_len=64, num_threads=1)
+    sources = [LLM(**args).engine.model.gemm_plan.source,
+               LLM(**args).engine.model.gemm_plan.source,
+               LLM(**args, remeasure_kernels=True).engine.model.gemm_plan.source]
+    assert sources == ["measured", "cached", "measured"]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "demo"])
+def test_remeasure_kernels_flag(command):
+    from kvserve.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args([command, "--remeasure-kernels"]))[
+        "remeasure_kernels"] is True
+    assert engine_kwargs(parser.parse_args([command]))["remeasure_kernels"] is False
+
+
+def _causal_attn(scale):
+    import torch.nn.functional as F
+
+    def attend(layer_idx, q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                              v.transpose(0, 1), is_causal=True, scale=scale,
+                                              enable_gqa=True).transpose(0, 1)
+    return attend
+
+
+def test_a_cached_plan_packs_weights_that_give_the_dense_logits(tmp_path, monkeypatch):
+    """A plan read from the cache that mixes every kernel this machine has across the row
+    buckets (oneDNN's, the panel GEMM's and the GEMV's layouts packed from it) gives the
+    logits of dense F.linear at a row count in every bucket, within float rounding."""
+    import torch
+
+    from kvserve.model.loader import load_model
+    from kvserve.model.make_model import ensure_default_model
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
+    path = ensure_default_model()
+    dense, config = load_model(path, "float32", pack_weights=False)
+    measured = load_model(path, "float32")[0].gemm_plan
+    kinds = [k for k in gs.KERNELS if k in measured.times_us["qkv"]]
+    per_bucket = [[k for k in kinds if gs.offered(k, b)] for b in range(N)]
+    mixed = {p: [per_bucket[b][(b + i) % len(per_bucket[b])] for b in range(N)]
+             for i, p in enumerate(gs.PROJECTIONS)}
+    data = json.loads((tmp_path / "gemm-choice.json").read_text())
+    (key,) = data
+    data[key]["kernels"] = mixed
+    (tmp_path / "gemm-choice.json").write_text(json.dumps(data))
+    packed = load_model(path, "float32")[0]
+    assert packed.gemm_plan.source == "cached" and packed.gemm_plan.kernels == mixed
+    for b, (limit, probe) in enumerate(gs.BUCKETS):
+        t = min(probe + 3, int(limit)) if limit != float("inf") else 600
+        ids = torch.randint(0, config.vocab_size, (t,), generator=torch.Generator().manual_seed(b))
+        pos = torch.arange(t) % config.max_position_embeddings
+        with torch.inference_mode():
+            want, got = (m.compute_logits(m(ids, pos, _causal_attn(config.attention_scale)))
+                         for m in (dense, packed))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_cold_timing_evicts_before_every_timed_call():
@@ -201,7 +400,7 @@ def test_a_model_larger_than_the_cache_is_timed_cold(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))  # cache it whatever the load
-    monkeypatch.setattr(decoder, "l3_cache_bytes", lambda: 4096)
+    monkeypatch.setattr(gs, "l3_cache_bytes", lambda: 4096)
     evictions = []
     real = gs.cache_evictor
 

@@ -364,18 +364,93 @@ def test_gemma_embedding_scale_is_one_buffer_in_the_weights_dtype(saved):
 
 
 def test_auto_dtype_follows_config(tmp_path):
+    """dtype="auto" takes a bf16 checkpoint's dtype where this CPU has bf16 instructions
+    (AVX512_BF16 or AMX: bf16 logits near transformers' bf16 ones); without them (an AVX2-only
+    EPYC, or KVSERVE_CPU_ISA=avx2) it loads in float32 and matches transformers' float32
+    logits. An explicit float32 is float32 on every CPU. (The CPU without bf16 is also run on
+    this one, under the cap: test_auto_dtype_under_the_avx2_cap.)"""
+    from kvserve.model.cpu_features import cpu_info
+
     hf = build_hf("qwen2").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     model, config = load_model(tmp_path)
     assert config.torch_dtype == "bfloat16"
-    assert next(model.parameters()).dtype == torch.bfloat16
     ids = token_ids(7, 8)
-    ref = hf_logits(hf, ids)
     out = kv_logits(model, config, ids)
-    assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    if cpu_info().has_bf16:
+        assert next(model.parameters()).dtype == torch.bfloat16, cpu_info().summary()
+        ref = hf_logits(hf, ids)
+        assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    else:
+        assert next(model.parameters()).dtype == torch.float32, cpu_info().summary()
+        # (transformers' own float32 load: hf.float() would keep its RoPE's bf16-rounded buffer)
+        hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert (out - hf_logits(hf32.eval(), ids)).abs().max().item() < ATOL
     model32, _ = load_model(tmp_path, dtype="float32")
     assert next(model32.parameters()).dtype == torch.float32
+
+
+CAPPED_DTYPE = """
+import json, logging, sys
+import torch
+import torch.nn.functional as F
+from kvserve.model.cpu_features import cpu_info
+from kvserve.model.loader import load_model
+warnings = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: warnings.append(record.getMessage())
+logging.getLogger("kvserve").addHandler(handler)
+model, config = load_model(sys.argv[1])
+ids = torch.randint(0, config.vocab_size, (7,), generator=torch.Generator().manual_seed(8))
+def attend(layer_idx, q, k, v):  # as causal_attn
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        is_causal=True, scale=config.attention_scale, enable_gqa=True).transpose(0, 1)
+with torch.inference_mode():
+    torch.save(model.compute_logits(model(ids, torch.arange(7), attend)), sys.argv[2])
+auto_warnings = list(warnings)
+model16, _ = load_model(sys.argv[1], dtype="bfloat16", pack_weights=False)
+print(json.dumps({"has_bf16": cpu_info().has_bf16, "cap": cpu_info().isa_cap,
+                  "auto": str(next(model.parameters()).dtype),
+                  "bf16": str(next(model16.parameters()).dtype),
+                  "auto_warnings": auto_warnings, "warnings": warnings[len(auto_warnings):]}))
+"""
+
+
+def _x86_64_v3() -> bool:
+    from kvserve.model.cpu_features import ISA_CAPS, _host_cpu
+
+    return all(f in _host_cpu().flags for f in ISA_CAPS["avx2"][1])
+
+
+@pytest.mark.skipif(not _x86_64_v3(), reason="KVSERVE_CPU_ISA=avx2 needs an x86-64-v3 CPU")
+def test_auto_dtype_under_the_avx2_cap(tmp_path):
+    """The CPU without bf16 instructions for real, on any x86-64-v3 CPU: a fresh process under
+    the AVX2 cap (KVSERVE_CPU_ISA and the libraries' caps, cpu_features.isa_cap_env) sees no
+    bf16, loads the bf16 checkpoint in float32 for "auto" (transformers' float32 logits, no
+    warning) and honours an explicit bfloat16 with one warning that states the measured cost."""
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.model.cpu_features import isa_cap_env
+
+    build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, **isa_cap_env("avx2"), PYTHONPATH=str(tests.parent))
+    proc = subprocess.run([sys.executable, "-c", CAPPED_DTYPE, str(tmp_path / "ckpt"),
+                           str(tmp_path / "logits.pt")], cwd=tests.parent,
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["has_bf16"], out["cap"]) == (False, "avx2")
+    assert (out["auto"], out["bf16"]) == ("torch.float32", "torch.bfloat16")
+    cost = r"dtype=bfloat16 on a CPU without bf16 .* takes [0-9.]+x as long as in float32 here"
+    assert not [w for w in out["auto_warnings"] if "bf16" in w], out["auto_warnings"]
+    assert len([w for w in out["warnings"] if re.search(cost, w)]) == 1, out["warnings"]
+    hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    logits = torch.load(tmp_path / "logits.pt")
+    assert (logits - hf_logits(hf32.eval(), token_ids(7, 8))).abs().max().item() < ATOL
 
 
 def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):

@@ -93,7 +93,8 @@ class LLMEngine:
 
             model_dir = str(embedded_model_path())
             config.model = model_dir
-        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        self.model, self.model_config = load_model(
+            model_dir, config.dtype, config.device, remeasure_kernels=config.remeasure_kernels)
         if config.attention_backend == "triton":
             self.model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))

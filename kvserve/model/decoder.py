@@ -43,7 +43,7 @@ from kvserve.model import gemm_select, gemv, panel_gemm
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.cpu_decode import FastDecode
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_features import cpu_info, l3_cache_bytes
+from kvserve.model.cpu_features import cpu_info
 from kvserve.model.gemm_select import GemmPlan
 
 logger = logging.getLogger("kvserve")
@@ -285,25 +285,28 @@ class DecoderLayer(nn.Module):
         layer_ops: time each kernel's projection as the layer runs it (qkv with the input norm
         and RoPE around it, gate/up with the post-attention norm): the GEMV and the panel GEMM
         norm in their own calls, the other kernels run the norms as separate ops, and the
-        choice should see that. False: the GEMMs alone (the benchmarks' GEMM ceiling)."""
-        kernels = {"dense": _dense_ops(self)}
-        if onednn_available(self.qkv_proj.dtype, self.qkv_proj.device):
-            kernels["onednn"] = _onednn_ops(self)
-        if gemv_available(self.qkv_proj.dtype, self.qkv_proj.device):
-            kernels["gemv"] = _gemv_ops(self, fused=layer_ops)
-        if panel_gemm.available(self.qkv_proj.dtype, self.qkv_proj.device):
-            kernels["panel"] = _panel_ops(self, fused=layer_ops)
-        if layer_ops:
-            for kernel, ops in kernels.items():
-                _wrap_unfused(self, kernel, ops)
+        choice should see that. False: the GEMMs alone (the benchmarks' GEMM ceiling). Each
+        kernel's ops (and packed copies) are made when a factory of it is first called."""
         p = {"dtype": self.qkv_proj.dtype, "device": self.qkv_proj.device}
+        builders = {"dense": lambda: _dense_ops(self)}
+        if onednn_available(**p):
+            builders["onednn"] = lambda: _onednn_ops(self)
+        if gemv_available(**p):
+            builders["gemv"] = lambda: _gemv_ops(self, fused=layer_ops)
+        if panel_gemm.available(**p):
+            builders["panel"] = lambda: _panel_ops(self, fused=layer_ops)
+        built: dict[str, dict[str, Callable]] = {}
         h, q = self.qkv_proj.shape[1], self.q_size
 
-        def factory(kind: str, kernel: str, ops: dict[str, Callable]
-                    ) -> gemm_select.RunFactory:
+        def factory(kind: str, kernel: str) -> gemm_select.RunFactory:
             def make(rows: int) -> Callable[[], object] | None:
                 if not gemm_select.offered(kernel, gemm_select.bucket_of(rows)):
                     return None
+                if kernel not in built:
+                    built[kernel] = builders[kernel]()
+                    if layer_ops:
+                        _wrap_unfused(self, kernel, built[kernel])
+                ops = built[kernel]
                 x = torch.randn(rows, h, **p)
                 if kind == "qkv" and layer_ops:
                     cos_sin = torch.rand(rows, self.head_dim, **p)
@@ -320,7 +323,7 @@ class DecoderLayer(nn.Module):
                 return lambda: ops["down"](xd, r)
             return make
 
-        return {kind: {k: factory(kind, k, ops) for k, ops in kernels.items()} for kind in _PROJS}
+        return {kind: {k: factory(kind, k) for k in builders} for kind in _PROJS}
 
     def set_gemm_plan(self, plan: GemmPlan) -> None:
         """Bind one set of projection ops per row bucket as `plan` says: pack (oneDNN) the
@@ -752,7 +755,7 @@ class CausalLM(nn.Module):
         `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
         return DecoderLayer(config, index, dtype, device)
 
-    def pack_weights(self, kernel: str = "auto") -> bool:
+    def pack_weights(self, kernel: str = "auto", remeasure: bool = False) -> bool:
         """Choose the GEMM kernel of every projection and the LM head per row bucket and
         re-lay the weights out for it (gemm_select.py); returns whether any weight now runs
         through oneDNN. Call once, after the weights are loaded: packed weights can no longer
@@ -765,7 +768,8 @@ class CausalLM(nn.Module):
         or dtype oneDNN cannot pack, "onednn" stays dense (and "auto" chooses between dense
         and the C++ kernels); without a compiler "gemv" and "panel" stay dense. With tied
         embeddings a oneDNN or panel LM head needs a packed copy of the embedding table
-        (vocab_size x hidden_size more memory, each)."""
+        (vocab_size x hidden_size more memory, each). `remeasure`: "auto" measures again
+        rather than reading the cache (gemm_select.choose)."""
         if self.gemm_plan is not None:
             return self.packed
         if kernel not in ("auto", *gemm_select.KERNELS):
@@ -786,7 +790,8 @@ class CausalLM(nn.Module):
             kernel = "onednn" if onednn else "dense"
         elif kernel == "auto" and not (onednn or has_gemv or has_panel):
             kernel = "dense"  # nothing to choose between
-        plan = gemm_select.forced_plan(kernel) if kernel != "auto" else self._measure_gemms()
+        plan = gemm_select.forced_plan(kernel) if kernel != "auto" \
+            else self._measure_gemms(remeasure)
         return self.apply_gemm_plan(plan)
 
     def apply_gemm_plan(self, plan: GemmPlan) -> bool:
@@ -841,53 +846,40 @@ class CausalLM(nn.Module):
         h = self.config.hidden_size
         factories = self.layers[0].gemm_candidates(layer_ops)
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        packed_head = _onednn_pack(head) if "onednn" in factories["qkv"] else None
-        # bound once, as apply_gemm_plan binds it: the checked call costs ~10 us more
-        head_gemv = gemv.load().bind(head) if "gemv" in factories["qkv"] else None
-        head_panel = panel_gemm.load().bind(panel_gemm.load().pack(head)) \
-            if "panel" in factories["qkv"] else None
+        # made at a factory's first call; the C++ ones bound once, as apply_gemm_plan binds
+        # them (the checked call costs ~10 us more)
+        makers = {"onednn": lambda: _onednn_pack(head), "gemv": lambda: gemv.load().bind(head),
+                  "panel": lambda: panel_gemm.load().bind(panel_gemm.load().pack(head))}
+        made: dict[str, Callable] = {}
         p = {"dtype": self.dtype, "device": head.device}
 
         def head_run(kind: str) -> gemm_select.RunFactory:
             def make(rows: int) -> Callable[[], object] | None:
                 if not gemm_select.offered(kind, gemm_select.bucket_of(rows)):
                     return None
+                if kind in makers and kind not in made:
+                    made[kind] = makers[kind]()
                 x = torch.randn(rows, h, **p)
                 if kind == "onednn":
-                    return lambda: _onednn_linear(x, packed_head, None)
-                if kind == "gemv":
-                    return lambda: head_gemv(x)
-                if kind == "panel":
-                    return lambda: head_panel(x)
+                    return lambda: _onednn_linear(x, made[kind], None)
+                if kind in ("gemv", "panel"):
+                    return lambda: made[kind](x)
                 return lambda: _dense_linear(x, head, None)
             return make
 
         factories["head"] = {k: head_run(k) for k in factories["qkv"]}
         return factories
 
-    def _measure_gemms(self) -> GemmPlan:
+    def _measure_gemms(self, remeasure: bool = False) -> GemmPlan:
         """Time the candidates on layer 0's weights and the LM head (or read the cache)."""
         c = self.config
         h = c.hidden_size
-        factories = self.gemm_candidates()
-        qkv = c.q_size + 2 * c.kv_size
-        shapes = {"qkv": (qkv, h), "o": (h, c.q_size), "mlp": (2 * c.intermediate_size, h),
-                  "down": (h, c.intermediate_size), "head": (c.vocab_size, h)}
-        # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows
-        max_bucket = {k: len(gemm_select.BUCKETS) - 1 for k in shapes}
-        max_bucket["head"] = gemm_select.bucket_of(128)
-        # every layer's projections and the LM head, as one decode step reads them
-        per_layer = sum(o * i for p, (o, i) in shapes.items() if p != "head")
-        weight_bytes = (c.num_hidden_layers * per_layer + c.vocab_size * h) \
-            * self.embed_tokens.element_size()
-        l3 = l3_cache_bytes()
-        cold = [gemm_select.weights_stream(weight_bytes, l3, b)
-                for b in range(len(gemm_select.BUCKETS))]
-        key = gemm_select.cache_key(str(self.dtype).split(".")[-1], torch.get_num_threads(),
-                                    shapes, torch.__version__, cold)
-        with torch.inference_mode():
-            return gemm_select.choose(key, factories, max_bucket,
-                                      lambda: gemm_select.cache_evictor(l3), cold)
+        shapes = {"qkv": (c.q_size + 2 * c.kv_size, h), "o": (h, c.q_size),
+                  "mlp": (2 * c.intermediate_size, h), "down": (h, c.intermediate_size),
+                  "head": (c.vocab_size, h)}
+        return gemm_select.model_plan(self.gemm_candidates, shapes, c.num_hidden_layers,
+                                      self.embed_tokens.element_size(),
+                                      str(self.dtype).split(".")[-1], remeasure)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
         """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the

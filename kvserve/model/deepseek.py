@@ -271,7 +271,7 @@ class DeepseekCausalLM(CausalLM):
                    device: torch.device | str | None) -> nn.Module:
         return DeepseekLayer(config, index, dtype, device)
 
-    def _measure_gemms(self) -> GemmPlan:
+    def _measure_gemms(self, remeasure: bool = False) -> GemmPlan:
         """"auto" on DeepSeek: oneDNN for every projection and the LM head, as before the
         per-bucket choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
         return gemm_select.forced_plan("onednn")

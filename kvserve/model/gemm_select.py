@@ -25,9 +25,17 @@ the one-call decode path), and the panel GEMM takes a packed kernel's buckets by
 where it beats it in all of them (it replaces that layout). A projection left with two
 packed layouts drops one where that costs under 10% (`decide`). Results are cached per CPU
 model, flags, torch version, threads, dtype and weight shapes in
-`$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again.
+`$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again (`choose`).
 `KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` and
 `panel` force theirs where they are offered (`PARTIAL_KERNELS`) and dense elsewhere.
+
+A measurement taken while other processes kept the CPU busy is cached too, with each
+projection's cells (projection x row bucket) marked disturbed: one is not worth repeating in
+full at every start (~20-60 s of a model's start on a shared machine). A later start on a
+quiet machine re-measures a few of those cells (`REFINE_BUDGET_S`), keeps the faster of the
+old and new figures (the minimum is the least disturbed), decides again and caches the
+result; a cell disturbed `MAX_DISTURBED` times is kept as it is. `remeasure=True` (the
+engine's `--remeasure-kernels`) measures everything again.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.model.cpu_features import LIBRARY_ISA_ENV, cpu_info
+from kvserve.model.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
@@ -65,10 +73,13 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 PARTIAL_KERNELS = {"gemv": (0, 0), "panel": (1, 3)}  # kernel -> first, last bucket
 MIXED_MIN_GAIN = 0.10  # keep two weight layouts only for a >= 10% gain
 UNKNOWN_L3_BYTES = 32 << 20  # a last-level cache sysfs does not report: a typical size
-DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is not cached
-CACHE_VERSION = 10  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV
+DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is disturbed
+MAX_DISTURBED = 3  # a cell measured disturbed this many times is kept as it is
+REFINE_BUDGET_S = 0.5  # seconds of re-measuring disturbed cells per start (at least one cell)
+QUIET_PROBE_S = 0.1  # how long a start watches the CPU before it re-measures anything
+CACHE_VERSION = 11  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV
 # ties; 8: cold timing (weights_stream); 9: the panel GEMM's AVX2/SSE tiles (half / quarter
-# panels); 10: the panel GEMM's norm and gated-activation epilogues
+# panels); 10: the panel GEMM's norm and gated-activation epilogues; 11: disturbed cells cached
 
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
@@ -86,11 +97,20 @@ def bucket_of(rows: int) -> int:
 @dataclass
 class GemmPlan:
     """kernels[projection][bucket] in KERNELS; times_us[projection][kernel][bucket] measured
-    (empty when forced or cached without them)."""
+    (empty when forced). disturbed[projection][bucket]: how many times that cell was measured
+    while the machine was busy, 0 once it was measured quiet (see `choose`); cost_s: the
+    seconds its last measurement took (what re-measuring it costs)."""
 
     kernels: dict[str, list[str]]
-    source: str  # "measured", "cached" or "forced"
+    source: str  # "measured" or "cached" (", disturbed" / ", refined ..."), or "forced"
     times_us: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
+    disturbed: dict[str, list[int]] = field(default_factory=dict)
+    cost_s: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def due(self) -> list[tuple[str, int]]:
+        """The cells to re-measure: measured disturbed, fewer than MAX_DISTURBED times."""
+        return [(p, b) for p, ns in self.disturbed.items() for b, n in enumerate(ns)
+                if 0 < n < MAX_DISTURBED]
 
     def uses(self, projection: str, kernel: str) -> bool:
         return kernel in self.kernels[projection]
@@ -126,21 +146,26 @@ def time_once(run: Callable[[], object], calls: int) -> float:
 
 def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, int],
             repeats: int = 5, target_s: float = 1e-3,
-            evict: Callable[[], object] | None = None, cold: Sequence[bool] = ()
+            evict: Callable[[], object] | None = None, cold: Sequence[bool] = (),
+            only: Sequence[int] | None = None, walls: dict[str, list] | None = None
             ) -> dict[str, dict[str, list[float | None]]]:
     """Seconds per call, min over `repeats` alternating rounds (the minimum is the figure least
     disturbed by other processes), for each projection, kernel and bucket up to
-    max_bucket[projection]. Each sample runs as many calls as fill about `target_s` (from
-    the first, warm-up call), at most 20, so the whole measurement stays near a second.
-    In the buckets where cold[bucket] (see `weights_stream`) each sample is one call after
-    evict() (`cache_evictor`): the weights come from DRAM, as in an engine whose step streams
-    more than the cache holds."""
+    max_bucket[projection] (and in `only`, where given). Each sample runs as many calls as
+    fill about `target_s` (from the first, warm-up call), at most 20, so the whole measurement
+    stays near a second. In the buckets where cold[bucket] (see `weights_stream`) each sample
+    is one call after evict() (`cache_evictor`): the weights come from DRAM, as in an engine
+    whose step streams more than the cache holds. `walls` receives each measured bucket's
+    seconds, walls[projection][bucket]."""
     out: dict[str, dict[str, list[float | None]]] = {}
     for proj, per_kernel in factories.items():
         out[proj] = {k: [None] * len(BUCKETS) for k in per_kernel}
         for b, (_, rows) in enumerate(BUCKETS):
             if b > max_bucket[proj]:
                 break
+            if only is not None and b not in only:
+                continue
+            t0 = time.perf_counter()
             runs = {k: run for k, f in per_kernel.items() if (run := f(rows)) is not None}
             for run in runs.values():
                 run()  # compile / first touch
@@ -156,6 +181,8 @@ def measure(factories: dict[str, dict[str, RunFactory]], max_bucket: dict[str, i
                     best[k] = min(best[k], time_once(runs[k], calls))
             for k in runs:
                 out[proj][k][b] = best[k]
+            if walls is not None:
+                walls.setdefault(proj, [None] * len(BUCKETS))[b] = time.perf_counter() - t0
     return out
 
 
@@ -309,14 +336,17 @@ def cache_evictor(l3_bytes: int | None, max_bytes: int = 1 << 30) -> Callable[[]
 def load_cached(key: str) -> GemmPlan | None:
     try:
         entry = json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return None
-    if not entry or set(entry.get("kernels", {})) != set(PROJECTIONS):
+    if not isinstance(entry, dict) or set(entry.get("kernels", {})) != set(PROJECTIONS):
         return None
     kernels = entry["kernels"]
     if any(len(v) != len(BUCKETS) or set(v) - set(KERNELS) for v in kernels.values()):
         return None
-    return GemmPlan(kernels, "cached", entry.get("times_us", {}))
+    disturbed = {p: [int(n) for n in ns] for p, ns in entry.get("disturbed", {}).items()
+                 if p in PROJECTIONS and len(ns) == len(BUCKETS)}
+    return GemmPlan(kernels, "cached", entry.get("times_us", {}), disturbed,
+                    entry.get("cost_s", {}))
 
 
 def store_cached(key: str, plan: GemmPlan) -> None:
@@ -328,7 +358,10 @@ def store_cached(key: str, plan: GemmPlan) -> None:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             data = {}
-        data[key] = {"kernels": plan.kernels, "times_us": plan.times_us}
+        if not isinstance(data, dict):
+            data = {}
+        data[key] = {"kernels": plan.kernels, "times_us": plan.times_us,
+                     "disturbed": plan.disturbed, "cost_s": plan.cost_s}
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         os.replace(tmp, path)
@@ -347,33 +380,139 @@ def _busy_cpu_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def choose(key: str, factories: dict[str, dict[str, RunFactory]],
+def _watch() -> Callable[[], float | None]:
+    """Start watching the CPU; the returned call gives the cores other processes kept busy on
+    average since then (None off Linux)."""
+    t0, busy0, own0 = time.perf_counter(), _busy_cpu_s(), time.process_time()
+
+    def others() -> float | None:
+        busy1, own = _busy_cpu_s(), time.process_time() - own0
+        wall = time.perf_counter() - t0
+        if busy0 is None or busy1 is None or wall <= 0:
+            return None
+        return max(busy1 - busy0 - own, 0) / wall
+    return others
+
+
+def _quiet() -> bool:
+    """Whether other processes leave the CPU alone now (QUIET_PROBE_S of watching)."""
+    others = _watch()
+    time.sleep(QUIET_PROBE_S)
+    busy = others()
+    return busy is None or busy <= DISTURBED_CORES
+
+
+def _pick(plan: GemmPlan) -> dict[str, list[int]]:
+    """The due cells to re-measure at this start: the cheapest first (by their last
+    measurement's seconds), as many as REFINE_BUDGET_S allows, at least one."""
+    def cost(cell: tuple[str, int]) -> float:
+        c = plan.cost_s.get(cell[0], [None] * len(BUCKETS))[cell[1]]
+        return REFINE_BUDGET_S if c is None else c
+
+    picked: dict[str, list[int]] = {}
+    spent = 0.0
+    for cell in sorted(plan.due(), key=cost):
+        if picked and spent + cost(cell) >= REFINE_BUDGET_S:
+            break
+        picked.setdefault(cell[0], []).append(cell[1])
+        spent += cost(cell)
+    return picked
+
+
+def _measure_into(plan: GemmPlan, factories: dict[str, dict[str, RunFactory]],
+                  cells: dict[str, list[int]], max_bucket: dict[str, int],
+                  evict: Callable[[], Callable[[], object]] | None, cold: Sequence[bool]
+                  ) -> bool:
+    """Measure `cells` (projection -> buckets) and fold them into `plan` in place: each time
+    the faster of the old and new figure, each cell's disturbed count 0 where its
+    projection's measurement was quiet, else one more. Returns whether any was disturbed."""
+    evicting = evict() if evict and any(b < len(cold) and cold[b]
+                                        for bs in cells.values() for b in bs) else None
+    any_disturbed = False
+    for proj, buckets in cells.items():
+        others, walls = _watch(), {}
+        times = measure({proj: factories[proj]}, max_bucket, evict=evicting, cold=cold,
+                        only=buckets, walls=walls)[proj]
+        busy = others()
+        disturbed = busy is not None and busy > DISTURBED_CORES
+        any_disturbed |= disturbed
+        logger.debug("GEMM choice: %s buckets %s measured in %.2f s (other processes: %s "
+                     "cores)", proj, buckets, sum(w for w in walls.get(proj, []) if w),
+                     "?" if busy is None else f"{busy:.2f}")
+        old = plan.times_us.setdefault(proj, {})
+        counts = plan.disturbed.setdefault(proj, [0] * len(BUCKETS))
+        costs = plan.cost_s.setdefault(proj, [None] * len(BUCKETS))
+        for b in buckets:
+            for k, ts in times.items():
+                row = old.setdefault(k, [None] * len(BUCKETS))
+                if ts[b] is not None:
+                    us = round(ts[b] * 1e6, 2)
+                    row[b] = us if row[b] is None else min(row[b], us)
+            counts[b] = counts[b] + 1 if disturbed else 0
+            wall = walls.get(proj, [None] * len(BUCKETS))[b]
+            costs[b] = None if wall is None else round(wall, 3)
+    plan.kernels = decide({p: {k: [None if t is None else t / 1e6 for t in ts]
+                               for k, ts in per.items()} for p, per in plan.times_us.items()})
+    return any_disturbed
+
+
+def choose(key: str, factories: dict[str, dict[str, RunFactory]]
+           | Callable[[], dict[str, dict[str, RunFactory]]],
            max_bucket: dict[str, int],
            evict: Callable[[], Callable[[], object]] | None = None,
-           cold: Sequence[bool] = ()) -> GemmPlan:
-    """The cached plan for `key`, else measure, decide, cache and return it; `evict` makes
-    the evicting call for `measure`'s `cold` buckets (built only when measuring).
+           cold: Sequence[bool] = (), remeasure: bool = False) -> GemmPlan:
+    """The cached plan for `key`, else measure, decide, cache and return it. `factories` (or
+    a call that builds them: only when something is measured); `evict` makes the evicting
+    call for `measure`'s `cold` buckets (built only when a cold bucket is measured).
 
     A measurement during which other processes kept more than DISTURBED_CORES cores busy is
-    used for this process but not cached (source "measured, disturbed"): a choice made on a
-    loaded machine is not one to keep for ever."""
-    cached = load_cached(key)
-    if cached is not None:
-        return cached
-    t0, busy0, own0 = time.perf_counter(), _busy_cpu_s(), time.process_time()
-    times = measure(factories, max_bucket, evict=evict() if evict and any(cold) else None,
-                    cold=cold)
-    wall = time.perf_counter() - t0
-    busy1, own = _busy_cpu_s(), time.process_time() - own0
-    others = None if busy0 is None or busy1 is None else max(busy1 - busy0 - own, 0) / wall
-    kernels = decide(times)
-    times_us = {p: {k: [None if t is None else round(t * 1e6, 2) for t in ts]
-                    for k, ts in per.items()} for p, per in times.items()}
-    disturbed = others is not None and others > DISTURBED_CORES
-    plan = GemmPlan(kernels, "measured, disturbed" if disturbed else "measured", times_us)
-    logger.debug("GEMM choice measured in %.2f s (other processes: %s cores)", wall,
-                 "?" if others is None else f"{others:.2f}")
-    if not disturbed:
-        store_cached(key, plan)
+    cached with its projection's cells marked disturbed (source "measured, disturbed"). A
+    cached plan with such cells is used at once; on a quiet machine (`_quiet`) the cheapest
+    few are measured again first (`_pick`, about REFINE_BUDGET_S), merged, decided again
+    and cached (source "cached, refined ..."); never the whole measurement again.
+    `remeasure`: ignore the cache, measure everything and cache that."""
+    build = factories if callable(factories) else (lambda: factories)
+    plan = None if remeasure else load_cached(key)
+    if plan is not None:
+        cells = _pick(plan)
+        if not cells:
+            return plan
+        if not _quiet():
+            plan.source = "cached, disturbed"
+            return plan
+        disturbed = _measure_into(plan, build(), cells, max_bucket, evict, cold)
+        n = sum(map(len, cells.values()))
+        plan.source = f"cached, refined {n} disturbed cell{'s' if n > 1 else ''}" \
+            + (" (disturbed again)" if disturbed else "")
+    else:
+        t0 = time.perf_counter()
+        built = build()
+        plan = GemmPlan({}, "measured")
+        cells = {p: list(range(max_bucket[p] + 1)) for p in built}
+        if _measure_into(plan, built, cells, max_bucket, evict, cold):
+            plan.source = "measured, disturbed"
+        logger.debug("GEMM choice measured in %.2f s", time.perf_counter() - t0)
+    store_cached(key, plan)
     return plan
 
+
+def model_plan(factories: Callable[[], dict[str, dict[str, RunFactory]]],
+               shapes: dict[str, tuple[int, int]], num_layers: int, element_size: int,
+               dtype: str, remeasure: bool = False) -> GemmPlan:
+    """The plan of a decoder of `num_layers` layers with projections `shapes` (out, in
+    features; "head" the LM head's), by `choose` on factories() (layer 0's weights and the LM
+    head: decoder.CausalLM.gemm_candidates), under the key of this CPU, threads and shapes."""
+    import torch  # deferred: nothing else here needs it
+
+    # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows
+    max_bucket = {k: len(BUCKETS) - 1 for k in shapes}
+    max_bucket["head"] = bucket_of(128)
+    # every layer's projections and the LM head, as one decode step reads them
+    per_layer = sum(o * i for p, (o, i) in shapes.items() if p != "head")
+    head_out, head_in = shapes["head"]
+    weight_bytes = (num_layers * per_layer + head_out * head_in) * element_size
+    l3 = l3_cache_bytes()
+    cold = [weights_stream(weight_bytes, l3, b) for b in range(len(BUCKETS))]
+    key = cache_key(dtype, torch.get_num_threads(), shapes, torch.__version__, cold)
+    with torch.inference_mode():
+        return choose(key, factories, max_bucket, lambda: cache_evictor(l3), cold, remeasure)

@@ -98,7 +98,8 @@ def half_precision_cost(dtype: torch.dtype, n: int = 256) -> float:
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
-               pack_weights: bool = True, gemm: str | None = None) -> tuple[CausalLM, ModelConfig]:
+               pack_weights: bool = True, gemm: str | None = None,
+               remeasure_kernels: bool = False) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`, or a GGUF file (its tensors
     dequantized into the model dtype); raises ValueError on any problem with the checkpoint,
     naming the file or tensor at fault.
@@ -106,7 +107,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     With `pack_weights` (the default) each projection gets the GEMM kernel that measures
     fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn",
     "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
-    to float rounding either way. Without it every GEMM stays dense (F.linear)."""
+    to float rounding either way; `remeasure_kernels` measures them again rather than reading
+    the choice cached for this CPU and model shape. Without it every GEMM stays dense
+    (F.linear)."""
     model_dir = Path(model_dir)
     gguf = open_gguf(model_dir) if is_gguf(model_dir) else None
     config = ModelConfig.from_dir(model_dir if gguf is None else gguf.dir)
@@ -138,7 +141,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
     if pack_weights:
-        model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"))
+        model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"), remeasure_kernels)
     if device.type == "cpu":
         # (oneDNN's packed copies the GEMM plan made are opaque: they keep 4 KiB pages)
         hugepages.advise([*model.parameters(), *model.buffers()])
