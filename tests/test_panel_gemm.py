@@ -128,8 +128,49 @@ def test_built_for_an_older_x86(march):
     for rows in (1, 2, 3, 4, 6, 7, 13, 64, 200):
         for n, k in (*SHAPES[1:4], (40, 9), (56, 33), (120, 7)):
             _check(g, rows, n, k, seed=rows + n)
-        for n, k in ((3, 5), (12, 40), (20, 9)):  # gated widths of 1 to 3 vector pairs
+        # gated widths of 1 to 3 vector pairs, and of whole panels of pairs (packed by one
+        # strided copy)
+        for n, k in ((3, 5), (12, 40), (20, 9), (16, 24), (32, 7)):
             _check_fused(g, rows, n, k, seed=rows + n)
+
+
+def _reference_layout(w: torch.Tensor, width: int, lanes: int, gated: bool) -> torch.Tensor:
+    """The packed layout by its definition, a row at a time: rows (gate, up pairs of `lanes`
+    rows, zero past the gate's or up's end, if gated) in panels of `width`, [panels, k,
+    width], zero past the last row."""
+    n, k = w.shape
+    rows = list(w)
+    if gated:
+        i = n // 2
+        rows = [w[half * i + g * lanes + lane] if g * lanes + lane < i else torch.zeros(k)
+                for g in range(-(-i // lanes)) for half in (0, 1) for lane in range(lanes)]
+    out = torch.zeros(-(-len(rows) // width), k, width)
+    for r, row in enumerate(rows):
+        out[r // width, :, r % width] = row
+    return out
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_packed_layout_for_every_vector_width(lanes):
+    """`pack` (one strided copy where the weight fills whole panels, else through a padded
+    copy) lays every weight out as the definition says, for each build's vector width."""
+    import copy
+
+    g = copy.copy(kernel)
+    g.lanes = lanes
+    gen = torch.Generator().manual_seed(lanes)
+    for n in (1, 7, 31, 32, 33, 64, 96, 100, 130, 192):
+        for k in (1, 5, 64):
+            w = torch.randn(n, k, generator=gen)
+            pw = g.pack(w)
+            assert (pw.n, pw.k, pw.cols) == (n, k, n)
+            assert torch.equal(pw.packed, _reference_layout(w, g.width, lanes, False))
+            if n % 2 == 0:
+                pw = g.pack(w, "silu")
+                ref = _reference_layout(w, g.width, lanes, True)
+                assert (pw.n, pw.cols, pw.lanes) == (n // 2, -(-n // 2 // lanes) * 2 * lanes,
+                                                     lanes)
+                assert torch.equal(pw.packed, ref), (n, k)
 
 
 def test_bad_arguments_are_errors():

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import hugepages
 from kvserve.model import gemm_select, gemv, panel_gemm
 from kvserve.model.attention.base import AttentionFn
 from kvserve.model.cpu_decode import FastDecode
@@ -748,6 +749,7 @@ class CausalLM(nn.Module):
         self._head_ops: list[tuple[Callable, torch.Tensor]] = []
         self._fast_decode: FastDecode | None = None  # set by apply_gemm_plan where it applies
         self._norm = rms_norm
+        hugepages.advise(self.parameters())  # before the loader writes them: less to collapse
 
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:

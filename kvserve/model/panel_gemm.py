@@ -88,19 +88,28 @@ class PanelGemm:
             raise ValueError(f"panel GEMM packs 2-D float32 CPU weights, got {tuple(w.shape)} "
                              f"{w.dtype} on {w.device}")
         n, k = w.shape
-        w = w.detach()
+        w, width, lanes = w.detach(), self.width, self.lanes
         if act is not None:
             if act not in ACTS or n % 2:
                 raise ValueError(f"panel GEMM: a gated activation of {sorted(ACTS)} over gate | "
                                  f"up rows, got {act!r} over {n} rows")
-            w, n = self._gated_order(w), n // 2
+            n //= 2
+            per = width // (2 * lanes)  # (gate, up) pairs per panel
+            if n % (lanes * per) == 0:  # whole panels of pairs: one strided copy
+                panels = n // (lanes * per)
+                packed = _empty_advised(panels, k, width)
+                packed.view(panels, k, per, 2, lanes).copy_(
+                    w.view(2, panels, per, lanes, k).permute(1, 4, 2, 0, 3))
+                return PanelWeight(packed, n, k, 2 * n, act, lanes)
+            w = self._gated_order(w)
         cols = w.shape[0]
-        panels = -(-cols // self.width)
-        padded = torch.zeros(panels * self.width, k, dtype=torch.float32)
-        padded[:cols] = w
-        packed = padded.view(panels, self.width, k).transpose(1, 2).contiguous()
-        hugepages.advise([packed])
-        return PanelWeight(packed, n, k, cols, act, self.lanes)
+        full, rest = divmod(cols, width)
+        packed = _empty_advised(full + (rest > 0), k, width)
+        packed[:full].copy_(w[:full * width].view(full, width, k).transpose(1, 2))
+        if rest:
+            packed[full].zero_()
+            packed[full, :, :rest].copy_(w[full * width:].t())
+        return PanelWeight(packed, n, k, cols, act, lanes)
 
     def _gated_order(self, t: torch.Tensor) -> torch.Tensor:
         """gate | up rows (or a bias's entries) [2 i, ...] -> (gate, up) pairs of `lanes`
@@ -139,6 +148,15 @@ class PanelGemm:
         if bias is not None and w.act:
             bias = self._gated_order(bias)
         return BoundPanel(self._fn, w, bias, norm_weight, eps)
+
+
+def _empty_advised(*shape: int) -> torch.Tensor:
+    """An uninitialised float32 tensor, on 2 MiB pages where the kernel gives them: asked for
+    before anything is written (`hugepages.advise` then has no written pages to collapse,
+    which cost more than the packing itself)."""
+    t = torch.empty(shape, dtype=torch.float32)
+    hugepages.advise([t])
+    return t
 
 
 class BoundPanel:
