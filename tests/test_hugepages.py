@@ -73,7 +73,12 @@ def test_engine_weights_and_kv_pool_sit_on_huge_pages(tiny_model_dir):
                                     kv_cache_memory_bytes=16 << 20, block_size=16))
     pool = engine.tensors.layers[0][0]
     assert pool.untyped_storage().nbytes() >= 4 << 20
+    # the pool's pages are faulted in as blocks are written (kv/tensors.py's _zeros): on 2 MiB
+    # pages, and zero where nothing was written
+    assert huge_bytes_under(pool) == 0
+    pool[: pool.shape[0] // 2].fill_(1.0)
     assert huge_bytes_under(pool) >= 2 << 20
+    assert not pool[pool.shape[0] // 2:].any()
     # the weights were written before they were advised: only MADV_COLLAPSE (Linux >= 6.1)
     # re-backs them
     release = tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit())
