@@ -257,3 +257,64 @@ def test_no_per_request_state_outlives_its_request(llm):
     per_request = {k: v for k, v in maps.items() if not k.startswith("prefix.")}
     assert per_request and not any(per_request.values()), per_request
     assert llm.engine.kv.usage == 0.0
+
+
+def test_idle_work_runs_a_piece_at_a_time_and_requests_go_first(llm):
+    """run_when_idle (the server's GEMM warm-up): pieces run on the loop thread only while no
+    request is there; a request sent during a piece is served right after it, before the next
+    one; a failing piece ends the work, not the loop."""
+    import threading
+
+    seen: list[str] = []  # on the loop thread: pieces and engine steps, in order
+    go_on = threading.Event()
+
+    def work():
+        for i in range(3):
+            seen.append(f"piece {i}")
+            if i == 0:
+                go_on.wait(10)  # hold the first piece until a request is queued
+            yield
+
+    class Steps:
+        def on_step(self, engine, outputs, streaming, now):
+            seen.append("step")
+
+        def on_request_gone(self, request_id):
+            pass
+
+        def on_idle(self, engine):
+            pass
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main():
+        ae = _fresh(llm.engine, stat_loggers=[Steps()])
+        ae.run_when_idle(work())
+        ae.start()
+        try:
+            while not seen:
+                await asyncio.sleep(0.01)
+            task = asyncio.ensure_future(_last(ae.generate("Hello", params, "idle-1")))
+            await asyncio.sleep(0.1)  # queued while piece 0 runs
+            go_on.set()
+            out = await task
+            while "piece 2" not in seen:
+                await asyncio.sleep(0.01)
+            return out, ae._idle_work
+        finally:
+            ae.shutdown()
+
+    out, left = _run(main())
+    assert out.finished and len(out.outputs[0].token_ids) == 3
+    assert seen[0] == "piece 0" and seen[-2:] == ["piece 1", "piece 2"] and left is None
+    assert set(seen[1:-2]) == {"step"}  # the request's steps, all between pieces 0 and 1
+    broken = _fresh(llm.engine)
+    broken.run_when_idle(iter(lambda: 1 / 0, None))
+    assert broken._idle_piece() is False and broken._idle_work is None
+
+
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out

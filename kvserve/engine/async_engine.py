@@ -35,7 +35,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -186,6 +186,7 @@ class AsyncLLMEngine:
         self._interval = _IntervalStats()
         self._last_cache = (0, 0)
         self.num_step_errors = 0
+        self._idle_work: Iterator[object] | None = None
 
     @classmethod
     def from_kwargs(cls, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
@@ -247,6 +248,25 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="kvserve-engine-loop",
                                         daemon=True)
         self._thread.start()
+
+    def run_when_idle(self, work: Iterator[object]) -> None:
+        """Run `work` on the loop thread one piece (one `next`) at a time, whenever no request
+        is waiting or running: start-up work that must not hold up serving (the server's GEMM
+        warm-up). A request that comes meanwhile waits for one piece at most. Call before
+        `start`."""
+        self._idle_work = work
+
+    def _idle_piece(self) -> bool:
+        """One piece of the idle work; whether any is left."""
+        try:
+            next(self._idle_work)
+            return True
+        except StopIteration:
+            pass
+        except Exception:  # noqa: BLE001 - serving goes on without it
+            logger.exception("start-up work run while idle failed")
+        self._idle_work = None
+        return False
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step; pending requests fail with EngineDeadError."""
@@ -341,6 +361,8 @@ class AsyncLLMEngine:
                     self._flush()
                 self._maybe_log()
                 if not engine.has_unfinished_requests() and not self._commands:
+                    if self._idle_work is not None and self._idle_piece():
+                        continue  # requests first, then the next piece
                     self._on_idle()
                     self._flush()
                     timeout = None

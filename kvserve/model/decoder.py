@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -884,45 +884,50 @@ class CausalLM(nn.Module):
                                       str(self.dtype).split(".")[-1], remeasure)
 
     def warm_up_gemms(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11) -> int:
+        """`warm_up_steps` run to the end: how many row counts it warmed."""
+        return sum(1 for _ in self.warm_up_steps(max_rows, max_logit_rows, max_flops))
+
+    def warm_up_steps(self, max_rows: int, max_logit_rows: int, max_flops: float = 2e11
+                      ) -> Iterator[int]:
         """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
         LM head up to max_logit_rows) in the buckets the GEMM plan runs through oneDNN,
-        smallest first, while the FLOPs spent stay under `max_flops`; returns how many row
-        counts were warmed (0 without packed weights).
+        smallest first, while the FLOPs spent stay under `max_flops`, yielding each row count
+        once it is warmed (nothing without packed weights; a server runs them while it has no
+        request: AsyncLLMEngine.run_when_idle).
 
         Why: oneDNN compiles a kernel the first time it meets a shape and keeps it for the life
-        of the process (about 0.7 MB each on this project's CPU). Compiling them all before
-        serving makes a server reach its steady memory at start-up, instead of creeping up for
-        hours as rare batch sizes turn up, and no request waits on a compile. Layers with the
-        same shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough.
-        (The dense kernels, MKL, compile nothing.)"""
+        of the process (about 0.7 MB each on this project's CPU). Compiling them all up front
+        makes a server reach its steady memory at start-up, instead of creeping up for hours
+        as rare batch sizes turn up, and no request waits on a compile. Layers with the same
+        shapes share kernels, so one layer of each shape (`warm_up_layers`) is enough. (The
+        dense kernels, MKL, compile nothing.)"""
         if not self.packed or not self.layers:
-            return 0
+            return
         c = self.config
         h = c.hidden_size
         kernels = self.gemm_plan.kernels
         layers = self.warm_up_layers()
         per_row = sum(layer.gemm_flops_per_row() for layer in layers)
         zeros = dict(dtype=self.dtype, device=self.embed_tokens.device)
-        spent, warmed = 0.0, 0
-        with torch.inference_mode():
-            for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
-                b = gemm_select.bucket_of(rows)
-                head = rows <= max_logit_rows and kernels["head"][b] == "onednn"
-                body = any(kernels[p][b] == "onednn" for p in _PROJS)
-                if not (head or body):
-                    continue
-                cost = rows * ((per_row if body else 0) + (2 * h * c.vocab_size if head else 0))
-                if spent + cost > max_flops:
-                    break
+        spent = 0.0
+        for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
+            b = gemm_select.bucket_of(rows)
+            head = rows <= max_logit_rows and kernels["head"][b] == "onednn"
+            body = any(kernels[p][b] == "onednn" for p in _PROJS)
+            if not (head or body):
+                continue
+            cost = rows * ((per_row if body else 0) + (2 * h * c.vocab_size if head else 0))
+            if spent + cost > max_flops:
+                break
+            with torch.inference_mode():  # not held across a yield (it is per thread)
                 x = torch.zeros(rows, h, **zeros)
                 if body:
                     for layer in layers:
                         layer.warm_up_gemms(x, b)
                 if head:
                     self.compute_logits(x)
-                spent += cost
-                warmed += 1
-        return warmed
+            spent += cost
+            yield rows
 
     def warm_up_layers(self) -> list[nn.Module]:
         """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
