@@ -33,10 +33,24 @@ from pathlib import Path
 def worker_llamacpp(args: argparse.Namespace) -> dict:
     """Under the llama.cpp venv's python: the NLL of every window, and its tokenization of
     the documents' texts."""
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
     job = json.loads(Path(args.job).read_text())
+    if not job["extra_bufts"]:
+        # llama.cpp's AMX path is an "extra buffer type" (weights repacked for tiles). On a VM
+        # whose kernel does not grant the tile state, its first tile instruction is SIGILL;
+        # without extra buffer types the Q4_1 dot products run on AVX-512/AVX2 instead.
+        defaults = llama_cpp.llama_model_default_params
+
+        def no_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = no_extra_bufts
+        llama_cpp.llama.llama_cpp.llama_model_default_params = no_extra_bufts
     llm = Llama(model_path=job["gguf"], n_ctx=job["context"], n_batch=job["context"],
                 n_threads=job["threads"], n_threads_batch=job["threads"], logits_all=True,
                 verbose=False)
@@ -72,6 +86,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--windows", type=int, default=16, help="per kind (English, code)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-extra-bufts", action="store_true",
+                   help="let llama.cpp repack weights (its AMX path; SIGILL where the kernel "
+                   "grants no tile state)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -103,6 +120,7 @@ def main() -> int:
             job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
             job.write_text(json.dumps({"gguf": gguf, "context": args.context,
                                        "threads": args.threads, "windows": wins,
+                                       "extra_bufts": args.llama_extra_bufts,
                                        "texts": texts}))
             subprocess.run([args.llama_python, __file__, "--worker", "--job", str(job),
                             "--out", str(out)], check=True)
