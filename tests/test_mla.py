@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate_checked, hf_greedy, random_prompts
+from helpers import first_token_logits, generate_checked, hf_greedy, random_prompts
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
@@ -117,19 +117,7 @@ def test_first_token_logits_match(variant, checkpoints, references):
     with torch.no_grad():
         ref = [ref_model(torch.tensor([p])).logits[0, -1] for p in prompts]
     llm = LLM(model=str(checkpoints[variant]), dtype="float32", max_model_len=512, block_size=16)
-    runner = llm.engine.runner
-    captured: dict[tuple[int, ...], torch.Tensor] = {}
-    original = runner.execute
-
-    def spy(batch):
-        out = original(batch)
-        for j, i in enumerate(out.sampled):
-            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
-        return out
-
-    runner.execute = spy
-    generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=1))
+    captured = first_token_logits(llm, [prompts])
     for p, want in zip(prompts, ref):
         got = captured[tuple(p)]
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
