@@ -374,7 +374,9 @@ def test_weights_stream_past_half_the_last_level_cache():
     assert gs.weights_stream(gs.UNKNOWN_L3_BYTES // 2 + 1, None, 2)
     assert not gs.weights_stream(gs.UNKNOWN_L3_BYTES // 2, None, 2)
     key = gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x", cold=[False, True, True])
-    assert key.endswith("|cold 011")
+    # a field of its own, not the last one: a library's instruction-set cap in the environment
+    # (cpu_features.isa_cap_env, as a suite run emulating an AVX2-only CPU sets) comes after it
+    assert "cold 011" in key.split("|")
     assert "cold" not in gs.cache_key("float32", 2, {"qkv": (8, 4)}, "x", cold=[False] * 3)
 
 
@@ -412,4 +414,4 @@ def test_a_model_larger_than_the_cache_is_timed_cold(tmp_path, monkeypatch):
     LLM(model=str(ensure_default_model()), dtype="float32", max_model_len=64, num_threads=1)
     assert evictions and set(evictions) == {4096}
     stored = json.loads((tmp_path / "gemm-choice.json").read_text())
-    assert [k.endswith("|cold 11111") for k in stored] == [True]
+    assert [("cold 11111" in k.split("|")) for k in stored] == [True]  # (as above)

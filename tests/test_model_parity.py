@@ -210,18 +210,23 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
     for i, (limit, probe) in enumerate(BUCKETS):
         t = min(probe + 3, int(limit)) if limit != float("inf") else 600
         diff = _one_forward_diff(model, hf, config, token_ids(t, seed=200 + i))
-        assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): max abs diff {diff}"
+        assert diff < ATOL, f"{variant}, {t} rows (bucket {i}): relative diff {diff}"
 
 
 def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
     """Max |logits - transformers'| for ids [T] as one forward of T rows (positions wrap at
-    max_position_embeddings)."""
+    max_position_embeddings), relative to the largest |logit| where that is above 1. Why
+    relative: float32 rounding grows with the logits' scale and the row count, and differs
+    between instruction sets. Gemma 3 here (|logits| up to 5.9, scaled embeddings, (1 + w)
+    norms) at 650 rows: transformers' own float32 logits are 8.4e-5 from its float64 ones;
+    kvserve's were 9.7e-5 from them with AVX-512 and 1.03e-4 under the AVX2 caps
+    (cpu_features.isa_cap_env), past an absolute ATOL (llama_bias: 1.7e-6 either way)."""
     pos = torch.arange(ids.shape[0]) % config.max_position_embeddings
     with torch.inference_mode():
         out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
     with torch.no_grad():
         ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
-    return (out - ref).abs().max().item()
+    return (out - ref).abs().max().item() / max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("variant", ["llama_bias", "gemma3"])
@@ -241,7 +246,7 @@ def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
         assert layer._mlp_chunk_rows is not None
         layer._mlp_chunk_rows = 200
     diff = _one_forward_diff(model, hf, config, token_ids(650, seed=400))
-    assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: max abs diff {diff}"
+    assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: relative diff {diff}"
 
 
 @pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
