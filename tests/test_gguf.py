@@ -38,6 +38,7 @@ QUESTIONS = [
 ]
 MAX_NEW = 64
 LOGIT_ATOL = 1e-4
+LOGIT_RTOL = 1e-5
 
 
 
@@ -93,8 +94,13 @@ def _check_against_hf(llm: LLM, model, prompts: list[list[int]], max_new: int) -
     assert equal == len(prompts), f"greedy tokens equal on {equal} of {len(prompts)} prompts"
     captured = first_token_logits(llm, [prompts])
     for p, r in zip(prompts, rows):
-        diff = (captured[tuple(p)].double() - r[len(p) - 1]).abs().max().item()
-        assert diff < LOGIT_ATOL, f"logits differ by {diff:.2e}"
+        # torch.testing's rule (atol + rtol * |ref|): SmolLM2's logits reach ~30, and 30 float32
+        # layers through GEMM kernels of other accumulation orders (the measured plan) differ
+        # from transformers' by up to 1.24e-4 on the largest (5e-6 of them).
+        ref = r[len(p) - 1]
+        excess = ((captured[tuple(p)].double() - ref).abs()
+                  - (LOGIT_ATOL + LOGIT_RTOL * ref.abs())).max().item()
+        assert excess <= 0, f"logits differ by {excess:.2e} beyond atol + rtol * |ref|"
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "F16", "Q8_0"])
