@@ -582,8 +582,12 @@ def test_two_server_replicas_share_redis(tmp_path, redis_server):
 
     config = json.dumps({"chunk_size": 32, "local_cpu": True, "max_local_cpu_size": 0.1,
                          "remote_url": redis_server.url, "write_policy": "write_through"})
-    replicas = [ServerProcess(name, ["--kv-tier-config", config, "--served-model-name", "tiny"],
-                              tmp_path) for name in ("replica-a", "replica-b")]
+    from kvserve.model.make_model import ensure_default_model
+
+    # the tiny random model, as before the default became SmolLM2 (its tokenizer sizes the text)
+    tiny = str(ensure_default_model())
+    replicas = [ServerProcess(name, [tiny, "--kv-tier-config", config, "--served-model-name",
+                                     "tiny"], tmp_path) for name in ("replica-a", "replica-b")]
     try:
         for r in replicas:
             r.wait_ready()
