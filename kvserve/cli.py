@@ -90,7 +90,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvserve.logging_setup import init_logging
 
     init_logging()  # the engine's start-up lines (the KV capacity line among them)
-    run_demo(DemoOptions(max_tokens=args.max_tokens, seed=args.sampling_seed,
+    run_demo(DemoOptions(max_tokens=args.max_tokens,
                          engine_kwargs=engine_kwargs(args)))
     return 0
 
@@ -133,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "streamed from the server, a long system prompt served from the prefix "
                           "cache, fp8/int8 KV")
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--sampling-seed", type=int, default=0)
     add_engine_args(demo)
     # A 256 MiB pool (about 11k tokens of SmolLM2's float32 KV) starts in a blink; the engine's
     # default pool is sized for serving and takes seconds to allocate on a small machine.

@@ -46,8 +46,7 @@ KV_DTYPES = ("auto", "fp8", "int8")
 
 @dataclass
 class DemoOptions:
-    max_tokens: int = 64
-    seed: int = 0
+    max_tokens: int = 64  # of each streamed chat answer (the demo decodes greedily)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,8 +156,8 @@ def round_two(server: DemoServer, opts: DemoOptions) -> None:
     for question in QUESTIONS:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         results.append(server.stream_chat(messages, 32, echo=False))
-    print(f"\n== 2. A long shared system prompt ({results[0].prompt_tokens - 20}+ tokens: the "
-          "history in Python's LICENSE.txt), a different question each")
+    print(f"\n== 2. A long shared system prompt (the history in Python's LICENSE.txt: "
+          f"{results[1].cached_tokens:,} tokens in common), a different question each")
     print(f"  {'request':<9}{'prompt':>7}{'cached':>8}{'TTFT ms':>9}  answer")
     for i, (q, r) in enumerate(zip(QUESTIONS, results)):
         answer = " ".join(r.text.split())[:70]
@@ -186,10 +185,12 @@ def round_three(opts: DemoOptions) -> None:
         kv = llm.engine.kv
         per_token = llm.engine.kv_spec.bytes_per_token
         tokens = list(out.token_ids)
-        same = "" if reference is None else \
-            ("  (= the float32 answer)" if tokens == reference
-             else f"  (differs from token {_first_difference(tokens, reference)})")
-        reference = reference if reference is not None else tokens
+        if reference is None:
+            reference, same = tokens, ""
+        elif tokens == reference:
+            same = "  (= the float32 answer)"
+        else:
+            same = f"  (differs from token {_first_difference(tokens, reference)})"
         label = "float32" if kv_dtype == "auto" else kv_dtype
         print(f"  {label:<10}{per_token:>12,}{kv.num_blocks * kv.block_size:>16,}  "
               f"{' '.join(out.text.split())[:60]}{same}")

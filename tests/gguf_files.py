@@ -128,7 +128,7 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
         writer.add_tensor(_hf_to_gguf_name(name, arch), np.ascontiguousarray(w))
-    _finish(writer)
+    finish(writer)
     return out
 
 
@@ -140,12 +140,7 @@ def requantize(src: Path, out: Path, qtype_name: str) -> Path:
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(out), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    copy_metadata(reader, writer, skip=("general.file_type",))
     qtype = gguf.GGMLQuantizationType[qtype_name]
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -156,11 +151,35 @@ def requantize(src: Path, out: Path, qtype_name: str) -> Path:
         else:
             data = gguf.quants.quantize(w, qtype)
             writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
-    _finish(writer)
+    finish(writer)
     return out
 
 
-def _finish(writer) -> None:
+def copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
+    """Every metadata field of `reader`'s file into `writer` (which writes the architecture
+    and the GGUF header fields itself)."""
+    import gguf
+
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in skip:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+
+
+def plain_rope(model_dir: Path) -> Path:
+    """A checkpoint's config.json rewritten to plain RoPE at its own base (a GGUF states no
+    Llama 3 scaling without rope_freqs, so both sides of a comparison use plain RoPE)."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_parameters"] = {"rope_type": "default",
+                              "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    cfg_path.write_text(json.dumps(cfg))
+    return model_dir
+
+
+def finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from gguf_files import gguf_from_checkpoint, requantize, smollm2_path
+from gguf_files import gguf_from_checkpoint, plain_rope, requantize, smollm2_path
 from helpers import first_token_logits, generate_checked
 
 from kvserve import LLM, SamplingParams
@@ -149,14 +149,8 @@ def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     from kvserve.model.make_model import make_model
 
     src = make_model(tmp_path / arch, arch=arch, size="tiny")
-    cfg_path = src / "config.json"
-    if arch == "llama":  # a GGUF carries no Llama 3 RoPE scaling: plain RoPE on both sides
-        import json
-
-        cfg = json.loads(cfg_path.read_text())
-        cfg["rope_parameters"] = {"rope_type": "default",
-                                  "rope_theta": cfg["rope_parameters"]["rope_theta"]}
-        cfg_path.write_text(json.dumps(cfg))
+    if arch == "llama":
+        plain_rope(src)
     path = gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     llm = LLM(model=str(path), tokenizer=str(src), dtype="float32", max_model_len=256,
@@ -175,11 +169,7 @@ def test_transformers_reads_our_test_files_too(tmp_path):
     for arch in ("llama", "qwen2"):
         src = make_model(tmp_path / arch, arch=arch, size="tiny")
         if arch == "llama":
-            import json
-
-            cfg = json.loads((src / "config.json").read_text())
-            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
-            (src / "config.json").write_text(json.dumps(cfg))
+            plain_rope(src)
         gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
         direct = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         via_gguf = transformers.AutoModelForCausalLM.from_pretrained(

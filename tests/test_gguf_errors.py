@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from gguf_files import gguf_from_checkpoint
+from gguf_files import copy_metadata, finish, gguf_from_checkpoint
 
 from kvserve import LLM
 from kvserve.model.gguf_checkpoint import open_gguf
@@ -53,10 +53,7 @@ def _write(path, arch, tensors):
             w.add_tensor(name, data)
         else:
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
@@ -75,22 +72,14 @@ def test_unsupported_tensor_type(tiny, tmp_path):
     reader = gguf.GGUFReader(str(tiny[1]))
     path = tmp_path / "q8k.gguf"
     w = gguf.GGUFWriter(str(path), "qwen2")
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        w.add_key_value(name, field.contents(), vtype,
-                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    copy_metadata(reader, w)
     for t in reader.tensors:
         if t.name == "blk.0.ffn_up.weight":  # [128, 64] in torch order: 128 rows of 64
             w.add_tensor(t.name, np.zeros((128, 292), np.uint8), raw_shape=(128, 292),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_K)
         else:
             w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(ValueError, match="blk.0.ffn_up.weight.*Q8_K"):
         _llm(path)
 
@@ -110,7 +99,11 @@ def test_header_is_read_once(tiny, monkeypatch):
     gguf's reader; a changed file is read again."""
     import gguf
 
+    from kvserve.model.gguf_checkpoint import _open
+
     first = open_gguf(tiny[1])
+    assert open_gguf(tiny[1]) is first  # one per process and file version
+    _open.cache_clear()  # from here on, a new process: only the cached index on disk
 
     def refuse(*a, **k):
         raise AssertionError("gguf.GGUFReader called for a file whose index is cached")

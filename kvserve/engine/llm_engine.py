@@ -48,7 +48,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.model.attention.select import make_attention_backend
-from kvserve.model.gguf_checkpoint import is_gguf, tokenizer_dir
+from kvserve.model.gguf_checkpoint import tokenizer_dir
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -223,8 +223,7 @@ class LLMEngine:
             return None, False
         from kvserve.model.loader import read_kv_scales
 
-        scales = None if is_gguf(model_dir) else \
-            read_kv_scales(model_dir, self.model_config.num_hidden_layers)
+        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
         if scales is not None:
             logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
         elif self.config.calculate_kv_scales:

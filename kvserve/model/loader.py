@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +151,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
 
 def read_kv_scales(model_dir: str | Path, num_layers: int) -> torch.Tensor | None:
     """The checkpoint's fp8 KV scales as [layers, 2] (k_scale, v_scale), or None when it has
-    none; a checkpoint with some but not all of them is refused (ValueError)."""
+    none (a GGUF file never has); a checkpoint with some but not all of them is refused
+    (ValueError)."""
+    if is_gguf(model_dir):
+        return None
     found: dict[tuple[int, int], float] = {}
     for file in checkpoint_files(Path(model_dir)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -257,7 +260,6 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
                config: ModelConfig) -> None:
     """Every GGUF tensor dequantized (in float32) into its place; Gemma 3 GGUFs hold 1 + w in
     their norms already, so no offset is added there."""
-    offset = not gguf.norms_hold_one_plus_w
     where = f"GGUF file {str(gguf.path)!r}"
     work = []
     for tensor in gguf.tensors():
@@ -268,20 +270,19 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
         if tensor.shape != target.shape:
             raise ValueError(f"tensor {tensor.info.name!r} in {where} has shape "
                              f"{list(tensor.shape)}, expected {list(target.shape)}")
+        if gguf.norms_hold_one_plus_w:
+            target = replace(target, offset=0.0)
         work.append((tensor, target))
 
     def fill(item: tuple) -> None:
         tensor, target = item
-        with torch.no_grad():
-            target.dest.copy_(torch.from_numpy(tensor.dequantize()))
-            if target.offset and offset:
-                target.dest.add_(target.offset)
+        with torch.no_grad():  # (a thread's own grad mode: it does not inherit the caller's)
+            _copy(target, torch.from_numpy(tensor.dequantize()), loaded, tensor.name)
 
     # numpy's dequantization and the copies release the GIL: one thread per core halves the
     # load of a block-quantized file; every tensor fills its own slice of the model.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        for (tensor, _), _ in zip(work, pool.map(fill, work)):
-            loaded.add(tensor.name)
+        list(pool.map(fill, work))
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

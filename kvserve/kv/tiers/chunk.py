@@ -88,14 +88,13 @@ class ChunkIdentity:
 
 def model_fingerprint(model_dir: str) -> str:
     """A cheap identity of a checkpoint's contents: config.json, and each weights file's size,
-    header and a sample of its data (a GGUF path: that one file's). Copies of one checkpoint agree wherever they live; two
-    random-weight models with the same config do not."""
+    header and a sample of its data (a GGUF path: that one file's). Copies of one checkpoint
+    agree wherever they live; two random-weight models with the same config do not."""
     h = xxhash.xxh3_128()
     config = os.path.join(model_dir, "config.json")
     if os.path.isfile(config):
         with open(config, "rb") as f:
             h.update(f.read())
-    # a single-file checkpoint (GGUF): its header and a sample of its data, the same way
     weights = [model_dir] if os.path.isfile(model_dir) else \
         sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     for path in weights:

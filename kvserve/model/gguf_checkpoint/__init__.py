@@ -9,6 +9,7 @@ a quantized linear layer can take them as they are later.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import numpy as np
 
 from kvserve.model.gguf_checkpoint import arch as _arch
 from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, check_types, is_gguf,
-                                                  read_index, sidecar_dir)
+                                                  read_index, sidecar_dir, write_atomic)
 from kvserve.model.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
 
 __all__ = ["GGUFCheckpoint", "GGUFTensor", "is_gguf", "open_gguf", "tokenizer_dir"]
@@ -96,16 +97,21 @@ class GGUFCheckpoint:
         files: dict[str, dict] = {"config.json": self.config}
         if self.has_tokenizer:
             files.update(tokenizer_files(self.index.metadata))
-        self.dir.mkdir(parents=True, exist_ok=True)
         for name, content in files.items():
-            dest = self.dir / name
-            tmp = dest.with_name(f".{name}.{os.getpid()}")
-            tmp.write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
-            os.replace(tmp, dest)
+            write_atomic(self.dir / name, json.dumps(content, ensure_ascii=False, indent=1))
         done.touch()
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """One GGUFCheckpoint per version of a file (its real path, size and modification time):
+    the loader, the tokenizer and the planner of one process share it."""
+    p = Path(path)
+    st = p.stat() if p.is_file() else None
+    return _open(str(p.resolve()), st.st_size if st else -1, st.st_mtime_ns if st else -1)
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
     return GGUFCheckpoint(Path(path))
 
 

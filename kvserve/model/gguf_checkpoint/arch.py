@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+from kvserve.model.config import ARCH_BY_MODEL_TYPE
+
 # Architectures whose q/k rows llama.cpp permutes (its LlamaModel.undo_permute).
 _PERMUTED = ("llama",)
 NORMS_HOLD_ONE_PLUS_W = ("gemma3",)
-_HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+# GGUF architecture -> config.json model_type (the architecture class is config's table's)
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # llama.cpp hard-codes Gemma 3's layout: five sliding layers per full one, local RoPE base 10k.
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
@@ -33,9 +34,9 @@ def check_architecture(metadata: dict[str, Any]) -> str:
     arch = str(metadata.get("general.architecture") or "")
     if not arch:
         raise ValueError("GGUF file has no general.architecture metadata")
-    if arch not in SUPPORTED:
+    if arch not in _MODEL_TYPE:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED)})")
+                         f"{', '.join(_MODEL_TYPE)})")
     return arch
 
 
@@ -57,10 +58,10 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
     embed = tensor_shapes.get("token_embd.weight")
     if embed is None:
         raise ValueError("GGUF file has no token_embd.weight tensor")
-    model_type, architecture = _HF_ARCH[arch]
+    model_type = _MODEL_TYPE[arch]
     config: dict[str, Any] = {
         "model_type": model_type,
-        "architectures": [architecture],
+        "architectures": [ARCH_BY_MODEL_TYPE[model_type]],
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),

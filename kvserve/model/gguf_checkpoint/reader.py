@@ -161,16 +161,21 @@ def _index_from_json(path: Path, data: dict[str, Any]) -> GGUFIndex:
 
 
 def _store_json(dest: Path, data: dict[str, Any]) -> None:
-    """Written to a temporary file and renamed, so a reader never sees half of it; a cache that
-    cannot be written only costs the next start its speed."""
+    """A cache that cannot be written only costs the next start its speed."""
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".index-", dir=dest.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, dest)
+        write_atomic(dest, json.dumps(data))
     except OSError as e:
         logger.warning("could not cache the GGUF index at %s: %s", dest, e)
+
+
+def write_atomic(dest: Path, text: str) -> None:
+    """Written to a temporary file beside `dest` and renamed, so a reader (another process
+    opening the same file) never sees half of it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, dest)
 
 
 class TensorData:
