@@ -51,10 +51,6 @@ class GGUFIndex:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
 
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
-
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
     """A file whose first four bytes are GGUF's magic (the suffix alone is not trusted)."""
