@@ -21,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors import safe_open
 
-from kvserve import hugepages
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_features import cpu_info
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
+from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
 
 logger = logging.getLogger("kvserve")
 
@@ -143,9 +143,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     model.eval()
     if pack_weights:
         model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"), remeasure_kernels)
-    if device.type == "cpu":
-        # (oneDNN's packed copies the GEMM plan made are opaque: they keep 4 KiB pages)
-        hugepages.advise([*model.parameters(), *model.buffers()])
     return model, config
 
 
@@ -277,12 +274,16 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
     def fill(item: tuple) -> None:
         tensor, target = item
         with torch.no_grad():  # (a thread's own grad mode: it does not inherit the caller's)
-            _copy(target, torch.from_numpy(tensor.dequantize()), loaded, tensor.name)
+            _copy(target, tensor.dequantize(), loaded, tensor.name)
 
-    # numpy's dequantization and the copies release the GIL: one thread per core halves the
-    # load of a block-quantized file; every tensor fills its own slice of the model.
+    # The formats dequant.py decodes in torch run here, on torch's own threads; the others
+    # (gguf.quants' numpy, which releases the GIL) on one Python thread per core.
+    by_torch = [item for item in work if item[0].info.type_name in TORCH_TYPES]
+    for item in by_torch:
+        fill(item)
+    rest = [item for item in work if item[0].info.type_name not in TORCH_TYPES]
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        list(pool.map(fill, work))
+        list(pool.map(fill, rest))
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

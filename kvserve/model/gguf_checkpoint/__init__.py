@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from kvserve.model.gguf_checkpoint import arch as _arch
 from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, check_types, is_gguf,
                                                   read_index, sidecar_dir, write_atomic)
 from kvserve.model.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGUFCheckpoint", "GGUFTensor", "is_gguf", "open_gguf", "tokenizer_dir"]
 
@@ -41,9 +45,12 @@ class GGUFTensor:
     def raw(self) -> np.ndarray:
         return self._data.raw(self.info)
 
-    def dequantize(self) -> np.ndarray:
-        """float32, with llama.cpp's q/k row permutation undone."""
-        w = self._data.dequantize(self.info)
+    def dequantize(self) -> torch.Tensor:
+        """float32, with llama.cpp's q/k row permutation undone (torch is imported here, not
+        above: the planner reads GGUF headers without it)."""
+        from kvserve.model.gguf_checkpoint.dequant import dequantize
+
+        w = dequantize(self.raw(), self.info.type_name, self.info.shape, self.info.name)
         if self._unpermute_heads is not None:
             w = _arch.unpermute_rows(w, self._unpermute_heads)
         return w

@@ -175,7 +175,8 @@ def write_atomic(dest: Path, text: str) -> None:
 
 
 class TensorData:
-    """The file mapped once; each tensor's bytes are a view into it, dequantized on request."""
+    """The file mapped once; each tensor's bytes are a view into it (dequant.py turns them into
+    float32)."""
 
     def __init__(self, index: GGUFIndex) -> None:
         self.index = index
@@ -184,28 +185,6 @@ class TensorData:
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored (a block format's blocks, row by row)."""
         return self._map[info.offset: info.offset + info.nbytes]
-
-    def dequantize(self, info: TensorInfo) -> np.ndarray:
-        """The tensor as float32 (F16/BF16/F32 exactly; block formats by `gguf.quants`)."""
-        import gguf
-
-        raw = self.raw(info)
-        n = int(np.prod(info.shape)) if info.shape else 1
-        if info.type_name == "F32":  # a copy: the map is read-only, torch wants to own it
-            return raw.view(np.float32).reshape(info.shape).copy()
-        if info.type_name == "F16":
-            return raw.view(np.float16).reshape(info.shape).astype(np.float32)
-        if info.type_name == "BF16":
-            widened = raw.view(np.uint16).astype(np.uint32) << 16
-            return widened.view(np.float32).reshape(info.shape)
-        qtype = gguf.GGMLQuantizationType[info.type_name]  # check_types let it through
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        if n % block or info.nbytes != n // block * block_bytes:
-            raise ValueError(f"tensor {info.name!r} ({info.type_name}, shape "
-                             f"{list(info.shape)}) has {info.nbytes} bytes, expected "
-                             f"{n // block * block_bytes}")
-        rows = raw.reshape(-1, info.shape[-1] // block * block_bytes)
-        return gguf.quants.dequantize(rows, qtype).reshape(info.shape)
 
 
 def check_types(index: GGUFIndex) -> None:
