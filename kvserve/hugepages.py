@@ -1,4 +1,4 @@
-"""Back the big CPU tensors (the weights and the KV pool) with 2 MiB pages.
+"""Back the big CPU tensors (the weights, their packed copies, the KV pool) with 2 MiB pages.
 
 Why: a CPU decode step streams every weight once per token (156 MB for the reference model)
 and, at batch 64, ~100 MB of K/V scattered over cache blocks. On 4 KiB pages that is one
@@ -7,37 +7,34 @@ kernel hands out transparent huge pages only on request (`enabled` = madvise, th
 default), torch's allocations never get them. Measured on this project's 2-vCPU Xeon: batch-1
 decode 4.74 -> 4.37 ms per token, batch-64 decode attention ~7% faster (docs/benchmarks.md).
 
-`advise` asks for huge pages (MADV_HUGEPAGE) over each tensor's memory, widened to the 2 MiB
-boundaries around it inside its own mapping (the per-layer weights are 1-6 MB each: only
-widened ranges cover them), and re-backs the pages already there (MADV_COLLAPSE, Linux >= 6.1;
-on older kernels the request is refused and only memory faulted in later gets huge pages).
-The collapse is not optional: even a fresh `torch.empty` is often memory the allocator had
-already faulted in and freed. Off with KVSERVE_HUGE_PAGES=0; a no-op off Linux or with THP
-`never`. oneDNN's packed weights are opaque (no address to give) and stay on 4 KiB pages, as do tensors under
-256 KiB.
+`empty` gives such memory: a private anonymous mapping of the tensor's own, 2 MiB aligned,
+asked for huge pages (MADV_HUGEPAGE) before anything touches it, so each first touch faults in
+a zeroed huge page and only the pages written are ever resident. Why not `torch.empty` and an
+madvise afterwards, as before: torch's memory is often pages the allocator had faulted in
+already, which only MADV_COLLAPSE (Linux >= 6.1) re-backs, and that, with a /proc/self/maps
+read per tensor, cost 0.6 s of a 5 s start. Off with KVSERVE_HUGE_PAGES=0 (the mappings stay,
+on 4 KiB pages); no huge pages off Linux or with THP `never`. oneDNN's packed weights are
+opaque (their memory is oneDNN's) and stay on 4 KiB pages, as do tensors under 256 KiB.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import functools
-import logging
+import math
+import mmap
 import os
 import sys
-from collections.abc import Iterable
+import threading
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("kvserve")
-
 HUGE = 2 << 20
-# Smaller tensors (norms, biases) are left alone: widening a few KB to a 2 MiB range of the
-# allocator's heap would only fill that range with memory nobody asked for.
+# Smaller tensors (norms, biases) get torch's own memory: a mapping of their own would spend a
+# 2 MiB page on a few KB.
 MIN_BYTES = 256 << 10
 MADV_HUGEPAGE = 14
-MADV_COLLAPSE = 25
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -56,62 +53,60 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return fn
 
 
-def _mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's mappings, sorted (/proc/self/maps)."""
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = line.split(None, 1)[0].split("-")
-            out.append((int(lo, 16), int(hi, 16)))
-    return out
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on memory never used before, which reads as zeros until written (see the
+    module docstring): on 2 MiB pages where the kernel gives them, and only the pages written
+    are ever faulted in. Small tensors (under MIN_BYTES) and systems without anonymous
+    mappings get `torch.zeros`."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    if nbytes > CHUNK // 2:
+        memory, offset = _mapping(nbytes)
+    else:
+        memory, offset = _ARENA.take(nbytes)
+    # the tensor keeps its mapping alive (frombuffer holds the buffer)
+    return torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
-def _ranges(tensors: Iterable[torch.Tensor], maps: list[tuple[int, int]]
-            ) -> list[tuple[int, int]]:
-    """The 2 MiB-aligned ranges around the tensors' memory, clipped to their mappings and
-    merged."""
-    starts = [lo for lo, _ in maps]
-    out: list[tuple[int, int]] = []
-    for t in tensors:
-        if t is None or t.device.type != "cpu" or t.is_mkldnn or t.is_sparse:
-            continue  # (oneDNN's opaque packed weights: their memory is not ours to see)
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a layout with no plain storage
-            continue
-        if storage.nbytes() < MIN_BYTES:
-            continue
-        begin = storage.data_ptr()
-        end = begin + storage.nbytes()
-        # every mapping the tensor overlaps (an earlier madvise may have split its mapping)
-        i = max(bisect.bisect_right(starts, begin) - 1, 0)
-        while i < len(maps) and maps[i][0] < end:
-            m_lo, m_hi = maps[i]
-            lo = max(begin // HUGE * HUGE, (m_lo + HUGE - 1) // HUGE * HUGE)
-            hi = min((end + HUGE - 1) // HUGE * HUGE, m_hi // HUGE * HUGE)
-            if hi > lo and m_hi > begin:
-                out.append((lo, hi))
-            i += 1
-    out.sort()
-    merged: list[tuple[int, int]] = []
-    for lo, hi in out:
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def advise(tensors: Iterable[torch.Tensor]) -> int:
-    """Ask for huge pages under these CPU tensors (see the module docstring); returns the bytes
-    of the ranges the kernel accepted (0 where huge pages are off or unsupported)."""
+def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A fresh private anonymous mapping with whole, advised huge pages for `nbytes` from the
+    returned offset on."""
+    span = -(-nbytes // HUGE) * HUGE
+    # One huge page more than the span, so that a 2 MiB-aligned start lies inside; the slack is
+    # address space only (never touched, never resident).
+    memory = mmap.mmap(-1, span + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr()
+    offset = -base % HUGE
     madvise = _madvise()
-    if madvise is None:
-        return 0
-    done = 0
-    for lo, hi in _ranges(tensors, _mappings()):
-        if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
-            continue
-        madvise(lo, hi - lo, MADV_COLLAPSE)  # best effort: refused on kernels < 6.1
-        done += hi - lo
-    return done
+    if madvise is not None:
+        madvise(base + offset, span, MADV_HUGEPAGE)  # refused (no huge pages): 4 KiB pages
+    return memory, offset
+
+
+class _Arena:
+    """Tensors up to half a CHUNK are cut one after another from shared mappings (a bump
+    allocator; nothing is reused, so the memory is still zero). Why not a mapping each: a
+    written huge page is resident whole, and SmolLM2's 1-7 MB weights, each rounded up to 2 MiB
+    pages, took 270 MB more memory than on 4 KiB pages. A mapping lives as long as the last
+    tensor cut from it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memory: mmap.mmap | None = None
+        self._next = self._end = 0
+
+    def take(self, nbytes: int) -> tuple[mmap.mmap, int]:
+        with self._lock:
+            start = -(-self._next // ALIGN) * ALIGN
+            if self._memory is None or start + nbytes > self._end:
+                self._memory, start = _mapping(CHUNK)
+                self._end = start + CHUNK
+            self._next = start + nbytes
+            return self._memory, start
+
+
+ALIGN = 64  # bytes: a cache line, and whole AVX-512 vectors
+CHUNK = 64 << 20
+_ARENA = _Arena()

@@ -23,8 +23,6 @@ tiers store exactly the quantized bytes and scales.
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 
 import torch
 
@@ -40,17 +38,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     """Zeroed, not empty: masked-out slots still take part in the attention matmuls (weight
     0), and 0 x NaN from uninitialised memory would poison the output.
 
-    On the CPU (POSIX) the memory is a private anonymous mapping of its own, which the kernel
-    hands out as zero pages when they are first touched (on huge pages where
-    `hugepages.advise` asked for them before; a shared mapping, Python's default, would get
-    none). Why: zeroing the default 4 GiB pool took 2-9 s of every start on a 2-core machine,
+    On the CPU the memory is `hugepages.empty`'s: a private anonymous mapping of its own,
+    which the kernel hands out as zero (huge) pages when they are first touched. Why: zeroing the default 4 GiB pool took 2-9 s of every start on a 2-core machine,
     for blocks most runs never use; now only the blocks written are faulted in (the pool's
     RSS grows with use, up to its size)."""
-    if torch.device(device).type != "cpu" or 0 in shape or not hasattr(mmap, "MAP_ANONYMOUS"):
+    if torch.device(device).type != "cpu" or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize,
-                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping
+    return hugepages.empty(shape, dtype)
 
 
 class KVTensorPool:
@@ -68,10 +62,8 @@ class KVTensorPool:
         self._setup(spec, num_blocks, kv_scales, calculate_kv_scales)
 
         def allocate(codec) -> tuple[torch.Tensor, ...]:
-            parts = tuple(_zeros((num_blocks, *p.shape), p.dtype, device)
-                          for p in codec.parts())
-            hugepages.advise(parts)  # before anything touches them (a no-op off the CPU)
-            return parts
+            return tuple(_zeros((num_blocks, *p.shape), p.dtype, device)
+                         for p in codec.parts())
 
         self.page_groups = page_groups
         self.layer_group: list[int] = [0] * len(self.codecs)

@@ -51,7 +51,10 @@ logger = logging.getLogger("kvserve")
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
-    # torch.empty does not initialise: the loader fills every parameter.
+    # Not initialised here: the loader fills every parameter. On the CPU the memory is
+    # hugepages.empty's (2 MiB pages asked for before the loader's first write).
+    if device is None or torch.device(device).type == "cpu":
+        return nn.Parameter(hugepages.empty(shape, dtype), requires_grad=False)
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -749,7 +752,6 @@ class CausalLM(nn.Module):
         self._head_ops: list[tuple[Callable, torch.Tensor]] = []
         self._fast_decode: FastDecode | None = None  # set by apply_gemm_plan where it applies
         self._norm = rms_norm
-        hugepages.advise(self.parameters())  # before the loader writes them: less to collapse
 
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:

@@ -97,14 +97,14 @@ class PanelGemm:
             per = width // (2 * lanes)  # (gate, up) pairs per panel
             if n % (lanes * per) == 0:  # whole panels of pairs: one strided copy
                 panels = n // (lanes * per)
-                packed = _empty_advised(panels, k, width)
+                packed = _empty(panels, k, width)
                 packed.view(panels, k, per, 2, lanes).copy_(
                     w.view(2, panels, per, lanes, k).permute(1, 4, 2, 0, 3))
                 return PanelWeight(packed, n, k, 2 * n, act, lanes)
             w = self._gated_order(w)
         cols = w.shape[0]
         full, rest = divmod(cols, width)
-        packed = _empty_advised(full + (rest > 0), k, width)
+        packed = _empty(full + (rest > 0), k, width)
         packed[:full].copy_(w[:full * width].view(full, width, k).transpose(1, 2))
         if rest:
             packed[full].zero_()
@@ -150,13 +150,9 @@ class PanelGemm:
         return BoundPanel(self._fn, w, bias, norm_weight, eps)
 
 
-def _empty_advised(*shape: int) -> torch.Tensor:
-    """An uninitialised float32 tensor, on 2 MiB pages where the kernel gives them: asked for
-    before anything is written (`hugepages.advise` then has no written pages to collapse,
-    which cost more than the packing itself)."""
-    t = torch.empty(shape, dtype=torch.float32)
-    hugepages.advise([t])
-    return t
+def _empty(*shape: int) -> torch.Tensor:
+    """float32 on memory of its own, on 2 MiB pages where the kernel gives them."""
+    return hugepages.empty(shape, torch.float32)
 
 
 class BoundPanel:
