@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -57,12 +55,10 @@ from bench_kv_quant import resolve_model  # noqa: E402  (None: SmolLM2; "stdlib-
 
 
 def cpu_line() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] \
-        if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"ISA: {' '.join(isa) or 'baseline'}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 class ForcedSampler:

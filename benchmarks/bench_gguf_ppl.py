@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import subprocess
 import sys
 import tempfile
@@ -70,12 +69,10 @@ def worker_llamacpp(args: argparse.Namespace) -> dict:
 
 
 def cpu_line() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    model = next((l.split(":", 1)[1].strip() for l in text.splitlines()
-                  if l.startswith("model name")), platform.processor())
-    flags = text.split("flags")[1].split("\n")[0]
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags.split()]
-    return f"CPU: {model}; {', '.join(isa)}"
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return cpu_info().summary()
 
 
 def main() -> int:

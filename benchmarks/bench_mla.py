@@ -24,8 +24,6 @@ Every figure is a median of --repeats runs, the two sides of a ratio interleaved
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -42,13 +40,10 @@ from kvserve.model.make_model import make_model
 
 
 def cpu_line() -> str:
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} threads, ISA: {' '.join(isa) or 'baseline'}, "
-            f"torch {torch.__version__}")
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -18,8 +18,6 @@ greedy and random, interleaved, median of --sampler-iters calls.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -37,12 +35,10 @@ REGEX = "[a-z ]{400}"  # longer than any run here: constrained requests run to m
 
 
 def cpu_line() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] \
-        if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"ISA: {' '.join(isa) or 'baseline'}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return cpu_info().summary()
 
 
 class Timers:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shutil
 import statistics
@@ -37,11 +35,10 @@ from kvserve.model.make_model import make_model  # noqa: E402
 
 
 def cpu_line() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] \
-        if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"ISA: {' '.join(isa) or 'baseline'}")
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return cpu_info().summary()
 
 
 def checkpoints(root: Path, window: int) -> dict[str, Path]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -50,11 +48,10 @@ DOC = {"name": "Rex", "age": 7, "kind": "dog", "tags": ["a", "bc"], "pos": {"x":
 
 
 def cpu_line() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] \
-        if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"ISA: {' '.join(isa) or 'baseline'}, torch {torch.__version__}")
+    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
+    from kvserve.model.cpu_features import cpu_info
+
+    return cpu_info().summary()
 
 
 def hf_tokenizer(model_dir: str):
