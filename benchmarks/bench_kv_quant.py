@@ -104,7 +104,7 @@ class LogitsTap:
         return torch.cat([p[1] for p in parts])
 
 
-STDLIB_CODER = REPO / "kvserve" / "models" / "stdlib-coder"
+STDLIB_CODER = REPO / "kvserve" / "assets" / "stdlib-coder"
 
 # Defaults per model: SmolLM2 (8,192 positions) on 1,024-token windows of real text; the
 # stdlib-coder (trained on 256-token windows) as its figures were first measured.

@@ -3,7 +3,7 @@
 Every machine with Python has the corpus, so anyone can reproduce the committed weights with one
 command and no network:
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/train_model.py --out kvserve/models/stdlib-coder
+    PYTHONPATH=$PWD .venv/bin/python scripts/train_model.py --out kvserve/assets/stdlib-coder
 
 What it does, in order (each step is deterministic for a given Python version and seed):
 
@@ -511,7 +511,7 @@ def write_checkpoint(model: Qwen2LM, out: Path) -> None:
 
 
 REPRODUCE = ("PYTHONPATH=$PWD .venv/bin/python scripts/train_model.py "
-             "--out kvserve/models/stdlib-coder")
+             "--out kvserve/assets/stdlib-coder")
 
 
 def write_model_card(out: Path, summary: dict[str, Any]) -> None:
@@ -619,7 +619,7 @@ def plot_curve(curve_file: Path, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = TrainConfig()
-    p.add_argument("--out", type=Path, default=Path("kvserve/models/stdlib-coder"))
+    p.add_argument("--out", type=Path, default=Path("kvserve/assets/stdlib-coder"))
     p.add_argument("--work", type=Path, default=Path("out/train"),
                    help="resumable checkpoint and partial curves (not committed)")
     p.add_argument("--tokenizer", type=Path, default=None,

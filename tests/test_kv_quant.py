@@ -31,7 +31,7 @@ from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import cpu_paged
 
-MODEL = Path(kvserve.__file__).parent / "models" / "stdlib-coder"
+MODEL = Path(kvserve.__file__).parent / "assets" / "stdlib-coder"
 QUANTIZED = ["fp8", "fp8_e5m2", "int8", "int4"]
 BS = 16
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -10,10 +10,10 @@ flags.
 
 The same comparison from the command line (docs/benchmarks.md, "Clients"):
 
-    kvserve serve kvserve/models/stdlib-coder --dtype float32 --served-model-name stdlib-coder
+    kvserve serve kvserve/assets/stdlib-coder --dtype float32 --served-model-name stdlib-coder
     HF_DATASETS_OFFLINE=1 lm_eval --model local-completions --model_args \\
         model=stdlib-coder,base_url=http://127.0.0.1:8000/v1/completions,\\
-        tokenizer_backend=huggingface,tokenizer=kvserve/models/stdlib-coder \\
+        tokenizer_backend=huggingface,tokenizer=kvserve/assets/stdlib-coder \\
         --batch_size 8 --tasks kvserve_stdlib_mc,kvserve_stdlib_ppl \\
         --include_path tests/data/lm_eval
 """
@@ -30,7 +30,7 @@ from server_process import ServerProcess
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / "kvserve" / "models" / "stdlib-coder"
+MODEL_DIR = REPO / "kvserve" / "assets" / "stdlib-coder"
 TASKS = ["kvserve_stdlib_mc", "kvserve_stdlib_ppl"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

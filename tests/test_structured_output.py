@@ -295,7 +295,7 @@ def test_json_strings_hold_only_valid_utf8(body, valid):
     from kvserve.structured.grammar import GrammarCompiler, strict_json_strings
     from kvserve.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir("kvserve/models/stdlib-coder")
+    tok = Tokenizer.from_dir("kvserve/assets/stdlib-coder")
     compiler = GrammarCompiler(tok, tok.backend.get_vocab_size(), [])
     for prop in ({"type": "string", "maxLength": 1}, {"type": "string"}):
         schema = {"type": "object", "properties": {"t": prop}, "required": ["t"],

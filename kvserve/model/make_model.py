@@ -264,7 +264,7 @@ def default_model_path() -> Path:
 
 # The trained model kvserve ships as package data (scripts/train_model.py makes it): no longer
 # the default (kvserve.model.default is), kept as the asset that shows training reproduces.
-TRAINED_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "stdlib-coder"
+TRAINED_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "stdlib-coder"
 
 
 def ensure_default_model() -> Path:
