@@ -353,19 +353,19 @@ BASE_CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64,
     ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope type"),
 ])
 def test_bad_deepseek_config(change, message):
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.registry import config_from_dict
 
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_dict({**BASE_CONFIG, **change})
+        config_from_dict({**BASE_CONFIG, **change})
 
 
 def test_yarn_is_only_read_for_deepseek():
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.registry import config_from_dict
 
     llama = {**BASE_CONFIG, "architectures": ["LlamaForCausalLM"],
              "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
     with pytest.raises(ValueError, match="rope type 'yarn'"):
-        ModelConfig.from_dict(llama)
+        config_from_dict(llama)
 
 
 def test_v3_multi_token_prediction_layer_is_skipped(tmp_path):

@@ -22,7 +22,9 @@ transformers = pytest.importorskip("transformers")
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
-from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from kvserve.model.config import ModelConfig  # noqa: E402
+from kvserve.models.registry import (SUPPORTED_ARCHITECTURES, config_from_dict,  # noqa: E402
+                                     config_from_dir)
 from kvserve.model import panel_gemm  # noqa: E402
 from kvserve.model.decoder import (CausalLM, gemv_available, onednn_available,  # noqa: E402
                                    rope_inv_freq)
@@ -268,16 +270,16 @@ def test_gemv_plan_matches_transformers(saved, variant):
 
 def test_config_fields_from_transformers(saved):
     _, path = saved("qwen3")
-    c = ModelConfig.from_dir(path)
+    c = config_from_dir(path)
     assert (c.architecture, c.head_dim, c.num_key_value_heads, c.qk_norm) == \
         ("Qwen3ForCausalLM", 32, 2, True)
     assert not c.tie_word_embeddings and c.rope_scaling is None and c.torch_dtype == "float32"
-    c = ModelConfig.from_dir(saved("llama")[1])
+    c = config_from_dir(saved("llama")[1])
     assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3"
     assert c.rope_scaling["original_max_position_embeddings"] == 64
-    c = ModelConfig.from_dir(saved("qwen2")[1])
+    c = config_from_dir(saved("qwen2")[1])
     assert c.attention_bias and c.tie_word_embeddings and c.rope_theta == 1e6
-    c = ModelConfig.from_dir(saved("mistral")[1])
+    c = config_from_dir(saved("mistral")[1])
     assert not c.attention_bias
 
 
@@ -288,13 +290,13 @@ def test_legacy_v4_config_layout():
          "rope_theta": 500000.0, "torch_dtype": "bfloat16", "max_position_embeddings": 1024,
          "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0}}
-    c = ModelConfig.from_dict(d)
+    c = config_from_dict(d)
     assert c.rope_theta == 500000.0 and c.torch_dtype == "bfloat16"
     assert c.num_key_value_heads == 4 and c.head_dim == 16
     assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
     with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        config_from_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 # -- paged attention --------------------------------------------------------------------------

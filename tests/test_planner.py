@@ -213,7 +213,8 @@ def test_tensor_parallel_splits_kv_heads():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     """For every architecture the engine loads, the bytes per token its KV tensors really take
-    equal what `kvserve plan` computes from the same config.json."""
+    equal what `kvserve plan` computes from the same config.json (both read it through the
+    model registry)."""
     from kvserve import LLM
 
     path = hf_checkpoints[arch]
@@ -225,6 +226,18 @@ def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     planned = kv_bytes_per_token(ModelSpec.load(str(path)), dtype)
     assert per_token == engine.kv_spec.bytes_per_token == planned
     assert engine.kv.num_blocks == (1 << 20) // (16 * planned)
+
+
+def test_plan_takes_the_engines_reading_of_a_known_architecture():
+    """Qwen3 without a head_dim key: transformers' (and the engine's) 128, not hidden / heads;
+    an architecture the engine does not run is still planned from its shape keys."""
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 100}
+    assert ModelSpec.from_hf_config(qwen3, "q", "test").head_dim == 128
+    other = {**qwen3, "architectures": ["SomeNewForCausalLM"], "model_type": "some_new"}
+    spec = ModelSpec.from_hf_config(other, "o", "test")
+    assert (spec.architecture, spec.head_dim) == ("SomeNewForCausalLM", 16)
 
 
 def test_planner_reads_the_tiny_checkpoint(tiny_model_dir):

@@ -25,7 +25,8 @@ from reference_attention import reference_paged_attention  # noqa: E402
 
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.config import ModelConfig, layer_windows  # noqa: E402
+from kvserve.model.config import layer_windows  # noqa: E402
+from kvserve.models.registry import config_from_dict, config_from_dir  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,7 +68,7 @@ def test_layer_windows_match_transformers_configs(name, tmp_path):
     cls, extra = HF_CONFIGS[name]
     hf = getattr(transformers, cls)(**_SHAPE, **extra)
     hf.save_pretrained(tmp_path)  # the config.json a checkpoint would carry
-    ours = ModelConfig.from_dir(tmp_path)
+    ours = config_from_dir(tmp_path)
     assert list(ours.windows) == _hf_windows(hf)
 
 
@@ -285,6 +286,6 @@ def test_triton_engine_windowed_greedy_matches_transformers(tmp_path, arch):
 def test_gemma3_options_the_engine_does_not_run_are_refused(extra, why):
     d = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_SHAPE,
          "head_dim": 16, "sliding_window": 8, **extra}
-    ModelConfig.from_dict({k: v for k, v in d.items() if k not in extra})  # fine without
+    config_from_dict({k: v for k, v in d.items() if k not in extra})  # fine without
     with pytest.raises(ValueError, match=why):
-        ModelConfig.from_dict(d)
+        config_from_dict(d)

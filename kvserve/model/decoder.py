@@ -1,4 +1,5 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text).
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text); which
+architecture sets which switch is `kvserve/models/`' business, one module per family.
 
 Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
 sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weight, so the norm
@@ -244,8 +245,8 @@ class DecoderLayer(nn.Module):
         # pre_feedforward_layernorm).
         self.post_attention_layernorm = _param(h, **p)
         # Gemma 3: norms of the attention and MLP outputs, before their residual adds.
-        self.attn_out_norm = _param(h, **p) if c.gemma_norms else None
-        self.mlp_out_norm = _param(h, **p) if c.gemma_norms else None
+        self.attn_out_norm = _param(h, **p) if c.output_norms else None
+        self.mlp_out_norm = _param(h, **p) if c.output_norms else None
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
         self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None

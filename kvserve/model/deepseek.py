@@ -8,11 +8,12 @@ Per layer, as transformers computes it:
     RMSNorm(q_a)) split into nope and rope parts per head; the cached vector per token is
     [RMSNorm(latent) | RoPE(k_rope)]. The attention backend (`attention/mla.py`) stores it and
     attends, absorbed or decompressing; o_proj adds the result into the residual stream.
-  * RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... The loader
-    permutes the RoPE rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa to (x0, x2, ..., x1,
-    x3, ...), after which the rotation is the rotate-half form every other model here uses
-    (`_apply_rope`); dot products between q and k are unchanged by a permutation applied to
-    both, so the attention is exactly transformers'.
+  * RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... The weight
+    map (`kvserve.models.deepseek`, which registers these classes) permutes the RoPE rows of
+    q_b_proj (or q_proj) and kv_a_proj_with_mqa to (x0, x2, ..., x1, x3, ...), after which
+    the rotation is the rotate-half form every other model here uses (`_apply_rope`); dot
+    products between q and k are unchanged by a permutation applied to both, so the attention
+    is exactly transformers'.
   * MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then routed experts plus
     shared experts (`MoE`), the routed part computed with the tokens grouped by expert.
 The softmax scale (1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2) is
@@ -20,8 +21,6 @@ The softmax scale (1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2) is
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -281,81 +280,3 @@ class DeepseekCausalLM(CausalLM):
         GEMM shape the model has."""
         first_moe = next((layer for layer in self.layers if isinstance(layer.mlp, MoE)), None)
         return [self.layers[0]] + ([first_moe] if first_moe is not None else [])
-
-
-# (destination view, checkpoint shape, transform or None) per checkpoint tensor name
-Where = tuple[torch.Tensor, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None]
-
-
-def deinterleave_rows(rope_dim: int, blocks: int, block: int) -> Callable[[torch.Tensor],
-                                                                          torch.Tensor]:
-    """A transform for a weight whose rows are `blocks` groups of `block` rows each ending in
-    `rope_dim` RoPE rows stored as interleaved pairs: those rows reordered evens first, odds
-    after (see the module docstring)."""
-    perm = torch.arange(rope_dim).view(-1, 2).t().flatten()
-    index = torch.arange(blocks * block).view(blocks, block)
-    index[:, block - rope_dim:] = index[:, block - rope_dim:][:, perm]
-    flat = index.flatten()
-    return lambda w: w.index_select(0, flat)
-
-
-def checkpoint_targets(model: DeepseekCausalLM, config: ModelConfig) -> dict[str, Where]:
-    """Checkpoint tensor name -> where it goes: transformers' names, with routed experts stored
-    per expert (`mlp.experts.{e}.gate_proj.weight`, as save_pretrained writes them)."""
-    m = config.mla
-    assert m is not None
-    h = config.num_attention_heads
-    t: dict[str, Where] = {}
-
-    def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None,
-            transform=None) -> None:
-        t[name] = (dest, tuple(dest.shape) if shape is None else shape, transform)
-
-    rope_q = rope_kv = None
-    if m.rope_interleave:
-        rope_q = deinterleave_rows(m.qk_rope_head_dim, h, m.qk_head_dim)
-        rope_kv = deinterleave_rows(m.qk_rope_head_dim, 1, m.latent_dim)
-    add("model.embed_tokens.weight", model.embed_tokens)
-    add("model.norm.weight", model.norm)
-    if model.lm_head is not None:
-        add("lm_head.weight", model.lm_head)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = f"{p}self_attn."
-        add(p + "input_layernorm.weight", layer.input_layernorm)
-        add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
-        q_a = layer.qkv_a_proj[: layer.q_a_size]
-        if m.q_lora_rank:
-            add(a + "q_a_proj.weight", q_a)
-            add(a + "q_a_layernorm.weight", layer.q_a_layernorm)
-            add(a + "q_b_proj.weight", layer.q_b_proj, transform=rope_q)
-        else:
-            add(a + "q_proj.weight", q_a, transform=rope_q)
-        add(a + "kv_a_proj_with_mqa.weight", layer.qkv_a_proj[layer.q_a_size:],
-            transform=rope_kv)
-        add(a + "kv_a_layernorm.weight", layer.kv_a_layernorm)
-        add(a + "kv_b_proj.weight", layer.kv_b_proj)
-        add(a + "o_proj.weight", layer.o_proj)
-        mlp = layer.mlp
-        if isinstance(mlp, SwiGLU):
-            _add_swiglu(add, p + "mlp.", mlp)
-            continue
-        add(p + "mlp.gate.weight", mlp.gate)
-        if mlp.e_score_correction_bias is not None:
-            add(p + "mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias)
-        inter = mlp.cfg.moe_intermediate_size
-        for e in range(mlp.cfg.n_routed_experts):
-            x = f"{p}mlp.experts.{e}."
-            add(x + "gate_proj.weight", mlp.w13[e, :inter])
-            add(x + "up_proj.weight", mlp.w13[e, inter:])
-            add(x + "down_proj.weight", mlp.w2[e])
-        if mlp.shared is not None:
-            _add_swiglu(add, p + "mlp.shared_experts.", mlp.shared)
-    return t
-
-
-def _add_swiglu(add, prefix: str, mlp: SwiGLU) -> None:
-    i = mlp.intermediate
-    add(prefix + "gate_proj.weight", mlp.gate_up_proj[:i])
-    add(prefix + "up_proj.weight", mlp.gate_up_proj[i:])
-    add(prefix + "down_proj.weight", mlp.down_proj)

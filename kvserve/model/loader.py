@@ -1,10 +1,12 @@
-"""Load a Hugging Face safetensors checkpoint into `CausalLM`'s fused layout.
+"""Load a Hugging Face safetensors checkpoint (or a GGUF file) into the model its architecture's
+registry entry names (`kvserve.models.registry`).
 
 The model is built with uninitialised parameters, then every checkpoint tensor is copied (and
-cast) straight into its place: q/k/v into row ranges of `qkv_proj`, gate/up into `gate_up_proj`,
-Qwen3's (and Gemma 3's) q_norm/k_norm broadcast over their heads. Nothing is initialised twice and
-no intermediate concatenations are built. Gemma's norm weights w are stored as 1 + w (its norms
-scale by 1 + w), so the decoder's one norm serves every architecture.
+cast) straight into the place the family's weight map gives it: q/k/v into row ranges of
+`qkv_proj`, gate/up into `gate_up_proj`, Qwen3's (and Gemma 3's) q_norm/k_norm broadcast over
+their heads, Gemma's norm weights w stored as 1 + w. Nothing is initialised twice and no
+intermediate concatenations are built. What is architecture-specific lives in the family
+modules; this file only reads files and copies.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, replace
-from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -27,6 +29,8 @@ from kvserve.model.cpu_features import cpu_info
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
+from kvserve.models import registry
+from kvserve.models.base import Target
 
 logger = logging.getLogger("kvserve")
 
@@ -40,15 +44,6 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass
-class _Target:
-    dest: torch.Tensor  # a view into a model parameter
-    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
-    offset: float = 0.0  # added after the copy (Gemma's norms: 1 + w)
-    # Applied to the checkpoint tensor before the copy (DeepSeek's RoPE row permutation).
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig,
@@ -113,26 +108,19 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     (F.linear)."""
     model_dir = Path(model_dir)
     gguf = open_gguf(model_dir) if is_gguf(model_dir) else None
-    config = ModelConfig.from_dir(model_dir if gguf is None else gguf.dir)
+    config = registry.config_from_dir(model_dir if gguf is None else gguf.dir)
+    family = registry.get(config.architecture).family
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = resolve_dtype(dtype, config, device)
     device = torch.device(device)
     files = checkpoint_files(model_dir) if gguf is None else []
     with torch.no_grad():
-        if config.mla is not None:
-            from kvserve.model.deepseek import DeepseekCausalLM, checkpoint_targets
-
-            model = DeepseekCausalLM(config, torch_dtype, device)
-            targets = {name: _Target(dest, shape, transform=transform)
-                       for name, (dest, shape, transform)
-                       in checkpoint_targets(model, config).items()}
-        else:
-            model = CausalLM(config, torch_dtype, device)
-            targets = _targets(model, config)
+        model = family.model()(config, torch_dtype, device)
+        targets = family.weights(model, config)
         loaded: set[str] = set()
         for file in files:
-            _load_file(file, targets, loaded, config)
+            _load_file(file, targets, loaded, config, family.skip)
         if gguf is not None:
             _load_gguf(gguf, targets, loaded, config)
     missing = sorted(set(targets) - loaded, key=_natural_key)
@@ -206,8 +194,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
-               config: ModelConfig) -> None:
+def _load_file(file: Path, targets: dict[str, Target], loaded: set[str],
+               config: ModelConfig, skip: Callable[[str, ModelConfig], bool] | None) -> None:
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error type for bad headers/lengths
@@ -215,7 +203,7 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
                          f"truncated?): {e}") from e
     with handle as f:
         for key in f.keys():
-            if _IGNORED.match(key) or _KV_SCALE.match(key) or _beyond_last_layer(key, config):
+            if _IGNORED.match(key) or _KV_SCALE.match(key) or (skip and skip(key, config)):
                 continue
             name = key  # the model tensor this checkpoint tensor fills
             if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -246,14 +234,14 @@ def _load_file(file: Path, targets: dict[str, _Target], loaded: set[str],
             _copy(target, tensor, loaded, name)
 
 
-def _copy(target: _Target, tensor: torch.Tensor, loaded: set[str], name: str) -> None:
+def _copy(target: Target, tensor: torch.Tensor, loaded: set[str], name: str) -> None:
     target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
     if target.offset:
         target.dest.add_(target.offset)
     loaded.add(name)
 
 
-def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[str],
+def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],
                config: ModelConfig) -> None:
     """Every GGUF tensor dequantized (in float32) into its place; Gemma 3 GGUFs hold 1 + w in
     their norms already, so no offset is added there."""
@@ -284,69 +272,6 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, _Target], loaded: set[st
     rest = [item for item in work if item[0].info.type_name not in TORCH_TYPES]
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         list(pool.map(fill, rest))
-
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _beyond_last_layer(key: str, config: ModelConfig) -> bool:
-    """DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers numbered from
-    num_hidden_layers on; like transformers, inference leaves them out."""
-    if config.architecture != "DeepseekV3ForCausalLM":
-        return False
-    m = _LAYER.match(key)
-    return m is not None and int(m.group(1)) >= config.num_hidden_layers
-
-
-def _targets(model: CausalLM, config: ModelConfig) -> dict[str, _Target]:
-    """Checkpoint tensor name -> where it goes in the model."""
-    c = config
-    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-    h = c.num_attention_heads
-    t: dict[str, _Target] = {}
-
-    def add(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
-        t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape)
-
-    norm_offset = 1.0 if c.gemma_norms else 0.0
-
-    def add_norm(name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
-        t[name] = _Target(dest, tuple(dest.shape) if shape is None else shape, norm_offset)
-
-    add("model.embed_tokens.weight", model.embed_tokens)
-    add_norm("model.norm.weight", model.norm)
-    if model.lm_head is not None:
-        add("lm_head.weight", model.lm_head)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        add_norm(p + "input_layernorm.weight", layer.input_layernorm)
-        if c.gemma_norms:  # Gemma's post_attention_layernorm norms the attention's output
-            add_norm(p + "post_attention_layernorm.weight", layer.attn_out_norm)
-            add_norm(p + "pre_feedforward_layernorm.weight", layer.post_attention_layernorm)
-            add_norm(p + "post_feedforward_layernorm.weight", layer.mlp_out_norm)
-        else:
-            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
-        add(p + "self_attn.q_proj.weight", layer.qkv_proj[:q])
-        add(p + "self_attn.k_proj.weight", layer.qkv_proj[q: q + kv])
-        add(p + "self_attn.v_proj.weight", layer.qkv_proj[q + kv:])
-        if layer.qkv_bias is not None:
-            add(p + "self_attn.q_proj.bias", layer.qkv_bias[:q])
-            add(p + "self_attn.k_proj.bias", layer.qkv_bias[q: q + kv])
-            add(p + "self_attn.v_proj.bias", layer.qkv_bias[q + kv:])
-        if layer.qk_norm is not None:
-            add_norm(p + "self_attn.q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
-            add_norm(p + "self_attn.k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
-        add(p + "self_attn.o_proj.weight", layer.o_proj)
-        if layer.o_bias is not None:
-            add(p + "self_attn.o_proj.bias", layer.o_bias)
-        add(p + "mlp.gate_proj.weight", layer.gate_up_proj[:inter])
-        add(p + "mlp.up_proj.weight", layer.gate_up_proj[inter:])
-        add(p + "mlp.down_proj.weight", layer.down_proj)
-        if layer.gate_up_bias is not None:
-            add(p + "mlp.gate_proj.bias", layer.gate_up_bias[:inter])
-            add(p + "mlp.up_proj.bias", layer.gate_up_bias[inter:])
-            add(p + "mlp.down_proj.bias", layer.down_bias)
-    return t
 
 
 def _natural_key(name: str) -> list[object]:

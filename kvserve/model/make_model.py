@@ -1,8 +1,11 @@
 """Write random-weight checkpoints in exactly the Hugging Face layout.
 
 The checkpoints load in kvserve and in transformers alike (`AutoModelForCausalLM.from_pretrained`),
-which is what the parity tests and benchmarks rely on. `ensure_default_model` builds the tiny
-random-weight Qwen2 once per cache directory: the tests' shared checkpoint.
+which is what the parity tests and benchmarks rely on. The architecture's registry entry
+(`kvserve.models.registry`) writes the config.json; the tensors are those its weight map names,
+with the shapes it expects, so make-model cannot write a checkpoint the loader would refuse.
+`ensure_default_model` builds the tiny random-weight Qwen2 once per cache directory: the tests'
+shared checkpoint.
 
     python -m kvserve.model.make_model OUT_DIR --arch qwen2 --size small
 """
@@ -21,20 +24,15 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
-from kvserve.model.config import ARCH_BY_MODEL_TYPE
+from kvserve.models import registry
 from kvserve.paths import cache_dir
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v2", "deepseek_v3")
+ARCHS = registry.MAKE_ARCHS
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
 DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
 _HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
 
-_MODEL_TYPE = {"gemma3": "gemma3_text"}  # make_model's arch name -> config.json model_type
-# Gemma 3's hybrid layout: five sliding layers to one global, a window per size (the real
-# models' 1,024 would cover a tiny model's whole test prompts).
-GEMMA3_PATTERN = 6
-_GEMMA3_WINDOW = {"tiny": 64, "small": 512}
 _SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
@@ -56,86 +54,18 @@ _SHAPES = {
 def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 0,
               eos_token_id: int = 2) -> dict[str, Any]:
     """The config.json transformers 5.24 writes for this architecture and size."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    entry = registry.by_make_name(arch)
+    sizes = entry.family.sizes or SIZES
+    if size not in sizes:
+        raise ValueError(f"size for {arch} must be one of {sizes}, got {size!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if arch.startswith("deepseek"):
-        from kvserve.model.deepseek_checkpoint import deepseek_hf_config
-
-        return deepseek_hf_config(arch, size, _common_config(arch, size, dtype, bos_token_id,
-                                                              eos_token_id))
-    s = dict(_SHAPES[size])
-    layers = s["num_hidden_layers"]
-    head_dim = s.pop("head_dim", s["hidden_size"] // s["num_attention_heads"])
-    tied = s.pop("tie_word_embeddings", None)  # None: the architecture's usual choice
-    if arch == "qwen3" and size == "tiny":
-        head_dim = 32  # deliberately != hidden_size / num_attention_heads
-    if arch == "gemma3" and size == "tiny":
-        layers = s["num_hidden_layers"] = GEMMA3_PATTERN  # one whole local/global period
-    common: dict[str, Any] = {
-        "architectures": [ARCH_BY_MODEL_TYPE[_MODEL_TYPE.get(arch, arch)]],
-        **_common_config(arch, size, dtype, bos_token_id, eos_token_id),
-        **s,
-    }
-    if arch == "llama":
-        original = s["max_position_embeddings"] // 4
-        extra = {
-            "attention_bias": False,
-            "head_dim": head_dim,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-            "rope_parameters": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                "original_max_position_embeddings": original,
-                                "rope_theta": 500000.0, "rope_type": "llama3"},
-            "tie_word_embeddings": False,
-        }
-    elif arch == "mistral":
-        extra = {
-            "head_dim": head_dim,
-            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-            "sliding_window": None,  # full attention, as kvserve computes it
-            "tie_word_embeddings": False,
-        }
-    elif arch == "gemma3":
-        extra = {
-            "attention_bias": False,
-            "attn_logit_softcapping": None,
-            "final_logit_softcapping": None,
-            "head_dim": head_dim,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": ["sliding_attention" if (i + 1) % GEMMA3_PATTERN else "full_attention"
-                            for i in range(layers)],
-            "query_pre_attn_scalar": head_dim,
-            "rope_parameters": {
-                "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
-                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
-            "sliding_window": _GEMMA3_WINDOW.get(size, 1024),
-            "tie_word_embeddings": True,
-            "use_bidirectional_attention": False,
-        }
-        del common["hidden_act"]
-    else:  # qwen2, qwen3
-        extra = {
-            "layer_types": ["full_attention"] * layers,
-            "max_window_layers": layers,
-            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-            "sliding_window": None,
-            "tie_word_embeddings": True,
-            "use_sliding_window": False,
-        }
-        if arch == "qwen3":
-            extra.update(attention_bias=False, head_dim=head_dim)
-    if tied is not None:
-        extra["tie_word_embeddings"] = tied
-    if arch in ("qwen2", "qwen3") and head_dim != s["hidden_size"] // s["num_attention_heads"]:
-        extra["head_dim"] = head_dim
-    return dict(sorted({**common, **extra}.items()))
+    common = {"architectures": [entry.name],
+              **_common_config(entry.model_type, size, dtype, bos_token_id, eos_token_id)}
+    return dict(sorted(entry.family.make_config(size, _SHAPES.get(size, {}), common).items()))
 
 
-def _common_config(arch: str, size: str, dtype: str, bos_token_id: int,
+def _common_config(model_type: str, size: str, dtype: str, bos_token_id: int,
                    eos_token_id: int) -> dict[str, Any]:
     """The config.json keys every architecture shares."""
     return {
@@ -148,7 +78,7 @@ def _common_config(arch: str, size: str, dtype: str, bos_token_id: int,
         # greedy output just repeats the last prompt token, and tests comparing its outputs
         # could not tell a corrupted cache from a good one.
         "initializer_range": 0.15 if size == "tiny" else 0.02,
-        "model_type": _MODEL_TYPE.get(arch, arch),
+        "model_type": model_type,
         "pad_token_id": None,
         "rms_norm_eps": 1e-06,
         "transformers_version": _HF_VERSION,
@@ -159,58 +89,29 @@ def _common_config(arch: str, size: str, dtype: str, bos_token_id: int,
 def random_weights(config: dict[str, Any], seed: int = 0,
                    dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> dict[str, torch.Tensor]:
-    """HF-named tensors: N(0, 0.02) matrices, zero biases, unit norms, drawn in a fixed order.
+    """HF-named tensors, every one the architecture's weight map names: N(0,
+    initializer_range) matrices, zero biases, unit norms (0 where the norm scales by 1 + w),
+    drawn in the weight map's order, each in the dtype its parameter has (DeepSeek's router
+    stays float32, as transformers keeps it).
 
-    `device="cuda"` draws on the GPU (a 7B model in seconds instead of minutes; different
-    numbers from the CPU draw for the same seed); the tensors are returned on the CPU."""
-    if config["model_type"].startswith("deepseek"):
-        from kvserve.model.deepseek_checkpoint import deepseek_random_weights
-
-        return deepseek_random_weights(config, seed, dtype, device)
+    The names and shapes come from a model built on the meta device (no memory). `device="cuda"`
+    draws on the GPU (a 7B model in seconds instead of minutes; different numbers from the CPU
+    draw for the same seed); the tensors are returned on the CPU."""
+    model_config = registry.config_from_dict(config)
+    family = registry.get(model_config.architecture).family
+    model = family.model()(model_config, dtype, "meta")
     gen = torch.Generator(device=device).manual_seed(seed)
-    h = config["hidden_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
     std = config.get("initializer_range", 0.02)
-    qwen2 = config["model_type"] == "qwen2"
-    qwen3 = config["model_type"] == "qwen3"
-    gemma = config["model_type"] == "gemma3_text"
-    norm = 0.0 if gemma else 1.0  # Gemma's norms scale by 1 + weight
     out: dict[str, torch.Tensor] = {}
-
-    def normal(name: str, *shape: int) -> None:
-        out[name] = torch.empty(shape, device=device).normal_(0.0, std, generator=gen) \
-            .to(dtype).cpu()
-
-    def const(name: str, value: float, *shape: int) -> None:
-        out[name] = torch.full(shape, value, dtype=dtype)
-
-    normal("model.embed_tokens.weight", vocab, h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        const(p + "input_layernorm.weight", norm, h)
-        normal(p + "self_attn.q_proj.weight", heads * head_dim, h)
-        normal(p + "self_attn.k_proj.weight", kv_heads * head_dim, h)
-        normal(p + "self_attn.v_proj.weight", kv_heads * head_dim, h)
-        if qwen2:
-            const(p + "self_attn.q_proj.bias", 0.0, heads * head_dim)
-            const(p + "self_attn.k_proj.bias", 0.0, kv_heads * head_dim)
-            const(p + "self_attn.v_proj.bias", 0.0, kv_heads * head_dim)
-        if qwen3 or gemma:
-            const(p + "self_attn.q_norm.weight", norm, head_dim)
-            const(p + "self_attn.k_norm.weight", norm, head_dim)
-        normal(p + "self_attn.o_proj.weight", h, heads * head_dim)
-        const(p + "post_attention_layernorm.weight", norm, h)
-        if gemma:
-            const(p + "pre_feedforward_layernorm.weight", norm, h)
-            const(p + "post_feedforward_layernorm.weight", norm, h)
-        normal(p + "mlp.gate_proj.weight", inter, h)
-        normal(p + "mlp.up_proj.weight", inter, h)
-        normal(p + "mlp.down_proj.weight", h, inter)
-    const("model.norm.weight", norm, h)
-    if not config.get("tie_word_embeddings", False):
-        normal("lm_head.weight", vocab, h)
+    for name, target in family.weights(model, model_config).items():
+        as_dtype = target.dest.dtype
+        if len(target.shape) >= 2:
+            out[name] = torch.empty(target.shape, device=device).normal_(
+                0.0, std, generator=gen).to(as_dtype).cpu()
+        elif name.endswith("bias"):
+            out[name] = torch.zeros(target.shape, dtype=as_dtype)
+        else:  # a norm weight: 1, stored as 1 - offset
+            out[name] = torch.full(target.shape, 1.0 - target.offset, dtype=as_dtype)
     return out
 
 

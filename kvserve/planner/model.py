@@ -1,11 +1,13 @@
 """What the planner needs to know of a model, read from a Hugging Face `config.json` or a preset.
 
-Unlike `kvserve.model.config.ModelConfig`, which accepts only the architectures the engine can
-run, this reads the shape of any decoder: MHA, GQA and MQA (num_key_value_heads), MLA
-(kv_lora_rank + qk_rope_head_dim, DeepSeek-V2/V3), sliding-window and hybrid layer patterns
-(Mistral's window on every layer, Gemma-2's alternation, Gemma-3's `sliding_window_pattern`,
-Qwen's `max_window_layers`, or an explicit `layer_types` list), and dense or mixture-of-experts
-MLPs for the parameter count.
+An architecture the engine runs is read through its registry entry (`kvserve.models.registry`,
+the loader's reading: per-family defaults such as Qwen3's head_dim, MLA's latent), so a plan
+describes the KV pool the engine would allocate. Any other decoder (or a config the engine
+refuses, such as an fp8 checkpoint's) is read by its shape keys alone: MHA, GQA and MQA
+(num_key_value_heads), MLA (kv_lora_rank + qk_rope_head_dim), sliding-window and hybrid layer
+patterns (Mistral's window on every layer, Gemma-2's alternation, Gemma-3's
+`sliding_window_pattern`, Qwen's `max_window_layers`, or an explicit `layer_types` list), and
+dense or mixture-of-experts MLPs for the parameter count.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import short_dtype_name
-from kvserve.model.config import checkpoint_dtype, layer_windows, read_json_object
+from kvserve.model.config import ModelConfig, checkpoint_dtype, layer_windows, read_json_object
 from kvserve.model.deepseek_config import MLAConfig, parse_mla
 from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
+from kvserve.models import registry
 from kvserve.planner.presets import lookup, preset_names
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -84,41 +87,22 @@ class ModelSpec:
             raise ValueError(f"{source}: a config must be a JSON object")
         if isinstance(d.get("text_config"), dict):  # multimodal wrappers: plan the LM
             d = {**d, **d["text_config"]}
-        arch = (d.get("architectures") or [d.get("model_type") or "unknown"])[0]
-        layers = _pos_int(d, "num_hidden_layers", source, ("n_layer", "num_layers"))
-        hidden = _pos_int(d, "hidden_size", source, ("n_embd", "d_model"))
-        heads = _pos_int(d, "num_attention_heads", source, ("n_head",))
-        if d.get("multi_query"):
-            kv_heads = 1
-        else:
-            kv_heads = _opt_int(d, "num_key_value_heads", source, ("num_kv_heads",)) or heads
-        head_dim = _opt_int(d, "head_dim", source) or hidden // heads
-        vocab = _pos_int(d, "vocab_size", source)
-        try:  # the engine's reader of the MLA dimensions (one parser, one bytes-per-token)
-            mla = parse_mla(d)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from e
-        kv_lora = mla.kv_lora_rank if mla else None
-        rope = mla.qk_rope_head_dim if mla else 0
-        if not kv_lora and heads % kv_heads:
-            raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
-        max_pos = _opt_int(d, "max_position_embeddings", source, ("n_positions",)) or 2048
-        dtype = _checkpoint_dtype(d)
-        windows = _layer_windows(d, layers, source)
+        engine = _engine_config(d)
+        shape = _engine_shape(engine, d) if engine is not None else _shape(d, source)
+        mla = shape["mla"]
         explicit = d.get("num_params")
         if num_params is None and explicit:
             num_params, params_source = int(explicit), "published"
         if num_params is None:
             num_params = estimate_params(d)
-        return cls(name=name, source=source, architecture=arch, num_layers=layers,
-                   hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
-                   head_dim=head_dim, vocab_size=vocab, max_position_embeddings=max_pos,
+        windows = shape.pop("layer_windows")
+        return cls(name=name, source=source, **shape,
                    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   num_params=int(num_params), params_source=params_source, dtype=dtype,
-                   kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
+                   num_params=int(num_params), params_source=params_source,
+                   dtype=_checkpoint_dtype(d), kv_lora_rank=mla.kv_lora_rank if mla else None,
+                   qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
                    layer_windows=windows if any(w is not None for w in windows) else (),
-                   quantization=dict(d.get("quantization_config") or {}), mla=mla)
+                   quantization=dict(d.get("quantization_config") or {}))
 
     @classmethod
     def load(cls, what: str) -> "ModelSpec":
@@ -150,6 +134,60 @@ class ModelSpec:
         if counted:
             return cls.from_hf_config(d, name, str(config_file), counted, "safetensors")
         return cls.from_hf_config(d, name, str(config_file))
+
+
+def _engine_config(d: dict[str, Any]) -> ModelConfig | None:
+    """The engine's reading of a config (its registry entry's adapter), or None for an
+    architecture it does not run, a config it refuses, or one with MLA keys its architecture
+    does not have (the engine would ignore them): the planner still plans those, as the config
+    describes them, by their shape keys (`_shape`)."""
+    try:
+        engine = registry.config_from_dict(d)
+        if (engine.mla is None) != (parse_mla(d) is None):
+            return None
+    except ValueError:
+        return None
+    return engine
+
+
+def _engine_shape(c: ModelConfig, d: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec's shape fields as the engine reads them. MLA keeps the config's head counts
+    and head_dim (the engine's are the latent's: one KV "head", head_dim = the RoPE dim)."""
+    heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    if c.mla is not None:
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or c.hidden_size // heads)
+    return dict(architecture=c.architecture, num_layers=c.num_hidden_layers,
+                hidden_size=c.hidden_size, num_attention_heads=heads, num_kv_heads=kv_heads,
+                head_dim=head_dim, vocab_size=c.vocab_size,
+                max_position_embeddings=c.max_position_embeddings, layer_windows=c.windows,
+                mla=c.mla)
+
+
+def _shape(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelSpec's shape fields of any decoder, from its shape keys (and their aliases)."""
+    arch = (d.get("architectures") or [d.get("model_type") or "unknown"])[0]
+    layers = _pos_int(d, "num_hidden_layers", source, ("n_layer", "num_layers"))
+    hidden = _pos_int(d, "hidden_size", source, ("n_embd", "d_model"))
+    heads = _pos_int(d, "num_attention_heads", source, ("n_head",))
+    if d.get("multi_query"):
+        kv_heads = 1
+    else:
+        kv_heads = _opt_int(d, "num_key_value_heads", source, ("num_kv_heads",)) or heads
+    head_dim = _opt_int(d, "head_dim", source) or hidden // heads
+    vocab = _pos_int(d, "vocab_size", source)
+    try:  # the engine's reader of the MLA dimensions (one parser, one bytes-per-token)
+        mla = parse_mla(d)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    if mla is None and heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    max_pos = _opt_int(d, "max_position_embeddings", source, ("n_positions",)) or 2048
+    return dict(architecture=arch, num_layers=layers, hidden_size=hidden,
+                num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                vocab_size=vocab, max_position_embeddings=max_pos,
+                layer_windows=_layer_windows(d, layers, source), mla=mla)
 
 
 def _checkpoint_dtype(d: dict[str, Any]) -> str:

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.model.config import ARCH_BY_MODEL_TYPE
+from kvserve.models import registry
 
 # Architectures whose q/k rows llama.cpp permutes (its LlamaModel.undo_permute).
 _PERMUTED = ("llama",)
 NORMS_HOLD_ONE_PLUS_W = ("gemma3",)
-# GGUF architecture -> config.json model_type (the architecture class is config's table's)
+# GGUF architecture -> config.json model_type (the architecture class is the registry's)
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # llama.cpp hard-codes Gemma 3's layout: five sliding layers per full one, local RoPE base 10k.
 _GEMMA3_PATTERN = 6
@@ -61,7 +61,7 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
     model_type = _MODEL_TYPE[arch]
     config: dict[str, Any] = {
         "model_type": model_type,
-        "architectures": [ARCH_BY_MODEL_TYPE[model_type]],
+        "architectures": [registry.by_model_type(model_type).name],
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),

@@ -1,0 +1,6 @@
+"""The architectures kvserve runs: one module per family, one table (`registry`).
+
+Adding an architecture is one module here (its config adapter, model class and checkpoint
+weight map, as a `base.Family`) and one line in `registry.ARCHITECTURES`; the loader, the
+planner, make-model and the GGUF reader find it there.
+"""
