@@ -36,7 +36,16 @@ def _hf_config(arch: str):
     if arch == "mistral":
         return transformers.MistralConfig(**common, tie_word_embeddings=False, rope_theta=1e4,
                                           sliding_window=None)
+    if arch == "phi3":  # fused qkv / gate_up in the checkpoint; half of each head rotates
+        return transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=None,
+                                       rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 1e4,
+                                                        "partial_rotary_factor": 0.5})
     raise ValueError(arch)
+
+
+# The architectures `hf_checkpoints` holds, one checkpoint each.
+HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
@@ -47,8 +56,7 @@ def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {arch: make_hf_checkpoint(arch, root / arch)
-            for arch in ("llama", "qwen2", "qwen3", "mistral")}
+    return {arch: make_hf_checkpoint(arch, root / arch) for arch in HF_ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,12 @@ VARIANTS = {
                                                         "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default",
                                                            "rope_theta": 1e4}})),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, partial RoPE (12 of 16
+    # dimensions per head, as Phi-4-mini's 0.75), untied
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.75})),
 }
 
 
@@ -174,10 +180,13 @@ def test_logits_match_transformers(saved, variant, gemm):
     start = config.max_position_embeddings - 7
     diff = (kv_logits(model, config, ids, start) - hf_logits(hf, ids, start)).abs().max().item()
     assert diff < ATOL, f"{variant} at positions {start}+: max abs diff {diff}"
-    # The (scaled) inverse frequencies are bit-identical to transformers'.
+    # The (scaled) inverse frequencies are bit-identical to transformers' (with partial RoPE,
+    # followed by zeros: the dimensions that pass unrotated).
     rotary = hf.model.rotary_emb
     if config.sliding_rope_theta is None:
-        assert torch.equal(rope_inv_freq(config), rotary.inv_freq)
+        ours, n = rope_inv_freq(config), rotary.inv_freq.shape[0]
+        assert torch.equal(ours[:n], rotary.inv_freq) and not ours[n:].any()
+        assert (n < config.head_dim // 2) == (variant == "phi3")
     else:  # Gemma 3: one RoPE per layer type
         assert torch.equal(rope_inv_freq(config), rotary.full_attention_inv_freq)
         assert torch.equal(rope_inv_freq(config, config.sliding_rope_theta),
@@ -253,10 +262,11 @@ def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
 
 @pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
                     reason="the C++ GEMV kernel could not be built")
-@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2", "phi3"])
 def test_gemv_plan_matches_transformers(saved, variant):
     """The C++ GEMV in the first row bucket (1-4 rows: biases, the SiLU / GELU-tanh gate, the
-    fused residual adds, Gemma's output norms, tied and untied LM heads) and dense above it:
+    fused residual adds, Gemma's output norms, tied and untied LM heads, Phi-3's partial RoPE
+    in the fused RoPE) and dense above it:
     transformers' logits at every row count of that bucket and one above."""
     hf, path = saved(variant)
     model, config = load_model(path, gemm="gemv")
@@ -281,6 +291,23 @@ def test_config_fields_from_transformers(saved):
     assert c.attention_bias and c.tie_word_embeddings and c.rope_theta == 1e6
     c = config_from_dir(saved("mistral")[1])
     assert not c.attention_bias
+    c = config_from_dir(saved("phi3")[1])
+    assert (c.architecture, c.head_dim, c.rotary_dim, c.rms_norm_eps) == \
+        ("Phi3ForCausalLM", 16, 12, 1e-5)
+    assert not c.output_norms and not c.attention_bias and not c.qk_norm
+
+
+def test_phi3_options_the_engine_does_not_run_are_refused(saved):
+    """Phi-3's longrope (the 128k models, Phi-3.5, Phi-4-mini; "su" in older configs) and a
+    partial RoPE of an odd number of dimensions: a ValueError naming them."""
+    d = json.loads((saved("phi3")[1] / "config.json").read_text())
+    for kind in ("longrope", "su"):
+        rope = {"rope_type": kind, "short_factor": [1.0] * 6, "long_factor": [1.0] * 6}
+        with pytest.raises(ValueError, match="longrope"):
+            config_from_dict({**d, "rope_parameters": rope})
+    with pytest.raises(ValueError, match="must be even"):
+        config_from_dict({**d, "rope_parameters": {"rope_type": "default",
+                                                    "partial_rotary_factor": 0.3125}})
 
 
 def test_legacy_v4_config_layout():

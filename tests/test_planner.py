@@ -209,7 +209,7 @@ def test_tensor_parallel_splits_kv_heads():
         kv_bytes_per_token(spec, "fp16", tp=3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     """For every architecture the engine loads, the bytes per token its KV tensors really take
@@ -226,6 +226,30 @@ def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     planned = kv_bytes_per_token(ModelSpec.load(str(path)), dtype)
     assert per_token == engine.kv_spec.bytes_per_token == planned
     assert engine.kv.num_blocks == (1 << 20) // (16 * planned)
+
+
+@pytest.mark.parametrize("arch", ["phi3"])
+def test_plan_reads_new_architectures_through_the_registry(tmp_path, capsys, monkeypatch, arch):
+    """`kvserve plan <dir>` on make-model's checkpoints of the architectures added through the
+    registry: the config is read by the architecture's registry entry (the loader's reading),
+    the plan states the architecture, the KV bytes per token (2 layers x K and V x 2 KV heads
+    x head_dim 16 x 2 bytes) and the exact parameter count from the safetensors headers."""
+    from kvserve.model.make_model import make_model
+    from kvserve.models import registry
+
+    path = make_model(tmp_path / arch, arch, "tiny", with_tokenizer=False)
+    read: list[str] = []
+    real = registry.config_from_dict
+    monkeypatch.setattr(registry, "config_from_dict",
+                        lambda d: read.append(d["architectures"][0]) or real(d))
+    spec = ModelSpec.load(str(path))
+    name = registry.by_make_name(arch).name
+    assert read == [name] and spec.architecture == name
+    assert kv_bytes_per_token(spec, "bf16") == 2 * 2 * 2 * 16 * 2
+    assert spec.params_source == "safetensors"
+    assert main(["plan", str(path), "--kv-cache-dtype", "bf16", "--max-model-len", "1k"]) == 0
+    out = capsys.readouterr().out
+    assert f"{name}" in out and "GQA: 2 layers x 2 KV heads x head_dim 16" in out
 
 
 def test_plan_takes_the_engines_reading_of_a_known_architecture():

@@ -280,15 +280,16 @@ def test_repeated_block_aligned_prompt_under_pressure(ref_model):
 
 
 # -- transformers as the reference ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hf_workload(hf_checkpoints):
-    """Shared system prompt and RAG prompts, and transformers' greedy continuations of each."""
+@pytest.fixture(scope="module", params=["qwen3", "phi3"])
+def hf_workload(hf_checkpoints, request):
+    """Shared system prompt and RAG prompts, and transformers' greedy continuations of each, on
+    Qwen3 and Phi-3 (its permuted partial RoPE reaches the cached K/V too)."""
     rng = random.Random(3)
     system = tokens(rng, 45, HF_VOCAB)
     document = tokens(rng, 180, HF_VOCAB)
     prompts = ([system + tokens(rng, 25, HF_VOCAB) for _ in range(4)]
                + [document + tokens(rng, 12, HF_VOCAB) for _ in range(4)])
-    path = hf_checkpoints["qwen3"]
+    path = hf_checkpoints[request.param]
     return path, prompts, hf_greedy(path, prompts, 10)
 
 

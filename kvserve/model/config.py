@@ -1,8 +1,9 @@
 """The model's shape and hyper-parameters: `ModelConfig`, what the model code reads.
 
 One `ModelConfig` describes every supported architecture; the differences between them are a
-few flags (`attention_bias`, `qk_norm`, and Gemma 3's `output_norms`, `embed_scale`,
-activation, attention scale, logit soft-capping and local RoPE base) that the single decoder in `kvserve.model.decoder` reads. Which
+few flags (`attention_bias`, `qk_norm`, Gemma 3's `output_norms`, `embed_scale`, activation,
+attention scale, logit soft-capping and local RoPE base, Phi-3's partial `rotary_dim`) that the
+single decoder in `kvserve.model.decoder` reads. Which
 flags an architecture sets is its family's business: `kvserve.models.registry` turns a Hugging
 Face `config.json` into a `ModelConfig` (`config_from_dict`, `config_from_dir`), one module per
 family under `kvserve/models/`. This module stays below the model code and the registry, so both
@@ -63,6 +64,9 @@ class ModelConfig:
     # locally, 1,000,000 globally); None = the same as rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    # Partial RoPE (Phi-3's partial_rotary_factor < 1): only the first rotary_dim dimensions of
+    # each head rotate; None = all of head_dim.
+    rotary_dim: int | None = None
 
     @property
     def q_size(self) -> int:

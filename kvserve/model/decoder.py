@@ -1,4 +1,4 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text); which
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text) and Phi-3; which
 architecture sets which switch is `kvserve/models/`' business, one module per family.
 
 Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
@@ -6,6 +6,8 @@ sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weigh
 code is shared), the attention and MLP outputs normed before their residual adds, per-head q/k
 norms (as Qwen3), a GELU-tanh gate, the attention scale from `query_pre_attn_scalar`, a RoPE base
 per layer type (local and global layers), and tanh soft-capping of the final logits.
+Phi-3's partial RoPE is a RoPE table whose last frequencies are 0 (its weight map permutes the
+q/k dimensions to match, `kvserve.models.weights.partial_rotary_rows`).
 
 The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
 dimension and no padding. Everything that depends on which sequence a token belongs to (the
@@ -76,8 +78,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rope_inv_freq(config: ModelConfig, theta: float | None = None,
                   scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32), with transformers' linear/llama3 scaling;
-    the config's (full layers') RoPE unless `theta` (and `scaling`) are given."""
-    dim = config.head_dim
+    the config's (full layers') RoPE unless `theta` (and `scaling`) are given. With a partial
+    `rotary_dim` the frequencies are rotary_dim's, padded with zeros to head_dim / 2: those
+    dimensions pass through unrotated (cos 1, sin 0)."""
+    inv_freq = _inv_freq(config, theta, scaling)
+    pad = config.head_dim // 2 - inv_freq.shape[0]
+    return F.pad(inv_freq, (0, pad)) if pad else inv_freq
+
+
+def _inv_freq(config: ModelConfig, theta: float | None, scaling: dict | None) -> torch.Tensor:
+    dim = config.rotary_dim or config.head_dim
     if theta is None:
         theta, scaling = config.rope_theta, config.rope_scaling
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

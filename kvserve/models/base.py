@@ -69,3 +69,18 @@ def decoder_model() -> type:
 
     return CausalLM
 
+
+def transformers_config(class_name: str, size: str, shape: dict[str, Any],
+                        common: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """make-model's config.json made by transformers' own config class (`class_name`), as
+    save_pretrained writes it (the keys that differ from the base config's defaults): for the
+    families added after make-model's hand-written configs, so that nothing here restates what
+    transformers defaults to. head_dim is left to the class (hidden_size / heads)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"make-model writes this architecture's config.json with transformers' "
+                         f"{class_name}: install transformers") from e
+    keys = {k: v for k, v in {**common, **shape}.items()
+            if k not in ("model_type", "transformers_version", "head_dim")}
+    return getattr(transformers, class_name)(**keys, **extra).to_diff_dict()

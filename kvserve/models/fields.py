@@ -75,9 +75,11 @@ def gated_activation(d: dict[str, Any], arch: str, key: str = "hidden_act",
 
 
 def rope_fields(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0,
-                supported: tuple[str, ...] = ROPE_TYPES) -> dict[str, Any]:
+                supported: tuple[str, ...] = ROPE_TYPES,
+                partial: bool = False) -> dict[str, Any]:
     """rope_theta and rope_scaling (None for plain RoPE), resolved the way transformers resolves
-    them (a partial_rotary_factor other than 1 is refused)."""
+    them; with `partial`, also rotary_dim from a partial_rotary_factor (else a factor other than
+    1 is refused)."""
     params = _rope_params(d)
     theta = params.get("rope_theta", d.get("rope_theta"))
     theta = default_theta if theta is None else float(theta)
@@ -91,7 +93,9 @@ def rope_fields(d: dict[str, Any], max_pos: int, default_theta: float = 10000.0,
                                                                          rope_type)}
     factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if factor not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={factor} is not supported")
+        if not partial:
+            raise ValueError(f"partial_rotary_factor={factor} is not supported")
+        out["partial_rotary_factor"] = _positive(factor, "partial_rotary_factor")
     return out
 
 

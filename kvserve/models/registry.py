@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.model.config import ModelConfig, read_json_object
-from kvserve.models import deepseek, gemma3, llama
+from kvserve.models import deepseek, gemma3, llama, phi3
 from kvserve.models.base import Family
 
 
@@ -44,6 +44,7 @@ ARCHITECTURES = (
     Architecture("Gemma3ForCausalLM", "gemma3_text", gemma3.GEMMA3, make_name="gemma3"),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", deepseek.DEEPSEEK_V2),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", deepseek.DEEPSEEK_V3),
+    Architecture("Phi3ForCausalLM", "phi3", phi3.PHI3),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
 MAKE_ARCHS = tuple(a.make_arch for a in ARCHITECTURES)

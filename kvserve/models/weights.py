@@ -3,7 +3,7 @@ Hugging Face tensor name -> the slice of the fused parameter it fills.
 
 The decoder keeps q, k and v in one `qkv_proj` ([q; k; v] rows) and gate and up in one
 `gate_up_proj` ([gate; up] rows), so a checkpoint with separate projections fills row ranges,
-and one that stores them fused fills the whole matrix. Families differ in what their norms are
+and one that stores them fused (Phi-3) fills the whole matrix. Families differ in what their norms are
 called and where they sit (`Layout.norms`) and in Gemma's 1 + w norms (`Layout.norm_offset`);
 everything else is one function.
 
@@ -123,3 +123,27 @@ def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str
     w.final(model)
     return w.targets
 
+
+def partial_rotary_rows(config: ModelConfig):
+    """A transform for a fused [q; k; v] weight (or bias) whose heads rotate only their first
+    `rotary_dim` dimensions (transformers' partial RoPE: dimension i pairs with i + rotary_dim/2),
+    or None when every dimension rotates.
+
+    Why a permutation: the decoder's RoPE (and every kernel that fuses it) pairs dimension i
+    with i + head_dim/2. Within each q and k head the rows are reordered to [rotated first half,
+    pass-through first half, rotated second half, pass-through second half]; the RoPE table
+    gives the pass-through positions frequency 0 (cos 1, sin 0: `rope_inv_freq`), so they pass
+    unrotated. q and k are permuted alike, so every q.k product, and so the attention, is
+    transformers'; v is untouched."""
+    r, d = config.rotary_dim, config.head_dim
+    if r is None or r == d:
+        return None
+    import torch
+
+    half, rest = r // 2, (d - r) // 2
+    head = torch.tensor([*range(half), *range(r, r + rest), *range(half, r),
+                         *range(r + rest, d)])
+    heads = config.num_attention_heads + config.num_key_value_heads
+    qk = (torch.arange(heads)[:, None] * d + head[None, :]).flatten()
+    index = torch.cat((qk, torch.arange(heads * d, heads * d + config.kv_size)))
+    return lambda w: w.index_select(0, index)
