@@ -41,11 +41,13 @@ def _hf_config(arch: str):
                                        rope_parameters={"rope_type": "default",
                                                         "rope_theta": 1e4,
                                                         "partial_rotary_factor": 0.5})
+    if arch == "olmo2":  # norms after attention and the MLP, q/k norms over all heads
+        return transformers.Olmo2Config(**common, tie_word_embeddings=False, rope_theta=1e4)
     raise ValueError(arch)
 
 
 # The architectures `hf_checkpoints` holds, one checkpoint each.
-HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

@@ -1,5 +1,5 @@
 """Acceptance 1: greedy token ids equal transformers' `generate` on the same weights, across
-architectures (Phi-3 too: added through the model registry), block sizes,
+architectures (Phi-3 and OLMo 2 too: issue 30's two added through the registry), block sizes,
 chunked prefill and preemption; first-token logits within 1e-4."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from helpers import (first_token_logits, generate_checked, hf_greedy, kv_bytes_p
 
 from kvserve import LLM, SamplingParams
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2")
 LENGTHS = [1, 3, 17, 40, 64, 129, 200, 310]  # mixed, 1 to 300+
 NEW_TOKENS = 10
 VOCAB = 512
@@ -87,7 +87,7 @@ def test_first_token_logits_match(arch, hf_checkpoints, references):
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3", "olmo2"])
 def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
     """Fresh prompts of one length in one step share one attention call (a run of prefills);
     runs of two lengths, a prompt alone between them, and a sequence with a cached prefix

@@ -84,6 +84,11 @@ VARIANTS = {
              dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                    "partial_rotary_factor": 0.75})),
+    # OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection,
+    # q/k/v/o biases
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(attention_bias=True, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
 }
 
 
@@ -195,7 +200,7 @@ def test_logits_match_transformers(saved, variant, gemm):
 
 @pytest.mark.skipif(not onednn_available(torch.float32, torch.device("cpu")),
                     reason="oneDNN cannot pack float32 weights here")
-@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "olmo2"])
 def test_mixed_gemm_plan_matches_transformers(saved, variant):
     """A plan that switches kernel between row buckets, differently per projection, gives
     transformers' logits at a row count in every bucket (so each bucket's bound ops are the
@@ -240,7 +245,7 @@ def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
     return (out - ref).abs().max().item() / max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", ["llama_bias", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_bias", "gemma3", "olmo2"])
 @pytest.mark.parametrize("gemm", ["onednn", "dense"])
 def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
     """A long prefill's MLP runs a chunk of rows at a time (decoder.mlp_chunk_rows; made 200
@@ -262,11 +267,11 @@ def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
 
 @pytest.mark.skipif(not gemv_available(torch.float32, torch.device("cpu")),
                     reason="the C++ GEMV kernel could not be built")
-@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2", "phi3"])
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "gemma3", "qwen2", "phi3", "olmo2"])
 def test_gemv_plan_matches_transformers(saved, variant):
     """The C++ GEMV in the first row bucket (1-4 rows: biases, the SiLU / GELU-tanh gate, the
     fused residual adds, Gemma's output norms, tied and untied LM heads, Phi-3's partial RoPE
-    in the fused RoPE) and dense above it:
+    in the fused RoPE, OLMo 2's GEMMs on the un-normed residual) and dense above it:
     transformers' logits at every row count of that bucket and one above."""
     hf, path = saved(variant)
     model, config = load_model(path, gemm="gemv")
@@ -294,7 +299,12 @@ def test_config_fields_from_transformers(saved):
     c = config_from_dir(saved("phi3")[1])
     assert (c.architecture, c.head_dim, c.rotary_dim, c.rms_norm_eps) == \
         ("Phi3ForCausalLM", 16, 12, 1e-5)
-    assert not c.output_norms and not c.attention_bias and not c.qk_norm
+    assert c.pre_norms and not c.output_norms and not c.attention_bias and not c.qk_norm
+    c = config_from_dir(saved("olmo2")[1])
+    assert (c.architecture, c.rotary_dim, c.rope_scaling["rope_type"]) == \
+        ("Olmo2ForCausalLM", None, "linear")
+    assert not c.pre_norms and c.output_norms and c.qk_norm and not c.qk_norm_per_head
+    assert c.attention_bias and c.o_proj_bias
 
 
 def test_phi3_options_the_engine_does_not_run_are_refused(saved):

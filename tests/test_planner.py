@@ -209,7 +209,7 @@ def test_tensor_parallel_splits_kv_heads():
         kv_bytes_per_token(spec, "fp16", tp=3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     """For every architecture the engine loads, the bytes per token its KV tensors really take
@@ -228,7 +228,7 @@ def test_engine_pool_bytes_equal_the_planners(hf_checkpoints, arch, dtype):
     assert engine.kv.num_blocks == (1 << 20) // (16 * planned)
 
 
-@pytest.mark.parametrize("arch", ["phi3"])
+@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
 def test_plan_reads_new_architectures_through_the_registry(tmp_path, capsys, monkeypatch, arch):
     """`kvserve plan <dir>` on make-model's checkpoints of the architectures added through the
     registry: the config is read by the architecture's registry entry (the loader's reading),

@@ -280,10 +280,11 @@ def test_repeated_block_aligned_prompt_under_pressure(ref_model):
 
 
 # -- transformers as the reference ------------------------------------------------------------
-@pytest.fixture(scope="module", params=["qwen3", "phi3"])
+@pytest.fixture(scope="module", params=["qwen3", "phi3", "olmo2"])
 def hf_workload(hf_checkpoints, request):
     """Shared system prompt and RAG prompts, and transformers' greedy continuations of each, on
-    Qwen3 and Phi-3 (its permuted partial RoPE reaches the cached K/V too)."""
+    Qwen3 and on the two families issue 30 added through the registry (Phi-3's permuted partial
+    RoPE and OLMo 2's post-norms reach the cached K/V too)."""
     rng = random.Random(3)
     system = tokens(rng, 45, HF_VOCAB)
     document = tokens(rng, 180, HF_VOCAB)

@@ -1,9 +1,9 @@
 """The model's shape and hyper-parameters: `ModelConfig`, what the model code reads.
 
 One `ModelConfig` describes every supported architecture; the differences between them are a
-few flags (`attention_bias`, `qk_norm`, Gemma 3's `output_norms`, `embed_scale`, activation,
-attention scale, logit soft-capping and local RoPE base, Phi-3's partial `rotary_dim`) that the
-single decoder in `kvserve.model.decoder` reads. Which
+few flags (`attention_bias`, `qk_norm`, the norm placement `pre_norms` / `output_norms`,
+Gemma 3's `embed_scale`, activation, attention scale, logit soft-capping and local RoPE base,
+Phi-3's partial `rotary_dim`) that the single decoder in `kvserve.model.decoder` reads. Which
 flags an architecture sets is its family's business: `kvserve.models.registry` turns a Hugging
 Face `config.json` into a `ModelConfig` (`config_from_dict`, `config_from_dir`), one module per
 family under `kvserve/models/`. This module stays below the model code and the registry, so both
@@ -45,7 +45,10 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama/Qwen3 also on o_proj)
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+    qk_norm: bool = False  # RMSNorm of q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
+    # True: one norm per head over head_dim (Qwen3, Gemma 3); False: one over the whole q (and
+    # one over the whole k) projection, all heads together (OLMo 2)
+    qk_norm_per_head: bool = True
     # One entry per layer: None = full attention, an int W = the layer attends to the last W
     # positions (its own included), as transformers' sliding-window mask does. () = all full.
     layer_windows: tuple[int | None, ...] = ()
@@ -54,8 +57,10 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek-V2/V3: head_dim is then the RoPE dim
     moe: MoEConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
-    # Gemma 3: norms on the attention's and the MLP's outputs before their residual adds (as
-    # well as the norms before them).
+    # Where the layer's RMSNorms sit: `pre_norms` before attention and before the MLP (every
+    # family but OLMo 2), `output_norms` on the attention's and the MLP's outputs before their
+    # residual adds (Gemma 3 has both, OLMo 2 only these).
+    pre_norms: bool = True
     output_norms: bool = False
     embed_scale: float | None = None  # Gemma: embeddings are multiplied by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5

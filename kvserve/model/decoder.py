@@ -1,5 +1,5 @@
-"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text) and Phi-3; which
-architecture sets which switch is `kvserve/models/`' business, one module per family.
+"""One config-driven decoder for Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text), Phi-3 and OLMo 2;
+which architecture sets which switch is `kvserve/models/`' business, one module per family.
 
 Gemma 3 is the same decoder with a few switches from its config: embeddings scaled by
 sqrt(hidden_size), norms that scale by (1 + weight) (the loader stores 1 + weight, so the norm
@@ -7,7 +7,9 @@ code is shared), the attention and MLP outputs normed before their residual adds
 norms (as Qwen3), a GELU-tanh gate, the attention scale from `query_pre_attn_scalar`, a RoPE base
 per layer type (local and global layers), and tanh soft-capping of the final logits.
 Phi-3's partial RoPE is a RoPE table whose last frequencies are 0 (its weight map permutes the
-q/k dimensions to match, `kvserve.models.weights.partial_rotary_rows`).
+q/k dimensions to match, `kvserve.models.weights.partial_rotary_rows`). OLMo 2 has the output
+norms without the norms before attention and the MLP (`pre_norms` False: those ops then read
+the residual stream as it is) and norms q and k over the whole projection, not per head.
 
 The model runs on a flat batch: `T` new tokens from any number of sequences, with no batch
 dimension and no padding. Everything that depends on which sequence a token belongs to (the
@@ -242,19 +244,26 @@ class DecoderLayer(nn.Module):
         self.eps = c.rms_norm_eps
         p = dict(dtype=dtype, device=device)
         h, qkv = c.hidden_size, c.q_size + 2 * c.kv_size
-        self.input_layernorm = _param(h, **p)
+        self.hidden_size = h
+        # The norm before attention (None without pre-norms: OLMo 2)
+        self.input_layernorm = _param(h, **p) if c.pre_norms else None
         self.qkv_proj = _param(qkv, h, **p)
         self.qkv_bias = _param(qkv, **p) if c.attention_bias else None
-        # Qwen3: q_norm repeated over the q heads, then k_norm over the kv heads, so that one
-        # normalisation covers q and k together.
-        self.qk_norm = _param(c.num_attention_heads + c.num_key_value_heads, c.head_dim, **p) \
-            if c.qk_norm else None
+        # Per head (Qwen3, Gemma 3): q_norm repeated over the q heads, then k_norm over the kv
+        # heads, [heads + kv heads, head_dim], so that one normalisation covers q and k
+        # together. Over the whole projection (OLMo 2): [q_size + kv_size], q's then k's.
+        if not c.qk_norm:
+            self.qk_norm = None
+        elif c.qk_norm_per_head:
+            self.qk_norm = _param(c.num_attention_heads + c.num_key_value_heads, c.head_dim, **p)
+        else:
+            self.qk_norm = _param(c.q_size + c.kv_size, **p)
         self.o_proj = _param(h, c.q_size, **p)
         self.o_bias = _param(h, **p) if c.o_proj_bias else None
         # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
-        # pre_feedforward_layernorm).
-        self.post_attention_layernorm = _param(h, **p)
-        # Gemma 3: norms of the attention and MLP outputs, before their residual adds.
+        # pre_feedforward_layernorm; None without pre-norms).
+        self.post_attention_layernorm = _param(h, **p) if c.pre_norms else None
+        # Gemma 3, OLMo 2: norms of the attention and MLP outputs, before their residual adds.
         self.attn_out_norm = _param(h, **p) if c.output_norms else None
         self.mlp_out_norm = _param(h, **p) if c.output_norms else None
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
@@ -356,15 +365,15 @@ class DecoderLayer(nn.Module):
         for kernel, ops in built.items():
             _wrap_unfused(self, kernel, ops)
         self._ops = []
-        self._mlp_chunk_rows = mlp_chunk_rows(self.intermediate_size,
-                                              self.input_layernorm.element_size())
+        self._mlp_chunk_rows = mlp_chunk_rows(self.intermediate_size, self.o_proj.element_size())
         block = None
         self.fast_decode_ops = None
         for b in range(len(gemm_select.BUCKETS)):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
             fused = None
             if all(plan.kernels[p][b] == "gemv" for p in ("o", "mlp", "down")) \
-                    and self.attn_out_norm is None and self.mlp_out_norm is None:
+                    and self.attn_out_norm is None and self.mlp_out_norm is None \
+                    and self.post_attention_layernorm is not None:
                 block = block or gemv.load().bind_mlp_block(
                     self.o_proj, self.o_bias, self.post_attention_layernorm, self.eps,
                     self.gate_up_proj, self.gate_up_bias, self.down_proj, self.down_bias,
@@ -372,7 +381,7 @@ class DecoderLayer(nn.Module):
                 fused = block
             self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"], fused))
             if b == 0 and fused is not None and plan.kernels["qkv"][0] == "gemv" \
-                    and self.qk_norm is None:
+                    and self.qk_norm is None and self.input_layernorm is not None:
                 # the whole layer as bound C++ ops, for cpu_decode.FastDecode
                 self.fast_decode_ops = (gemv.load().bind(
                     self.qkv_proj, self.qkv_bias, norm_weight=self.input_layernorm,
@@ -385,7 +394,7 @@ class DecoderLayer(nn.Module):
 
     def gemm_flops_per_row(self) -> int:
         """FLOPs of this layer's projections per token (for the warm-up's budget)."""
-        h = self.input_layernorm.shape[0]
+        h = self.hidden_size
         qkv = self.q_size + 2 * self.num_kv_heads * self.head_dim
         return 2 * (h * qkv + self.q_size * h + 3 * h * self.intermediate_size)
 
@@ -423,7 +432,7 @@ class DecoderLayer(nn.Module):
     # -- the fallback ops (no GEMM plan): late-bound, so use_triton_ops' swaps apply ----------
     def _attn_in(self, hidden: torch.Tensor, cos_sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self._norm(hidden, self.input_layernorm, self.eps)
+        x = _pre_norm(self._norm, hidden, self.input_layernorm, self.eps)
         return _split_qkv(self, self._linear(x, self.qkv_proj, self.qkv_bias), cos_sin,
                           self._norm, self._rope)
 
@@ -434,7 +443,8 @@ class DecoderLayer(nn.Module):
         return hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._swiglu(self._norm(hidden, self.post_attention_layernorm, self.eps))
+        x = _pre_norm(self._norm, hidden, self.post_attention_layernorm, self.eps)
+        return self._swiglu(x)
 
     def _down_add(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.mlp_out_norm is None:
@@ -455,8 +465,13 @@ def _split_qkv(layer: DecoderLayer, qkv: torch.Tensor, cos_sin: torch.Tensor,
     then RoPE: `rope`, or none when the GEMV already rotated them), v [T, Hkv, D] (views)."""
     t, d = qkv.shape[0], layer.head_dim
     qk = qkv[:, : layer.qk_size].view(t, layer.num_heads + layer.num_kv_heads, d)
-    if layer.qk_norm is not None:
-        qk = norm(qk, layer.qk_norm, layer.eps)  # per-head weight [heads, D]
+    w = layer.qk_norm
+    if w is not None and w.dim() == 2:
+        qk = norm(qk, w, layer.eps)  # per-head weight [heads, D]
+    elif w is not None:  # over the whole q, then the whole k (OLMo 2)
+        q = layer.q_size
+        qk = torch.cat((norm(qkv[:, :q], w[:q], layer.eps),
+                        norm(qkv[:, q: layer.qk_size], w[q:], layer.eps)), dim=1).view(qk.shape)
     if rope is not None:
         qk = rope(qk, cos_sin)
     return (qk[:, : layer.num_heads], qk[:, layer.num_heads:],
@@ -468,6 +483,8 @@ def _attn_in_unfused(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch.Te
     """(residual, cos_sin) -> q, k, v around a qkv GEMM on normed x: norm, GEMM, split, RoPE.
     In float32 on the CPU the norm is the C++ kernel of gemv.py rather than torch ops."""
     w, eps = layer.input_layernorm, layer.eps
+    if w is None:  # no pre-norm: the GEMM reads the residual stream
+        return _attn_in_after_norm(layer, qkv)
     g = gemv.load() if gemv_available(w.dtype, w.device) else None
     norm = g.rms_norm if g is not None else rms_norm
     return _attn_in_after_norm(layer, lambda h: qkv(norm(h, w, eps)))
@@ -478,7 +495,7 @@ def _attn_in_after_norm(layer: DecoderLayer, qkv: Callable[[torch.Tensor], torch
     """(residual, cos_sin) -> q, k, v around `qkv` (residual -> q | k | v, normed inside):
     split, q/k norms, RoPE. In float32 on the CPU (without q/k norms) the RoPE is gemv.py's
     C++ kernel, in place on the GEMM's output."""
-    w = layer.input_layernorm
+    w = layer.o_proj
     g = gemv.load() if gemv_available(w.dtype, w.device) else None
     if g is None or layer.qk_norm is not None:  # q/k norms sit between projection and RoPE
         return lambda h, cos_sin: _split_qkv(layer, qkv(h), cos_sin, rope=_apply_rope)
@@ -494,7 +511,7 @@ def _wrap_unfused(layer: DecoderLayer, kernel: str, ops: dict[str, Callable]) ->
         return
     if "qkv" in ops:
         ops["qkv"] = _attn_in_unfused(layer, ops["qkv"])
-    if "mlp" in ops:
+    if "mlp" in ops and layer.post_attention_layernorm is not None:
         mlp, w, eps = ops["mlp"], layer.post_attention_layernorm, layer.eps
         g = gemv.load() if gemv_available(w.dtype, w.device) else None
         norm = g.rms_norm if g is not None else rms_norm
@@ -516,6 +533,12 @@ def mlp_chunk_rows(intermediate_size: int, element_size: int) -> int:
     rows are independent, so chunks change no result."""
     rows = MLP_CHUNK_BYTES // max(1, 2 * intermediate_size * element_size)
     return max(MLP_CHUNK_MIN_ROWS, rows // 64 * 64)
+
+
+def _pre_norm(norm: Callable, x: torch.Tensor, weight: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    """norm(x) before attention or the MLP; x itself where the model has no such norm."""
+    return x if weight is None else norm(x, weight, eps)
 
 
 def _gated(gate_up: torch.Tensor, i: int, gelu: bool) -> torch.Tensor:
@@ -676,7 +699,8 @@ def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
     ops: dict[str, Callable] = {}
     eps, d = layer.eps, layer.head_dim
     if "qkv" in projs:
-        norm = {"norm_weight": layer.input_layernorm, "eps": eps} if fused else {}
+        norm = {"norm_weight": layer.input_layernorm, "eps": eps} \
+            if fused and layer.input_layernorm is not None else {}
         rope_cols = layer.qk_size if fused and layer.qk_norm is None else 0
         qkv = g.bind(layer.qkv_proj, layer.qkv_bias, rope_cols=rope_cols, head_dim=d, **norm)
         if not fused:
@@ -688,7 +712,8 @@ def _gemv_ops(layer: DecoderLayer, projs: tuple[str, ...] = _PROJS,
     if "o" in projs:
         ops["o"] = _gemv_output_add(g, layer.o_proj, layer.o_bias, layer.attn_out_norm, eps)
     if "mlp" in projs:
-        norm = {"norm_weight": layer.post_attention_layernorm, "eps": eps} if fused else {}
+        norm = {"norm_weight": layer.post_attention_layernorm, "eps": eps} \
+            if fused and layer.post_attention_layernorm is not None else {}
         mode = gemv.MODE_GELU_MUL if layer.gelu else gemv.MODE_SILU_MUL
         ops["mlp"] = g.bind(layer.gate_up_proj, layer.gate_up_bias, mode, **norm)
     if "down" in projs:

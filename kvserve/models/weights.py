@@ -3,9 +3,10 @@ Hugging Face tensor name -> the slice of the fused parameter it fills.
 
 The decoder keeps q, k and v in one `qkv_proj` ([q; k; v] rows) and gate and up in one
 `gate_up_proj` ([gate; up] rows), so a checkpoint with separate projections fills row ranges,
-and one that stores them fused (Phi-3) fills the whole matrix. Families differ in what their norms are
-called and where they sit (`Layout.norms`) and in Gemma's 1 + w norms (`Layout.norm_offset`);
-everything else is one function.
+and one that stores them fused (Phi-3) fills the whole matrix. Families differ in what their
+norms are called and where they sit (`Layout.norms`), in whether q/k norms are per head or over
+the whole projection (the parameter's shape says), and in Gemma's 1 + w norms
+(`Layout.norm_offset`); everything else is one function.
 
 Entries are made in checkpoint order (embedding, layers, final norm, LM head): make-model draws
 random weights in this order, so the order is part of what a seed means.
@@ -111,10 +112,14 @@ def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str
         if layer.qkv_bias is not None:
             for n, rows in zip("qkv", (slice(0, q), slice(q, q + kv), slice(q + kv, None))):
                 w.add(f"{a}{n}_proj.bias", layer.qkv_bias[rows])
-        if layer.qk_norm is not None:  # per head: [heads + kv heads, head_dim], broadcast
-            h = c.num_attention_heads
-            w.norm(a + "q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
-            w.norm(a + "k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
+        if layer.qk_norm is not None:
+            if layer.qk_norm.dim() == 2:  # per head: [heads + kv heads, head_dim], broadcast
+                h = c.num_attention_heads
+                w.norm(a + "q_norm.weight", layer.qk_norm[:h], (c.head_dim,))
+                w.norm(a + "k_norm.weight", layer.qk_norm[h:], (c.head_dim,))
+            else:  # over the whole projection: [q_size + kv_size]
+                w.norm(a + "q_norm.weight", layer.qk_norm[:q])
+                w.norm(a + "k_norm.weight", layer.qk_norm[q:])
         w.add(a + "o_proj.weight", layer.o_proj)
         if layer.o_bias is not None:
             w.add(a + "o_proj.bias", layer.o_bias)
