@@ -565,6 +565,26 @@ def test_make_model_loads_in_both(tmp_path, arch):
         assert (kv_logits(model, config, ids) - hf_logits(hf.eval(), ids)).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
+def test_cli_make_model_writes_transformers_config(tmp_path, arch):
+    """`kvserve make-model --arch phi3|olmo2` (the command line's choices are the registry's):
+    transformers' own config class wrote the config.json, and the checkpoint loads in kvserve
+    with transformers' logits."""
+    from kvserve.cli import main
+
+    path = tmp_path / arch
+    assert main(["make-model", str(path), "--arch", arch, "--seed", "2"]) == 0
+    cfg = json.loads((path / "config.json").read_text())
+    name = {"phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[arch]
+    assert cfg["architectures"] == [name] and cfg["model_type"] == arch
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    assert cfg == {**hf_cfg.to_diff_dict(), "architectures": [name]}
+    model, config = load_model(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = token_ids(17, 13, config.vocab_size)
+    assert (kv_logits(model, config, ids) - hf_logits(hf, ids)).abs().max() < ATOL
+
+
 def test_make_model_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 
