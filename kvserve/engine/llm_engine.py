@@ -22,7 +22,9 @@ import torch
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.bounded_kv import compact_bounded
 from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.engine.model_runner import ModelRunner, RunnerOutput
+from kvserve.engine.executor import InProcessExecutor
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.bounded import (
@@ -34,6 +36,7 @@ from kvserve.kv.bounded import (
 )
 from kvserve.kv.events import KVEvent
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.plan import StepPlan
 from kvserve.kv.spec import (
     KV_DTYPES,
     KVCacheSpec,
@@ -116,7 +119,8 @@ class LLMEngine:
                                  kv_events_capacity=KV_EVENTS_CAPACITY,
                                  window=self._release_window(),
                                  group_windows=self._group_windows())
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
+        self.runner = ModelRunner(self.model, self.backend, self.tensors, config.block_size)
+        self.executor = InProcessExecutor(self.runner)
         if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
             logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
         elif self.page_groups is not None and config.device == "cuda" and not config.enforce_eager:
@@ -278,7 +282,7 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
         if self.tiers is not None:
-            self.runner.apply_plan(self.kv.end_step())  # anything still planned for the tiers
+            self._run_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
             self.tiers.close()
             self.tiers = None
@@ -466,22 +470,23 @@ class LLMEngine:
         compiled = self._admit_compiled() if self._compiling else []
         batch = self._schedule()
         if not batch.requests:
+            self._run_plan(batch.plan)
             if self._compiling and not self.scheduler.has_unfinished():
                 _wait_any([f for f, _ in self._compiling.values()], 0.05)
                 return compiled + self._admit_compiled()
             if not self.kv.wait_for_prefetch(0.05):
                 return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
-        out = self.runner.execute(batch)
+        out = self._execute(batch.step)  # its plan, then its forward
         self.scheduler.update(batch)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
-        # KV is copied after the plan below (the plan may save blocks the move evicted).
-        moves = compact_bounded(batch.requests, self.kv, self.backend.observed)
-        # Write-through: the chunks this forward completed are saved now, not a step later (an
-        # engine that goes idle or shuts down next would never save them).
-        self.runner.apply_plan(self.kv.end_step())
-        for move in moves:
-            self.tensors.compact_tokens(move.src_table, move.keep, move.dst_table)
+        # KV moves in the plan handed out right after, with the write-through saves of the
+        # chunks this forward completed (saved now, not a step later: an engine that goes idle
+        # or shuts down next would never save them).
+        moves = compact_bounded(batch.requests, self.kv, out.observed)
+        plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
+        plan.compactions = moves
+        self._run_plan(plan)
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
         now = time.time()
         prefilled = self._finish_prefill_only(batch, failed, now)
@@ -518,17 +523,41 @@ class LLMEngine:
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
-        """Schedule a batch and apply its step plan at once. The memory work lands even if the
-        forward then fails (loaded blocks are in the prefix index already, and a later hit on
-        them must find their KV), and a schedule that raises part-way still hands out what its
-        admissions planned, so that nothing stale is left for the next step."""
+        """Schedule a batch. A schedule that raises part-way still hands out what its
+        admissions planned (run at once), so that nothing stale is left for the next step."""
         try:
-            batch = self.scheduler.schedule()
+            return self.scheduler.schedule()
         except Exception:
-            self.runner.apply_plan(self.kv.end_step())
+            self._run_plan(self.kv.end_step())
             raise
-        self.runner.apply_plan(batch.plan)
-        return batch
+
+    def _execute(self, step: StepInput) -> StepOutput:
+        """One step through the executor. The plan's memory work lands even if the forward then
+        fails (loaded blocks are in the prefix index already, and a later hit on them must find
+        their KV); the chunks read for the tiers are stored either way; a failed load drops the
+        prefix cache (blocks it names lack their KV) before the error goes on."""
+        try:
+            out = self.executor.execute(step)
+        except StepFailed as failed:
+            self._store_saved(failed.saved)
+            if failed.stage == "load":
+                self.kv.reset_prefix_cache()
+            raise failed.__cause__ from None
+        self._store_saved(out.saved)
+        return out
+
+    def _run_plan(self, plan: StepPlan) -> None:
+        if plan:
+            self._execute(StepInput(plan=plan))
+
+    def _store_saved(self, saved: list[tuple[int, torch.Tensor]]) -> None:
+        """Best-effort: a chunk that is not saved is recomputed later."""
+        for chunk_hash, data in saved:
+            try:
+                self.kv.tiers.save(chunk_hash, data)
+            except Exception:
+                logger.exception("saving chunk %x to the tiers failed; it is skipped",
+                                 chunk_hash)
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]
                 ) -> tuple[list[int | None], list[dict[int, float] | None],
@@ -558,16 +587,16 @@ class LLMEngine:
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput
                                 ) -> dict[str, Exception]:
         """Append to each request the logprobs of the prompt tokens this step's logits
-        predicted (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
+        predicted (the scheduler asked only for the ones not recorded yet, so a prompt recomputed
         after a preemption neither repeats nor loses an entry). Request by request, so that one
         that raises fails alone: returns what raised, by parent id."""
         failed: dict[str, Exception] = {}
         at = 0
         for span in out.prompt_spans:
-            request = batch.requests[span.batch_index]
+            request = batch.requests[span.index]
             logits = out.prompt_logits[at:at + span.count]
             at += span.count
             try:

@@ -548,6 +548,7 @@ class KVCacheManager:
         if self._copy_sources:
             self.index.mark_idle(self.pool.release(self._copy_sources))
             self._copy_sources = []
+        plan.released = self.pool.take_released()
         return plan
 
     def reset_prefix_cache(self) -> None:
