@@ -19,11 +19,9 @@ from typing import Any, Union
 
 import torch
 
-from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.bounded_kv import compact_bounded
-from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.engine.executor import InProcessExecutor
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.builder import build_engine
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.stats import EngineStats
@@ -35,30 +33,15 @@ from kvserve.kv.bounded import (
     resolve_bounded_kv,
 )
 from kvserve.kv.events import KVEvent
-from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
-from kvserve.kv.spec import (
-    KV_DTYPES,
-    KVCacheSpec,
-    KVStorage,
-    capacity_line,
-    decoder_kv_spec,
-    kv_dtype_name,
-    mla_saving_line,
-    resolve_kv_dtype,
-)
-from kvserve.kv.tensors import KVTensorPool
-from kvserve.kv.tiers.link import TierLink
+from kvserve.kv.spec import capacity_line, mla_saving_line
 from kvserve.kv.tiers.stats import SOURCES
-from kvserve.model.attention.select import make_attention_backend
-from kvserve.model.gguf_checkpoint import tokenizer_dir
-from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler, bitmask_words
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from kvserve.tokenizer import IncrementalDetokenizer, find_stop
 from kvserve.validation import (
     check_cache_salt,
     check_text_fits,
@@ -68,10 +51,6 @@ from kvserve.validation import (
 )
 
 logger = logging.getLogger("kvserve")
-
-# KV events (kv/events.py) kept between drains: the server drains after every step, so this only
-# bounds an engine nobody drains (the offline LLM), at a few MB.
-KV_EVENTS_CAPACITY = 65_536
 
 # A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
 PromptType = Union[str, Mapping[str, Any]]
@@ -88,49 +67,14 @@ class _Detok:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        model_dir = config.model
-        if model_dir is None:
-            from kvserve.model.default import embedded_model_path
-
-            model_dir = str(embedded_model_path())
-            config.model = model_dir
-        self.model, self.model_config = load_model(
-            model_dir, config.dtype, config.device, remeasure_kernels=config.remeasure_kernels)
-        if config.attention_backend == "triton":
-            self.model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
-        self.tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
-        config.finalize(self.model_config.max_position_embeddings)
-        self.dtype = next(self.model.parameters()).dtype
-
-        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size,
-                                      config.kv_cache_dtype)
-        self.page_groups = self._page_groups()
-        num_blocks = self._num_kv_blocks()
-        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
-                                    *self._kv_scales(model_dir), page_groups=self.page_groups)
-        self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.attention_scale, self.dtype)
-        self.tiers = self._make_tiers(model_dir)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.eviction_policy,
-                                 TierLink(self.tiers, config.block_size) if self.tiers else None,
-                                 kv_events_capacity=KV_EVENTS_CAPACITY,
-                                 window=self._release_window(),
-                                 group_windows=self._group_windows())
-        self.runner = ModelRunner(self.model, self.backend, self.tensors, config.block_size)
-        self.executor = InProcessExecutor(self.runner)
-        if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
-            logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
-        elif self.page_groups is not None and config.device == "cuda" and not config.enforce_eager:
-            logger.info("per-group KV block tables: decode steps run eagerly (no CUDA graphs)")
-        elif config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
-            from kvserve.engine.cuda_graphs import CUDAGraphRunner
-
-            self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                 config.max_model_len)
-            self.runner.graphs.capture_all()
+        parts = build_engine(config)  # the model, the KV pool and its manager, the worker
+        self.model, self.model_config, self.tokenizer = parts.model, parts.model_config, \
+            parts.tokenizer
+        self.dtype, self.kv_spec, self.page_groups = parts.dtype, parts.kv_spec, \
+            parts.page_groups
+        self.tensors, self.backend, self.tiers = parts.tensors, parts.backend, parts.tiers
+        self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
+        num_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(config, self.kv)
         # The engine-wide bounded KV cache (lossy, opt-in), checked now so a bad one fails at
         # start-up; a request may ask for its own (add_request's bounded_kv).
@@ -162,109 +106,6 @@ class LLMEngine:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
                                         self.model_config.num_attention_heads, mla.qk_head_dim,
                                         mla.v_head_dim))
-
-    # -- sizing -----------------------------------------------------------------------------
-    def _page_groups(self):
-        """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
-        size, windowed groups releasing what falls out of their window), unless disabled or
-        storage tiers are on (their chunks hold every layer of a block); None keeps one table
-        for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
-        groups = self.kv_spec.page_groups()
-        if groups is None or self.config.disable_hybrid_kv_cache_manager:
-            return None
-        tiers = self.config.kv_tier_config
-        if tiers is not None and tiers.enabled:
-            logger.warning("storage tiers are on: a hybrid model keeps every block of every layer")
-            return None
-        logger.info("hybrid KV cache: %d groups of %d layers, one block table each",
-                    len(groups), len(groups[0].layers))
-        return groups
-
-    def _group_windows(self) -> list[int | None] | None:
-        """Each KV group's window (None: full attention), for the manager's per-group tables."""
-        if self.page_groups is None:
-            return None
-        return [getattr(g.spec, "window", None) for g in self.page_groups]
-
-    def _release_window(self) -> int | None:
-        """The window outside which the manager releases blocks: a model whose every layer is
-        windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
-        window = self.kv_spec.release_window
-        if window is None or self.config.disable_hybrid_kv_cache_manager \
-                or self.page_groups is not None:
-            return None
-        if self.tiers is not None:
-            logger.warning("storage tiers are on: blocks outside the sliding window are kept")
-            return None
-        return window
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif cfg.device == "cuda":
-            from kvserve.engine.gpu_memory import profile_kv_budget
-
-            budget = profile_kv_budget(self.model, cfg)
-        else:
-            # No point reserving more than every sequence slot at full length could use.
-            most = cfg.max_num_seqs * cfg.max_model_len * self.kv_spec.bytes_per_token
-            budget = min(int(available_host_memory() * cfg.gpu_memory_utilization),
-                         CPU_DEFAULT_KV_CACHE_BYTES, most)
-        page = self.kv_spec.page_bytes(self.page_groups)
-        blocks = budget // page
-        if blocks < 1:
-            raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
-                             f"{page:,} bytes; raise "
-                             "kv_cache_memory_bytes")
-        return blocks
-
-    def _kv_scales(self, model_dir: str) -> tuple[torch.Tensor | None, bool]:
-        """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
-        first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
-        storage = self.kv_spec.layer_specs()[0].storage
-        if storage.dtype != "fp8":
-            return None, False
-        from kvserve.model.loader import read_kv_scales
-
-        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
-        if scales is not None:
-            logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
-        elif self.config.calculate_kv_scales:
-            logger.info("fp8 KV cache: scales computed from the first batch "
-                        "(calculate_kv_scales)")
-        else:
-            logger.warning("fp8_e4m3 KV cache without k_scale/v_scale in the checkpoint: "
-                           "using 1.0 (set calculate_kv_scales=True to compute them); "
-                           "accuracy may suffer")
-        return scales, self.config.calculate_kv_scales
-
-    def _make_tiers(self, model_dir: str):
-        """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
-        tier_config = self.config.kv_tier_config
-        if tier_config is None or not tier_config.enabled:
-            return None
-        from kvserve.kv.tiers.chunk import ChunkIdentity, model_fingerprint
-        from kvserve.kv.tiers.tiered import TieredKVStore
-
-        mc = self.model_config
-        # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's
-        # one latent vector.
-        layer_tensors = self.kv_spec.layer_specs()[0].tensors
-        heads, width = layer_tensors[0]
-        identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 self.tensors.dtype, mc.num_hidden_layers, heads, width,
-                                 self.config.block_size, tier_config.chunk_size,
-                                 len(layer_tensors), kv_format=self.tensors.format_tag(),
-                                 page_bytes=self.tensors.page_bytes if self.tensors.packed
-                                 else None)
-        tiers = TieredKVStore(tier_config, identity)
-        logger.info("KV storage tiers: %s", ", ".join(
-            [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
-            + [f"disk {tier_config.local_disk} {tier_config.max_local_disk_size:g} GB"]
-            * (tier_config.local_disk is not None)
-            + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
-        return tiers
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -779,30 +620,6 @@ class LLMEngine:
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
-
-
-def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
-                   kv_cache_dtype: str = "auto") -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
-    the model's dtype; int4 keys grouped by block), with each sliding layer's window, or MLA's
-    latent vector (the attention backends read the windows from this spec; the planner derives
-    its figures from the same spec classes)."""
-    mc = model_config
-    mla = mc.mla
-    model_kv = kv_dtype_name(dtype)
-    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
-    if mla is not None and name != model_kv:
-        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
-        # latents too): MLA's latent is stored as the model computes it, never quantized.
-        what = "a quantized" if KV_DTYPES[name].quantized else "another"
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
-                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
-                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
-    storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
-    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
-                           block_size, mc.layer_windows,
-                           kv_lora_rank=mla.kv_lora_rank if mla else None,
-                           rope_dim=mla.qk_rope_head_dim if mla else 0)
 
 
 def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
