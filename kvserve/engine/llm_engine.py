@@ -1,8 +1,10 @@
 """The engine loop: schedule -> run -> sample -> update, one step at a time.
 
-`LLMEngine` owns every piece (model, KV pool, scheduler, sampler, tokenizer) and is the single
-place where a request is validated, so that nothing malformed ever reaches a batched step: an
-invalid request raises before it is queued, and holds no blocks. Should one request still raise
+`LLMEngine` holds the parts (engine/builder.py builds them: model, KV pool, worker), the
+scheduler and the sampler. A request is validated by its InputProcessor
+(engine/input_processor.py) before it is queued, so nothing malformed ever reaches a batched
+step; each step goes to the workers as a message (engine/step.py) through the executor.
+Should one request still raise
 while it is sampled, detokenized or its output is built, it alone finishes with
 finish_reason "error" (`RequestOutput.error` says why) and the others of the step go on.
 """
@@ -10,58 +12,31 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
-from typing import Any, Union
 
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.bounded_kv import compact_bounded
 from kvserve.engine.builder import build_engine
+from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.bounded import (
-    ATTENTION_POLICIES,
-    BoundedKV,
-    BoundedKVConfig,
-    peak_tokens,
-    resolve_bounded_kv,
-)
+from kvserve.kv.bounded import BoundedKVConfig
 from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.spec import capacity_line, mla_saving_line
 from kvserve.kv.tiers.stats import SOURCES
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler, bitmask_words
-from kvserve.tokenizer import IncrementalDetokenizer, find_stop
-from kvserve.validation import (
-    check_cache_salt,
-    check_text_fits,
-    check_token_ids,
-    check_utf8,
-    shorten,
-)
 
 logger = logging.getLogger("kvserve")
-
-# A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
-PromptType = Union[str, Mapping[str, Any]]
-
-
-@dataclass
-class _Detok:
-    """Per-sample text state: the incremental decoder and the text cut at a stop string."""
-
-    decoder: IncrementalDetokenizer
-    text: str = ""
 
 
 class LLMEngine:
@@ -76,27 +51,23 @@ class LLMEngine:
         self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
         num_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(config, self.kv)
-        # The engine-wide bounded KV cache (lossy, opt-in), checked now so a bad one fails at
-        # start-up; a request may ask for its own (add_request's bounded_kv).
-        self.bounded_kv: BoundedKV | None = None
-        if config.bounded_kv_policy is not None:
-            self.bounded_kv = self._resolve_bounded_kv(BoundedKVConfig(
-                config.bounded_kv_policy, config.bounded_kv_budget,
-                config.bounded_kv_sink_tokens, config.bounded_kv_observation_window))
+        self.inputs = InputProcessor(
+            config, self.model_config, self.tokenizer, self.kv,
+            self.tensors.quantized or self.tensors.dtype != self.dtype,
+            self.backend.observes_attention)
+        bound = self.inputs.bounded_kv
+        if bound is not None:
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
-                           self.bounded_kv.policy, self.bounded_kv.budget,
-                           self.bounded_kv.sink_tokens)
+                           bound.policy, bound.budget, bound.sink_tokens)
         self.sampler = Sampler(seed=config.seed)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = self.inputs.eos_token_ids
         self._groups: dict[str, list[Request]] = {}
-        self._detok: dict[str, _Detok] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self._streaming: set[str] = set()
         # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
         # (the compile, its samples). They join the scheduler once it is done; the batch never
         # waits for a compile.
         self._compiling: dict[str, tuple[Future, list[Request]]] = {}
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
                                   self.kv.final_blocks(config.max_model_len),
@@ -109,19 +80,12 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The structured-output grammar compiler, made on first use (building the tokenizer's
-        table takes a moment; an engine that never sees a grammar never pays it). Thread-safe:
-        the server compiles from worker threads, off the engine loop."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 sorted(self.eos_token_ids))
-            return self._grammars
+        """The structured-output grammar compiler (InputProcessor.grammars)."""
+        return self.inputs.grammars
 
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
-        if self._grammars is not None:
-            self._grammars.close()
+        self.inputs.close()
         if self.tiers is not None:
             self._run_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
@@ -133,66 +97,31 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     stream: bool = False, cache_salt: str | None = None,
                     priority: int = 0, bounded_kv: BoundedKVConfig | None = None) -> str:
-        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad.
+        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad
+        (engine/input_processor.py: nothing is queued or held then).
 
         A streaming request reports an output after every step that gave it a token; the others
         report once, when they finish. `bounded_kv` gives this request a bounded KV cache
         (lossy; kvserve.kv.bounded) in place of the engine's setting.
         """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if cache_salt is None and isinstance(prompt, Mapping):
-            cache_salt = prompt.get("cache_salt")  # vLLM's TextPrompt / TokensPrompt field
-        check_cache_salt(cache_salt)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {shorten(priority)}")
-        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
-        check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
-                        self.model_config.vocab_size)
-        text, token_ids = self._tokenize(prompt)
-        grammar: Future | None = None
-        if params.structured_outputs is not None:
-            grammar = self.grammars.submit(params.structured_outputs)
-            if grammar.done() and grammar.exception() is not None:
-                raise grammar.exception()
-        max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        bound = self._resolve_bounded_kv(bounded_kv) if bounded_kv is not None \
-            else self.bounded_kv
-        blocks = self._blocks_needed(len(token_ids), max_tokens, bound)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"request needs up to {blocks} KV blocks ({len(token_ids)} prompt + {max_tokens} "
-                f"new tokens) but the KV pool has only {self.kv.num_blocks} blocks "
-                f"({self.kv.num_blocks * self.config.block_size} tokens); raise "
-                "kv_cache_memory_bytes or lower max_tokens")
+        rid = str(self._next_id) if request_id is None else request_id
+        children, grammar = self.inputs.make_requests(prompt, params, rid, arrival_time,
+                                                      cache_salt, priority, bounded_kv)
         if request_id is None:
-            request_id = str(self._next_id)
             self._next_id += 1
-        if request_id in self._groups:
+        elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time() if arrival_time is None else arrival_time
-        children = [Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
-                            prompt_token_ids=token_ids, sampling_params=params,
-                            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                            arrival_time=arrival, prompt=text, index=i, parent_id=request_id,
-                            cache_salt=cache_salt, priority=priority, bounded_kv=bound)
-                    for i in range(params.n)]
-        self._groups[request_id] = children
+        self._groups[rid] = children
         if stream:
-            self._streaming.add(request_id)
+            self._streaming.add(rid)
         for child in children:
-            # Text is decoded token by token only when someone looks at it before the end (stop
-            # strings, streaming); otherwise once, at the end, off the per-token path.
-            if params.detokenize and (stream or params.stop_list):
-                self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
-                    self.tokenizer, token_ids, params.skip_special_tokens))
+            self.outputs.track(child, stream)
             self.kv.start_prefetch(child)
         if grammar is not None and not grammar.done():
-            self._compiling[request_id] = (grammar, children)
+            self._compiling[rid] = (grammar, children)
         else:
             self._schedule_children(children, grammar)
-        return request_id
+        return rid
 
     def _schedule_children(self, children: list[Request], grammar: Future | None) -> None:
         """Queue the samples of a request, each with its own matcher over the compiled
@@ -216,80 +145,6 @@ class LLMEngine:
                 self._schedule_children(children, grammar)
         return outputs
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            check_utf8("the prompt", prompt)
-            check_text_fits(self.tokenizer, prompt, self.model_max_len)
-            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
-        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            if text is not None:
-                if not isinstance(text, str):
-                    raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-                check_utf8("the prompt", text)
-            ids = list(ids)
-            check_token_ids("token ids", ids, self.model_config.vocab_size)
-        elif isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        else:
-            raise ValueError("a prompt must be a string, {'prompt': str} or "
-                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        return text, ids
-
-    def _resolve_bounded_kv(self, config: BoundedKVConfig) -> BoundedKV:
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"bounded_kv must be a BoundedKVConfig, got "
-                             f"{type(config).__name__}")
-        if self.model_config.mla is not None:
-            raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
-                             "cache is compressed already)")
-        if self.tensors.quantized or self.tensors.dtype != self.dtype:
-            raise ValueError("a bounded KV cache needs the KV cache in the model's own dtype "
-                             f"(kv_cache_dtype=auto), got kv_cache_dtype="
-                             f"{self.config.kv_cache_dtype!r}: compaction and the attention "
-                             "weights of SnapKV/H2O read the cache unquantized")
-        bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not self.backend.observes_attention:
-            raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
-                             "which only the torch attention backend computes (this engine "
-                             f"runs {self.config.attention_backend})")
-        return bound
-
-    def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
-        """The most blocks a request can hold at once: what the manager counts (all its tokens,
-        or its window's), or for a bounded cache its prompt, or budget + one block plus the
-        budget's fresh blocks while it compacts. Its tokens are those whose KV is ever
-        computed: the last sampled token never is (the simulator counts the same)."""
-        total = prompt_len + max(max_tokens - 1, 0)
-        if bound is None:
-            return self.kv.peak_blocks(prompt_len, total)
-        grown = peak_tokens(prompt_len, total, bound, self.config.block_size)
-        compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
-        return self.kv.blocks_for_tokens(grown) + compacting
-
-    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.config.max_model_len
-        assert limit is not None
-        if params.max_tokens == 0:  # prefill only: the prompt may fill the whole context
-            if prompt_len > limit:
-                raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is "
-                                 f"{limit}")
-            return 0
-        if prompt_len >= limit:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
-                             "no room to generate")
-        if params.max_tokens is None:
-            return limit - prompt_len
-        if prompt_len + params.max_tokens > limit:
-            raise ValueError(f"this model's maximum context length is {limit} tokens, but "
-                             f"{prompt_len} prompt tokens + {params.max_tokens} max_tokens "
-                             f"= {prompt_len + params.max_tokens} were requested")
-        return params.max_tokens
-
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
         # A request still waiting for its grammar is in no queue, but add_request started its
@@ -298,7 +153,7 @@ class LLMEngine:
         for child in self._groups.pop(request_id, ()):
             if not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
-            self._detok.pop(child.request_id, None)
+            self.outputs.forget(child.request_id)
         self._streaming.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -472,28 +327,17 @@ class LLMEngine:
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
         """Finish every sample of a request that raised inside the step (finish_reason
-        "error", blocks freed) and return its final output, which carries the error. Built
-        from the counters alone, since its text is what may have failed (`_output` may have
-        dropped the group already)."""
+        "error", blocks freed) and return its final output, which carries the error
+        (`_output` may have dropped the group already)."""
         logger.error("request %s failed inside the step; it is stopped, the others go on",
                      parent_id, exc_info=exc)
         self._groups.pop(parent_id, None)
         self._streaming.discard(parent_id)
         for c in children:
-            self._detok.pop(c.request_id, None)
             if not c.finished:
                 self._finish(c, RequestStatus.FINISHED_ERROR)
             c.status = RequestStatus.FINISHED_ERROR  # a sibling that had ended fails with it
-        first = children[0]
-        return RequestOutput(
-            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=[CompletionOutput(index=c.index, text="", token_ids=c.output_token_ids,
-                                      cumulative_logprob=None, logprobs=None,
-                                      finish_reason=RequestStatus.FINISHED_ERROR.value)
-                     for c in children],
-            finished=True, metrics=_group_metrics(children, True),
-            num_cached_tokens=first.num_cached_tokens,
-            error=shorten(f"{type(exc).__name__}: {exc}", 200))
+        return self.outputs.error_output(parent_id, children, exc)
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
                       now: float) -> None:
@@ -521,18 +365,8 @@ class LLMEngine:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        detok = self._detok.get(request.request_id)
-        if detok is not None:
-            delta = detok.decoder.add(token)
-            detok.text += delta
-            if params.stop_list and n_out >= params.min_tokens:
-                at = find_stop(detok.text, len(delta), params.stop_list)
-                if at is not None:
-                    stop = next(s for s in params.stop_list if detok.text.startswith(s, at))
-                    cut = at + len(stop) if params.include_stop_str_in_output else at
-                    detok.text = detok.text[:cut]
-                    request.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
+        if self.outputs.stop_string(request, token):  # (also advances the request's text)
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -541,42 +375,12 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         request.finished_time = time.time()
 
-    # -- outputs ----------------------------------------------------------------------------
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
-        finished = all(c.finished for c in children)
-        if finished:
+        if all(c.finished for c in children):
             del self._groups[parent_id]
             self._streaming.discard(parent_id)
-        completions = []
-        for c in children:
-            detok = self._detok.pop(c.request_id, None) if finished else \
-                self._detok.get(c.request_id)
-            if detok is not None:
-                if finished and c.stop_reason is None:  # text ended mid-character: emit the rest
-                    detok.text += detok.decoder.flush()
-                text = detok.text
-            elif c.sampling_params.detokenize:
-                text = self.tokenizer.decode(c.output_token_ids,
-                                             skip_special_tokens=c.sampling_params.skip_special_tokens)
-            else:
-                text = ""
-            wants_logprobs = c.sampling_params.logprobs is not None
-            completions.append(CompletionOutput(
-                index=c.index, text=text, token_ids=c.output_token_ids,
-                cumulative_logprob=c.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(c.output_logprobs) if wants_logprobs else None,
-                finish_reason=c.status.value if c.finished else None,
-                stop_reason=c.stop_reason))
-        first = children[0]
-        prompt_logprobs = _prompt_logprobs(first)
-        return RequestOutput(request_id=parent_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=_group_metrics(children, finished),
-                             num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs,
-                             prompt_logprob_ranks=None if prompt_logprobs is None
-                             else list(first.prompt_logprob_ranks))
+        return self.outputs.output(parent_id, children)
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -622,14 +426,6 @@ class LLMEngine:
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
 
 
-def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
-    """vLLM's RequestOutput.prompt_logprobs, once every prompt token has its entry (a streamed
-    output of a sibling sample can come before the first sample's prefill ends)."""
-    if len(first.prompt_logprobs) < len(first.prompt_token_ids):
-        return None
-    return list(first.prompt_logprobs)
-
-
 def _sampling_rows(requests: list[Request], vocab: int
                    ) -> tuple[list[SamplingRow], torch.Tensor | None]:
     """The sampler's rows, and the step's grammar bitmask: the requests with a grammar fill one
@@ -648,19 +444,3 @@ def _sampling_rows(requests: list[Request], vocab: int
 
 def _wait_any(futures: list[Future], timeout: float) -> None:
     wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
-
-
-def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:
-    """The metrics of a request from those of its samples."""
-    first = children[0]
-    return RequestMetrics(
-        arrival_time=first.arrival_time,
-        first_scheduled_time=first.first_scheduled_time,
-        first_token_time=min((c.first_token_time for c in children
-                              if c.first_token_time is not None), default=None),
-        last_token_time=max((c.last_token_time for c in children
-                             if c.last_token_time is not None), default=None),
-        finished_time=max((c.finished_time or 0.0 for c in children), default=None)
-        if finished else None,
-        num_cached_tokens=first.num_cached_tokens,
-        num_preemptions=sum(c.num_preemptions for c in children))
