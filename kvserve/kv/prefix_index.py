@@ -88,14 +88,6 @@ class PrefixMatch:
         """The same match less its partially matched block (which is then computed)."""
         return dataclasses.replace(self, partial=None, partial_len=0)
 
-    @property
-    def blocks(self) -> list[int]:
-        return [n.block for n in self.nodes]
-
-    @property
-    def last_node(self) -> Node | None:
-        return self.nodes[-1] if self.nodes else None
-
 
 class PrefixIndex:
     enabled = True
