@@ -83,20 +83,20 @@ class LogitsTap:
     def __init__(self, llm) -> None:
         self.rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
         runner = llm.engine.runner
-        execute = runner.execute
+        forward = runner.forward
 
-        def tapped(batch):
-            out = execute(batch)
+        def tapped(seqs):
+            out = forward(seqs)
             at = 0
             for span in out.prompt_spans:
-                rid = batch.requests[span.batch_index].request_id
+                rid = seqs[span.index].request_id
                 rows = out.prompt_logits[at:at + span.count]
                 self.rows.setdefault(rid, []).append(
                     (span.first_token, torch.log_softmax(rows.float(), -1)))
                 at += span.count
             return out
 
-        runner.execute = tapped
+        runner.forward = tapped
 
     def take(self, rid: str) -> torch.Tensor:
         """[prompt_len - 1, vocab]: row i predicts prompt token i + 1."""

@@ -65,14 +65,13 @@ def held_at_end(path: Path, length: int, keep_all: bool) -> tuple[list[int], LLM
     engine.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length - 8)]},
                        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
     held: list[int] = []
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
-    def recording(batch, *a, **kw):  # the tables as the step's forward reads them
-        held[:] = [sum(b != NULL_BLOCK for b in t)
-                   for t in engine.kv.group_block_tables(batch.requests[0])]
-        return execute(batch, *a, **kw)
+    def recording(seqs, *a, **kw):  # the tables as the step's forward reads them
+        held[:] = [sum(b != NULL_BLOCK for b in t) for t in seqs[0].block_tables]
+        return forward(seqs, *a, **kw)
 
-    engine.runner.execute = recording
+    engine.runner.forward = recording
     while engine.has_unfinished_requests():
         engine.step()
     return held, llm

@@ -104,21 +104,22 @@ def first_token_logits(llm, batches: list[list[list[int]]]
                        ) -> dict[tuple[int, ...], "torch.Tensor"]:
     """Each batch of prompts generated for one token in turn; by prompt, the logits its first
     token was sampled from (the batched paged path's)."""
-    runner = llm.engine.runner
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
     captured: dict[tuple[int, ...], torch.Tensor] = {}
-    original = runner.execute
+    original = runner.forward
 
-    def spy(batch):
-        out = original(batch)
+    def spy(seqs):
+        out = original(seqs)
+        prompts = {r.request_id: r.prompt_token_ids for r in scheduler.running}
         for j, i in enumerate(out.sampled):
-            captured[tuple(batch.requests[i].prompt_token_ids)] = out.logits[j].clone()
+            captured[tuple(prompts[seqs[i].request_id])] = out.logits[j].clone()
         return out
 
-    runner.execute = spy
+    runner.forward = spy
     try:
         for prompts in batches:
             generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
                              SamplingParams(temperature=0.0, max_tokens=1))
     finally:
-        runner.execute = original
+        runner.forward = original
     return captured

@@ -124,3 +124,30 @@ def test_the_gguf_reader_and_the_default_model_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph[node])
+    return seen
+
+
+WORKER = "kvserve.engine.model_runner"
+SCHEDULER_SIDE = {"kvserve.kv.manager", "kvserve.kv.prefix_index", "kvserve.kv.block_pool",
+                  "kvserve.engine.scheduler", "kvserve.engine.llm_engine",
+                  "kvserve.engine.async_engine", "kvserve.request"}
+
+
+def test_the_worker_imports_nothing_of_the_scheduler_side():
+    """The worker runs plain step messages (engine/step.py), so it can sit behind another
+    process: nothing it imports, directly or not, is the KV manager, the scheduler, the engine
+    or the request type."""
+    graph = import_graph()
+    assert "kvserve.engine.step" in graph[WORKER]
+    leaked = sorted(_reachable(graph, WORKER) & SCHEDULER_SIDE)
+    assert not leaked, f"the worker imports {leaked}"
+    assert not _reachable(graph, "kvserve.engine.step") & SCHEDULER_SIDE

@@ -81,15 +81,15 @@ def _llm(path, **kwargs) -> LLM:
 def _run_with_logits(llm: LLM, prompts, params, bounded=None):
     engine, runner = llm.engine, llm.engine.runner
     captured: dict[str, list[torch.Tensor]] = {}
-    original = runner.execute
+    original = runner.forward
 
-    def spy(batch):
-        out = original(batch)
+    def spy(seqs):
+        out = original(seqs)
         for j, i in enumerate(out.sampled):
-            captured.setdefault(batch.requests[i].request_id, []).append(out.logits[j].clone())
+            captured.setdefault(seqs[i].request_id, []).append(out.logits[j].clone())
         return out
 
-    runner.execute = spy
+    runner.forward = spy
     ids = [engine.add_request({"prompt_token_ids": p}, params, bounded_kv=bounded)
            for p in prompts]
     done = {}
@@ -98,7 +98,7 @@ def _run_with_logits(llm: LLM, prompts, params, bounded=None):
             if out.finished:
                 done[out.request_id] = out
         engine.check_invariants()
-    runner.execute = original
+    runner.forward = original
     assert engine.kv.num_available_blocks == engine.kv.num_blocks, "KV blocks leaked"
     return [(p, done[i].outputs[0].token_ids, torch.stack(captured[i]))
             for p, i in zip(prompts, ids)]

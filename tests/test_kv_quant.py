@@ -145,7 +145,7 @@ def test_int4_decode_fills_a_block_then_quantizes_it_once():
             assert torch.allclose(kk[:BS], want, atol=1e-6)
             assert torch.equal(kk[BS:p + 1], k[BS:p + 1])
     assert list(pool.residual.rows) == [4]  # only the filling block holds a row
-    pool.release_unused([0] * 8)
+    pool.release(table)  # the request let go of its blocks (the step plan's `released`)
     assert not pool.residual.rows
 
 

@@ -555,13 +555,13 @@ def test_a_failed_step_does_not_leave_unloaded_blocks_in_the_cache(workload):
     llm = tier_llm(path, {"local_cpu": True, "max_local_cpu_size": 0.01})
     assert tokens_of(generate(llm, pass_a, PARAMS)) == want_a  # documents 0 and 1 go to host
     runner = llm.engine.runner
-    execute = runner.execute
+    forward = runner.forward
 
-    def fail_once(batch):
-        runner.execute = execute
+    def fail_once(seqs):  # after the step's plan has run
+        runner.forward = forward
         raise RuntimeError("injected step failure")
 
-    runner.execute = fail_once
+    runner.forward = fail_once
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([{"prompt_token_ids": pass_b[0]}], PARAMS, use_tqdm=False)
     assert llm.engine.stats().hit_tokens["host"] == 4 * CHUNK  # it was admitted with the loads
@@ -639,13 +639,13 @@ def test_a_failed_step_does_not_leave_a_copy_queued(hf_checkpoints, seed):
                                    "max_local_cpu_size": 0.01})
     generate(llm, [doc_d, doc_a], params)
     runner = llm.engine.runner
-    execute = runner.execute
+    forward = runner.forward
 
-    def fail_once(batch):
-        runner.execute = execute
+    def fail_once(seqs):  # after the step's plan has run
+        runner.forward = forward
         raise RuntimeError("injected step failure")
 
-    runner.execute = fail_once
+    runner.forward = fail_once
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([{"prompt_token_ids": doc_a[:cut]}], params, use_tqdm=False)
     assert tokens_of(generate(llm, [prompt], params)) == want

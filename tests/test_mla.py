@@ -134,14 +134,14 @@ def test_decode_logits_match_over_many_steps(checkpoints):
     prompt = random_prompts([23], VOCAB, seed=3)[0]
     runner = llm.engine.runner
     steps: list[torch.Tensor] = []
-    original = runner.execute
+    original = runner.forward
 
-    def spy(batch):
-        out = original(batch)
+    def spy(seqs):
+        out = original(seqs)
         steps.append(out.logits[0].clone())
         return out
 
-    runner.execute = spy
+    runner.forward = spy
     out = generate_checked(llm, [{"prompt_token_ids": prompt}],
                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     seq = prompt + out.outputs[0].token_ids
@@ -321,7 +321,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
 
 def _logits_through_pool(model, config, ids):
     """All positions' logits of one prefill through the MLA backend over a fresh pool."""
-    from kvserve.engine.llm_engine import engine_kv_spec
+    from kvserve.engine.builder import engine_kv_spec
 
     spec = engine_kv_spec(config, torch.float32, 16)
     pool = KVTensorPool(spec, 4)

@@ -77,11 +77,12 @@ def test_unencodable_text_and_oov_ids_are_refused_at_add_request(llm):
 
 @pytest.mark.parametrize("where", ["add", "flush"])
 def test_a_failing_detokenizer_fails_only_its_request(llm, alone, monkeypatch, where):
-    """`add` runs for every token (LLMEngine._append_token); `flush` once, when the output of
-    the finished request is built (LLMEngine._output)."""
-    from kvserve.engine import llm_engine
+    """`add` runs for every token (LLMEngine._append_token, through the output processor's
+    stop_string); `flush` once, when the output of the finished request is built
+    (OutputProcessor.output)."""
+    from kvserve.engine import output_processor
 
-    real = llm_engine.IncrementalDetokenizer
+    real = output_processor.IncrementalDetokenizer
 
     class Exploding(real):
         def add(self, token_id: int) -> str:
@@ -100,7 +101,7 @@ def test_a_failing_detokenizer_fails_only_its_request(llm, alone, monkeypatch, w
 
     POISONED = len(llm.engine.tokenizer.encode("poisoned request here"))
     assert POISONED not in {len(llm.engine.tokenizer.encode(p)) for p in PROMPTS}
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", Exploding)
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", Exploding)
     done = _run_all(llm.engine, [(p, GREEDY) for p in PROMPTS]
                     + [("poisoned request here", SamplingParams(max_tokens=12, n=2))])
     bad = done["poisoned request here"]

@@ -1,29 +1,18 @@
-"""The step plan's order, executed by the runner: saves read blocks before a load overwrites
+"""The step plan's order, executed by the worker (engine/model_runner.py): saves read blocks before a load overwrites
 them, and copies read a block after the load that fills it (issue 11's defect 1 was a copy that
 ran before the load of its source)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import pool_over
 
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step import StepFailed, StepInput
 from kvserve.kv.plan import ChunkLoad, ChunkSave, StepPlan
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
-
-
-class _RecordingTiers:
-    def __init__(self) -> None:
-        self.saved: dict[int, torch.Tensor] = {}
-
-    def save(self, chunk_hash: int, data: torch.Tensor) -> None:
-        self.saved[chunk_hash] = data.clone()
-
-
-class _KV:
-    def __init__(self) -> None:
-        self.tiers = _RecordingTiers()
 
 
 def _runner(num_blocks: int = 6, block_size: int = 2):
@@ -35,7 +24,7 @@ def _runner(num_blocks: int = 6, block_size: int = 2):
             k[b] = b
             v[b] = b
     runner = ModelRunner.__new__(ModelRunner)
-    runner.kv, runner.tensors = _KV(), pool
+    runner.tensors = pool
     runner.backend = TorchAttentionBackend(pool, 1.0)
     return runner, caches
 
@@ -46,8 +35,8 @@ def test_saves_then_loads_then_copies():
     plan = StepPlan(saves=[ChunkSave(7, (3,))],  # block 3 is evicted and reused below
                     loads=[ChunkLoad((3,), loaded)],  # a tier chunk lands in block 3
                     copies=[(3, 5)])  # a partial hit on the loaded block copies it into block 5
-    runner.apply_plan(plan)
-    assert torch.all(runner.kv.tiers.saved[7] == 3), "the save read the block after it was reused"
+    saved = dict(runner.apply_plan(plan))
+    assert torch.all(saved[7] == 3), "the save read the block after it was reused"
     for k, v in caches:
         assert torch.all(k[3] == 9) and torch.all(v[3] == 9), "the load did not land"
         assert torch.all(k[5] == 9) and torch.all(v[5] == 9), "the copy read its source too early"
@@ -57,6 +46,19 @@ def test_saves_then_loads_then_copies():
 def test_an_empty_plan_touches_nothing():
     runner, caches = _runner()
     before = [t.clone() for pair in caches for t in pair]
-    runner.apply_plan(StepPlan())
+    assert runner.apply_plan(StepPlan()) == []
     assert all(torch.equal(a, b) for a, b in zip(before, [t for p in caches for t in p]))
     assert not StepPlan()
+
+
+def test_a_failed_load_hands_back_the_saves_read_before_it():
+    """The worker reads the saves first; a load that then fails raises StepFailed("load")
+    carrying them, so the scheduler's side still stores them (and drops its prefix cache)."""
+    runner, caches = _runner()
+    plan = StepPlan(saves=[ChunkSave(7, (3,))],
+                    loads=[ChunkLoad((3,), torch.zeros(1, 2, 2, 1, 4))])  # wrong layer count
+    with pytest.raises(StepFailed) as failed:
+        runner.execute(StepInput(plan=plan))
+    assert failed.value.stage == "load" and failed.value.__cause__ is not None
+    assert [h for h, _ in failed.value.saved] == [7]
+    assert torch.all(failed.value.saved[0][1] == 3)

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvserve.model.attention import triton_kernels as tk  # noqa: E402
+from kvserve.model.attention import triton_tiles  # noqa: E402
 from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -321,7 +322,7 @@ def test_fp8_bits_decode_every_byte():
                FP8_BIAS: tl.constexpr):
         offs = tl.arange(0, 256)
         x = tl.load(src + offs)
-        tl.store(dst + offs, tk._fp8_bits_to_f32(x, FP8_EXP, FP8_MANT, FP8_BIAS))
+        tl.store(dst + offs, triton_tiles.fp8_bits_to_f32(x, FP8_EXP, FP8_MANT, FP8_BIAS))
 
     raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     for kind, dtype in ((tk.KV_FP8_E4M3, torch.float8_e4m3fn), (tk.KV_FP8_E5M2, torch.float8_e5m2)):

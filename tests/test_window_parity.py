@@ -144,15 +144,15 @@ def test_windowed_logits_within_1e4(name, checkpoints, references):
     llm = _llm(path, block_size=7, max_num_batched_tokens=64)
     runner = llm.engine.runner
     captured: dict[str, list[torch.Tensor]] = {}
-    original = runner.execute
+    original = runner.forward
 
-    def spy(batch):
-        out = original(batch)
+    def spy(seqs):
+        out = original(seqs)
         for j, i in enumerate(out.sampled):
-            captured.setdefault(batch.requests[i].request_id, []).append(out.logits[j].clone())
+            captured.setdefault(seqs[i].request_id, []).append(out.logits[j].clone())
         return out
 
-    runner.execute = spy
+    runner.forward = spy
     ids = [llm.engine.add_request({"prompt_token_ids": p}, GREEDY) for p in prompts]
     while llm.engine.has_unfinished_requests():
         llm.engine.step()

@@ -37,7 +37,7 @@ def watch_tables(llm: LLM, poison: bool) -> dict[str, list[list[int]]]:
     engine = llm.engine
     tables: dict[str, list[list[int]]] = {}
     poisoned: set[int] = set()
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
     def fill(blocks, value):
         if blocks:
@@ -46,19 +46,18 @@ def watch_tables(llm: LLM, poison: bool) -> dict[str, list[list[int]]]:
                 for t in tensors:
                     t[idx] = value
 
-    def wrapped(batch, *args, **kwargs):
+    def wrapped(seqs, *args, **kwargs):
         if poison:
-            taken = {b for r in batch.requests for t in engine.kv.group_block_tables(r)
-                     for b in t} & poisoned
+            taken = {b for s in seqs for t in s.block_tables for b in t} & poisoned
             fill(taken, 0.0)
             poisoned.difference_update(taken)
             free = set(engine.kv.pool._free)
             fill(free - poisoned, float("nan"))
             poisoned.update(free)
-        out = execute(batch, *args, **kwargs)
-        for r in batch.requests:
-            tables[r.request_id] = [list(t) for t in engine.kv.group_block_tables(r)]
+        out = forward(seqs, *args, **kwargs)
+        for s in seqs:
+            tables[s.request_id] = [list(t) for t in s.block_tables]
         return out
 
-    engine.runner.execute = wrapped
+    engine.runner.forward = wrapped
     return tables

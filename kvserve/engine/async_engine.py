@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvserve.config import EngineConfig
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams

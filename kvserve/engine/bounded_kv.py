@@ -2,8 +2,8 @@
 
 After the scheduler has advanced a step's requests, each bounded request whose KV reached its
 budget plus a block is cut back to its budget: the policy picks the kept tokens, the manager
-moves the request onto fresh blocks (`KVCacheManager.reseat`), and the engine copies the kept
-tokens' KV there (`KVTensorPool.compact_tokens`) once the step plan has run. A pool too full for
+moves the request onto fresh blocks (`KVCacheManager.reseat`), and the kept tokens' KV is copied
+there (`KVTensorPool.compact_tokens`) by the plan handed out right after (kv/plan.py). A pool too full for
 the fresh blocks skips the compaction this step (the request simply holds a little more KV and
 tries again next step; SnapKV's one selection is then lost, and the request is bounded like
 StreamingLLM from there).
@@ -11,23 +11,13 @@ StreamingLLM from there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvserve.kv.bounded import (add_votes, h2o_keep, needs_compaction, snapkv_keep,
                                 streaming_keep)
 from kvserve.kv.manager import KVCacheManager, kv_length
+from kvserve.kv.plan import KVMove
 from kvserve.request import Request
-
-
-@dataclass(frozen=True)
-class KVMove:
-    """Copy tokens `keep` of a sequence's old blocks into the first slots of its new ones."""
-
-    src_table: list[int]
-    keep: torch.Tensor  # [n] or [kv_heads, n] token indices into the old blocks
-    dst_table: list[int]
 
 
 def compact_bounded(requests: list[Request], kv: KVCacheManager,

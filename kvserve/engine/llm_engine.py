@@ -1,8 +1,10 @@
 """The engine loop: schedule -> run -> sample -> update, one step at a time.
 
-`LLMEngine` owns every piece (model, KV pool, scheduler, sampler, tokenizer) and is the single
-place where a request is validated, so that nothing malformed ever reaches a batched step: an
-invalid request raises before it is queued, and holds no blocks. Should one request still raise
+`LLMEngine` holds the parts (engine/builder.py builds them: model, KV pool, worker), the
+scheduler and the sampler. A request is validated by its InputProcessor
+(engine/input_processor.py) before it is queued, so nothing malformed ever reaches a batched
+step; each step goes to the workers as a message (engine/step.py) through the executor.
+Should one request still raise
 while it is sampled, detokenized or its output is built, it alone finishes with
 finish_reason "error" (`RequestOutput.error` says why) and the others of the step go on.
 """
@@ -10,145 +12,62 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
-from typing import Any, Union
 
 import torch
 
-from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.bounded_kv import compact_bounded
-from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.engine.model_runner import ModelRunner, RunnerOutput
+from kvserve.engine.builder import build_engine
+from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.bounded import (
-    ATTENTION_POLICIES,
-    BoundedKV,
-    BoundedKVConfig,
-    peak_tokens,
-    resolve_bounded_kv,
-)
+from kvserve.kv.bounded import BoundedKVConfig
 from kvserve.kv.events import KVEvent
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import (
-    KV_DTYPES,
-    KVCacheSpec,
-    KVStorage,
-    capacity_line,
-    decoder_kv_spec,
-    kv_dtype_name,
-    mla_saving_line,
-    resolve_kv_dtype,
-)
-from kvserve.kv.tensors import KVTensorPool
-from kvserve.kv.tiers.link import TierLink
+from kvserve.kv.plan import StepPlan
+from kvserve.kv.spec import capacity_line, mla_saving_line
 from kvserve.kv.tiers.stats import SOURCES
-from kvserve.model.attention.select import make_attention_backend
-from kvserve.model.gguf_checkpoint import tokenizer_dir
-from kvserve.model.loader import load_model
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler, bitmask_words
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
-from kvserve.validation import (
-    check_cache_salt,
-    check_text_fits,
-    check_token_ids,
-    check_utf8,
-    shorten,
-)
 
 logger = logging.getLogger("kvserve")
-
-# KV events (kv/events.py) kept between drains: the server drains after every step, so this only
-# bounds an engine nobody drains (the offline LLM), at a few MB.
-KV_EVENTS_CAPACITY = 65_536
-
-# A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
-PromptType = Union[str, Mapping[str, Any]]
-
-
-@dataclass
-class _Detok:
-    """Per-sample text state: the incremental decoder and the text cut at a stop string."""
-
-    decoder: IncrementalDetokenizer
-    text: str = ""
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        model_dir = config.model
-        if model_dir is None:
-            from kvserve.model.default import embedded_model_path
-
-            model_dir = str(embedded_model_path())
-            config.model = model_dir
-        self.model, self.model_config = load_model(
-            model_dir, config.dtype, config.device, remeasure_kernels=config.remeasure_kernels)
-        if config.attention_backend == "triton":
-            self.model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
-        self.tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
-        config.finalize(self.model_config.max_position_embeddings)
-        self.dtype = next(self.model.parameters()).dtype
-
-        self.kv_spec = engine_kv_spec(self.model_config, self.dtype, config.block_size,
-                                      config.kv_cache_dtype)
-        self.page_groups = self._page_groups()
-        num_blocks = self._num_kv_blocks()
-        self.tensors = KVTensorPool(self.kv_spec, num_blocks, config.device,
-                                    *self._kv_scales(model_dir), page_groups=self.page_groups)
-        self.backend = make_attention_backend(config.attention_backend, self.tensors,
-                                              self.model_config.attention_scale, self.dtype)
-        self.tiers = self._make_tiers(model_dir)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.eviction_policy,
-                                 TierLink(self.tiers, config.block_size) if self.tiers else None,
-                                 kv_events_capacity=KV_EVENTS_CAPACITY,
-                                 window=self._release_window(),
-                                 group_windows=self._group_windows())
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.tensors)
-        if config.device == "cuda" and not config.enforce_eager and self.tensors.quantized:
-            logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
-        elif self.page_groups is not None and config.device == "cuda" and not config.enforce_eager:
-            logger.info("per-group KV block tables: decode steps run eagerly (no CUDA graphs)")
-        elif config.device == "cuda" and not config.enforce_eager and self.model_config.mla is None:
-            from kvserve.engine.cuda_graphs import CUDAGraphRunner
-
-            self.runner.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                 config.max_model_len)
-            self.runner.graphs.capture_all()
+        parts = build_engine(config)  # the model, the KV pool and its manager, the worker
+        self.model, self.model_config, self.tokenizer = parts.model, parts.model_config, \
+            parts.tokenizer
+        self.dtype, self.kv_spec, self.page_groups = parts.dtype, parts.kv_spec, \
+            parts.page_groups
+        self.tensors, self.backend, self.tiers = parts.tensors, parts.backend, parts.tiers
+        self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
+        num_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(config, self.kv)
-        # The engine-wide bounded KV cache (lossy, opt-in), checked now so a bad one fails at
-        # start-up; a request may ask for its own (add_request's bounded_kv).
-        self.bounded_kv: BoundedKV | None = None
-        if config.bounded_kv_policy is not None:
-            self.bounded_kv = self._resolve_bounded_kv(BoundedKVConfig(
-                config.bounded_kv_policy, config.bounded_kv_budget,
-                config.bounded_kv_sink_tokens, config.bounded_kv_observation_window))
+        self.inputs = InputProcessor(
+            config, self.model_config, self.tokenizer, self.kv,
+            self.tensors.quantized or self.tensors.dtype != self.dtype,
+            self.backend.observes_attention)
+        bound = self.inputs.bounded_kv
+        if bound is not None:
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
-                           self.bounded_kv.policy, self.bounded_kv.budget,
-                           self.bounded_kv.sink_tokens)
+                           bound.policy, bound.budget, bound.sink_tokens)
         self.sampler = Sampler(seed=config.seed)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = self.inputs.eos_token_ids
         self._groups: dict[str, list[Request]] = {}
-        self._detok: dict[str, _Detok] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self._streaming: set[str] = set()
         # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
         # (the compile, its samples). They join the scheduler once it is done; the batch never
         # waits for a compile.
         self._compiling: dict[str, tuple[Future, list[Request]]] = {}
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
         self._next_id = 0
         logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
                                   self.kv.final_blocks(config.max_model_len),
@@ -159,126 +78,16 @@ class LLMEngine:
                                         self.model_config.num_attention_heads, mla.qk_head_dim,
                                         mla.v_head_dim))
 
-    # -- sizing -----------------------------------------------------------------------------
-    def _page_groups(self):
-        """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
-        size, windowed groups releasing what falls out of their window), unless disabled or
-        storage tiers are on (their chunks hold every layer of a block); None keeps one table
-        for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
-        groups = self.kv_spec.page_groups()
-        if groups is None or self.config.disable_hybrid_kv_cache_manager:
-            return None
-        tiers = self.config.kv_tier_config
-        if tiers is not None and tiers.enabled:
-            logger.warning("storage tiers are on: a hybrid model keeps every block of every layer")
-            return None
-        logger.info("hybrid KV cache: %d groups of %d layers, one block table each",
-                    len(groups), len(groups[0].layers))
-        return groups
-
-    def _group_windows(self) -> list[int | None] | None:
-        """Each KV group's window (None: full attention), for the manager's per-group tables."""
-        if self.page_groups is None:
-            return None
-        return [getattr(g.spec, "window", None) for g in self.page_groups]
-
-    def _release_window(self) -> int | None:
-        """The window outside which the manager releases blocks: a model whose every layer is
-        windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
-        window = self.kv_spec.release_window
-        if window is None or self.config.disable_hybrid_kv_cache_manager \
-                or self.page_groups is not None:
-            return None
-        if self.tiers is not None:
-            logger.warning("storage tiers are on: blocks outside the sliding window are kept")
-            return None
-        return window
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif cfg.device == "cuda":
-            from kvserve.engine.gpu_memory import profile_kv_budget
-
-            budget = profile_kv_budget(self.model, cfg)
-        else:
-            # No point reserving more than every sequence slot at full length could use.
-            most = cfg.max_num_seqs * cfg.max_model_len * self.kv_spec.bytes_per_token
-            budget = min(int(available_host_memory() * cfg.gpu_memory_utilization),
-                         CPU_DEFAULT_KV_CACHE_BYTES, most)
-        page = self.kv_spec.page_bytes(self.page_groups)
-        blocks = budget // page
-        if blocks < 1:
-            raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
-                             f"{page:,} bytes; raise "
-                             "kv_cache_memory_bytes")
-        return blocks
-
-    def _kv_scales(self, model_dir: str) -> tuple[torch.Tensor | None, bool]:
-        """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
-        first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
-        storage = self.kv_spec.layer_specs()[0].storage
-        if storage.dtype != "fp8":
-            return None, False
-        from kvserve.model.loader import read_kv_scales
-
-        scales = read_kv_scales(model_dir, self.model_config.num_hidden_layers)
-        if scales is not None:
-            logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
-        elif self.config.calculate_kv_scales:
-            logger.info("fp8 KV cache: scales computed from the first batch "
-                        "(calculate_kv_scales)")
-        else:
-            logger.warning("fp8_e4m3 KV cache without k_scale/v_scale in the checkpoint: "
-                           "using 1.0 (set calculate_kv_scales=True to compute them); "
-                           "accuracy may suffer")
-        return scales, self.config.calculate_kv_scales
-
-    def _make_tiers(self, model_dir: str):
-        """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
-        tier_config = self.config.kv_tier_config
-        if tier_config is None or not tier_config.enabled:
-            return None
-        from kvserve.kv.tiers.chunk import ChunkIdentity, model_fingerprint
-        from kvserve.kv.tiers.tiered import TieredKVStore
-
-        mc = self.model_config
-        # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's
-        # one latent vector.
-        layer_tensors = self.kv_spec.layer_specs()[0].tensors
-        heads, width = layer_tensors[0]
-        identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
-                                 self.tensors.dtype, mc.num_hidden_layers, heads, width,
-                                 self.config.block_size, tier_config.chunk_size,
-                                 len(layer_tensors), kv_format=self.tensors.format_tag(),
-                                 page_bytes=self.tensors.page_bytes if self.tensors.packed
-                                 else None)
-        tiers = TieredKVStore(tier_config, identity)
-        logger.info("KV storage tiers: %s", ", ".join(
-            [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
-            + [f"disk {tier_config.local_disk} {tier_config.max_local_disk_size:g} GB"]
-            * (tier_config.local_disk is not None)
-            + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
-        return tiers
-
     @property
     def grammars(self) -> GrammarCompiler:
-        """The structured-output grammar compiler, made on first use (building the tokenizer's
-        table takes a moment; an engine that never sees a grammar never pays it). Thread-safe:
-        the server compiles from worker threads, off the engine loop."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 sorted(self.eos_token_ids))
-            return self._grammars
+        """The structured-output grammar compiler (InputProcessor.grammars)."""
+        return self.inputs.grammars
 
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
-        if self._grammars is not None:
-            self._grammars.close()
+        self.inputs.close()
         if self.tiers is not None:
-            self.runner.apply_plan(self.kv.end_step())  # anything still planned for the tiers
+            self._run_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
             self.tiers.close()
             self.tiers = None
@@ -288,66 +97,31 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     stream: bool = False, cache_salt: str | None = None,
                     priority: int = 0, bounded_kv: BoundedKVConfig | None = None) -> str:
-        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad.
+        """Validate and queue a request (n samples); returns its id. Raises ValueError if bad
+        (engine/input_processor.py: nothing is queued or held then).
 
         A streaming request reports an output after every step that gave it a token; the others
         report once, when they finish. `bounded_kv` gives this request a bounded KV cache
         (lossy; kvserve.kv.bounded) in place of the engine's setting.
         """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if cache_salt is None and isinstance(prompt, Mapping):
-            cache_salt = prompt.get("cache_salt")  # vLLM's TextPrompt / TokensPrompt field
-        check_cache_salt(cache_salt)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {shorten(priority)}")
-        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
-        check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
-                        self.model_config.vocab_size)
-        text, token_ids = self._tokenize(prompt)
-        grammar: Future | None = None
-        if params.structured_outputs is not None:
-            grammar = self.grammars.submit(params.structured_outputs)
-            if grammar.done() and grammar.exception() is not None:
-                raise grammar.exception()
-        max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        bound = self._resolve_bounded_kv(bounded_kv) if bounded_kv is not None \
-            else self.bounded_kv
-        blocks = self._blocks_needed(len(token_ids), max_tokens, bound)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"request needs up to {blocks} KV blocks ({len(token_ids)} prompt + {max_tokens} "
-                f"new tokens) but the KV pool has only {self.kv.num_blocks} blocks "
-                f"({self.kv.num_blocks * self.config.block_size} tokens); raise "
-                "kv_cache_memory_bytes or lower max_tokens")
+        rid = str(self._next_id) if request_id is None else request_id
+        children, grammar = self.inputs.make_requests(prompt, params, rid, arrival_time,
+                                                      cache_salt, priority, bounded_kv)
         if request_id is None:
-            request_id = str(self._next_id)
             self._next_id += 1
-        if request_id in self._groups:
+        elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time() if arrival_time is None else arrival_time
-        children = [Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
-                            prompt_token_ids=token_ids, sampling_params=params,
-                            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                            arrival_time=arrival, prompt=text, index=i, parent_id=request_id,
-                            cache_salt=cache_salt, priority=priority, bounded_kv=bound)
-                    for i in range(params.n)]
-        self._groups[request_id] = children
+        self._groups[rid] = children
         if stream:
-            self._streaming.add(request_id)
+            self._streaming.add(rid)
         for child in children:
-            # Text is decoded token by token only when someone looks at it before the end (stop
-            # strings, streaming); otherwise once, at the end, off the per-token path.
-            if params.detokenize and (stream or params.stop_list):
-                self._detok[child.request_id] = _Detok(IncrementalDetokenizer(
-                    self.tokenizer, token_ids, params.skip_special_tokens))
+            self.outputs.track(child, stream)
             self.kv.start_prefetch(child)
         if grammar is not None and not grammar.done():
-            self._compiling[request_id] = (grammar, children)
+            self._compiling[rid] = (grammar, children)
         else:
             self._schedule_children(children, grammar)
-        return request_id
+        return rid
 
     def _schedule_children(self, children: list[Request], grammar: Future | None) -> None:
         """Queue the samples of a request, each with its own matcher over the compiled
@@ -371,80 +145,6 @@ class LLMEngine:
                 self._schedule_children(children, grammar)
         return outputs
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            check_utf8("the prompt", prompt)
-            check_text_fits(self.tokenizer, prompt, self.model_max_len)
-            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
-        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            if text is not None:
-                if not isinstance(text, str):
-                    raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-                check_utf8("the prompt", text)
-            ids = list(ids)
-            check_token_ids("token ids", ids, self.model_config.vocab_size)
-        elif isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        else:
-            raise ValueError("a prompt must be a string, {'prompt': str} or "
-                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        return text, ids
-
-    def _resolve_bounded_kv(self, config: BoundedKVConfig) -> BoundedKV:
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"bounded_kv must be a BoundedKVConfig, got "
-                             f"{type(config).__name__}")
-        if self.model_config.mla is not None:
-            raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
-                             "cache is compressed already)")
-        if self.tensors.quantized or self.tensors.dtype != self.dtype:
-            raise ValueError("a bounded KV cache needs the KV cache in the model's own dtype "
-                             f"(kv_cache_dtype=auto), got kv_cache_dtype="
-                             f"{self.config.kv_cache_dtype!r}: compaction and the attention "
-                             "weights of SnapKV/H2O read the cache unquantized")
-        bound = resolve_bounded_kv(config, self.model_max_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not self.backend.observes_attention:
-            raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
-                             "which only the torch attention backend computes (this engine "
-                             f"runs {self.config.attention_backend})")
-        return bound
-
-    def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
-        """The most blocks a request can hold at once: what the manager counts (all its tokens,
-        or its window's), or for a bounded cache its prompt, or budget + one block plus the
-        budget's fresh blocks while it compacts. Its tokens are those whose KV is ever
-        computed: the last sampled token never is (the simulator counts the same)."""
-        total = prompt_len + max(max_tokens - 1, 0)
-        if bound is None:
-            return self.kv.peak_blocks(prompt_len, total)
-        grown = peak_tokens(prompt_len, total, bound, self.config.block_size)
-        compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
-        return self.kv.blocks_for_tokens(grown) + compacting
-
-    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.config.max_model_len
-        assert limit is not None
-        if params.max_tokens == 0:  # prefill only: the prompt may fill the whole context
-            if prompt_len > limit:
-                raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is "
-                                 f"{limit}")
-            return 0
-        if prompt_len >= limit:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {limit}: "
-                             "no room to generate")
-        if params.max_tokens is None:
-            return limit - prompt_len
-        if prompt_len + params.max_tokens > limit:
-            raise ValueError(f"this model's maximum context length is {limit} tokens, but "
-                             f"{prompt_len} prompt tokens + {params.max_tokens} max_tokens "
-                             f"= {prompt_len + params.max_tokens} were requested")
-        return params.max_tokens
-
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
         # A request still waiting for its grammar is in no queue, but add_request started its
@@ -453,7 +153,7 @@ class LLMEngine:
         for child in self._groups.pop(request_id, ()):
             if not child.finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
-            self._detok.pop(child.request_id, None)
+            self.outputs.forget(child.request_id)
         self._streaming.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -466,22 +166,23 @@ class LLMEngine:
         compiled = self._admit_compiled() if self._compiling else []
         batch = self._schedule()
         if not batch.requests:
+            self._run_plan(batch.plan)
             if self._compiling and not self.scheduler.has_unfinished():
                 _wait_any([f for f, _ in self._compiling.values()], 0.05)
                 return compiled + self._admit_compiled()
             if not self.kv.wait_for_prefetch(0.05):
                 return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
-        out = self.runner.execute(batch)
+        out = self._execute(batch.step)  # its plan, then its forward
         self.scheduler.update(batch)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
-        # KV is copied after the plan below (the plan may save blocks the move evicted).
-        moves = compact_bounded(batch.requests, self.kv, self.backend.observed)
-        # Write-through: the chunks this forward completed are saved now, not a step later (an
-        # engine that goes idle or shuts down next would never save them).
-        self.runner.apply_plan(self.kv.end_step())
-        for move in moves:
-            self.tensors.compact_tokens(move.src_table, move.keep, move.dst_table)
+        # KV moves in the plan handed out right after, with the write-through saves of the
+        # chunks this forward completed (saved now, not a step later: an engine that goes idle
+        # or shuts down next would never save them).
+        moves = compact_bounded(batch.requests, self.kv, out.observed)
+        plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
+        plan.compactions = moves
+        self._run_plan(plan)
         failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
         now = time.time()
         prefilled = self._finish_prefill_only(batch, failed, now)
@@ -518,17 +219,41 @@ class LLMEngine:
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
-        """Schedule a batch and apply its step plan at once. The memory work lands even if the
-        forward then fails (loaded blocks are in the prefix index already, and a later hit on
-        them must find their KV), and a schedule that raises part-way still hands out what its
-        admissions planned, so that nothing stale is left for the next step."""
+        """Schedule a batch. A schedule that raises part-way still hands out what its
+        admissions planned (run at once), so that nothing stale is left for the next step."""
         try:
-            batch = self.scheduler.schedule()
+            return self.scheduler.schedule()
         except Exception:
-            self.runner.apply_plan(self.kv.end_step())
+            self._run_plan(self.kv.end_step())
             raise
-        self.runner.apply_plan(batch.plan)
-        return batch
+
+    def _execute(self, step: StepInput) -> StepOutput:
+        """One step through the executor. The plan's memory work lands even if the forward then
+        fails (loaded blocks are in the prefix index already, and a later hit on them must find
+        their KV); the chunks read for the tiers are stored either way; a failed load drops the
+        prefix cache (blocks it names lack their KV) before the error goes on."""
+        try:
+            out = self.executor.execute(step)
+        except StepFailed as failed:
+            self._store_saved(failed.saved)
+            if failed.stage == "load":
+                self.kv.reset_prefix_cache()
+            raise failed.__cause__ from None
+        self._store_saved(out.saved)
+        return out
+
+    def _run_plan(self, plan: StepPlan) -> None:
+        if plan:
+            self._execute(StepInput(plan=plan))
+
+    def _store_saved(self, saved: list[tuple[int, torch.Tensor]]) -> None:
+        """Best-effort: a chunk that is not saved is recomputed later."""
+        for chunk_hash, data in saved:
+            try:
+                self.kv.tiers.save(chunk_hash, data)
+            except Exception:
+                logger.exception("saving chunk %x to the tiers failed; it is skipped",
+                                 chunk_hash)
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]
                 ) -> tuple[list[int | None], list[dict[int, float] | None],
@@ -558,16 +283,16 @@ class LLMEngine:
                 failed[request.parent_id or request.request_id] = exc
         return tokens, logprobs, failed
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: RunnerOutput
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput
                                 ) -> dict[str, Exception]:
         """Append to each request the logprobs of the prompt tokens this step's logits
-        predicted (`ModelRunner` computed only the ones not recorded yet, so a prompt recomputed
+        predicted (the scheduler asked only for the ones not recorded yet, so a prompt recomputed
         after a preemption neither repeats nor loses an entry). Request by request, so that one
         that raises fails alone: returns what raised, by parent id."""
         failed: dict[str, Exception] = {}
         at = 0
         for span in out.prompt_spans:
-            request = batch.requests[span.batch_index]
+            request = batch.requests[span.index]
             logits = out.prompt_logits[at:at + span.count]
             at += span.count
             try:
@@ -602,28 +327,17 @@ class LLMEngine:
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
         """Finish every sample of a request that raised inside the step (finish_reason
-        "error", blocks freed) and return its final output, which carries the error. Built
-        from the counters alone, since its text is what may have failed (`_output` may have
-        dropped the group already)."""
+        "error", blocks freed) and return its final output, which carries the error
+        (`_output` may have dropped the group already)."""
         logger.error("request %s failed inside the step; it is stopped, the others go on",
                      parent_id, exc_info=exc)
         self._groups.pop(parent_id, None)
         self._streaming.discard(parent_id)
         for c in children:
-            self._detok.pop(c.request_id, None)
             if not c.finished:
                 self._finish(c, RequestStatus.FINISHED_ERROR)
             c.status = RequestStatus.FINISHED_ERROR  # a sibling that had ended fails with it
-        first = children[0]
-        return RequestOutput(
-            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=[CompletionOutput(index=c.index, text="", token_ids=c.output_token_ids,
-                                      cumulative_logprob=None, logprobs=None,
-                                      finish_reason=RequestStatus.FINISHED_ERROR.value)
-                     for c in children],
-            finished=True, metrics=_group_metrics(children, True),
-            num_cached_tokens=first.num_cached_tokens,
-            error=shorten(f"{type(exc).__name__}: {exc}", 200))
+        return self.outputs.error_output(parent_id, children, exc)
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
                       now: float) -> None:
@@ -651,18 +365,8 @@ class LLMEngine:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        detok = self._detok.get(request.request_id)
-        if detok is not None:
-            delta = detok.decoder.add(token)
-            detok.text += delta
-            if params.stop_list and n_out >= params.min_tokens:
-                at = find_stop(detok.text, len(delta), params.stop_list)
-                if at is not None:
-                    stop = next(s for s in params.stop_list if detok.text.startswith(s, at))
-                    cut = at + len(stop) if params.include_stop_str_in_output else at
-                    detok.text = detok.text[:cut]
-                    request.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
+        if self.outputs.stop_string(request, token):  # (also advances the request's text)
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -671,42 +375,12 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         request.finished_time = time.time()
 
-    # -- outputs ----------------------------------------------------------------------------
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
-        finished = all(c.finished for c in children)
-        if finished:
+        if all(c.finished for c in children):
             del self._groups[parent_id]
             self._streaming.discard(parent_id)
-        completions = []
-        for c in children:
-            detok = self._detok.pop(c.request_id, None) if finished else \
-                self._detok.get(c.request_id)
-            if detok is not None:
-                if finished and c.stop_reason is None:  # text ended mid-character: emit the rest
-                    detok.text += detok.decoder.flush()
-                text = detok.text
-            elif c.sampling_params.detokenize:
-                text = self.tokenizer.decode(c.output_token_ids,
-                                             skip_special_tokens=c.sampling_params.skip_special_tokens)
-            else:
-                text = ""
-            wants_logprobs = c.sampling_params.logprobs is not None
-            completions.append(CompletionOutput(
-                index=c.index, text=text, token_ids=c.output_token_ids,
-                cumulative_logprob=c.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(c.output_logprobs) if wants_logprobs else None,
-                finish_reason=c.status.value if c.finished else None,
-                stop_reason=c.stop_reason))
-        first = children[0]
-        prompt_logprobs = _prompt_logprobs(first)
-        return RequestOutput(request_id=parent_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=_group_metrics(children, finished),
-                             num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs,
-                             prompt_logprob_ranks=None if prompt_logprobs is None
-                             else list(first.prompt_logprob_ranks))
+        return self.outputs.output(parent_id, children)
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -752,38 +426,6 @@ class LLMEngine:
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
 
 
-def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
-                   kv_cache_dtype: str = "auto") -> KVCacheSpec:
-    """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
-    the model's dtype; int4 keys grouped by block), with each sliding layer's window, or MLA's
-    latent vector (the attention backends read the windows from this spec; the planner derives
-    its figures from the same spec classes)."""
-    mc = model_config
-    mla = mc.mla
-    model_kv = kv_dtype_name(dtype)
-    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
-    if mla is not None and name != model_kv:
-        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
-        # latents too): MLA's latent is stored as the model computes it, never quantized.
-        what = "a quantized" if KV_DTYPES[name].quantized else "another"
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
-                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
-                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
-    storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
-    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
-                           block_size, mc.layer_windows,
-                           kv_lora_rank=mla.kv_lora_rank if mla else None,
-                           rope_dim=mla.qk_rope_head_dim if mla else 0)
-
-
-def _prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
-    """vLLM's RequestOutput.prompt_logprobs, once every prompt token has its entry (a streamed
-    output of a sibling sample can come before the first sample's prefill ends)."""
-    if len(first.prompt_logprobs) < len(first.prompt_token_ids):
-        return None
-    return list(first.prompt_logprobs)
-
-
 def _sampling_rows(requests: list[Request], vocab: int
                    ) -> tuple[list[SamplingRow], torch.Tensor | None]:
     """The sampler's rows, and the step's grammar bitmask: the requests with a grammar fill one
@@ -802,19 +444,3 @@ def _sampling_rows(requests: list[Request], vocab: int
 
 def _wait_any(futures: list[Future], timeout: float) -> None:
     wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
-
-
-def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:
-    """The metrics of a request from those of its samples."""
-    first = children[0]
-    return RequestMetrics(
-        arrival_time=first.arrival_time,
-        first_scheduled_time=first.first_scheduled_time,
-        first_token_time=min((c.first_token_time for c in children
-                              if c.first_token_time is not None), default=None),
-        last_token_time=max((c.last_token_time for c in children
-                             if c.last_token_time is not None), default=None),
-        finished_time=max((c.finished_time or 0.0 for c in children), default=None)
-        if finished else None,
-        num_cached_tokens=first.num_cached_tokens,
-        num_preemptions=sum(c.num_preemptions for c in children))

@@ -12,8 +12,10 @@ or the one token sampled last step), and the scheduler hands out the step's toke
    is admitted only when the pool can hold the rest of its tokens, so that admitting it does not
    immediately force a preemption on its next chunk.
 
-The batch carries the step's `StepPlan` (what the KV cache must do to memory before the forward),
-and after the forward `update` is the one place that advances requests' computed tokens.
+The batch carries the step as the worker gets it (`step`: engine/step.py's plain data, built
+here, the one place that reads requests and block tables for it), with its `StepPlan` (what the
+KV cache must do to memory before the forward); after the forward `update` is the one place
+that advances requests' computed tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
+from kvserve.engine.step import SeqStep, StepInput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
@@ -36,7 +39,12 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
-    plan: StepPlan = field(default_factory=StepPlan)  # executed by the runner before the forward
+    step: StepInput = field(default_factory=StepInput)  # seqs[i] is requests[i]'s part
+
+    @property
+    def plan(self) -> StepPlan:
+        """Executed by the worker before the forward."""
+        return self.step.plan
 
     @property
     def total_tokens(self) -> int:
@@ -44,6 +52,20 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
+    """The prompt tokens whose logprobs computing positions [start, end) of `request` yields
+    and that it has not recorded yet (a request recomputing its prompt after a preemption
+    recorded them the first time), as (first token, count), or None.
+
+    Position p predicts token p + 1, so the last prompt position (which samples) yields no
+    prompt logprob, and neither does any output position."""
+    if not request.records_prompt_logprobs:
+        return None
+    first = max(start, len(request.prompt_logprobs) - 1)
+    last = min(end, len(request.prompt_token_ids) - 1)
+    return (first + 1, last - first) if last > first else None
 
 
 class Scheduler:
@@ -93,8 +115,31 @@ class Scheduler:
         for r, _ in ordered:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+        plan = self.kv.end_step()
+        seqs = [self._seq_step(r, n) for r, n in ordered]
         return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted,
-                              self.kv.end_step())
+                              StepInput(seqs, plan))
+
+    def _seq_step(self, request: Request, n: int) -> SeqStep:
+        """The worker's view of one request's part of the step."""
+        start = request.num_computed_tokens
+        end = start + n
+        tables = self.kv.group_block_tables(request) if self.kv.num_groups > 1 \
+            else (self.kv.block_table(request),)
+        observe = None
+        bound = request.bounded_kv
+        if bound is not None and bound.policy == "h2o":  # every query votes
+            observe = (0, n)
+        elif bound is not None and bound.policy == "snapkv" and n > 1:
+            # SnapKV's observation window: the prompt's last positions in this chunk.
+            prompt_len = len(request.prompt_token_ids)
+            first = max(start, prompt_len - bound.observation_window)
+            if min(end, prompt_len) > first:
+                observe = (first - start, min(end, prompt_len) - first)
+        return SeqStep(request.request_id, request.token_ids[start:end], start,
+                       start - request.num_dropped_tokens, tuple(tables),
+                       end == request.num_tokens and not request.prefill_only,
+                       prompt_rows(request, start, end), observe)
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are computed, and their full blocks go into

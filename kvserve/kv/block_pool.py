@@ -33,6 +33,9 @@ class BlockPool:
         self.cached = [False] * num_blocks  # named by the prefix index
         self.num_cached_idle = 0  # cached with ref count 0: evictable
         self._free: deque[int] = deque(range(num_blocks))
+        # Blocks whose last holder let go since `take_released` (for the step plan's
+        # `released`: the worker drops per-block state it keeps beside their KV).
+        self._released: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -83,12 +86,17 @@ class BlockPool:
             self.ref_counts[b] = count - 1
             if count > 1:
                 continue
+            self._released.append(b)
             if self.cached[b]:
                 self.num_cached_idle += 1
                 idle.append(b)
             else:
                 self._free.append(b)
         return idle
+
+    def take_released(self) -> list[int]:
+        released, self._released = self._released, []
+        return released
 
     def mark_cached(self, block: int) -> None:
         """The prefix index names a held block."""

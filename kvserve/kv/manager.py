@@ -42,7 +42,7 @@ from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
 from kvserve.kv.spec import first_needed_block
-from kvserve.kv.tiers.link import NoTiers, Tiers
+from kvserve.kv.tiers.link import NoTiers, TieredMatch, Tiers
 
 
 class CachedSeq(Protocol):
@@ -329,7 +329,7 @@ class KVCacheManager:
             table = [NULL_BLOCK] * first + blocks
             node = nodes[-1] if nodes else g.index.root(extra_keys(seq.cache_salt))
             if g is self.groups[0]:  # one group whenever there are loads or a partial hit
-                if match.loaded:
+                if isinstance(match, TieredMatch):
                     node = self._admit_loaded(seq, match, table, node)
                 elif match.partial is not None:
                     self.pool.share([match.partial.block])  # locked until the plan is handed out
@@ -345,7 +345,7 @@ class KVCacheManager:
         assert grown, "can_admit checked the room"
         return Admission(match.num_tokens)
 
-    def _admit_loaded(self, seq: CachedSeq, match: PrefixMatch, table: list[int],
+    def _admit_loaded(self, seq: CachedSeq, match: TieredMatch, table: list[int],
                       node: Node) -> Node:
         """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
         they enter the index like computed blocks (nothing reads them before the plan's loads
@@ -360,7 +360,7 @@ class KVCacheManager:
             node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
                                      table[i], seq.priority)
             assert node.block == table[i], "a loaded chunk is on the device already"
-        self.tiers.consumed(match.loaded)
+        self.tiers.consumed(match.chunks)
         return node
 
     def _count_hits(self, seq: CachedSeq, match: PrefixMatch) -> None:
@@ -369,7 +369,7 @@ class KVCacheManager:
         self.prefix_cache_queries += len(seq.token_ids)
         self.prefix_cache_hits += match.num_tokens
         self.hit_tokens["device"] += len(match.nodes) * self.block_size + match.partial_len
-        if match.loaded:
+        if isinstance(match, TieredMatch):
             for source, tokens in self.tiers.tokens_by_source(match):
                 self.hit_tokens[source] += tokens
 
@@ -548,6 +548,7 @@ class KVCacheManager:
         if self._copy_sources:
             self.index.mark_idle(self.pool.release(self._copy_sources))
             self._copy_sources = []
+        plan.released = self.pool.take_released()
         return plan
 
     def reset_prefix_cache(self) -> None:

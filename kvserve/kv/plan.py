@@ -8,7 +8,13 @@ one fixed order, before the forward:
            storage tiers — first, because their blocks may be reused in this very step;
 2. loads:  chunks found in the tiers are written into the blocks given to them;
 3. copies: partially matched blocks are copied into the requester's own block (copy-on-write) —
-           after the loads, because the source may be a block that a load fills in this step.
+           after the loads, because the source may be a block that a load fills in this step;
+4. compactions: a bounded cache's kept tokens move from the blocks it let go to its fresh ones
+           (kvserve.engine.bounded_kv) — in the plan handed out right after the forward that
+           chose them, before anything can allocate the old blocks again.
+
+`released` names the blocks whose last holder let go since the last plan: per-block state the
+worker keeps beside the KV (int4's full-precision residual rows) is dropped for them.
 
 Within a step nothing else writes a block before the forward, so this order is the whole story.
 """
@@ -36,11 +42,23 @@ class ChunkLoad:
     data: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KVMove:
+    """Copy tokens `keep` of a sequence's old blocks into the first slots of its new ones."""
+
+    src_table: list[int]
+    keep: torch.Tensor  # [n], [kv_heads, n] or [layers, kv_heads, n] token indices
+    dst_table: list[int]
+
+
 @dataclass
 class StepPlan:
     saves: list[ChunkSave] = field(default_factory=list)
     loads: list[ChunkLoad] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    compactions: list[KVMove] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads or self.copies)
+        return bool(self.saves or self.loads or self.copies or self.compactions
+                    or self.released)

@@ -33,15 +33,11 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.spec import first_needed_block
-
-if TYPE_CHECKING:
-    from kvserve.kv.tiers.tiered import FoundChunk
 
 
 @dataclass(eq=False)
@@ -61,19 +57,17 @@ class Node:
 
 @dataclass
 class PrefixMatch:
-    """What the cache holds of a request: full blocks on the device, then either a partially
-    matching block (served by copy-on-write) or whole chunks found in the storage tiers."""
+    """What the device holds of a request: full blocks, then perhaps a partially matching block
+    (served by copy-on-write). The storage tiers continue a match in a type of their own
+    (kv/tiers/link.py's `TieredMatch`), so the index knows nothing of them."""
 
     nodes: list[Node]  # matched full blocks, root first
     partial: Node | None = None  # a child sharing `partial_len` leading tokens of the next block
     partial_len: int = 0
     block_size: int = 0
-    loaded: list["FoundChunk"] = field(default_factory=list)  # tier chunks continuing `nodes`
     # Hybrid layouts (several KV groups, kv/manager.py): each group's matched nodes, as deep as
     # `nodes` (which are group 0's); None with one group.
     group_nodes: list[list[Node]] | None = None
-    skip_blocks: int = 0  # leading blocks of the first loaded chunk that `nodes` covers
-    num_loaded_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,19 +76,11 @@ class PrefixMatch:
     @property
     def num_full_blocks(self) -> int:
         """Leading full blocks the request need not compute."""
-        return len(self.nodes) + self.num_loaded_blocks
+        return len(self.nodes)
 
     def without_partial(self) -> "PrefixMatch":
         """The same match less its partially matched block (which is then computed)."""
         return dataclasses.replace(self, partial=None, partial_len=0)
-
-    @property
-    def blocks(self) -> list[int]:
-        return [n.block for n in self.nodes]
-
-    @property
-    def last_node(self) -> Node | None:
-        return self.nodes[-1] if self.nodes else None
 
 
 class PrefixIndex:

@@ -233,11 +233,6 @@ class KIVIResidual:
                 self._free.append(row)
                 self._lut = None
 
-    def drop_unused(self, ref_counts: list[int]) -> None:
-        """Let go of the rows of blocks nobody holds any more (a finished or preempted request
-        leaves its last, partial block behind)."""
-        self.drop([b for b in self.rows if ref_counts[b] == 0])
-
     def plan(self, writes: list[tuple[list[int], int, int]], slot_count: int) -> KIVIStep:
         """Decide rows for this step's writes: (block table, first position, end) per sequence,
         in the order of the step's flat tokens."""

@@ -300,9 +300,6 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    def num_blocks_for(self, memory_bytes: int) -> int:
-        return memory_bytes // self.bytes_per_block
-
     def bytes_per_request(self, seq_len: int, whole_blocks: bool = True) -> int:
         """One request of `seq_len` tokens: each layer holds what its spec keeps of them, rounded
         up to whole blocks unless `whole_blocks` is False."""

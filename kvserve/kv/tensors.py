@@ -185,10 +185,11 @@ class KVTensorPool:
             return None
         return self.residual.plan(writes, num_tokens)
 
-    def release_unused(self, ref_counts: list[int]) -> None:
-        """Forget per-block state of blocks nobody holds (int4's residual rows)."""
+    def release(self, blocks: list[int]) -> None:
+        """Forget per-block state of blocks nobody holds any more (int4's residual rows: a
+        finished or preempted request leaves its last, partial block behind)."""
         if self.residual is not None:
-            self.residual.drop_unused(ref_counts)
+            self.residual.drop(blocks)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               step: KIVIStep | None = None) -> None:

@@ -97,12 +97,6 @@ class ModelConfig:
             scale *= m * m
         return scale
 
-    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
-        """(rope_theta, rope_scaling) of one layer."""
-        if self.sliding_rope_theta is not None and self.windows[layer] is not None:
-            return self.sliding_rope_theta, self.sliding_rope_scaling
-        return self.rope_theta, self.rope_scaling
-
     @property
     def windows(self) -> tuple[int | None, ...]:
         """Each layer's window (None = full attention), one entry per layer."""

@@ -13,7 +13,8 @@ flags, compiler version and CPU: -march=native code is only valid on the CPU it 
 so a cache directory shared between machines keeps one build per CPU. Builds are written to a
 temporary file and renamed into place, so concurrent first uses are safe. `load_library`
 returns None (and logs why, once per source) where there is no compiler or the build fails:
-every caller keeps a pure-PyTorch path.
+every caller keeps a pure-PyTorch path, and `load_kernel` gives each kernel's binding the same
+rule.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvserve.model.cpu_features import cpu_info, march
 from kvserve.paths import cache_dir
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("kvserve")
+K = TypeVar("K")
 
 CXXFLAGS = ("-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -122,6 +125,21 @@ def load_library(source: Path, flags: tuple[str, ...] = CXXFLAGS) -> ctypes.CDLL
         return None
     logger.debug("C++ kernel %s: %s", source.name, path)
     return lib
+
+
+def load_kernel(source: Path, wrap: Callable[[ctypes.CDLL], K], instead: str) -> K | None:
+    """`wrap` (a kernel's ctypes binding) over the library of `source`, or None where it cannot
+    be built or `wrap` refuses it (RuntimeError: a library of another ABI version), logged
+    with what the caller does `instead`. One rule for every kernel: a missing kernel is a
+    slower path, never an error."""
+    lib = load_library(source)
+    if lib is None:
+        return None
+    try:
+        return wrap(lib)
+    except RuntimeError as e:
+        logger.warning("C++ kernel %s unavailable (%s): %s", source.name, instead, e)
+        return None
 
 
 def address(t: torch.Tensor | None) -> int:

@@ -437,20 +437,21 @@ class DecoderLayer(nn.Module):
                           self._norm, self._rope)
 
     def _o_add(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.attn_out_norm is None:
-            return self._linear_add(o, hidden, self.o_proj, self.o_bias)
-        o = self._linear(o, self.o_proj, self.o_bias)
-        return hidden.add_(self._norm(o, self.attn_out_norm, self.eps))
+        return self._project_add(o, hidden, self.o_proj, self.o_bias, self.attn_out_norm)
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         x = _pre_norm(self._norm, hidden, self.post_attention_layernorm, self.eps)
         return self._swiglu(x)
 
     def _down_add(self, m: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.mlp_out_norm is None:
-            return self._linear_add(m, hidden, self.down_proj, self.down_bias)
-        m = self._linear(m, self.down_proj, self.down_bias)
-        return hidden.add_(self._norm(m, self.mlp_out_norm, self.eps))
+        return self._project_add(m, hidden, self.down_proj, self.down_bias, self.mlp_out_norm)
+
+    def _project_add(self, x: torch.Tensor, hidden: torch.Tensor, w: torch.Tensor,
+                     b: torch.Tensor | None, out_norm: torch.Tensor | None) -> torch.Tensor:
+        """Into the residual: fused with the projection unless Gemma norms the block's output."""
+        if out_norm is None:
+            return self._linear_add(x, hidden, w, b)
+        return hidden.add_(self._norm(self._linear(x, w, b), out_norm, self.eps))
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation(gate) * up (SiLU, or Gemma's GELU-tanh)."""

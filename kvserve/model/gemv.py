@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import struct
 from pathlib import Path
 
 import torch
 
 from kvserve.model import cpu_ext
-
-logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 ABI_VERSION = 5
@@ -352,11 +349,4 @@ class BoundMLPBlock:
 @functools.lru_cache(maxsize=1)
 def load() -> Gemv | None:
     """The kernel, built on first call; None (logged once by cpu_ext) where it cannot be."""
-    lib = cpu_ext.load_library(SOURCE)
-    if lib is None:
-        return None
-    try:
-        return Gemv(lib)
-    except RuntimeError as e:
-        logger.warning("C++ GEMV kernel unavailable (projections stay on MKL/oneDNN): %s", e)
-        return None
+    return cpu_ext.load_kernel(SOURCE, Gemv, "projections stay on MKL/oneDNN")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +30,6 @@ import torch
 
 from kvserve import hugepages
 from kvserve.model import cpu_ext
-
-logger = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm.cpp"
 ABI_VERSION = 2
@@ -201,14 +198,7 @@ class BoundPanel:
 @functools.lru_cache(maxsize=1)
 def load() -> PanelGemm | None:
     """The kernel, built on first call; None (logged once by cpu_ext) where it cannot be."""
-    lib = cpu_ext.load_library(SOURCE)
-    if lib is None:
-        return None
-    try:
-        return PanelGemm(lib)
-    except RuntimeError as e:
-        logger.warning("panel GEMM kernel unavailable (projections stay on MKL/oneDNN): %s", e)
-        return None
+    return cpu_ext.load_kernel(SOURCE, PanelGemm, "projections stay on MKL/oneDNN")
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
+from kvserve.cli_flags import add_report_args, print_report
 from kvserve.planner import presets
 from kvserve.planner.units import parse_bytes, parse_tokens
 
@@ -58,9 +57,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="request length distribution for fragmentation: fixed:N, uniform:A:B, "
                         "normal:MEAN:STD, lognormal:MEDIAN:SIGMA or file:PATH "
                         "(default uniform:1:CONTEXT)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="memory vs context length per dtype, and concurrency vs context length")
+    add_report_args(p, "the plan",
+                    "memory vs context length per dtype, and concurrency vs context length")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -91,12 +89,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_group_size=args.kv_quant_group_size,
         kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
         num_gpu_blocks=args.num_gpu_blocks_override)
-    if args.json:
-        json.dump(plan, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_plan(plan))
-    if args.plot:
-        plot_plan(spec, plan, args.plot, args.kv_quant_group_size)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    print_report(args, plan, format_plan,
+                 lambda path: plot_plan(spec, plan, path, args.kv_quant_group_size))
     return 0

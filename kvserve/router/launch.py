@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 
+from kvserve.cli_flags import add_balance_args
 from kvserve.router.policies import GATEWAY_POLICIES
 
 logger = logging.getLogger("kvserve.router")
@@ -25,19 +26,12 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
                    "without it text is keyed by its bytes (token-id prompts always match)")
     p.add_argument("--block-size", type=int, default=16,
                    help="the replicas' --block-size (default 16, kvserve serve's default)")
-    p.add_argument("--balance-factor", type=float, default=1.25,
-                   help="bounded loads: a replica may take a request while its in-flight load "
-                   "stays within ceil(factor x (total + 1) / replicas) (default 1.25)")
-    p.add_argument("--balance-slack", type=int, default=4,
-                   help="... or while it stays within this many requests of the least loaded "
-                   "replica (default 4: at low load, one busy request is not a hot replica)")
+    add_balance_args(p, slack=4, slack_why=": at low load, one busy request is not a hot "
+                     "replica")
     p.add_argument("--no-spread", dest="spread", action="store_false",
                    help="cache_aware: send a request nobody caches to the lowest-numbered of "
                    "the least loaded replicas (default: the one caching the fewest blocks, so "
                    "new prefixes spread out)")
-    p.add_argument("--hash-key-tokens", type=int, default=256,
-                   help="consistent_hash: the prefix (in tokens, whole blocks) that picks the "
-                   "replica (default 256)")
     p.add_argument("--api-key", default=None,
                    help="checked at the gateway (401 there) and sent on to the replicas, which "
                    "run with the same key; without it the client's Authorization header is "

@@ -44,12 +44,6 @@ class NoReplicaAvailable(RuntimeError):
     """Every replica is out (the gateway answers 503)."""
 
 
-class RoutedRequest(Protocol):
-    """What a policy reads of a request."""
-
-    block_hashes: list[int]
-
-
 class ReplicaView(Protocol):
     @property
     def available(self) -> bool:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+
+from kvserve.cli_flags import add_balance_args, add_report_args, print_report
 
 EPILOG = """examples:
   kvserve simulate --generator gsp --capacity 32k,64k,128k,256k --policy all --plot hit.png
@@ -57,13 +57,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="give a trace without timestamps Poisson arrivals at this rate (req/s)")
     p.add_argument("--decode-ms-per-token", type=float, default=20.0)
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0)
-    p.add_argument("--balance-factor", type=float, default=1.25,
-                   help="bounded loads: a replica takes at most this x the mean load")
-    p.add_argument("--balance-slack", type=int, default=0,
-                   help="bounded loads also allow a replica within this many requests of the "
-                        "least loaded (kvserve route's --balance-slack; default 0 here)")
-    p.add_argument("--hash-key-tokens", type=int, default=256,
-                   help="consistent_hash: prefix tokens that pick the replica")
+    add_balance_args(p, slack=0, slack_why=" here; kvserve route's is 4")
     p.add_argument("--alloc", action="store_true",
                    help="also compare contiguous preallocation with paged blocks")
     p.add_argument("--max-model-len", default=None,
@@ -71,9 +65,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "to a power of two)")
     p.add_argument("--alloc-block-sizes", default="16,32,64")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="hit rate vs capacity per policy; hit rate and imbalance vs replicas")
+    add_report_args(p, "the results",
+                    "hit rate vs capacity per policy; hit rate and imbalance vs replicas")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -144,12 +137,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in args.alloc_block_sizes.split(",") if x.strip()]
         result["allocation"] = dict(capacity_tokens=cap, max_model_len=max_len,
                                     modes=allocation_modes(lengths, cap, max_len, sizes))
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_report(result))
-    if args.plot:
-        plot_report(result, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    print_report(args, result, format_report, lambda path: plot_report(result, path))
     return 0

@@ -19,12 +19,28 @@ no KV memory and no manager state. What it decides travels as data in the step p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.kv.plan import ChunkSave
 from kvserve.kv.prefix_index import Node, PrefixMatch
 from kvserve.kv.tiers.tiered import FoundChunk, Prefetch, TieredKVStore
+
+
+@dataclass
+class TieredMatch(PrefixMatch):
+    """A device match continued by whole chunks that host memory holds. The chunks live here,
+    not in `PrefixMatch`, so the prefix index stays the device's alone; the scheduler reads
+    either kind the same way, and the manager admits this one by loading the chunks."""
+
+    chunks: list[FoundChunk] = field(default_factory=list)  # continuing `nodes`
+    skip_blocks: int = 0  # leading blocks of the first chunk that `nodes` covers already
+    num_loaded_blocks: int = 0
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.nodes) + self.num_loaded_blocks
 
 
 class TierLink:
@@ -83,22 +99,22 @@ class TierLink:
         if not found:
             return match
         skip = len(match.nodes) % self.chunk_blocks
-        return PrefixMatch(match.nodes, block_size=self.block_size, loaded=found,
+        return TieredMatch(match.nodes, block_size=self.block_size, chunks=found,
                            skip_blocks=skip,
                            num_loaded_blocks=len(found) * self.chunk_blocks - skip)
 
-    def loaded_kv(self, match: PrefixMatch) -> torch.Tensor:
+    def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
         """The KV of a match's loaded blocks, in token order (the first chunk's leading blocks,
         which the device holds already, cut off)."""
-        chunks = match.loaded
+        chunks = match.chunks
         data = torch.cat([c.data for c in chunks], dim=2) if len(chunks) > 1 else chunks[0].data
         return data[:, :, match.skip_blocks * self.block_size:]
 
-    def tokens_by_source(self, match: PrefixMatch) -> list[tuple[str, int]]:
+    def tokens_by_source(self, match: TieredMatch) -> list[tuple[str, int]]:
         """(source, tokens) per loaded chunk, for the hit counters."""
         cb, bs = self.chunk_blocks, self.block_size
         return [(c.source, ((cb - match.skip_blocks) if j == 0 else cb) * bs)
-                for j, c in enumerate(match.loaded)]
+                for j, c in enumerate(match.chunks)]
 
     def consumed(self, chunks: list[FoundChunk]) -> None:
         self.tiers.consumed(chunks)
@@ -153,12 +169,12 @@ class NoTiers:
         raise AssertionError("no tiers to save to")
 
     def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
-        return match  # so no match ever has loaded chunks, and the three below are never called
+        return match  # so no match is ever a TieredMatch, and the three below are never called
 
-    def loaded_kv(self, match: PrefixMatch) -> torch.Tensor:
+    def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
         raise AssertionError("no tiers: nothing is loaded")
 
-    def tokens_by_source(self, match: PrefixMatch) -> list[tuple[str, int]]:
+    def tokens_by_source(self, match: TieredMatch) -> list[tuple[str, int]]:
         return []
 
     def consumed(self, chunks: list[FoundChunk]) -> None:

@@ -237,16 +237,5 @@ def load_kernel() -> PagedDecodeKernel | None:
     if os.environ.get("KVSERVE_CPU_PAGED_DECODE", "1") == "0":
         logger.info("paged decode kernel off (KVSERVE_CPU_PAGED_DECODE=0): gather path")
         return None
-    lib = cpu_ext.load_library(SOURCE)
-    if lib is None:
-        logger.warning("paged decode kernel unavailable: decode attention gathers K/V instead")
-        return None
-    try:
-        kernel = PagedDecodeKernel(lib)
-    except RuntimeError as e:
-        logger.warning("paged decode kernel unavailable, decode attention gathers K/V "
-                       "instead: %s", e)
-        return None
-    logger.debug("paged decode kernel: %s", kernel.path)
-    return kernel
+    return cpu_ext.load_kernel(SOURCE, PagedDecodeKernel, "decode attention gathers K/V")
 

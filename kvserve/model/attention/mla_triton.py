@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention import triton_kernels as tk
 from kvserve.model.attention.mla import (MLAProjections, TorchMLABackend, _PrefillPlan,
                                          _StepState)
 from kvserve.model.attention.mla_triton_kernels import mla_decode_attention
+from kvserve.model.attention.triton_tiles import INTERPRETED
 
 
 class TritonMLABackend(TorchMLABackend):
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale, decode="absorbed")
-        if pool.device.type == "cpu" and not tk.INTERPRETED:
+        if pool.device.type == "cpu" and not INTERPRETED:
             raise ValueError("the Triton backend runs on CPU tensors only under Triton's "
                              "interpreter (TRITON_INTERPRET=1 set before triton is imported); "
                              "use attention_backend='torch' on the CPU")

@@ -5,7 +5,7 @@ query is [W_UK^T q_nope | q_rope] (rank + rope values); keys are the cached vect
 values their latent part, so a tile of cache rows is loaded once and serves the scores and the
 value sum of every head in the tile (multi-query attention with a wide head). The output is the
 attention-weighted latent [B, H, rank]; the caller applies W_UV. Scores use the online softmax of
-the paged kernels (`triton_kernels`), whose helpers this reuses; it also runs on CPU tensors
+the paged kernels (`triton_tiles`), whose helpers this reuses; it also runs on CPU tensors
 under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested without a GPU.
 """
 
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.attention.triton_kernels import (_LOG2E, _dot, _ieee, _on_gpu,
-                                                    _online_softmax_step, _paged_slots)
+from kvserve.model.attention.triton_tiles import (LOG2E, dot, ieee, on_gpu, online_softmax_step,
+                                                  paged_slots)
 
 MIN_TILE = 16  # tl.dot's smallest inner dimension
 
@@ -48,14 +48,14 @@ def _mla_decode_kernel(q_ptr, cache, tables, seq_lens, out_ptr, qk_scale,
     for n0 in range(0, seq_len, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < seq_len
-        blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
+        blk, tok = paged_slots(table, pos, n_mask, BLOCK_SIZE)
         row = cache + blk[:, None] * stride_cb + tok[:, None] * stride_cs
         lat = tl.load(row + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         pe = tl.load(row + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
                      other=0.0)
-        s = _dot(q_lat, tl.trans(lat), IEEE) + _dot(q_pe, tl.trans(pe), IEEE)
+        s = dot(q_lat, tl.trans(lat), IEEE) + dot(q_pe, tl.trans(pe), IEEE)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, lat, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = online_softmax_step(s, lat, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
@@ -81,12 +81,12 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     rope = width - rank
     block_h = max(MIN_TILE, min(64, triton.next_power_of_2(h)))
     _mla_decode_kernel[(b, triton.cdiv(h, block_h))](
-        q, cache, block_tables, seq_lens, out, scale * _LOG2E,
+        q, cache, block_tables, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_HEADS=h, RANK=rank, ROPE=rope, BLOCK_H=block_h,
         BLOCK_R=max(MIN_TILE, triton.next_power_of_2(rank)),
         BLOCK_P=max(MIN_TILE, triton.next_power_of_2(max(rope, 1))),
-        BLOCK_N=block_n, BLOCK_SIZE=cache.shape[1], IEEE=_ieee(q),
-        **({"num_warps": 4, "num_stages": 2} if _on_gpu(q) else {}))
+        BLOCK_N=block_n, BLOCK_SIZE=cache.shape[1], IEEE=ieee(q),
+        **({"num_warps": 4, "num_stages": 2} if on_gpu(q) else {}))
     return out

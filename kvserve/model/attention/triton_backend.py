@@ -22,6 +22,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import triton_kernels as tk
 from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                           padded_block_tables)
+from kvserve.model.attention.triton_tiles import INTERPRETED
 
 
 @dataclass
@@ -69,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
         k0, v0 = self.kv_caches[0][:2]
         tk.check_kv_cache(k0, v0, self.quant[0])
         self.device = k0.device
-        if self.device.type == "cpu" and not tk.INTERPRETED:
+        if self.device.type == "cpu" and not INTERPRETED:
             raise ValueError("the Triton backend runs on CPU tensors only under Triton's "
                              "interpreter (TRITON_INTERPRET=1 set before triton is imported); "
                              "use attention_backend='torch' on the CPU")

@@ -29,23 +29,25 @@ group. New K/V are quantized into such a cache by the pool's codec (PyTorch ops)
 `store_kv`; int4 (KIVI) is not read here.
 Any block size works (slots are addressed per token); head_dim may be any size from 16 to 256
 (tiles are padded to a power of two and masked). The kernels also run on CPU tensors under
-Triton's interpreter (`TRITON_INTERPRET=1`), which is how they are tested without a GPU.
+Triton's interpreter (`TRITON_INTERPRET=1`), which is how they are tested without a GPU. The
+two attention kernels differ only in which queries and keys a program takes: the paged loop
+over the keys is one function of triton_tiles.py, so a change to it reaches both.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.attention.triton_tiles import LOG2E, attend_paged, ieee, on_gpu
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 MIN_HEAD_DIM = 16  # tl.dot needs an inner dimension of at least 16
-_LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the `window` of a full-attention layer: larger than any context
 
 
@@ -109,113 +111,20 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("KV cache tensors must be contiguous in head_dim")
 
 
-def _patch_interpreter_for_numpy2() -> None:
-    """Triton 3.6's interpreter turns a scalar into a loop bound with `int(array)`, which NumPy
-    2.4 refuses for its 1-element (not 0-d) arrays; loops with runtime bounds then fail. Only
-    the interpreter (CPU testing) is touched, and only when it is enabled."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - a Triton without the interpreter
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_kvserve_patched", False):
-        return
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._kvserve_patched = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-_patch_interpreter_for_numpy2()
-
-# Whether this module's kernels were built for Triton's interpreter (CPU tensors).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _block_d(head_dim: int) -> int:
     return max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
 
 
-def _on_gpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
-
-
-def _ieee(t: torch.Tensor) -> bool:
-    """Whether tiles go through tl.dot in exact float32: for float32 models (no TF32 rounding, so
-    results match the PyTorch path), and always under the interpreter, whose dot mishandles
-    16-bit floats (it multiplies their raw bits)."""
-    return t.dtype == torch.float32 or not _on_gpu(t)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _paged_slots(table, pos, n_mask, BLOCK_SIZE: tl.constexpr):
-    """(block id, offset in block) of each token position, through a sequence's block table."""
-    blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    return blk, pos % BLOCK_SIZE
-
-
-@triton.jit
-def _load_paged(cache, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h):
-    """One KV head's [BLOCK_N, BLOCK_D] tile of K or V from scattered cache slots."""
-    return tl.load(cache + blk[:, None] * stride_b + tok[:, None] * stride_s + kvh * stride_h
-                   + offs_d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _fp8_bits_to_f32(b, FP8_EXP: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
-    """fp8 bytes (as stored: e4m3fn or e5m2, never NaN/inf, the codec saturates) -> float32,
-    from the bits: exact, and the same code under the interpreter and on a GPU."""
-    b = b.to(tl.int32)
-    e = (b >> FP8_MANT) & ((1 << FP8_EXP) - 1)
-    m = b & ((1 << FP8_MANT) - 1)
-    # normal: (2^M + m) * 2^(e - bias - M); subnormal (e = 0): m * 2^(1 - bias - M)
-    mant = tl.where(e == 0, m, m + (1 << FP8_MANT)).to(tl.float32)
-    mag = mant * tl.math.exp2((tl.maximum(e, 1) - FP8_BIAS - FP8_MANT).to(tl.float32))
-    return tl.where((b >> 7) != 0, -mag, mag)
-
-
-@triton.jit
-def _load_kv(cache, sz, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h,
-             sz_b, sz_s, sz_h, scale, KV_KIND: tl.constexpr, FP8_EXP: tl.constexpr,
-             FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, GROUP_DIM: tl.constexpr):
-    """One KV head's [BLOCK_N, BLOCK_D] tile, dequantized (float32) if the cache is quantized:
-    only the tiles attention reads are ever dequantized."""
-    x = _load_paged(cache, blk, tok, kvh, offs_d, mask, stride_b, stride_s, stride_h)
-    if KV_KIND == 0:
-        return x
-    elif KV_KIND == 3:
-        at = sz + blk[:, None] * sz_b + tok[:, None] * sz_s + kvh * sz_h \
-            + (offs_d // GROUP_DIM)[None, :] * 2
-        s = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(at + 1, mask=mask, other=0.0).to(tl.float32)
-        return x.to(tl.float32) * s + z
-    else:
-        return _fp8_bits_to_f32(x, FP8_EXP, FP8_MANT, FP8_BIAS) * scale
-
-
-@triton.jit
-def _online_softmax_step(scores, v, m_i, l_i, acc, IEEE: tl.constexpr):
-    """Fold one tile of (masked, log2-scaled) scores and its V rows into the running max,
-    normaliser and output (flash attention's online softmax)."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.math.exp2(scores - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-    return m_new, l_i, acc
+def _launch_shapes(q: torch.Tensor, k_cache: torch.Tensor,
+                   out: torch.Tensor | None) -> tuple[int, int, torch.Tensor]:
+    """(block size, KV heads, output) of an attention launch, checked the same way for both
+    kernels: every query head must map onto a KV head."""
+    _, block_size, hkv, _ = k_cache.shape
+    if q.shape[1] % hkv:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({hkv})")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return block_size, hkv, out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,31 +213,16 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, tables, seq_lens, mid_o, mid_l
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = tables + b * stride_tb
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_kv(k_cache, k_sz, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
-                     stride_kch, ksz_b, ksz_s, ksz_h, k_scale, KV_KIND, FP8_EXP, FP8_MANT,
-                     FP8_BIAS, GROUP_DIM).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE)
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        v = _load_kv(v_cache, v_sz, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
-                     stride_vch, vsz_b, vsz_s, vsz_h, v_scale, KV_KIND, FP8_EXP, FP8_MANT,
-                     FP8_BIAS, GROUP_DIM).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = attend_paged(
+        q, 0, start, end, window, qk_scale, tables + b * stride_tb, kvh, k_cache, v_cache,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_sz, v_sz,
+        ksz_b, ksz_s, ksz_h, vsz_b, vsz_s, vsz_h, k_scale, v_scale, BLOCK_G, HEAD_DIM, BLOCK_D,
+        BLOCK_N, BLOCK_SIZE, False, IEEE, KV_KIND, FP8_EXP, FP8_MANT, FP8_BIAS, GROUP_DIM)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -398,11 +292,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     already stored). `num_splits` fixes the split count (CUDA graphs need one per bucket); else
     it is chosen from `max_seq_len` (or seq_lens.max(), which syncs)."""
     b, h, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    if h % hkv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size, hkv, out = _launch_shapes(q, k_cache, out)
     if b == 0:
         return out
     group = h // hkv
@@ -413,10 +303,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     block_d = _block_d(d)
-    on_gpu = _on_gpu(q)
+    gpu = on_gpu(q)
     _decode_split_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
-        scale * _LOG2E, window_arg(window),
+        scale * LOG2E, window_arg(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -426,8 +316,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *quant.args(k_cache, v_cache),
         GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        IEEE=_ieee(q), **quant.constexprs(),
-        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}))
+        IEEE=ieee(q), **quant.constexprs(),
+        **({"num_warps": 4, "num_stages": 2} if gpu else {}))
     _decode_merge_kernel[(b, h)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -435,7 +325,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
-        **({"num_warps": 2} if on_gpu else {}))
+        **({"num_warps": 2} if gpu else {}))
     return out
 
 
@@ -469,36 +359,20 @@ def _extend_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, q_starts, q_lens, s
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = ctx + offs_m  # absolute position of each query row
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = tables + s * stride_tb
     end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # the last row sees up to its own position
     lo = tl.maximum(ctx + m0 - window + 1, 0)  # the first row's first visible key
-    for n0 in range(lo, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        blk, tok = _paged_slots(table, pos, n_mask, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_kv(k_cache, k_sz, blk, tok, kvh, offs_d, kv_mask, stride_kcb, stride_kcs,
-                     stride_kch, ksz_b, ksz_s, ksz_h, k_scale, KV_KIND, FP8_EXP, FP8_MANT,
-                     FP8_BIAS, GROUP_DIM).to(q.dtype)
-        qk = _dot(q, tl.trans(k), IEEE)
-        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) \
-            & (pos[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        v = _load_kv(v_cache, v_sz, blk, tok, kvh, offs_d, kv_mask, stride_vcb, stride_vcs,
-                     stride_vch, vsz_b, vsz_s, vsz_h, v_scale, KV_KIND, FP8_EXP, FP8_MANT,
-                     FP8_BIAS, GROUP_DIM).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    # Each row at its absolute position ctx + offs_m, causally within its window.
+    m_i, l_i, acc = attend_paged(
+        q, ctx + offs_m, lo, end, window, qk_scale, tables + s * stride_tb, kvh, k_cache,
+        v_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_sz,
+        v_sz, ksz_b, ksz_s, ksz_h, vsz_b, vsz_s, vsz_h, k_scale, v_scale, BLOCK_M, HEAD_DIM,
+        BLOCK_D, BLOCK_N, BLOCK_SIZE, True, IEEE, KV_KIND, FP8_EXP, FP8_MANT, FP8_BIAS,
+        GROUP_DIM)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -518,17 +392,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     each query's own). block_tables [S, max_blocks] int32; the other per-
     sequence tensors [S] int32. Rows of q not covered by any sequence are left untouched."""
     t, h, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    if h % hkv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size, hkv, out = _launch_shapes(q, k_cache, out)
     num_seqs = q_lens.shape[0]
     if t == 0 or num_seqs == 0:
         return out
-    on_gpu = _on_gpu(q)
+    gpu = on_gpu(q)
     block_d = _block_d(d)
-    if on_gpu:
+    if gpu:
         block_m = 64 if block_d <= 128 else 32
         block_n = 64 if q.dtype != torch.float32 else 32
         launch = {"num_warps": 4, "num_stages": 2}
@@ -537,14 +407,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, h)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
-        scale * _LOG2E, window_arg(window),
+        scale * LOG2E, window_arg(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         *quant.args(k_cache, v_cache),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, IEEE=_ieee(q), **quant.constexprs(), **launch)
+        BLOCK_SIZE=block_size, IEEE=ieee(q), **quant.constexprs(), **launch)
     return out
 
 

@@ -1,0 +1,245 @@
+"""What an engine is made of, built from its config: the model, the KV pool and its manager,
+the storage tiers, the worker and its executor.
+
+Why apart from LLMEngine: sizing the KV pool (the memory budget on the CPU, a profile on the
+GPU), choosing the layout (one block table, per-group tables for hybrid models, a released
+window), the fp8 scales, the tiers' chunk identity and the CUDA graphs are decided once, at
+start-up, and read nothing of the step loop; the engine keeps the parts (`EngineParts`) and
+runs steps over them. A multi-process executor would build the worker half of this in each
+worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvserve.engine.executor import InProcessExecutor
+from kvserve.engine.gpu_memory import available_host_memory
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import (
+    KV_DTYPES,
+    KVCacheSpec,
+    KVGroup,
+    KVStorage,
+    decoder_kv_spec,
+    kv_dtype_name,
+    resolve_kv_dtype,
+)
+from kvserve.kv.tensors import KVTensorPool
+from kvserve.kv.tiers.link import TierLink
+from kvserve.model.attention.base import AttentionBackend
+from kvserve.model.attention.select import make_attention_backend
+from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import CausalLM
+from kvserve.model.gguf_checkpoint import tokenizer_dir
+from kvserve.model.loader import load_model
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve")
+
+# KV events (kv/events.py) kept between drains: the server drains after every step, so this only
+# bounds an engine nobody drains (the offline LLM), at a few MB.
+KV_EVENTS_CAPACITY = 65_536
+
+
+@dataclass
+class EngineParts:
+    model: CausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    kv_spec: KVCacheSpec
+    page_groups: tuple[KVGroup, ...] | None
+    tensors: KVTensorPool
+    backend: AttentionBackend
+    tiers: object | None  # kvserve.kv.tiers.tiered.TieredKVStore
+    kv: KVCacheManager
+    runner: ModelRunner
+    executor: InProcessExecutor
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Load the model (the embedded default when config.model is None), finalize the config
+    against it, and size and build everything a step runs over."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    model_dir = config.model
+    if model_dir is None:
+        from kvserve.model.default import embedded_model_path
+
+        model_dir = str(embedded_model_path())
+        config.model = model_dir
+    model, model_config = load_model(model_dir, config.dtype, config.device,
+                                     remeasure_kernels=config.remeasure_kernels)
+    if config.attention_backend == "triton":
+        model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
+    tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
+    config.finalize(model_config.max_position_embeddings)
+    dtype = next(model.parameters()).dtype
+    kv_spec = engine_kv_spec(model_config, dtype, config.block_size, config.kv_cache_dtype)
+    groups = _page_groups(config, kv_spec)
+    num_blocks = _num_kv_blocks(config, kv_spec, groups, model)
+    tensors = KVTensorPool(kv_spec, num_blocks, config.device,
+                           *_kv_scales(config, kv_spec, model_config, model_dir),
+                           page_groups=groups)
+    backend = make_attention_backend(config.attention_backend, tensors,
+                                     model_config.attention_scale, dtype)
+    tiers = _make_tiers(config, kv_spec, model_config, tensors, model_dir)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        config.eviction_policy,
+                        TierLink(tiers, config.block_size) if tiers else None,
+                        kv_events_capacity=KV_EVENTS_CAPACITY,
+                        window=_release_window(config, kv_spec, groups, tiers),
+                        group_windows=None if groups is None
+                        else [getattr(g.spec, "window", None) for g in groups])
+    runner = ModelRunner(model, backend, tensors, config.block_size)
+    _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
+    return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
+                       tiers, kv, runner, InProcessExecutor(runner))
+
+
+def _capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
+                    backend: AttentionBackend, tensors: KVTensorPool,
+                    groups: tuple[KVGroup, ...] | None, model_config: ModelConfig) -> None:
+    """CUDA graphs for decode batches, where the layout allows them."""
+    if config.device != "cuda" or config.enforce_eager:
+        return
+    if tensors.quantized:
+        logger.info("quantized KV cache: decode steps run eagerly (no CUDA graphs)")
+    elif groups is not None:
+        logger.info("per-group KV block tables: decode steps run eagerly (no CUDA graphs)")
+    elif model_config.mla is None:
+        from kvserve.engine.cuda_graphs import CUDAGraphRunner
+
+        runner.graphs = CUDAGraphRunner(model, backend, config.max_num_seqs,
+                                        config.max_model_len)
+        runner.graphs.capture_all()
+
+
+def _page_groups(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVGroup, ...] | None:
+    """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
+    size, windowed groups releasing what falls out of their window), unless disabled or
+    storage tiers are on (their chunks hold every layer of a block); None keeps one table
+    for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
+    groups = kv_spec.page_groups()
+    if groups is None or config.disable_hybrid_kv_cache_manager:
+        return None
+    tiers = config.kv_tier_config
+    if tiers is not None and tiers.enabled:
+        logger.warning("storage tiers are on: a hybrid model keeps every block of every layer")
+        return None
+    logger.info("hybrid KV cache: %d groups of %d layers, one block table each",
+                len(groups), len(groups[0].layers))
+    return groups
+
+
+def _release_window(config: EngineConfig, kv_spec: KVCacheSpec,
+                    groups: tuple[KVGroup, ...] | None, tiers: object | None) -> int | None:
+    """The window outside which the manager releases blocks: a model whose every layer is
+    windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
+    window = kv_spec.release_window
+    if window is None or config.disable_hybrid_kv_cache_manager or groups is not None:
+        return None
+    if tiers is not None:
+        logger.warning("storage tiers are on: blocks outside the sliding window are kept")
+        return None
+    return window
+
+
+def _num_kv_blocks(config: EngineConfig, kv_spec: KVCacheSpec,
+                   groups: tuple[KVGroup, ...] | None, model: CausalLM) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif config.device == "cuda":
+        from kvserve.engine.gpu_memory import profile_kv_budget
+
+        budget = profile_kv_budget(model, config)
+    else:
+        # No point reserving more than every sequence slot at full length could use.
+        most = config.max_num_seqs * config.max_model_len * kv_spec.bytes_per_token
+        budget = min(int(available_host_memory() * config.gpu_memory_utilization),
+                     CPU_DEFAULT_KV_CACHE_BYTES, most)
+    page = kv_spec.page_bytes(groups)
+    blocks = budget // page
+    if blocks < 1:
+        raise ValueError(f"KV cache memory of {budget:,} bytes holds no block of "
+                         f"{page:,} bytes; raise kv_cache_memory_bytes")
+    return blocks
+
+
+def _kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
+               model_dir: str) -> tuple[torch.Tensor | None, bool]:
+    """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
+    first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
+    storage = kv_spec.layer_specs()[0].storage
+    if storage.dtype != "fp8":
+        return None, False
+    from kvserve.model.loader import read_kv_scales
+
+    scales = read_kv_scales(model_dir, model_config.num_hidden_layers)
+    if scales is not None:
+        logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
+    elif config.calculate_kv_scales:
+        logger.info("fp8 KV cache: scales computed from the first batch "
+                    "(calculate_kv_scales)")
+    else:
+        logger.warning("fp8_e4m3 KV cache without k_scale/v_scale in the checkpoint: "
+                       "using 1.0 (set calculate_kv_scales=True to compute them); "
+                       "accuracy may suffer")
+    return scales, config.calculate_kv_scales
+
+
+def _make_tiers(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
+                tensors: KVTensorPool, model_dir: str):
+    """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
+    tier_config = config.kv_tier_config
+    if tier_config is None or not tier_config.enabled:
+        return None
+    from kvserve.kv.tiers.chunk import ChunkIdentity, model_fingerprint
+    from kvserve.kv.tiers.tiered import TieredKVStore
+
+    # What each layer stores per token, from the pool's spec: (K, V) of [Hkv, D] or MLA's one
+    # latent vector.
+    layer_tensors = kv_spec.layer_specs()[0].tensors
+    heads, width = layer_tensors[0]
+    identity = ChunkIdentity(tier_config.model_name or model_fingerprint(model_dir),
+                             tensors.dtype, model_config.num_hidden_layers, heads, width,
+                             config.block_size, tier_config.chunk_size, len(layer_tensors),
+                             kv_format=tensors.format_tag(),
+                             page_bytes=tensors.page_bytes if tensors.packed else None)
+    tiers = TieredKVStore(tier_config, identity)
+    logger.info("KV storage tiers: %s", ", ".join(
+        [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu
+        + [f"disk {tier_config.local_disk} {tier_config.max_local_disk_size:g} GB"]
+        * (tier_config.local_disk is not None)
+        + [f"remote {tier_config.remote_url}"] * (tier_config.remote_url is not None)))
+    return tiers
+
+
+def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """What the engine stores per token: K and V of every layer in `kv_cache_dtype` ("auto":
+    the model's dtype; int4 keys grouped by block), with each sliding layer's window, or MLA's
+    latent vector (the attention backends read the windows from this spec; the planner derives
+    its figures from the same spec classes)."""
+    mc = model_config
+    mla = mc.mla
+    model_kv = kv_dtype_name(dtype)
+    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
+    if mla is not None and name != model_kv:
+        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
+        # latents too): MLA's latent is stored as the model computes it, never quantized.
+        what = "a quantized" if KV_DTYPES[name].quantized else "another"
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
+                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
+                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
+    storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
+    return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
+                           block_size, mc.layer_windows,
+                           kv_lora_rank=mla.kv_lora_rank if mla else None,
+                           rope_dim=mla.qk_rope_head_dim if mla else 0)

@@ -1,0 +1,36 @@
+"""Where a step message goes: the seam between the scheduler's side and the workers.
+
+The engine hands every step (engine/step.py's StepInput) to an Executor and gets a StepOutput
+back; it never calls the worker itself. Today the one executor runs one worker in this process.
+Tensor parallelism adds an executor that sends the same message to one worker process per
+rank and returns rank 0's output; prefill/decode disaggregation, one that sends prefills to
+another engine's workers. (vLLM v1's Executor: UniProcExecutor, MultiprocExecutor.)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step import StepInput, StepOutput
+
+
+class Executor(Protocol):
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run the step's plan and forward; raises what the worker raised (StepFailed once
+        the plan's saves were read)."""
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """The worker in this process, called directly: no copy of the message, no thread."""
+
+    def __init__(self, worker: ModelRunner) -> None:
+        self.worker = worker
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)
+
+    def shutdown(self) -> None:
+        pass
