@@ -25,6 +25,7 @@ from kvserve.kv.bounded import (
     resolve_bounded_kv,
 )
 from kvserve.kv.manager import KVCacheManager
+from kvserve.model.attention.base import AttentionBackend
 from kvserve.model.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
@@ -40,16 +41,16 @@ PromptType = Union[str, Mapping[str, Any]]
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer,
                  kv: KVCacheManager, kv_differs_from_model: bool,
-                 observes_attention: bool) -> None:
+                 backend: AttentionBackend) -> None:
         """`kv_differs_from_model`: the KV cache is quantized or in another dtype than the
-        model (bounded caches refuse it); `observes_attention`: the attention backend returns
-        attention weights (SnapKV and H2O need them)."""
+        model (bounded caches refuse it); `backend`: asked whether it returns attention
+        weights (SnapKV and H2O need them)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.kv = kv
         self._kv_differs_from_model = kv_differs_from_model
-        self._observes_attention = observes_attention
+        self._backend = backend
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -156,7 +157,7 @@ class InputProcessor:
                              f"{self.config.kv_cache_dtype!r}: compaction and the attention "
                              "weights of SnapKV/H2O read the cache unquantized")
         bound = resolve_bounded_kv(config, self.config.max_model_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not self._observes_attention:
+        if bound.policy in ATTENTION_POLICIES and not self._backend.observes_attention:
             raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
                              "which only the torch attention backend computes (this engine "
                              f"runs {self.config.attention_backend})")

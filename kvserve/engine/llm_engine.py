@@ -25,7 +25,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.bounded import BoundedKVConfig
+from kvserve.kv.bounded import BoundedKV, BoundedKVConfig
 from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.spec import capacity_line, mla_saving_line
@@ -53,8 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
-            self.tensors.quantized or self.tensors.dtype != self.dtype,
-            self.backend.observes_attention)
+            self.tensors.quantized or self.tensors.dtype != self.dtype, self.backend)
         bound = self.inputs.bounded_kv
         if bound is not None:
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
@@ -77,6 +76,12 @@ class LLMEngine:
             logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
                                         self.model_config.num_attention_heads, mla.qk_head_dim,
                                         mla.v_head_dim))
+
+    @property
+    def bounded_kv(self) -> BoundedKV | None:
+        """The engine-wide bounded KV cache (None: every request keeps its whole KV unless it
+        asks for its own)."""
+        return self.inputs.bounded_kv
 
     @property
     def grammars(self) -> GrammarCompiler:
