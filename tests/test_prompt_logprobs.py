@@ -28,8 +28,9 @@ def references(hf_checkpoints) -> dict[str, tuple[list[list[int]], list[torch.Te
     import transformers
 
     refs = {}
-    for arch, path in hf_checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for arch in ARCHS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoints[arch],
+                                                                  dtype=torch.float32)
         prompts = random_prompts(LENGTHS, VOCAB, seed=10 + ARCHS.index(arch))
         with torch.no_grad():
             lps = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1)

@@ -30,6 +30,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._texts: dict[str, _Detok] = {}  # by sample id: those decoded token by token
 
+    def __len__(self) -> int:
+        """The samples whose text is held (per-request state: 0 when nothing runs)."""
+        return len(self._texts)
+
     def track(self, request: Request, stream: bool) -> None:
         """Text is decoded token by token only when someone looks at it before the end (stop
         strings, streaming); otherwise once, at the end, off the per-token path."""

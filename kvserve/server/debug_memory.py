@@ -66,7 +66,7 @@ def engine_maps(engine: Any) -> dict[str, int]:
         "async._streams": len(engine._streams), "async._streaming": len(engine._streaming),
         "async._prompt_lens": len(engine._prompt_lens),
         "async._gen_counts": len(engine._gen_counts), "async._commands": len(engine._commands),
-        "engine._groups": len(eng._groups), "engine._detok": len(eng._detok),
+        "engine._groups": len(eng._groups), "engine.outputs": len(eng.outputs),
         "engine._streaming": len(eng._streaming),
         "scheduler.running": len(eng.scheduler.running),
         "scheduler.waiting": len(eng.scheduler.waiting),
