@@ -68,6 +68,21 @@ def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | Non
     return (first + 1, last - first) if last > first else None
 
 
+def _observe_rows(request: Request, bound, start: int, end: int) -> tuple[int, int] | None:
+    """The chunk's rows whose attention weights a bounded cache selects by: every row for
+    H2O; for SnapKV the prompt's last `observation_window` positions in this chunk."""
+    n = end - start
+    if bound.policy == "h2o":  # every query votes
+        return (0, n)
+    if bound.policy != "snapkv" or n <= 1:
+        return None
+    prompt_len = len(request.prompt_token_ids)
+    first = max(start, prompt_len - bound.observation_window)
+    if min(end, prompt_len) > first:
+        return (first - start, min(end, prompt_len) - first)
+    return None
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         assert config.max_num_batched_tokens is not None
@@ -116,30 +131,31 @@ class Scheduler:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
         plan = self.kv.end_step()
-        seqs = [self._seq_step(r, n) for r, n in ordered]
         return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted,
-                              StepInput(seqs, plan))
+                              StepInput(self._seq_steps(ordered), plan))
 
-    def _seq_step(self, request: Request, n: int) -> SeqStep:
-        """The worker's view of one request's part of the step."""
-        start = request.num_computed_tokens
-        end = start + n
-        tables = self.kv.group_block_tables(request) if self.kv.num_groups > 1 \
-            else (self.kv.block_table(request),)
-        observe = None
-        bound = request.bounded_kv
-        if bound is not None and bound.policy == "h2o":  # every query votes
-            observe = (0, n)
-        elif bound is not None and bound.policy == "snapkv" and n > 1:
-            # SnapKV's observation window: the prompt's last positions in this chunk.
-            prompt_len = len(request.prompt_token_ids)
-            first = max(start, prompt_len - bound.observation_window)
-            if min(end, prompt_len) > first:
-                observe = (first - start, min(end, prompt_len) - first)
-        return SeqStep(request.request_id, request.token_ids[start:end], start,
-                       start - request.num_dropped_tokens, tuple(tables),
-                       end == request.num_tokens and not request.prefill_only,
-                       prompt_rows(request, start, end), observe)
+    def _seq_steps(self, chosen: list[tuple[Request, int]]) -> list[SeqStep]:
+        """The worker's view of each request's part of the step. (Run for every running
+        request every step: the common case, one group and nothing but tokens, is kept to a
+        few attribute reads.)"""
+        kv = self.kv
+        one_group = kv.num_groups == 1
+        seqs = []
+        for request, n in chosen:
+            start = request.num_computed_tokens
+            end = start + n
+            token_ids = request.token_ids
+            tables = (kv.block_table(request),) if one_group \
+                else tuple(kv.group_block_tables(request))
+            bound = request.bounded_kv
+            seqs.append(SeqStep(
+                request.request_id, token_ids[start:end], start,
+                start - request.num_dropped_tokens, tables,
+                end == len(token_ids) and request.max_tokens != 0,  # prefill-only: no sample
+                prompt_rows(request, start, end) if request.sampling_params.prompt_logprobs
+                is not None else None,
+                None if bound is None else _observe_rows(request, bound, start, end)))
+        return seqs
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are computed, and their full blocks go into
