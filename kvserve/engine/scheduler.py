@@ -68,9 +68,12 @@ def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | Non
     return (first + 1, last - first) if last > first else None
 
 
-def _observe_rows(request: Request, bound, start: int, end: int) -> tuple[int, int] | None:
+def _observe_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
     """The chunk's rows whose attention weights a bounded cache selects by: every row for
     H2O; for SnapKV the prompt's last `observation_window` positions in this chunk."""
+    bound = request.bounded_kv
+    if bound is None:
+        return None
     n = end - start
     if bound.policy == "h2o":  # every query votes
         return (0, n)
@@ -135,9 +138,8 @@ class Scheduler:
                               StepInput(self._seq_steps(ordered), plan))
 
     def _seq_steps(self, chosen: list[tuple[Request, int]]) -> list[SeqStep]:
-        """The worker's view of each request's part of the step. (Run for every running
-        request every step: the common case, one group and nothing but tokens, is kept to a
-        few attribute reads.)"""
+        """The worker's view of each request's part of the step (for every running request,
+        every step)."""
         kv = self.kv
         one_group = kv.num_groups == 1
         seqs = []
@@ -147,14 +149,11 @@ class Scheduler:
             token_ids = request.token_ids
             tables = (kv.block_table(request),) if one_group \
                 else tuple(kv.group_block_tables(request))
-            bound = request.bounded_kv
             seqs.append(SeqStep(
                 request.request_id, token_ids[start:end], start,
                 start - request.num_dropped_tokens, tables,
-                end == len(token_ids) and request.max_tokens != 0,  # prefill-only: no sample
-                prompt_rows(request, start, end) if request.sampling_params.prompt_logprobs
-                is not None else None,
-                None if bound is None else _observe_rows(request, bound, start, end)))
+                end == len(token_ids) and not request.prefill_only,
+                prompt_rows(request, start, end), _observe_rows(request, start, end)))
         return seqs
 
     def update(self, batch: ScheduledBatch) -> None:

@@ -30,7 +30,8 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], name: st
     byte count does not fit the type and shape (a damaged file)."""
     n = int(np.prod(shape)) if shape else 1
     expected = _nbytes(type_name, n)
-    if expected is not None and raw.nbytes != expected:
+    if expected is not None and (raw.nbytes != expected
+                                 or type_name in _BLOCK_BYTES and n % BLOCK):
         raise ValueError(f"tensor {name!r} ({type_name}, shape {list(shape)}) has {raw.nbytes} "
                          f"bytes, expected {expected}")
     if type_name not in TORCH_TYPES:
@@ -50,7 +51,7 @@ def _nbytes(type_name: str, n: int) -> int | None:
     if type_name in ("F16", "BF16"):
         return 2 * n
     if type_name in _BLOCK_BYTES:
-        return n // BLOCK * _BLOCK_BYTES[type_name] if n % BLOCK == 0 else -1
+        return n // BLOCK * _BLOCK_BYTES[type_name]
     return None  # checked by _by_gguf
 
 
