@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve import features as F
 from kvserve.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
@@ -119,16 +120,9 @@ class EngineConfig:
         from kvserve.kv.tiers.config import load_tier_config
 
         self.kv_tier_config = load_tier_config(self.kv_tier_config)
-        if self.kv_tier_config is not None:
-            if not self.enable_prefix_caching:
-                raise ValueError("kv_tier_config needs prefix caching (enable_prefix_caching)")
-            if self.calculate_kv_scales:
-                raise ValueError("calculate_kv_scales cannot be combined with kv_tier_config: "
-                                 "stored chunks need scales fixed at start-up (put "
-                                 "k_scale/v_scale in the checkpoint)")
-            if self.kv_tier_config.chunk_size % self.block_size:
-                raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
-                                 f"must be a multiple of block_size ({self.block_size})")
+        if self.kv_tier_config is not None and self.kv_tier_config.chunk_size % self.block_size:
+            raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
+                             f"must be a multiple of block_size ({self.block_size})")
         if (self.bounded_kv_policy is None) != (self.bounded_kv_budget is None):
             raise ValueError("bounded_kv_policy and bounded_kv_budget go together: a bounded "
                              "KV cache needs both a policy and a budget")
@@ -143,9 +137,34 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
-        if self.device == "cuda" and self.attention_backend == "torch":
-            raise ValueError("attention_backend='torch' is the CPU backend; use 'triton' (or "
-                             "'auto') with device='cuda'")
+        self.check_features()
+
+    def features(self) -> set[str]:
+        """The features (kvserve/features.py) this config turns on by itself; the builder adds
+        what the loaded model says, the input processor a request's bounded cache."""
+        on = set()
+        if self.kv_tier_config is not None:
+            on.add(F.KV_TIERS)
+        if not self.enable_prefix_caching:
+            on.add(F.NO_PREFIX_CACHING)
+        if self.calculate_kv_scales:
+            on.add(F.CALCULATE_KV_SCALES)
+        if self.device == "cuda":
+            on.add(F.CUDA)
+        if self.attention_backend == "torch":
+            on.add(F.TORCH_BACKEND)
+        if resolve_kv_dtype(self.kv_cache_dtype) == "int4":
+            on.add(F.INT4)
+        if self.bounded_kv_policy is not None:
+            on.add(F.BOUNDED)
+        return on
+
+    def check_features(self, extra: set[str] = frozenset(), **context: Any) -> None:
+        """Refuse a combination of this config's features (and `extra` ones, found later) that
+        the compatibility table (kvserve/features.py's CONFLICTS) lists."""
+        F.check_features(self.features() | extra, **{
+            "kv_cache_dtype": self.kv_cache_dtype, "backend": self.attention_backend,
+            **context})
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the limits that depend on the loaded model and check them against each other."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kvserve import features as F
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.executor import InProcessExecutor
 from kvserve.engine.gpu_memory import available_host_memory
@@ -81,6 +83,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     dtype = next(model.parameters()).dtype
+    _check_model_features(config, model_config, dtype)  # before any memory is sized
     kv_spec = engine_kv_spec(model_config, dtype, config.block_size, config.kv_cache_dtype)
     groups = _page_groups(config, kv_spec)
     num_blocks = _num_kv_blocks(config, kv_spec, groups, model)
@@ -101,6 +104,24 @@ def build_engine(config: EngineConfig) -> EngineParts:
     _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
                        tiers, kv, runner, InProcessExecutor(runner))
+
+
+def _kv_dtype_features(model_config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str
+                       ) -> tuple[set[str], dict[str, Any]]:
+    """`features.model_features` for a model computing in `dtype` whose KV cache is `kv_cache_dtype`."""
+    model_kv = kv_dtype_name(dtype)
+    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
+    return F.model_features(model_config, name != model_kv, model_kv=model_kv,
+                          kv_cache_dtype=kv_cache_dtype,
+                          what="a quantized" if KV_DTYPES[name].quantized else "another")
+
+
+def _check_model_features(config: EngineConfig, model_config: ModelConfig,
+                          dtype: torch.dtype) -> None:
+    """Refuse what the config asks for that the loaded model cannot do (the compatibility
+    table's rows that name a model feature)."""
+    on, context = _kv_dtype_features(model_config, dtype, config.kv_cache_dtype)
+    config.check_features(on, **context)
 
 
 def _capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
@@ -229,15 +250,11 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
     its figures from the same spec classes)."""
     mc = model_config
     mla = mc.mla
-    model_kv = kv_dtype_name(dtype)
-    name = resolve_kv_dtype(kv_cache_dtype, model_kv)
-    if mla is not None and name != model_kv:
-        # Said here, before any memory is sized (kv/quant.py's make_codec refuses quantized
-        # latents too): MLA's latent is stored as the model computes it, never quantized.
-        what = "a quantized" if KV_DTYPES[name].quantized else "another"
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, "
-                         f"but MLA models ({mc.architecture}) keep their latent cache in the "
-                         f"model's dtype ({model_kv}): use kv_cache_dtype='auto'")
+    name = resolve_kv_dtype(kv_cache_dtype, kv_dtype_name(dtype))
+    # MLA's latent is stored as the model computes it, never quantized: refused here too, for
+    # a caller other than build_engine (kv/quant.py's make_codec refuses quantized latents).
+    on, context = _kv_dtype_features(mc, dtype, kv_cache_dtype)
+    F.check_features(on, **context)
     storage = KVStorage(name, key_group_tokens=block_size if name == "int4" else None)
     return decoder_kv_spec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, storage,
                            block_size, mc.layer_windows,

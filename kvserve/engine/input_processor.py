@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Union
 
+from kvserve import features as F
 from kvserve.config import EngineConfig
 from kvserve.kv.bounded import (
     ATTENTION_POLICIES,
@@ -49,8 +50,13 @@ class InputProcessor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.kv = kv
-        self._kv_differs_from_model = kv_differs_from_model
         self._backend = backend
+        # What the model turns on (kvserve/features.py), for the table's rows a bounded cache
+        # meets: MLA, sliding windows, a KV cache in another dtype, per-group tables.
+        self._features, self._feature_context = F.model_features(model_config,
+                                                                 kv_differs_from_model)
+        if kv.num_groups > 1:
+            self._features.add(F.HYBRID)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -148,20 +154,14 @@ class InputProcessor:
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"bounded_kv must be a BoundedKVConfig, got "
                              f"{type(config).__name__}")
-        if self.model_config.mla is not None:
-            raise ValueError("a bounded KV cache is not supported for MLA models (their latent "
-                             "cache is compressed already)")
-        if self._kv_differs_from_model:
-            raise ValueError("a bounded KV cache needs the KV cache in the model's own dtype "
-                             f"(kv_cache_dtype=auto), got kv_cache_dtype="
-                             f"{self.config.kv_cache_dtype!r}: compaction and the attention "
-                             "weights of SnapKV/H2O read the cache unquantized")
-        bound = resolve_bounded_kv(config, self.config.max_model_len, self.model_config.layer_windows)
-        if bound.policy in ATTENTION_POLICIES and not self._backend.observes_attention:
-            raise ValueError(f"bounded KV policy {bound.policy} selects by attention weights, "
-                             "which only the torch attention backend computes (this engine "
-                             f"runs {self.config.attention_backend})")
-        return bound
+        on = self._features | {F.BOUNDED}
+        if config.policy in ATTENTION_POLICIES:
+            on.add(F.BOUNDED_BY_ATTENTION)
+        if not self._backend.observes_attention:  # asked now: a backend may say so late
+            on.add(F.NO_ATTENTION_WEIGHTS)
+        self.config.check_features(on, policy=config.policy, **self._feature_context)
+        return resolve_bounded_kv(config, self.config.max_model_len,
+                                  self.model_config.layer_windows)
 
     def _blocks_needed(self, prompt_len: int, max_tokens: int, bound: BoundedKV | None) -> int:
         """The most blocks a request can hold at once: what the manager counts (all its tokens,

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import features as F
+
 POLICIES = ("streaming_llm", "snapkv", "h2o")
 ATTENTION_POLICIES = ("snapkv", "h2o")  # select by attention weights: the torch backend only
 SNAPKV_POOL = 7  # SnapKV's pooling kernel: a kept token brings its neighbours' votes
@@ -86,9 +88,7 @@ def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
                          f"got {config.policy!r}")
     windowed = [i for i, w in enumerate(layer_windows) if w is not None]
     if windowed:
-        raise ValueError(f"a bounded KV cache applies to full-attention layers only, and this "
-                         f"model's layers {windowed[:8]} are sliding-window layers (they bound "
-                         "their cache already; per-group compaction is not supported)")
+        F.refuse(F.BOUNDED, F.SLIDING_WINDOW, windowed=windowed[:8])
     budget = config.budget
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"bounded KV budget must be a number of tokens or a fraction of the "

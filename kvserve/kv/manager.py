@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve import features as F
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy
@@ -120,11 +121,10 @@ class KVCacheManager:
             if w is not None and w < 1:
                 raise ValueError(f"a sliding window must be at least 1 token, got {w}")
         has_tiers = tiers is not None and not isinstance(tiers, NoTiers)
-        if has_tiers and any(w is not None for w in windows):
-            raise ValueError("releasing blocks outside a sliding window does not work with "
-                             "storage tiers yet (a chunk would have released blocks)")
         if has_tiers and len(windows) > 1:
-            raise ValueError("per-group block tables do not work with storage tiers yet")
+            F.refuse(F.HYBRID, F.KV_TIERS)
+        if has_tiers and any(w is not None for w in windows):
+            F.refuse(F.RELEASED_WINDOW, F.KV_TIERS)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.groups = [
@@ -477,8 +477,7 @@ class KVCacheManager:
         out of them before anything allocates. The sequence inserts nothing more into the
         prefix index: its blocks no longer hold the KV their tokens' hashes name."""
         if len(self.groups) > 1:
-            raise ValueError("a bounded KV cache needs one block table (a hybrid layout has "
-                             "windowed layers, which bounded caches refuse)")
+            F.refuse(F.BOUNDED, F.HYBRID)
         if num_blocks > self.pool.num_available:
             return None
         fresh = self.allocate_blocks(num_blocks)

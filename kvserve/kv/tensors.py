@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from kvserve import features as F
 from kvserve import hugepages
 from kvserve.kv.quant import KIVIResidual, KIVIStep, KVScales, make_codec
 from kvserve.kv.spec import KVCacheSpec, KVGroup
@@ -71,7 +72,7 @@ class KVTensorPool:
             self.layers: list[tuple[torch.Tensor, ...]] = [allocate(c) for c in self.codecs]
             return
         if self.residual is not None:
-            raise ValueError("int4 (KIVI) KV caches keep every block (no per-group tables)")
+            F.refuse(F.INT4, F.HYBRID)
         slots = [allocate(self.codecs[layer]) for layer in page_groups[0].layers]
         self.layers = [slots[0]] * len(self.codecs)
         for g, group in enumerate(page_groups):
@@ -153,10 +154,8 @@ class KVTensorPool:
         storage = self.spec.layer_specs()[0].storage
         tag = f"{storage.dtype}:g{storage.group_size}:kg{storage.key_group_tokens}"
         if self.scales is not None:
-            if self.scales.calculate:
-                raise ValueError("calculate_kv_scales cannot be combined with storage tiers: a "
-                                 "stored chunk needs scales fixed at start-up (give the "
-                                 "checkpoint k_scale/v_scale)")
+            if self.scales.calculate:  # only tiers ask for a tag
+                F.refuse(F.KV_TIERS, F.CALCULATE_KV_SCALES)
             tag += ":scales=" + ",".join(f"{x:.8g}" for x in self.scales.values.flatten().tolist())
         return tag
 
@@ -166,12 +165,11 @@ class KVTensorPool:
             return self.layers
         return [self.layers[layer] for layer in self.page_groups[0].layers]
 
-    def _whole_blocks(self) -> None:
-        """Tier chunks and compaction read a block id as every layer's block: not so under page
-        groups (the engine turns those off for them)."""
+    def _whole_blocks(self, feature: str) -> None:
+        """Tier chunks and compaction (`feature`: KV_TIERS, BOUNDED) read a block id as every
+        layer's block: not so under page groups (the engine turns those off for them)."""
         if self.page_groups is not None:
-            raise ValueError("per-group block tables (a hybrid layout) do not support storage "
-                             "tiers or bounded caches yet")
+            F.refuse(F.HYBRID, feature)
 
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=self.device)
@@ -237,7 +235,7 @@ class KVTensorPool:
         """The KV of whole blocks, every layer, as one contiguous host tensor
         [layers, tensors per layer, len(blocks) * block_size, heads, width] (what a tier saves),
         or for a packed pool [layers, 1, len(blocks), 1, page_bytes] uint8."""
-        self._whole_blocks()
+        self._whole_blocks(F.KV_TIERS)
         idx = self._index(blocks)
         if self.packed:
             n = len(blocks)
@@ -250,7 +248,7 @@ class KVTensorPool:
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
-        self._whole_blocks()
+        self._whole_blocks(F.KV_TIERS)
         idx = self._index(blocks)
         if self.residual is not None:
             self.residual.drop(blocks)
@@ -278,7 +276,7 @@ class KVTensorPool:
         tokens for every head; [heads, n], each KV head its own (head h's slot j then holds a
         different token than head h' 's: attention is per head, so they never mix); or
         [layers, heads, n]. The two tables must not share a block."""
-        self._whole_blocks()
+        self._whole_blocks(F.BOUNDED)
         bs = self.block_size
         src = torch.tensor(src_table, dtype=torch.long)
         n = keep.shape[-1]

@@ -1,0 +1,142 @@
+"""Which engine features do not combine, and why: one table, checked in one function.
+
+Every refusal of a feature combination (storage tiers without prefix caching, a bounded cache
+on an MLA model, int4 under per-group block tables, ...) is a row of `CONFLICTS`: the two
+features and the reason the user reads. `check_features` raises the reason of the first row
+whose two features are both on. `EngineConfig` checks its own fields' features at start-up
+(`EngineConfig.features`), the builder adds what only the loaded model says (MLA, sliding
+windows, the hybrid layout), the input processor a request's bounded cache; the KV layers
+(kv/manager.py, kv/tensors.py), which may be built directly, check the same rows through
+`refuse` for the pair they guard, so a message is written once, here.
+
+Why a leaf module (it imports nothing of kvserve): the KV cache package depends on nothing
+above it (tests/test_architecture.py), and it refuses combinations too.
+
+A reason may name values only its caller knows (the model's architecture, its windowed
+layers): `{name}` fields filled from the keyword arguments of `check_features` / `refuse`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# The features, by name.
+KV_TIERS = "kv_tiers"  # kv_tier_config (storage tiers under the pool)
+NO_PREFIX_CACHING = "no_prefix_caching"  # enable_prefix_caching=False
+CALCULATE_KV_SCALES = "calculate_kv_scales"  # fp8 scales taken from the first K/V
+CUDA = "cuda"  # device='cuda'
+TORCH_BACKEND = "torch_backend"  # attention_backend='torch' (the CPU one)
+INT4 = "int4"  # kv_cache_dtype='int4' (KIVI: per-block residual rows)
+KV_DTYPE_OTHER = "kv_dtype_other"  # a KV cache dtype other than the model's (quantized or not)
+MLA = "mla"  # the model's KV is one latent vector per token (DeepSeek)
+SLIDING_WINDOW = "sliding_window"  # the model has sliding-window layers
+HYBRID = "hybrid"  # per-group block tables (kv/spec.py's page_groups)
+RELEASED_WINDOW = "released_window"  # blocks outside a sliding window are released
+BOUNDED = "bounded"  # a bounded KV cache (kv/bounded.py), engine-wide or per request
+BOUNDED_BY_ATTENTION = "bounded_by_attention"  # SnapKV / H2O: select by attention weights
+NO_ATTENTION_WEIGHTS = "no_attention_weights"  # a backend that computes no attention weights
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two features that cannot both be on, and why (a str.format template)."""
+
+    a: str
+    b: str
+    reason: str
+
+
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict(KV_TIERS, NO_PREFIX_CACHING,
+             "kv_tier_config needs prefix caching (enable_prefix_caching)"),
+    Conflict(KV_TIERS, CALCULATE_KV_SCALES,
+             "calculate_kv_scales cannot be combined with kv_tier_config (storage tiers): "
+             "stored chunks need scales fixed at start-up (put k_scale/v_scale in the "
+             "checkpoint)"),
+    Conflict(CUDA, TORCH_BACKEND,
+             "attention_backend='torch' is the CPU backend; use 'triton' (or 'auto') with "
+             "device='cuda'"),
+    Conflict(MLA, KV_DTYPE_OTHER,
+             "kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, but MLA models "
+             "({architecture}) keep their latent cache in the model's dtype ({model_kv}): use "
+             "kv_cache_dtype='auto'"),
+    Conflict(INT4, HYBRID,
+             "int4 (KIVI) KV caches keep every block (no per-group tables)"),
+    Conflict(HYBRID, KV_TIERS,
+             "per-group block tables (a hybrid layout) do not work with storage tiers yet (a "
+             "tier chunk holds every layer of a block)"),
+    Conflict(RELEASED_WINDOW, KV_TIERS,
+             "releasing blocks outside a sliding window does not work with storage tiers yet "
+             "(a chunk would have released blocks)"),
+    Conflict(BOUNDED, MLA,
+             "a bounded KV cache is not supported for MLA models (their latent cache is "
+             "compressed already)"),
+    Conflict(BOUNDED, KV_DTYPE_OTHER,
+             "a bounded KV cache needs the KV cache in the model's own dtype "
+             "(kv_cache_dtype=auto), got kv_cache_dtype={kv_cache_dtype!r}: compaction and the "
+             "attention weights of SnapKV/H2O read the cache unquantized"),
+    Conflict(BOUNDED, SLIDING_WINDOW,
+             "a bounded KV cache applies to full-attention layers only, and this model's "
+             "layers {windowed} are sliding-window layers (they bound their cache already; "
+             "per-group compaction is not supported)"),
+    Conflict(BOUNDED, HYBRID,
+             "a bounded KV cache needs one block table (per-group block tables, a hybrid "
+             "layout, come from windowed layers, which bounded caches refuse)"),
+    Conflict(BOUNDED_BY_ATTENTION, NO_ATTENTION_WEIGHTS,
+             "bounded KV policy {policy} selects by attention weights, which only the torch "
+             "attention backend computes (this engine runs {backend})"),
+)
+
+_BY_PAIR = {frozenset((c.a, c.b)): c for c in CONFLICTS}
+assert len(_BY_PAIR) == len(CONFLICTS), "a pair of features listed twice"
+
+
+class _Context(dict):
+    """A reason's fields; one its caller did not give reads as "?" (a message, never a
+    KeyError in place of the refusal)."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def _message(conflict: Conflict, context: dict[str, Any]) -> str:
+    return conflict.reason.format_map(_Context(context))
+
+
+def conflicts(features: Iterable[str]) -> list[Conflict]:
+    """The rows of `CONFLICTS` whose two features are both in `features`, in table order."""
+    on = set(features)
+    return [c for c in CONFLICTS if c.a in on and c.b in on]
+
+
+def check_features(features: Iterable[str], **context: Any) -> None:
+    """Raise ValueError with the reason of the first conflict among `features`; `context`
+    fills the reason's fields."""
+    found = conflicts(features)
+    if found:
+        raise ValueError(_message(found[0], context))
+
+
+def refuse(a: str, b: str, **context: Any) -> None:
+    """Raise the table's ValueError for the pair (a, b): for a layer that has found both on
+    (the pair must be a row of the table)."""
+    conflict = _BY_PAIR[frozenset((a, b))]
+    raise ValueError(_message(conflict, context))
+
+
+def model_features(model_config: Any, kv_differs: bool, **context: Any
+                   ) -> tuple[set[str], dict[str, Any]]:
+    """The features a loaded model (kvserve.model.config.ModelConfig, read by attribute) turns
+    on — MLA, sliding-window layers, a KV cache dtype other than the model's (`kv_differs`) —
+    and the values their reasons name (with `context`)."""
+    on = set()
+    if model_config.mla is not None:
+        on.add(MLA)
+    windowed = [i for i, w in enumerate(model_config.layer_windows) if w is not None]
+    if windowed:
+        on.add(SLIDING_WINDOW)
+    if kv_differs:
+        on.add(KV_DTYPE_OTHER)
+    return on, {"architecture": model_config.architecture, "windowed": windowed[:8], **context}
