@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvserve.kv.bounded import ATTENTION_POLICIES, BoundedKV
+from kvserve.kv.bounded import BoundedKV
 from kvserve.sampling import SamplingParams
 
 
@@ -104,7 +104,7 @@ class Request:
         A bounded cache that selects by attention (SnapKV, H2O) needs every prompt query's
         weights, which a cached block does not hold either: such a request computes its whole
         prompt (it still publishes the prompt's blocks, which hold exact KV)."""
-        if self.bounded_kv is not None and self.bounded_kv.policy in ATTENTION_POLICIES:
+        if self.bounded_kv is not None and self.bounded_kv.selects_by_attention:
             return True
         return self.records_prompt_logprobs and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)

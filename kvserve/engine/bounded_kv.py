@@ -1,23 +1,61 @@
-"""Compaction of bounded KV caches after a step (the policies are in kvserve.kv.bounded).
+"""Bounded KV caches as the engine's generic code sees them: one object, `BoundedCaches`, whose
+hooks the scheduler calls while it builds a step (`observe_rows`: which rows' attention weights
+the backend returns) and when it preempts (`reset`), and the engine after the forward
+(`compact`). The policies themselves (what is kept, when) are kvserve.kv.bounded's `BoundedKV`.
 
-After the scheduler has advanced a step's requests, each bounded request whose KV reached its
-budget plus a block is cut back to its budget: the policy picks the kept tokens, the manager
-moves the request onto fresh blocks (`KVCacheManager.reseat`), and the kept tokens' KV is copied
-there (`KVTensorPool.compact_tokens`) by the plan handed out right after (kv/plan.py). A pool too full for
-the fresh blocks skips the compaction this step (the request simply holds a little more KV and
-tries again next step; SnapKV's one selection is then lost, and the request is bounded like
+Compaction: after the scheduler has advanced a step's requests, each bounded request whose KV
+reached its budget plus a block is cut back to its budget: the policy picks the kept tokens, the
+manager moves the request onto fresh blocks (`KVCacheManager.reseat`), and the kept tokens' KV
+is copied there (`KVTensorPool.compact_tokens`) by the plan handed out right after
+(kv/plan.py), which the worker executes like any other plan. A pool too full for the fresh
+blocks skips the compaction this step (the request simply holds a little more KV and tries
+again next step; SnapKV's one selection is then lost, and the request is bounded like
 StreamingLLM from there).
+
+Cost without bounded requests: `observe_rows` is the one call per scheduled request (what the
+scheduler made anyway), and `compact` returns at once unless the step scheduled a bounded
+request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.kv.bounded import (add_votes, h2o_keep, needs_compaction, snapkv_keep,
-                                streaming_keep)
+from kvserve.kv.bounded import add_votes
 from kvserve.kv.manager import KVCacheManager, kv_length
 from kvserve.kv.plan import KVMove
 from kvserve.request import Request
+
+
+class BoundedCaches:
+    """The hooks of every request's bounded KV cache (requests without one pass through)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self._scheduled = False  # whether the step being built has a bounded request
+
+    def observe_rows(self, request: Request, start: int, end: int) -> tuple[int, int] | None:
+        """The rows of the request's chunk [start, end) whose attention weights its policy
+        selects by (engine/step.py's SeqStep.observe), or None."""
+        bound = request.bounded_kv
+        if bound is None:
+            return None
+        self._scheduled = True
+        return bound.observe_rows(len(request.prompt_token_ids), start, end)
+
+    def reset(self, request: Request) -> None:
+        """A preempted request recomputes in full, then is bounded again."""
+        request.num_dropped_tokens = 0
+        request.kv_votes = None
+
+    def compact(self, requests: list[Request], observed: dict[str, list[torch.Tensor]]
+                ) -> list[KVMove]:
+        """After the step's forward (and `Scheduler.update`): compact what is due; the KV moves
+        to make, for the next plan's `compactions`."""
+        if not self._scheduled:
+            return []
+        self._scheduled = False
+        return compact_bounded(requests, self.kv, observed)
 
 
 def compact_bounded(requests: list[Request], kv: KVCacheManager,
@@ -36,23 +74,14 @@ def compact_bounded(requests: list[Request], kv: KVCacheManager,
             request.kv_votes = add_votes(request.kv_votes, votes)
         kv_len = kv_length(request)
         prompt_done = request.num_computed_tokens >= len(request.prompt_token_ids)
-        due = needs_compaction(kv_len, prompt_done, bound, kv.block_size)
-        snap = bound.policy == "snapkv" and request.kv_votes is not None and prompt_done
-        if snap:
-            votes_now, request.kv_votes = request.kv_votes, None
-        if snap and kv_len > bound.budget:
-            keep = snapkv_keep(votes_now, bound)  # once, right after the prompt
-        elif bound.policy == "h2o" and due:
-            keep = h2o_keep(request.kv_votes, bound)
-        elif due:
-            keep = streaming_keep(kv_len, bound)
-        else:
+        keep, request.kv_votes = bound.select(kv_len, prompt_done, request.kv_votes,
+                                              kv.block_size)
+        if keep is None:
             continue
         tables = kv.reseat(request, kv.blocks_for_tokens(bound.budget))
         if tables is None:
             continue
         request.num_dropped_tokens += kv_len - bound.budget
-        if bound.policy == "h2o":  # the kept tokens' accumulated weights move with them
-            request.kv_votes = request.kv_votes.gather(-1, keep)
+        request.kv_votes = bound.moved_votes(request.kv_votes, keep)
         moves.append(KVMove(tables[0], keep, tables[1]))
     return moves

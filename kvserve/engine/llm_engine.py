@@ -18,7 +18,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.bounded_kv import compact_bounded
 from kvserve.engine.builder import build_engine
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import OutputProcessor
@@ -184,7 +183,7 @@ class LLMEngine:
         # KV moves in the plan handed out right after, with the write-through saves of the
         # chunks this forward completed (saved now, not a step later: an engine that goes idle
         # or shuts down next would never save them).
-        moves = compact_bounded(batch.requests, self.kv, out.observed)
+        moves = self.scheduler.bounded.compact(batch.requests, out.observed)
         plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
         plan.compactions = moves
         self._run_plan(plan)

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
+from kvserve.engine.bounded_kv import BoundedCaches
 from kvserve.engine.step import SeqStep, StepInput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
@@ -68,29 +69,12 @@ def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | Non
     return (first + 1, last - first) if last > first else None
 
 
-def _observe_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
-    """The chunk's rows whose attention weights a bounded cache selects by: every row for
-    H2O; for SnapKV the prompt's last `observation_window` positions in this chunk."""
-    bound = request.bounded_kv
-    if bound is None:
-        return None
-    n = end - start
-    if bound.policy == "h2o":  # every query votes
-        return (0, n)
-    if bound.policy != "snapkv" or n <= 1:
-        return None
-    prompt_len = len(request.prompt_token_ids)
-    first = max(start, prompt_len - bound.observation_window)
-    if min(end, prompt_len) > first:
-        return (first - start, min(end, prompt_len) - first)
-    return None
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         assert config.max_num_batched_tokens is not None
         self.config = config
         self.kv = kv
+        self.bounded = BoundedCaches(kv)  # bounded KV caches' hooks (engine/bounded_kv.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -142,6 +126,7 @@ class Scheduler:
         every step)."""
         kv = self.kv
         one_group = kv.num_groups == 1
+        observe_rows = self.bounded.observe_rows
         seqs = []
         for request, n in chosen:
             start = request.num_computed_tokens
@@ -153,7 +138,7 @@ class Scheduler:
                 request.request_id, token_ids[start:end], start,
                 start - request.num_dropped_tokens, tables,
                 end == len(token_ids) and not request.prefill_only,
-                prompt_rows(request, start, end), _observe_rows(request, start, end)))
+                prompt_rows(request, start, end), observe_rows(request, start, end)))
         return seqs
 
     def update(self, batch: ScheduledBatch) -> None:
@@ -220,8 +205,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.num_dropped_tokens = 0  # recomputed in full, then bounded again
-        request.kv_votes = None
+        self.bounded.reset(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -78,6 +78,49 @@ class BoundedKV:
     sink_tokens: int
     observation_window: int = 32
 
+    # -- the policy's hooks (the engine's side: kvserve.engine.bounded_kv.BoundedCaches) ------
+    @property
+    def selects_by_attention(self) -> bool:
+        """Whether the kept tokens are chosen by attention weights (SnapKV, H2O): the backend
+        must return them, and the prompt is never read from the prefix cache."""
+        return self.policy in ATTENTION_POLICIES
+
+    def observe_rows(self, prompt_len: int, start: int, end: int) -> tuple[int, int] | None:
+        """The rows of a chunk of positions [start, end) whose attention weights this policy
+        selects by, as (first row, count), or None: every row for H2O; for SnapKV the
+        prompt's last `observation_window` positions in this chunk."""
+        n = end - start
+        if self.policy == "h2o":  # every query votes
+            return (0, n)
+        if self.policy != "snapkv" or n <= 1:
+            return None
+        first = max(start, prompt_len - self.observation_window)
+        if min(end, prompt_len) > first:
+            return (first - start, min(end, prompt_len) - first)
+        return None
+
+    def select(self, kv_len: int, prompt_done: bool, votes: torch.Tensor | None,
+               block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Whether a sequence holding `kv_len` tokens of KV (and `votes`, [layers, kv_heads,
+        kv_len] or None) is cut back now: the kept KV indices (None: not now) and the votes it
+        keeps meanwhile (SnapKV's are used once, right after the prompt, and dropped)."""
+        due = needs_compaction(kv_len, prompt_done, self, block_size)
+        if self.policy == "snapkv" and votes is not None and prompt_done:
+            if kv_len > self.budget:
+                return snapkv_keep(votes, self), None  # once, right after the prompt
+            return (streaming_keep(kv_len, self) if due else None), None
+        if not due:
+            return None, votes
+        if self.policy == "h2o":
+            return h2o_keep(votes, self), votes
+        return streaming_keep(kv_len, self), votes
+
+    def moved_votes(self, votes: torch.Tensor | None, keep: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """The votes a sequence keeps once its KV is cut back to `keep`: H2O's accumulated
+        weights move with their tokens."""
+        return votes.gather(-1, keep) if self.policy == "h2o" else votes
+
 
 def resolve_bounded_kv(config: BoundedKVConfig, max_model_len: int,
                        layer_windows: tuple[int | None, ...] = ()) -> BoundedKV:

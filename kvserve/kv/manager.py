@@ -58,6 +58,9 @@ class CachedSeq(Protocol):
     # True for a sequence that needs every prompt position's logits (vLLM's name): it reads
     # nothing from the cache, though its computed blocks are still published for others.
     skip_reading_prefix_cache: bool
+    # Tokens whose KV a bounded cache (kvserve.kv.bounded) dropped: the sequence holds
+    # num_computed_tokens - this many (0 for every other sequence).
+    num_dropped_tokens: int
 
 
 def matchable_tokens(seq: CachedSeq) -> int:
@@ -72,8 +75,8 @@ def matchable_tokens(seq: CachedSeq) -> int:
 
 def kv_length(seq: CachedSeq) -> int:
     """Tokens of KV a sequence holds: its computed tokens, less those a bounded cache dropped
-    (kvserve.kv.bounded; other sequences have no such field)."""
-    return seq.num_computed_tokens - getattr(seq, "num_dropped_tokens", 0)
+    (kvserve.kv.bounded)."""
+    return seq.num_computed_tokens - seq.num_dropped_tokens
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class SimSeq:
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
     skip_reading_prefix_cache: bool = False
+    num_dropped_tokens: int = 0  # the simulator bounds no cache
 
     @property
     def num_tokens(self) -> int:
