@@ -153,6 +153,8 @@ class EngineConfig:
             on.add(F.CUDA)
         if self.attention_backend == "torch":
             on.add(F.TORCH_BACKEND)
+        elif self.attention_backend == "triton":
+            on.add(F.TRITON_BACKEND)
         if resolve_kv_dtype(self.kv_cache_dtype) == "int4":
             on.add(F.INT4)
         if self.bounded_kv_policy is not None:

@@ -28,6 +28,7 @@ NO_PREFIX_CACHING = "no_prefix_caching"  # enable_prefix_caching=False
 CALCULATE_KV_SCALES = "calculate_kv_scales"  # fp8 scales taken from the first K/V
 CUDA = "cuda"  # device='cuda'
 TORCH_BACKEND = "torch_backend"  # attention_backend='torch' (the CPU one)
+TRITON_BACKEND = "triton_backend"  # attention_backend='triton'
 INT4 = "int4"  # kv_cache_dtype='int4' (KIVI: per-block residual rows)
 KV_DTYPE_OTHER = "kv_dtype_other"  # a KV cache dtype other than the model's (quantized or not)
 MLA = "mla"  # the model's KV is one latent vector per token (DeepSeek)
@@ -62,6 +63,9 @@ CONFLICTS: tuple[Conflict, ...] = (
              "kv_cache_dtype={kv_cache_dtype!r} asks for {what} KV cache dtype, but MLA models "
              "({architecture}) keep their latent cache in the model's dtype ({model_kv}): use "
              "kv_cache_dtype='auto'"),
+    Conflict(INT4, TRITON_BACKEND,
+             "int4 (KIVI) KV caches run on the torch backend only; the Triton kernels read fp8 "
+             "and int8 caches"),
     Conflict(INT4, HYBRID,
              "int4 (KIVI) KV caches keep every block (no per-group tables)"),
     Conflict(HYBRID, KV_TIERS,

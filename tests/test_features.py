@@ -43,6 +43,7 @@ def test_a_pair_outside_the_table_cannot_be_refused():
     (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_tier_config={}),
      "calculate_kv_scales cannot be combined"),
     (dict(device="cuda", attention_backend="torch"), "the CPU backend"),
+    (dict(device="cpu", attention_backend="triton", kv_cache_dtype="int4"), "torch backend only"),
 ])
 def test_config_combinations_are_refused_from_the_table(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import features as F
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention import triton_kernels as tk
 from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
@@ -59,8 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
         if pool.residual is not None:
-            raise ValueError("int4 (KIVI) KV caches run on the torch backend only; the Triton "
-                             "kernels read fp8 and int8 caches")
+            F.refuse(F.INT4, F.TRITON_BACKEND)
         self.quant = [_quant_of(pool, layer) for layer in range(len(pool.layers))]
         # Layers whose fp8 scales the first batch still has to calculate (calculate_kv_scales):
         # their QuantKV is read again after their first store, the others' never.
