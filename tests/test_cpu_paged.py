@@ -225,8 +225,8 @@ def _dequantized(pool, name):
     v = _affine(_unpack(parts[1]), parts[3])
     sz = parts[2].float()  # [blocks, Hkv, D, 2]: per channel over the block's tokens
     k = _unpack(parts[0]).float() * sz[:, None, :, :, 0] + sz[:, None, :, :, 1]
-    for block, row in pool.residual.rows.items():  # blocks still filling: exact keys
-        k[block] = pool.residual.tensors[0][row].float()
+    for block, row in pool.codecs[0].residual.rows.items():  # blocks still filling: exact keys
+        k[block] = pool.codecs[0].residual.tensors[0][row].float()
     return k, v
 
 
@@ -260,7 +260,7 @@ def test_kernel_reads_every_format_like_the_reference(name, bs, window, d, threa
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in read])
     res_rows = None
     if name == "int4":
-        res_rows = torch.tensor([[pool.residual.rows.get(b, -1) for b in t] for t in
+        res_rows = torch.tensor([[pool.codecs[0].residual.rows.get(b, -1) for b in t] for t in
                                  table_t.tolist()])
     kv = cpu_paged.paged_kv(pool.codecs[0], pool.layers[0], 0)
     out = kernel(q, kv, None, table_t, torch.tensor(lens), 0.125,

@@ -98,7 +98,7 @@ def test_round_trip_within_the_format_bound(name):
     step = pool.begin_step([(table, 0, seq_len)], seq_len)
     pool.store(1, k, v, slots, step)
     blocks = torch.tensor(table)
-    kk, vv = pool.gather(1, blocks, torch.float32, pool.residual_lookup(blocks))
+    kk, vv = pool.gather(1, blocks, torch.float32, pool.state_lookup(blocks))
     kk, vv = kk.reshape(-1, 2, 64)[:seq_len], vv.reshape(-1, 2, 64)[:seq_len]
     if name in FP8:
         for x, y in ((k, kk), (v, vv)):
@@ -120,7 +120,7 @@ def test_round_trip_within_the_format_bound(name):
         assert (kk[:full] - k[:full])[:, :, :7].abs().max() < 2.0
         assert torch.equal(kk[full:], k[full:])  # the partial block: the residual, exact
     # the other layer is untouched
-    k0, _ = pool.gather(0, blocks, torch.float32, pool.residual_lookup(blocks))
+    k0, _ = pool.gather(0, blocks, torch.float32, pool.state_lookup(blocks))
     assert not k0.any()
 
 
@@ -136,7 +136,7 @@ def test_int4_decode_fills_a_block_then_quantizes_it_once():
         step = pool.begin_step([(table, p, p + 1)], 1)
         pool.store(0, k[p:p + 1], v[p:p + 1], torch.tensor([table[p // BS] * BS + p % BS]), step)
         blocks = torch.tensor(table)
-        kk, _ = pool.gather(0, blocks, torch.float32, pool.residual_lookup(blocks))
+        kk, _ = pool.gather(0, blocks, torch.float32, pool.state_lookup(blocks))
         kk = kk.reshape(-1, 2, 64)
         if p < BS - 1:
             assert torch.equal(kk[:p + 1], k[:p + 1])
@@ -144,9 +144,29 @@ def test_int4_decode_fills_a_block_then_quantizes_it_once():
             want = ref_affine(k[:BS].permute(1, 2, 0), 4, -1).permute(2, 0, 1)
             assert torch.allclose(kk[:BS], want, atol=1e-6)
             assert torch.equal(kk[BS:p + 1], k[BS:p + 1])
-    assert list(pool.residual.rows) == [4]  # only the filling block holds a row
+    assert list(pool.codecs[0].residual.rows) == [4]  # only the filling block holds a row
     pool.release(table)  # the request let go of its blocks (the step plan's `released`)
-    assert not pool.residual.rows
+    assert not pool.codecs[0].residual.rows
+
+
+def test_only_a_format_with_block_state_names_freed_blocks():
+    """int4's residual rows are its codecs' block state (one shared by every layer); only such
+    a pool asks the manager to record freed blocks for the step plan, so another format's
+    plans never carry `released` (no per-step cost)."""
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.request import Request
+
+    for name in ["bf16", *QUANTIZED]:
+        pool = _pool(name)
+        states = {id(c.block_state) for c in pool.codecs}
+        assert pool.keeps_block_state == (name == "int4"), name
+        if name == "int4":
+            assert states == {id(pool.block_state)}, "one residual for every layer"
+        kv = KVCacheManager(8, BS, track_released=pool.keeps_block_state)
+        seq = Request("r", list(range(BS + 1)), SamplingParams(), max_tokens=1)
+        assert kv.allocate_slots(seq, BS + 1)
+        kv.free(seq)
+        assert sorted(kv.end_step().released) == ([0, 1] if name == "int4" else []), name
 
 
 def test_pool_allocates_the_textbook_bytes():

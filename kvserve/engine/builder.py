@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         kv_events_capacity=KV_EVENTS_CAPACITY,
                         window=_release_window(config, kv_spec, groups, tiers),
                         group_windows=None if groups is None
-                        else [getattr(g.spec, "window", None) for g in groups])
+                        else [getattr(g.spec, "window", None) for g in groups],
+                        track_released=tensors.keeps_block_state)
     runner = ModelRunner(model, backend, tensors, config.block_size)
     _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,

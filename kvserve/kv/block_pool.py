@@ -25,7 +25,9 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, track_released: bool = False) -> None:
+        """`track_released`: record the blocks whose last holder lets go (`take_released`),
+        for a KV format that keeps state per block; off, that costs nothing."""
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -36,6 +38,7 @@ class BlockPool:
         # Blocks whose last holder let go since `take_released` (for the step plan's
         # `released`: the worker drops per-block state it keeps beside their KV).
         self._released: list[int] = []
+        self.track_released = track_released
 
     @property
     def num_free(self) -> int:
@@ -86,7 +89,8 @@ class BlockPool:
             self.ref_counts[b] = count - 1
             if count > 1:
                 continue
-            self._released.append(b)
+            if self.track_released:
+                self._released.append(b)
             if self.cached[b]:
                 self.num_cached_idle += 1
                 idle.append(b)

@@ -111,10 +111,13 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
                  kv_events_capacity: int = 0, window: int | None = None,
-                 group_windows: Sequence[int | None] | None = None) -> None:
+                 group_windows: Sequence[int | None] | None = None,
+                 track_released: bool = False) -> None:
         """`window`: one table whose every layer has that window (Mistral-style);
         `group_windows`: one table per KV group with these windows (a hybrid layout,
-        kv/spec.py's `page_groups`; a block is then one page of one group's layers)."""
+        kv/spec.py's `page_groups`; a block is then one page of one group's layers);
+        `track_released`: name the blocks freed since the last plan in each plan's `released`
+        (a KV format with per-block state, kv/tensors.py's `keeps_block_state`; else empty)."""
         if group_windows is not None and window is not None:
             raise ValueError("give either window (one table) or group_windows, not both")
         windows = tuple(group_windows) if group_windows is not None else (window,)
@@ -129,7 +132,7 @@ class KVCacheManager:
         if has_tiers and any(w is not None for w in windows):
             F.refuse(F.RELEASED_WINDOW, F.KV_TIERS)
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, track_released)
         self.groups = [
             _Group(w, PrefixIndex(self.pool, block_size, eviction_policy,
                                   KVEventLog(kv_events_capacity if g == 0 else 0), w)
@@ -550,7 +553,8 @@ class KVCacheManager:
         if self._copy_sources:
             self.index.mark_idle(self.pool.release(self._copy_sources))
             self._copy_sources = []
-        plan.released = self.pool.take_released()
+        if self.pool.track_released:
+            plan.released = self.pool.take_released()
         return plan
 
     def reset_prefix_cache(self) -> None:

@@ -14,7 +14,9 @@ one fixed order, before the forward:
            chose them, before anything can allocate the old blocks again.
 
 `released` names the blocks whose last holder let go since the last plan: per-block state the
-worker keeps beside the KV (int4's full-precision residual rows) is dropped for them.
+worker's codecs keep beside the KV (int4's full-precision residual rows) is dropped for them.
+It stays empty (nothing is recorded) unless the KV format keeps such state
+(`KVCacheManager(track_released=...)`, from the pool's `keeps_block_state`).
 
 Within a step nothing else writes a block before the forward, so this order is the whole story.
 """

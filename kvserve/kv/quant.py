@@ -31,7 +31,9 @@ copy's dequantized keys, so those tokens are quantized twice (once in the source
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -178,8 +180,29 @@ class KIVIStep:
     direct_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
+class BlockState(Protocol):
+    """State a codec keeps per block beside the pool's tensors (int4: `KIVIResidual`'s rows),
+    and the hooks the pool calls on it; a codec without any has `block_state = None`, and then
+    the engine hands the worker no freed blocks at all (kv/plan.py's `released`)."""
+
+    def begin_step(self, writes: list[tuple[list[int], int, int]], num_tokens: int) -> Any:
+        """Plan the step's stores beyond their slots: (block table, first position, end) per
+        sequence, in the flat batch's order; the result goes to every layer's `store`."""
+
+    def lookup(self, blocks: torch.Tensor) -> ResidualAt:
+        """After `begin_step`, for a gather index: what of `blocks` the state serves (the
+        codec's `load` takes it)."""
+
+    def copy(self, src: int, dst: int) -> None:
+        """Block `dst` became a copy of `src`."""
+
+    def drop(self, blocks: Iterable[int]) -> None:
+        """Blocks freed, or overwritten whole: forget their state."""
+
+
 class KIVIResidual:
-    """Rows of full-precision keys, one per int4 block that is still filling.
+    """Rows of full-precision keys, one per int4 block that is still filling (the int4 codecs'
+    `BlockState`, one shared by every layer's codec).
 
     `rows` maps a block id to its row; a row is taken when a block starts filling and given back
     the step after its block is quantized, or when the block is freed (`drop`), overwritten by
@@ -233,7 +256,8 @@ class KIVIResidual:
                 self._free.append(row)
                 self._lut = None
 
-    def plan(self, writes: list[tuple[list[int], int, int]], slot_count: int) -> KIVIStep:
+    def begin_step(self, writes: list[tuple[list[int], int, int]], slot_count: int
+                   ) -> KIVIStep:
         """Decide rows for this step's writes: (block table, first position, end) per sequence,
         in the order of the step's flat tokens."""
         self._free.extend(self._release_next)
@@ -299,6 +323,7 @@ class KVCodec:
     """Unquantized storage: K and V as they are. Subclasses quantize."""
 
     quantized = False
+    block_state: BlockState | None = None  # per-block state beside the pool's tensors
 
     def __init__(self, layer: LayerSpec, block_size: int) -> None:
         self.storage: KVStorage = layer.storage
@@ -425,6 +450,7 @@ class Int4KIVICodec(Int8Codec):
             raise ValueError(f"int4 keys are grouped by block: key_group_tokens "
                              f"{self.storage.key_group_tokens} != block_size {block_size}")
         self.residual = residual
+        self.block_state = residual  # the pool's hooks reach the rows through this
 
     def parts(self) -> tuple[Part, ...]:
         bs, h, d, g = self.block_size, self.heads, self.head_dim, self.groups
@@ -496,6 +522,18 @@ class Int4KIVICodec(Int8Codec):
             kk[pos.to(kk.device)] = self.residual.tensors[layer].index_select(
                 0, rows.to(kk.device)).to(dtype)
         return kk, vv
+
+
+def make_codecs(layers: list[LayerSpec], block_size: int, scales: KVScales | None
+                ) -> list[KVCodec]:
+    """Every layer's codec; the int4 ones share one `KIVIResidual` (their block state: a row
+    per filling block, one tensor per layer)."""
+    residual = None
+    kivi = [s for s in layers if s.storage.kivi]
+    if kivi:
+        heads, width = kivi[0].tensors[0]
+        residual = KIVIResidual(len(layers), block_size, heads, width)
+    return [make_codec(s, block_size, scales, residual) for s in layers]
 
 
 def make_codec(layer: LayerSpec, block_size: int, scales: KVScales | None,

@@ -28,7 +28,7 @@ import torch
 
 from kvserve import features as F
 from kvserve import hugepages
-from kvserve.kv.quant import KIVIResidual, KIVIStep, KVScales, make_codec
+from kvserve.kv.quant import BlockState, KVScales, make_codecs
 from kvserve.kv.spec import KVCacheSpec, KVGroup
 
 logger = logging.getLogger("kvserve")
@@ -71,7 +71,7 @@ class KVTensorPool:
         if page_groups is None:
             self.layers: list[tuple[torch.Tensor, ...]] = [allocate(c) for c in self.codecs]
             return
-        if self.residual is not None:
+        if self.block_state is not None:  # int4's residual rows are per block of every layer
             F.refuse(F.INT4, F.HYBRID)
         slots = [allocate(self.codecs[layer]) for layer in page_groups[0].layers]
         self.layers = [slots[0]] * len(self.codecs)
@@ -89,18 +89,17 @@ class KVTensorPool:
         self.block_size = spec.block_size
         specs = spec.layer_specs()
         self.scales: KVScales | None = None
-        self.residual: KIVIResidual | None = None
         if any(s.storage.dtype in ("fp8", "fp8_e5m2") for s in specs):
             values = torch.ones(len(specs), 2) if kv_scales is None else \
                 kv_scales.detach().float().cpu().clone()
             if tuple(values.shape) != (len(specs), 2):
                 raise ValueError(f"kv_scales must be [layers, 2], got {tuple(values.shape)}")
             self.scales = KVScales(values, calculate=kv_scales is None and calculate_kv_scales)
-        int4 = [s for s in specs if s.storage.kivi]
-        if int4:
-            heads, width = int4[0].tensors[0]
-            self.residual = KIVIResidual(len(specs), spec.block_size, heads, width)
-        self.codecs = [make_codec(s, spec.block_size, self.scales, self.residual) for s in specs]
+        self.codecs = make_codecs(specs, spec.block_size, self.scales)
+        # The codecs' per-block state (int4's residual rows; one shared by every layer), None
+        # for every other format: the pool only calls its hooks.
+        self.block_state: BlockState | None = next(
+            (c.block_state for c in self.codecs if c.block_state is not None), None)
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.quantized = any(c.quantized for c in self.codecs)
 
@@ -174,32 +173,40 @@ class KVTensorPool:
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=self.device)
 
+    @property
+    def keeps_block_state(self) -> bool:
+        """Whether a codec keeps state per block (int4): only then does the engine name the
+        freed blocks in each step plan (`release`)."""
+        return self.block_state is not None
+
     # -- a step's K/V ------------------------------------------------------------------------
-    def begin_step(self, writes: list[tuple[list[int], int, int]], num_tokens: int
-                   ) -> KIVIStep | None:
-        """Plan what this step's stores do beyond writing slots (int4's residual rows):
-        (block table, first position, end) per sequence, in the flat batch's order."""
-        if self.residual is None:
+    def begin_step(self, writes: list[tuple[list[int], int, int]], num_tokens: int):
+        """The codecs' plan of what this step's stores do beyond writing slots (None without
+        block state): (block table, first position, end) per sequence, in the flat batch's
+        order."""
+        if self.block_state is None:
             return None
-        return self.residual.plan(writes, num_tokens)
+        return self.block_state.begin_step(writes, num_tokens)
 
     def release(self, blocks: list[int]) -> None:
-        """Forget per-block state of blocks nobody holds any more (int4's residual rows: a
-        finished or preempted request leaves its last, partial block behind)."""
-        if self.residual is not None:
-            self.residual.drop(blocks)
+        """Blocks nobody holds any more: the codecs forget their state (int4's residual rows:
+        a finished or preempted request leaves its last, partial block behind)."""
+        if self.block_state is not None:
+            self.block_state.drop(blocks)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              step: KIVIStep | None = None) -> None:
-        """Write new K/V [T, H, D] of `layer` into their slots, quantizing as the format says."""
+              step=None) -> None:
+        """Write new K/V [T, H, D] of `layer` into their slots, quantizing as the format says
+        (`step`: `begin_step`'s plan)."""
         self.codecs[layer].store(layer, self.layers[layer], k, v, slots, step)
 
-    def residual_lookup(self, blocks: torch.Tensor):
-        """Once per step and gather index, after `begin_step`: where int4 keys come from the
-        full-precision residual instead of the codes (None: nowhere)."""
-        return None if self.residual is None else self.residual.lookup(blocks)
+    def state_lookup(self, blocks: torch.Tensor):
+        """Once per step and gather index, after `begin_step`: what of `blocks` the codecs'
+        block state serves (int4: keys from the full-precision residual instead of the codes;
+        None: nothing), for `gather`."""
+        return None if self.block_state is None else self.block_state.lookup(blocks)
 
-    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype, residual_at=None
+    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype, state_at=None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` [n] (int64), dequantized into `dtype`: [n, block_size, H, D]
         each. Only these blocks are read: never a dequantized copy of the whole pool. The
@@ -208,7 +215,7 @@ class KVTensorPool:
         codec = self.codecs[layer]
         shape = (blocks.shape[0], self.block_size, codec.heads, codec.head_dim)
         out = (self._buffer(0, shape, dtype), self._buffer(1, shape, dtype))
-        return codec.load(layer, self.layers[layer], blocks, dtype, residual_at, out)
+        return codec.load(layer, self.layers[layer], blocks, dtype, state_at, out)
 
     def _buffer(self, which: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = shape[0] * shape[1] * shape[2] * shape[3]
@@ -227,9 +234,9 @@ class KVTensorPool:
         for tensors in self.storage():
             for t in tensors:
                 t[d] = t[s]
-        if self.residual is not None:
+        if self.block_state is not None:
             for a, b in zip(src, dst):
-                self.residual.copy(a, b)
+                self.block_state.copy(a, b)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """The KV of whole blocks, every layer, as one contiguous host tensor
@@ -250,8 +257,8 @@ class KVTensorPool:
         """Put KV read by `read_blocks` (same shape) back into the given blocks (a tier load)."""
         self._whole_blocks(F.KV_TIERS)
         idx = self._index(blocks)
-        if self.residual is not None:
-            self.residual.drop(blocks)
+        if self.block_state is not None:
+            self.block_state.drop(blocks)
         if self.packed:
             pages = data.to(self.device)[:, 0, :, 0, :]  # [layers, n, page_bytes]
             for layer, tensors in enumerate(self.layers):

@@ -143,14 +143,14 @@ class TorchAttentionBackend(AttentionBackend):
         scales = pool.scales
         self._uncalibrated = set() if scales is None else \
             {layer for layer, done in enumerate(scales.calibrated) if not done}
-        self._kivi = pool.residual is not None
+        self._kivi = pool.block_state is not None
 
     # -- per step ---------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> _StepState:
         self.observed = {}  # nothing a failed step left behind
         kivi = None
-        if self.pool.residual is not None:
-            # Before any gather index is planned: `residual_lookup` reads this step's rows.
+        if self.pool.block_state is not None:
+            # Before any gather index is planned: `state_lookup` reads this step's rows.
             seqs = sorted(meta.prefills + meta.decodes, key=lambda s: s.start)
             kivi = self.pool.begin_step(
                 [(s.block_table, s.seq_len - s.query_len, s.seq_len) for s in seqs],
@@ -170,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
                               dtype=torch.long)
         lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
         res_rows = None
-        where = self.pool.residual_lookup(tables.view(-1))
+        where = self.pool.state_lookup(tables.view(-1))
         if where is not None:
             res_rows = torch.full((tables.numel(),), -1, dtype=torch.long)
             res_rows[where[0]] = where[1]
@@ -208,7 +208,7 @@ class TorchAttentionBackend(AttentionBackend):
         index = table.view(-1)
         if self.through_codec:
             return _WindowState(prefills, index, mask, max_blocks,
-                                self.pool.residual_lookup(index))
+                                self.pool.state_lookup(index))
         self._ensure_scratch(len(meta.decodes) * max_blocks)
         return _WindowState(prefills, index, mask, max_blocks)
 
@@ -227,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.arange(context, seq.seq_len)
         k_pos = torch.arange(first * self.block_size, last * self.block_size)
         return _PrefillPlan(seq, blocks, _window_mask(q_pos, k_pos, window),
-                            self.pool.residual_lookup(blocks))
+                            self.pool.state_lookup(blocks))
 
     # -- per layer --------------------------------------------------------------------------
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -59,7 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, pool: KVTensorPool, scale: float) -> None:
         super().__init__(pool, scale)
-        if pool.residual is not None:
+        if pool.block_state is not None:  # int4's residual rows, the one format with any
             F.refuse(F.INT4, F.TRITON_BACKEND)
         self.quant = [_quant_of(pool, layer) for layer in range(len(pool.layers))]
         # Layers whose fp8 scales the first batch still has to calculate (calculate_kv_scales):
