@@ -76,7 +76,7 @@ def check_index_evictable(kv: KVCacheManager) -> None:
     be evicted, leaves first. So a held node's parent is held (or a root), and every idle leaf
     has a live heap entry. With a window, any idle node has one (it turns hollow when evicted
     with children), and a hollow node always leads to another node. Every group's index."""
-    if not kv.index.enabled:
+    if not kv.prefix_caching:
         return
     idle = sum(_idle_evictable(g.index, kv.pool.ref_counts) for g in kv.groups)
     assert idle == kv.pool.num_cached_idle

@@ -422,7 +422,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_evicted_blocks=self.kv.index.num_evicted_blocks,
+            num_evicted_blocks=self.kv.num_evicted_blocks,
             hit_tokens={source: self.kv.hit_tokens[source] for source in SOURCES})
 
     def tier_stats(self) -> dict[str, dict]:

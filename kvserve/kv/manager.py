@@ -24,8 +24,13 @@ KV group (`group_windows`; kv/spec.py's `page_groups` makes the groups, full one
 id is one page of one group's layers, every group allocates from the one pool, and each group
 applies the rule above with its own window (None: keeps every block). Each group has its own
 prefix index over the same block hashes; a hit is the deepest depth valid for every group (a full
-group needs blocks 0..d, a windowed one those inside its window at d). `block_tables` is group
-0's, so everything with one group reads exactly as before.
+group needs blocks 0..d, a windowed one those inside its window at d).
+
+One code path serves G >= 1 groups: every group is handled alike, except where one group can
+do more (a partial hit, tier loads, a bounded cache's reseat: one group only, asserted where
+it happens) and one fast path for the common one-group `_grow`. `block_tables` is the first
+group's tables: the one table of a one-group manager, and for any manager the requests that
+hold blocks (every group holds the same ones).
 """
 
 from __future__ import annotations
@@ -133,17 +138,18 @@ class KVCacheManager:
             F.refuse(F.RELEASED_WINDOW, F.KV_TIERS)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, track_released)
+        self.prefix_caching = enable_prefix_caching
+        # KV events are the first group's (a full-attention one when hybrid, listed first by
+        # page_groups: its index holds a prefix exactly when its blocks are stored).
+        self.events = KVEventLog(kv_events_capacity)
         self.groups = [
             _Group(w, PrefixIndex(self.pool, block_size, eviction_policy,
-                                  KVEventLog(kv_events_capacity if g == 0 else 0), w)
+                                  self.events if g == 0 else KVEventLog(0), w)
                    if enable_prefix_caching else NoPrefixCache(block_size), {}, {})
             for g, w in enumerate(windows)]
-        # Group 0's (the only one unless hybrid; a full-attention group when hybrid): the
-        # names everything with one table reads.
-        self.window = windows[0]
-        self.index: PrefixCache = self.groups[0].index
+        # Read by the scheduler once per running request and step (`block_table`): a plain
+        # attribute, not a property.
         self.block_tables: dict[str, list[int]] = self.groups[0].tables
-        self._cursors: dict[str, _Cursor] = self.groups[0].cursors
         self._windowed = any(g.window is not None for g in self.groups)
         self.tiers: Tiers = tiers if tiers is not None else NoTiers()
         self._plan = StepPlan()
@@ -161,6 +167,22 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def _only_group(self, what: str) -> _Group:
+        if len(self.groups) != 1:
+            raise ValueError(f"{what} belongs to one group of {len(self.groups)}: read "
+                             "manager.groups[g] of a hybrid manager")
+        return self.groups[0]
+
+    @property
+    def index(self) -> PrefixCache:
+        """The prefix index of a one-group manager (`groups[g].index` for each of several)."""
+        return self._only_group("the prefix index").index
+
+    @property
+    def window(self) -> int | None:
+        """The window of a one-group manager (`groups[g].window` for each of several)."""
+        return self._only_group("the window").window
+
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation can count on: free plus evictable cached ones."""
@@ -169,6 +191,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks evicted from the prefix cache, every group's index together."""
+        return sum(g.index.num_evicted_blocks for g in self.groups)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -225,15 +252,15 @@ class KVCacheManager:
     def device_match(self, seq: CachedSeq) -> PrefixMatch:
         """The longest prefix of a sequence that device blocks hold (in every group)."""
         limit = matchable_tokens(seq)
-        if limit == 0 or not self.index.enabled:
+        if limit == 0 or not self.prefix_caching:
             return PrefixMatch([], block_size=self.block_size)
         tokens, hashes = seq.token_ids[:limit], self._matchable_hashes(seq)
         extra = extra_keys(seq.cache_salt)
-        if len(self.groups) == 1:
-            return self.index.match(tokens, hashes, extra)
-        # Hybrid: each group's path, and the deepest depth every group can serve. No partial
-        # hit (a copy would be needed in every group at once).
         indexes: list[PrefixIndex] = [g.index for g in self.groups]  # type: ignore[misc]
+        if len(indexes) == 1:  # one index can also serve a partial hit (a copy-on-write)
+            return indexes[0].match(tokens, hashes, extra)
+        # Each group's path, and the deepest depth every group can serve. No partial hit (a
+        # copy would be needed in every group at once).
         paths = [index.walk(tokens, hashes, extra) for index in indexes]
         valid = [index.valid_depths(p) for index, p in zip(indexes, paths)]
         depth = max(d for d in range(min(len(p) for p in paths) + 1)
@@ -245,14 +272,14 @@ class KVCacheManager:
         """The longest cached prefix of a sequence that holds no blocks: device blocks, then
         chunks in host memory."""
         match = self.device_match(seq)
-        if matchable_tokens(seq) == 0 or not self.index.enabled:
+        if matchable_tokens(seq) == 0 or not self.prefix_caching:
             return match
         return self.tiers.continue_match(match, self._matchable_hashes(seq))
 
     def hashes_completed_by(self, seq: CachedSeq, num_new_tokens: int) -> list[int]:
         """Hashes of the full blocks that computing `num_new_tokens` more of `seq` completes (the
         scheduler lets a request whose next block is among them wait a step and hit it)."""
-        if not self.index.enabled:
+        if not self.prefix_caching:
             return []
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + num_new_tokens) // self.block_size
@@ -260,13 +287,13 @@ class KVCacheManager:
 
     def next_block_hash(self, seq: CachedSeq, match: PrefixMatch) -> int | None:
         """The hash of the first matchable block that `match` does not cover, if any."""
-        hashes = self._matchable_hashes(seq) if self.index.enabled else []
+        hashes = self._matchable_hashes(seq) if self.prefix_caching else []
         j = match.num_full_blocks
         return hashes[j] if j < len(hashes) else None
 
     def start_prefetch(self, seq: CachedSeq) -> None:
         """Begin promoting the sequence's chunks from disk/Redis into host memory."""
-        if matchable_tokens(seq) and self.index.enabled:
+        if matchable_tokens(seq) and self.prefix_caching:
             self.tiers.start_prefetch(seq.request_id, self._matchable_hashes(seq),
                                       len(self.device_match(seq).nodes))
 
@@ -282,9 +309,9 @@ class KVCacheManager:
     def _group_hits(self, match: PrefixMatch) -> list[tuple[int, list[Node]]]:
         """Per group: the first block of the hit that admission holds, and the matched nodes."""
         nodes = match.group_nodes
-        if nodes is None:  # one group, or no hit at all (prefix caching off)
+        if nodes is None:  # a one-index match (one group), or no hit at all
             assert len(self.groups) == 1 or not match.nodes, "a hybrid hit without its groups"
-            nodes = [match.nodes] + [[] for _ in self.groups[1:]]
+            nodes = [match.nodes] + [[] for _ in range(len(self.groups) - 1)]
         assert len(nodes) == len(self.groups), "a match from a manager of other groups"
         return [(self._hit_start(len(n), match.num_tokens, g), n) for g, n in enumerate(nodes)]
 
@@ -329,15 +356,19 @@ class KVCacheManager:
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
             return None
+        loaded = isinstance(match, TieredMatch)
         for g, (first, nodes) in zip(self.groups, self._group_hits(match)):
             blocks = [n.block for n in nodes[first:]]
             self.pool.share(blocks)
             table = [NULL_BLOCK] * first + blocks
             node = nodes[-1] if nodes else g.index.root(extra_keys(seq.cache_salt))
-            if g is self.groups[0]:  # one group whenever there are loads or a partial hit
-                if isinstance(match, TieredMatch):
-                    node = self._admit_loaded(seq, match, table, node)
-                elif match.partial is not None:
+            if loaded or match.partial is not None:
+                # Only a one-group manager gets these (tiers refuse per-group tables; a
+                # hybrid match has no partial hit).
+                assert len(self.groups) == 1, "tier loads or a partial hit under several groups"
+                if loaded:
+                    node = self._admit_loaded(g, seq, match, table, node)
+                else:
                     self.pool.share([match.partial.block])  # locked until the plan is handed out
                     self._copy_sources.append(match.partial.block)
                     copy = self.allocate_blocks(1)[0]
@@ -351,7 +382,7 @@ class KVCacheManager:
         assert grown, "can_admit checked the room"
         return Admission(match.num_tokens)
 
-    def _admit_loaded(self, seq: CachedSeq, match: TieredMatch, table: list[int],
+    def _admit_loaded(self, g: _Group, seq: CachedSeq, match: TieredMatch, table: list[int],
                       node: Node) -> Node:
         """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
         they enter the index like computed blocks (nothing reads them before the plan's loads
@@ -363,8 +394,8 @@ class KVCacheManager:
         hashes = self.block_hashes(seq, first + len(blocks))
         bs = self.block_size
         for i in range(first, first + len(blocks)):
-            node = self.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                     table[i], seq.priority)
+            node = g.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
+                                  table[i], seq.priority)
             assert node.block == table[i], "a loaded chunk is on the device already"
         self.tiers.consumed(match.chunks)
         return node
@@ -397,8 +428,6 @@ class KVCacheManager:
         oldest, shallowest entries, which no deep hit needs), and full groups only when they
         have nothing left: a full group can only drop a path's deepest blocks, which shortens
         every hit through it, and a hit needs every group."""
-        if len(self.groups) == 1:
-            return self.index.evict(n)
         out: list[Node] = []
         windowed = [g for g in self.groups if g.window is not None]
         full = [g for g in self.groups if g.window is None]
@@ -484,17 +513,19 @@ class KVCacheManager:
         prefix index: its blocks no longer hold the KV their tokens' hashes name."""
         if len(self.groups) > 1:
             F.refuse(F.BOUNDED, F.HYBRID)
+        [g] = self.groups
         if num_blocks > self.pool.num_available:
             return None
         fresh = self.allocate_blocks(num_blocks)
-        old = self.block_tables[seq.request_id]
-        self.block_tables[seq.request_id] = fresh
-        self._cursors.pop(seq.request_id, None)
-        self.index.mark_idle(self.pool.release([b for b in old if b != NULL_BLOCK]))
+        old = g.tables[seq.request_id]
+        g.tables[seq.request_id] = fresh
+        g.cursors.pop(seq.request_id, None)
+        g.index.mark_idle(self.pool.release([b for b in old if b != NULL_BLOCK]))
         return old, fresh
 
     def block_table(self, seq: CachedSeq) -> list[int]:
-        """Group 0's table (the only one unless hybrid)."""
+        """The first group's table: the one table of a one-group manager (the scheduler's
+        common case; `group_block_tables` for every group)."""
         return self.block_tables[seq.request_id]
 
     def group_block_tables(self, seq: CachedSeq) -> list[list[int]]:
@@ -505,7 +536,7 @@ class KVCacheManager:
     def cache_full_blocks(self, seq: CachedSeq) -> None:
         """Insert the sequence's newly computed full blocks into each group's prefix index
         (and, under write-through, name their chunks for saving in the next plan)."""
-        if not self.index.enabled:
+        if not self.prefix_caching:
             return
         for g in self.groups:
             self._publish(g, seq)
@@ -550,8 +581,9 @@ class KVCacheManager:
         go now: nothing can evict and reuse them before they are read.
         """
         plan, self._plan = self._plan, StepPlan()
-        if self._copy_sources:
-            self.index.mark_idle(self.pool.release(self._copy_sources))
+        if self._copy_sources:  # partial hits: one group
+            self._only_group("a copy-on-write").index.mark_idle(
+                self.pool.release(self._copy_sources))
             self._copy_sources = []
         if self.pool.track_released:
             plan.released = self.pool.take_released()
@@ -563,10 +595,9 @@ class KVCacheManager:
 
     def drain_events(self) -> tuple[list[KVEvent], int]:
         """Blocks stored in and removed from the prefix index since the last drain (recorded
-        when the manager was built with `kv_events_capacity`), and how many were dropped. With
-        several groups, group 0's (a full-attention group, whose index holds a prefix exactly
-        when its blocks are stored)."""
-        return self.index.events.drain()
+        when the manager was built with `kv_events_capacity`), and how many were dropped: the
+        first group's (`events`)."""
+        return self.events.drain()
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self, seqs: Sequence[CachedSeq]) -> None:

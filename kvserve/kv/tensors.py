@@ -70,10 +70,14 @@ class KVTensorPool:
         self.layer_group: list[int] = [0] * len(self.codecs)
         if page_groups is None:
             self.layers: list[tuple[torch.Tensor, ...]] = [allocate(c) for c in self.codecs]
+            self._storage = self.layers
             return
         if self.block_state is not None:  # int4's residual rows are per block of every layer
             F.refuse(F.INT4, F.HYBRID)
+        # The i-th layer of every group shares one tensor: S of them, shaped after any group's
+        # layers (page_groups makes their shapes and storage equal).
         slots = [allocate(self.codecs[layer]) for layer in page_groups[0].layers]
+        self._storage = slots
         self.layers = [slots[0]] * len(self.codecs)
         for g, group in enumerate(page_groups):
             if len(group.layers) != len(slots):
@@ -120,6 +124,7 @@ class KVTensorPool:
                 raise ValueError(f"KV tensors of shapes {got} do not fit block_size "
                                  f"{spec.block_size} and the spec's {want}")
         pool.layers = list(layers)
+        pool._storage = pool.layers
         pool.page_groups = None
         pool.layer_group = [0] * len(layers)
         return pool
@@ -160,9 +165,7 @@ class KVTensorPool:
 
     def storage(self) -> list[tuple[torch.Tensor, ...]]:
         """Each allocated tensor tuple once (layers share them under page groups)."""
-        if self.page_groups is None:
-            return self.layers
-        return [self.layers[layer] for layer in self.page_groups[0].layers]
+        return self._storage
 
     def _whole_blocks(self, feature: str) -> None:
         """Tier chunks and compaction (`feature`: KV_TIERS, BOUNDED) read a block id as every

@@ -70,11 +70,12 @@ def engine_maps(engine: Any) -> dict[str, int]:
         "engine._streaming": len(eng._streaming),
         "scheduler.running": len(eng.scheduler.running),
         "scheduler.waiting": len(eng.scheduler.waiting),
-        "kv.block_tables": len(eng.kv.block_tables), "kv._cursors": len(eng.kv._cursors),
+        "kv.block_tables": len(eng.kv.block_tables),
+        "kv._cursors": sum(len(g.cursors) for g in eng.kv.groups),
     }
-    if eng.kv.index is not None:
-        sizes["prefix.cached_blocks"] = eng.kv.index.num_cached_blocks
-        sizes["prefix.heap"] = len(eng.kv.index._heap)
+    if eng.kv.prefix_caching:  # every group's index together
+        sizes["prefix.cached_blocks"] = sum(g.index.num_cached_blocks for g in eng.kv.groups)
+        sizes["prefix.heap"] = sum(len(g.index._heap) for g in eng.kv.groups)
     for sl in engine.stat_loggers:
         reqs = getattr(sl, "_requests", None)
         if reqs is not None:
