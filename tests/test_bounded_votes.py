@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.bounded_kv import compact_bounded
+from kvserve.engine.bounded_kv import BoundedCaches, compact_bounded
 from kvserve.kv.bounded import BoundedKV, add_votes
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
@@ -125,3 +125,23 @@ def test_backend_observation_matches_per_head_reference():
             s = keys[:visible, j // (heads // hkv)] @ q[observe_start + i, j] * scale
             want[j // (heads // hkv), :visible] += s.softmax(-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_skip_a_step_without_bounded_requests():
+    """`BoundedCaches.compact` walks the batch only when the step scheduled a bounded request
+    (`observe_rows` saw one): a batch of plain requests costs nothing after the forward."""
+    hooks = BoundedCaches(_Reseats())
+    plain = Request("p", list(range(40)), SamplingParams(), max_tokens=4)
+    plain.num_computed_tokens = 40
+    assert hooks.observe_rows(plain, 0, 40) is None
+    assert hooks.compact([plain], {}) == []
+    bound = BoundedKV("streaming_llm", 8, sink_tokens=2)
+    bounded = Request("b", list(range(20)), SamplingParams(), max_tokens=4, bounded_kv=bound)
+    assert hooks.observe_rows(bounded, 0, 20) is None  # StreamingLLM observes nothing
+    bounded.num_computed_tokens = 20
+    [move] = hooks.compact([plain, bounded], {})
+    assert move.keep.tolist() == [0, 1, 14, 15, 16, 17, 18, 19]
+    assert bounded.num_dropped_tokens == 12
+    assert hooks.compact([plain, bounded], {}) == [], "the next step scheduled none"
+    hooks.reset(bounded)
+    assert bounded.num_dropped_tokens == 0 and bounded.kv_votes is None

@@ -22,7 +22,6 @@ from kvserve.kv.bounded import (
     ATTENTION_POLICIES,
     BoundedKV,
     BoundedKVConfig,
-    peak_tokens,
     resolve_bounded_kv,
 )
 from kvserve.kv.manager import KVCacheManager
@@ -171,9 +170,7 @@ class InputProcessor:
         total = prompt_len + max(max_tokens - 1, 0)
         if bound is None:
             return self.kv.peak_blocks(prompt_len, total)
-        grown = peak_tokens(prompt_len, total, bound, self.config.block_size)
-        compacting = self.kv.blocks_for_tokens(bound.budget) if total >= bound.budget else 0
-        return self.kv.blocks_for_tokens(grown) + compacting
+        return bound.most_blocks(prompt_len, total, self.config.block_size)
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.config.max_model_len

@@ -115,6 +115,13 @@ class BoundedKV:
             return h2o_keep(votes, self), votes
         return streaming_keep(kv_len, self), votes
 
+    def most_blocks(self, prompt_len: int, total: int, block_size: int) -> int:
+        """The most blocks a bounded sequence of `total` tokens holds at once: its prompt, or
+        the compaction point, plus the budget's fresh blocks while it compacts."""
+        grown = peak_tokens(prompt_len, total, self, block_size)
+        compacting = -(-self.budget // block_size) if total >= self.budget else 0
+        return -(-grown // block_size) + compacting
+
     def moved_votes(self, votes: torch.Tensor | None, keep: torch.Tensor
                     ) -> torch.Tensor | None:
         """The votes a sequence keeps once its KV is cut back to `keep`: H2O's accumulated
