@@ -1,7 +1,10 @@
 """Engine configuration: one dataclass, vLLM's argument names, validated once at start-up.
 
 Every other component receives the finished `EngineConfig` and trusts it, so all argument checks
-live here and produce a `ValueError` that names the argument and the accepted range. The fields
+live here and produce a `ValueError` that names the argument and the accepted range. Which
+features do not combine is one table, kvserve/features.py's `CONFLICTS`: `features()` names
+what this config turns on and `check_features` refuses a listed pair (the builder and the input
+processor add what only the model or a request says). The fields
 also define the engine flags of `kvserve generate` / `serve` (see `kvserve.cli.add_engine_args`):
 each field's metadata carries its help text and choices, so a flag cannot drift from its field.
 """
