@@ -4,10 +4,11 @@ null model, at 256 and 1,024 running requests.
 
 Each request has a 128-token prompt (every 4th shares a 64-token prefix, so the prefix cache
 works) and decodes until the run ends. A step here is exactly the engine's non-model work:
-`Scheduler.schedule()` (allocation, admission, the step plan) and `Scheduler.update()` (computed
-counts, publishing full blocks to the prefix index); the "sampled" token each request then gets
-is not timed (it is the sampler's). Prints the median and p90 per decode step once every request
-is running.
+`Scheduler.schedule()` (allocation, admission, the step plan, the step message the worker gets)
+and `Scheduler.update_from_output()` (computed counts, publishing full blocks to the prefix
+index, appending each sampled token and checking its stops); drawing the "sampled" tokens is
+not timed (it is the worker's sampler). Prints the median and p90 per decode step once every
+request is running.
 
     .venv/bin/python benchmarks/bench_step_overhead.py
     .venv/bin/python benchmarks/bench_step_overhead.py --running 256,1024,4096 --steps 300
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.scheduler import Scheduler  # noqa: E402
+from kvserve.engine.step import StepOutput  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
 from kvserve.model.cpu_features import cpu_info  # noqa: E402
 from kvserve.request import Request  # noqa: E402
@@ -52,11 +54,13 @@ def run(num_running: int, steps: int, block_size: int, seed: int = 0) -> dict:
     for step in range(steps):
         t = time.perf_counter()
         batch = sched.schedule()
-        sched.update(batch)
         elapsed = time.perf_counter() - t
-        for r in batch.requests:
-            if r.num_uncomputed_tokens == 0:
-                r.token_ids.append(rng.randrange(32000))
+        sampled = [i for i, seq in enumerate(batch.step.seqs) if seq.samples]
+        out = StepOutput(sampled=sampled, tokens=[rng.randrange(32000) for _ in sampled],
+                         logprobs=[None] * len(sampled))
+        t = time.perf_counter()
+        sched.update_from_output(batch, out)
+        elapsed += time.perf_counter() - t
         if not sched.waiting and all(n == 1 for n in batch.num_new_tokens):
             times.append(elapsed)
     times.sort()
