@@ -216,9 +216,13 @@ class Scheduler:
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are computed, and their full blocks go into
         the prefix cache (so a request arriving next step can hit them)."""
+        bs = self.kv.block_size
+        publish = self.kv.cache_full_blocks
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
+            computed = request.num_computed_tokens + n
+            request.num_computed_tokens = computed
+            if n > 1 or computed % bs == 0:  # one token completes a block only at its end
+                publish(request)
 
     def update_from_output(self, batch: ScheduledBatch, out: StepOutput) -> StepUpdate:
         """After the forward: computed tokens advance (`update`), prompt logprobs are recorded,
@@ -231,8 +235,8 @@ class Scheduler:
         failed = result.failed
         self._record_prompt_logprobs(batch, out, failed)
         for request in batch.requests:
-            if request.prefill_only and request.num_computed_tokens >= request.num_tokens \
-                    and not request.finished:
+            if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens \
+                    and not request.finished:  # a prefill-only request whose prompt is done
                 parent = request.parent_id or request.request_id
                 if parent not in failed:
                     request.first_token_time = request.last_token_time = now
@@ -242,13 +246,13 @@ class Scheduler:
             request = batch.requests[next(i for i, s in enumerate(batch.step.seqs)
                                           if s.request_id == request_id)]
             failed.setdefault(request.parent_id or request.request_id, exc)
+        requests, appended, append = batch.requests, result.appended, self._append
         for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs):
-            request = batch.requests[i]
-            if token is None or (request.parent_id or request.request_id) in failed:
+            request = requests[i]
+            if token is None or (failed and (request.parent_id or request.request_id) in failed):
                 continue
             try:
-                result.appended.append((request, token, self._append(request, token,
-                                                                      logprobs, now)))
+                appended.append((request, token, append(request, token, logprobs, now)))
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[request.parent_id or request.request_id] = exc
         return result
@@ -274,28 +278,30 @@ class Scheduler:
                 now: float) -> bool:
         """Append the token; finish the request if a token stop ends it. Returns whether its
         text should see the token (False after an EOS or stop token id)."""
-        request.token_ids.append(token)
+        token_ids = request.token_ids
+        token_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
-        if request.grammar is not None and not request.grammar.accept(token):
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token):
             raise ValueError(f"token {token} is not allowed by the request's grammar")
         params = request.sampling_params
-        n_out = request.num_output_tokens
+        n_out = len(token_ids) - len(request.prompt_token_ids)
         if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
+            if token in request.eos_token_ids and not params.ignore_eos:
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return False
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return False
-        if n_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if n_out >= request.max_tokens or len(token_ids) >= self.config.max_model_len:
             self.finish(request, RequestStatus.FINISHED_LENGTH)
-        elif request.grammar is not None and request.grammar.terminated:
+        elif grammar is not None and grammar.terminated:
             self.finish(request, RequestStatus.FINISHED_STOPPED)  # its grammar has ended
         return True
 
