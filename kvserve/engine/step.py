@@ -88,7 +88,7 @@ class StepInput:
     # Requests that ended since the last step: the worker drops what it kept of them.
     finished: list[str] = field(default_factory=list)
     # Structured outputs: one packed int32 row per sampling sequence with a grammar
-    # (kvserve.sampler.apply_bitmask), and seqs index -> its row.
+    # (kvserve.structured.bitmask.apply_bitmask), and seqs index -> its row.
     bitmask: torch.Tensor | None = None
     bitmask_rows: dict[int, int] = field(default_factory=dict)
 
