@@ -8,7 +8,8 @@ works) and decodes until the run ends. A step here is exactly the engine's non-m
 and `Scheduler.update_from_output()` (computed counts, publishing full blocks to the prefix
 index, appending each sampled token and checking its stops); drawing the "sampled" tokens is
 not timed (it is the worker's sampler). Prints the median and p90 per decode step once every
-request is running.
+request is running, and, apart, what sending the step message to another process would add:
+its pickled size and the time to pickle it (a worker in the same process reads it as it is).
 
     .venv/bin/python benchmarks/bench_step_overhead.py
     .venv/bin/python benchmarks/bench_step_overhead.py --running 256,1024,4096 --steps 300
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -50,11 +52,14 @@ def run(num_running: int, steps: int, block_size: int, seed: int = 0) -> dict:
         tail = [rng.randrange(32000) for _ in range(64 if i % 4 == 0 else 128)]
         prompt = shared + tail if i % 4 == 0 else tail
         sched.add(Request(str(i), prompt, params, max_len - 128))
-    times = []
+    times, pickled, sizes = [], [], []
     for step in range(steps):
         t = time.perf_counter()
         batch = sched.schedule()
         elapsed = time.perf_counter() - t
+        t = time.perf_counter()
+        message = pickle.dumps(batch.step, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle_s = time.perf_counter() - t
         sampled = [i for i, seq in enumerate(batch.step.seqs) if seq.samples]
         out = StepOutput(sampled=sampled, tokens=[rng.randrange(32000) for _ in sampled],
                          logprobs=[None] * len(sampled))
@@ -63,10 +68,14 @@ def run(num_running: int, steps: int, block_size: int, seed: int = 0) -> dict:
         elapsed += time.perf_counter() - t
         if not sched.waiting and all(n == 1 for n in batch.num_new_tokens):
             times.append(elapsed)
+            pickled.append(pickle_s)
+            sizes.append(len(message))
     times.sort()
     return {"running": num_running, "decode_steps": len(times),
             "median_ms": 1000 * statistics.median(times),
-            "p90_ms": 1000 * times[int(0.9 * (len(times) - 1))]}
+            "p90_ms": 1000 * times[int(0.9 * (len(times) - 1))],
+            "pickle_ms": 1000 * statistics.median(pickled),
+            "message_kb": statistics.median(sizes) / 1024}
 
 
 def main() -> int:
@@ -78,11 +87,12 @@ def main() -> int:
     args = p.parse_args()
     print(f"cpu: {cpu_info().summary()}; load average {os.getloadavg()[0]:.1f} "
           f"(1 min) at start")
-    print(f"{'running':>8} {'decode steps':>13} {'median ms/step':>15} {'p90 ms/step':>12}")
+    print(f"{'running':>8} {'decode steps':>13} {'median ms/step':>15} {'p90 ms/step':>12}"
+          f" {'pickle ms':>10} {'message KB':>11}")
     for n in (int(x) for x in args.running.split(",")):
         r = run(n, args.steps, args.block_size)
         print(f"{r['running']:>8} {r['decode_steps']:>13} {r['median_ms']:>15.3f} "
-              f"{r['p90_ms']:>12.3f}")
+              f"{r['p90_ms']:>12.3f} {r['pickle_ms']:>10.3f} {r['message_kb']:>11.1f}")
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at end")
     return 0
 
