@@ -131,6 +131,8 @@ class LLMEngine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.forget(child.request_id)
         self._streaming.discard(request_id)
+        if not self.scheduler.has_unfinished():
+            self._forget_finished()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.inputs.compiling)
@@ -142,7 +144,8 @@ class LLMEngine:
         compiled = self._admit_compiled() if self.inputs.compiling else []
         batch = self._schedule()
         if not batch.requests:
-            self._run_plan(batch.plan)
+            if batch.plan or batch.step.finished:
+                self._execute(batch.step)  # its plan; the worker forgets the finished
             if self.inputs.compiling and not self.scheduler.has_unfinished():
                 self.inputs.wait_compiling(0.05)
                 return compiled + self._admit_compiled()
@@ -159,7 +162,15 @@ class LLMEngine:
         plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
         plan.compactions = moves
         self._run_plan(plan)
-        return compiled + self._outputs(update)
+        outputs = compiled + self._outputs(update)
+        if not self.scheduler.has_unfinished():
+            self._forget_finished()  # idle next: no step would tell the worker
+        return outputs
+
+    def _forget_finished(self) -> None:
+        finished = self.scheduler.take_finished()
+        if finished:
+            self.executor.execute(StepInput(finished=finished))
 
     def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
         """Stop strings on the new tokens (the text has them now), then the outputs due: every

@@ -160,8 +160,7 @@ class Scheduler:
         ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
         requests = [r for r, _ in ordered]
-        step = StepInput(self._seq_steps(ordered), plan, self._finished_ids)
-        self._finished_ids = []
+        step = StepInput(self._seq_steps(ordered), plan, self.take_finished())
         batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step)
         if self.vocab_size is not None and any(r.grammar is not None for r in requests):
             self._grammar_bitmask(batch)
@@ -370,6 +369,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def take_finished(self) -> list[str]:
+        """The requests that ended since the last step (the worker drops their state)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def check_invariants(self) -> None:
         """Debug check run by the tests after every step: queues, tables and pool agree."""

@@ -71,6 +71,7 @@ def engine_maps(engine: Any) -> dict[str, int]:
         "scheduler.running": len(eng.scheduler.running),
         "scheduler.waiting": len(eng.scheduler.waiting),
         "kv.block_tables": len(eng.kv.block_tables), "kv._cursors": len(eng.kv._cursors),
+        "worker.sampling": len(eng.runner.sampling),
     }
     if eng.kv.index is not None:
         sizes["prefix.cached_blocks"] = eng.kv.index.num_cached_blocks
