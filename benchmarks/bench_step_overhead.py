@@ -4,10 +4,12 @@ null model, at 256 and 1,024 running requests.
 
 Each request has a 128-token prompt (every 4th shares a 64-token prefix, so the prefix cache
 works) and decodes until the run ends. A step here is exactly the engine's non-model work:
-`Scheduler.schedule()` (allocation, admission, the step plan) and `Scheduler.update()` (computed
-counts, publishing full blocks to the prefix index); the "sampled" token each request then gets
-is not timed (it is the sampler's). Prints the median and p90 per decode step once every request
-is running.
+`Scheduler.schedule()` (allocation, admission, the step plan, the step message the worker gets)
+and `Scheduler.update_from_output()` (computed counts, publishing full blocks to the prefix
+index, appending each sampled token and checking its stops); drawing the "sampled" tokens is
+not timed (it is the worker's sampler). Prints the median and p90 per decode step once every
+request is running, and, apart, what sending the step message to another process would add:
+its pickled size and the time to pickle it (a worker in the same process reads it as it is).
 
     .venv/bin/python benchmarks/bench_step_overhead.py
     .venv/bin/python benchmarks/bench_step_overhead.py --running 256,1024,4096 --steps 300
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.scheduler import Scheduler  # noqa: E402
+from kvserve.engine.step import StepOutput  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
 from kvserve.model.cpu_features import cpu_info  # noqa: E402
 from kvserve.request import Request  # noqa: E402
@@ -48,21 +52,30 @@ def run(num_running: int, steps: int, block_size: int, seed: int = 0) -> dict:
         tail = [rng.randrange(32000) for _ in range(64 if i % 4 == 0 else 128)]
         prompt = shared + tail if i % 4 == 0 else tail
         sched.add(Request(str(i), prompt, params, max_len - 128))
-    times = []
+    times, pickled, sizes = [], [], []
     for step in range(steps):
         t = time.perf_counter()
         batch = sched.schedule()
-        sched.update(batch)
         elapsed = time.perf_counter() - t
-        for r in batch.requests:
-            if r.num_uncomputed_tokens == 0:
-                r.token_ids.append(rng.randrange(32000))
+        t = time.perf_counter()
+        message = pickle.dumps(batch.step, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle_s = time.perf_counter() - t
+        sampled = [i for i, seq in enumerate(batch.step.seqs) if seq.samples]
+        out = StepOutput(sampled=sampled, tokens=[rng.randrange(32000) for _ in sampled],
+                         logprobs=[None] * len(sampled))
+        t = time.perf_counter()
+        sched.update_from_output(batch, out)
+        elapsed += time.perf_counter() - t
         if not sched.waiting and all(n == 1 for n in batch.num_new_tokens):
             times.append(elapsed)
+            pickled.append(pickle_s)
+            sizes.append(len(message))
     times.sort()
     return {"running": num_running, "decode_steps": len(times),
             "median_ms": 1000 * statistics.median(times),
-            "p90_ms": 1000 * times[int(0.9 * (len(times) - 1))]}
+            "p90_ms": 1000 * times[int(0.9 * (len(times) - 1))],
+            "pickle_ms": 1000 * statistics.median(pickled),
+            "message_kb": statistics.median(sizes) / 1024}
 
 
 def main() -> int:
@@ -74,11 +87,12 @@ def main() -> int:
     args = p.parse_args()
     print(f"cpu: {cpu_info().summary()}; load average {os.getloadavg()[0]:.1f} "
           f"(1 min) at start")
-    print(f"{'running':>8} {'decode steps':>13} {'median ms/step':>15} {'p90 ms/step':>12}")
+    print(f"{'running':>8} {'decode steps':>13} {'median ms/step':>15} {'p90 ms/step':>12}"
+          f" {'pickle ms':>10} {'message KB':>11}")
     for n in (int(x) for x in args.running.split(",")):
         r = run(n, args.steps, args.block_size)
         print(f"{r['running']:>8} {r['decode_steps']:>13} {r['median_ms']:>15.3f} "
-              f"{r['p90_ms']:>12.3f}")
+              f"{r['p90_ms']:>12.3f} {r['pickle_ms']:>10.3f} {r['message_kb']:>11.1f}")
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at end")
     return 0
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.engine import llm_engine  # noqa: E402
 from kvserve.structured import StructuredOutputsParams  # noqa: E402
 
 REGEX = "[a-z ]{400}"  # longer than any run here: constrained requests run to max_tokens
@@ -48,8 +47,9 @@ class Timers:
         self.sampler: list[float] = []
         self.rows: list[float] = []
         engine = llm.engine
-        sampler = engine.sampler
-        original_rows = llm_engine._sampling_rows
+        sampling = engine.runner.sampling  # the worker's sampler
+        sampler = sampling.sampler
+        original_rows = engine.scheduler._grammar_bitmask  # the step's bitmask rows
 
         def timed_sampler(logits, rows, token_bitmask=None):
             t = time.perf_counter()
@@ -57,14 +57,14 @@ class Timers:
             self.sampler.append(time.perf_counter() - t)
             return out
 
-        def timed_rows(requests, vocab):
+        def timed_rows(batch):
             t = time.perf_counter()
-            out = original_rows(requests, vocab)
+            out = original_rows(batch)
             self.rows.append(time.perf_counter() - t)
             return out
 
-        engine.sampler = timed_sampler
-        llm_engine._sampling_rows = timed_rows
+        sampling.sampler = timed_sampler
+        engine.scheduler._grammar_bitmask = timed_rows
 
 
 def run(llm: LLM, timers: Timers, batch: int, constrained: int, prompt_len: int,

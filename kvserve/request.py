@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from kvserve.kv.bounded import BoundedKV
 from kvserve.sampling import SamplingParams
@@ -57,6 +56,9 @@ class Request:
     # Tokens a bounded cache dropped: the KV holds num_computed_tokens - this many (compacted
     # into the first slots), while positions go on at their true values.
     num_dropped_tokens: int = 0
+    # Whether a step has sent the worker this request's sampling state (engine/step.py's
+    # SeqSampling, sent once; a step's `finished` list lets the worker drop it).
+    worker_has_state: bool = False
     # Attention votes ([layers, kv_heads, KV length], one tensor) of a bounded cache that selects
     # by attention: SnapKV's observation window (summed over the prefill chunks that hold it;
     # used, then dropped, after the prompt), H2O's accumulated attention of every query.
@@ -70,7 +72,6 @@ class Request:
     # vLLM's Logprob.rank), beside `prompt_logprobs`.
     prompt_logprob_ranks: list[int | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     # Structured outputs: this sample's matcher (kvserve.structured.grammar.GrammarState), which
     # advances with every token it keeps, preemption included (the tokens stay), else None.
@@ -85,9 +86,6 @@ class Request:
         if self.records_prompt_logprobs:
             self.prompt_logprobs = [None]
             self.prompt_logprob_ranks = [None]
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(
-                (self.sampling_params.seed + self.index) % 2**64)
 
     @property
     def records_prompt_logprobs(self) -> bool:

@@ -1,14 +1,14 @@
 """The sampler: turns one step's logits into one token per sequence.
 
-The engine calls `Sampler()(logits, rows)` once per step with the float32 logits of every
-sequence that produces a token in that step (one row each) and a `SamplingRow` per row.
+The worker (engine/step_sampler.py) calls `Sampler()(logits, rows)` once per step with the
+float32 logits of every sequence that samples in that step and a `SamplingRow` per row.
 
 Order of operations (vLLM's):
 
 0. ``logit_bias``: each listed token's bias is added to its logit (OpenAI's logit_bias).
    Structured outputs: a row with a grammar (``bitmask_row``, its row of the step's one
    stacked bitmask ``token_bitmask``, packed int32 words: bit ``t % 32`` of word ``t // 32``
-   allows token t) gets -inf on every token its grammar forbids (`apply_bitmask`: a NumPy
+   allows token t) gets -inf on every token its grammar forbids (structured/bitmask.py: a NumPy
    byte table on the CPU, xgrammar's ``apply_token_bitmask_inplace`` on other devices).
    Only those rows are copied and masked; the others pay nothing.
 1. ``min_tokens``: while ``len(output) < min_tokens`` the row's ``stop_token_ids`` and, unless
@@ -61,8 +61,9 @@ import torch
 
 from kvserve.model import gemv
 from kvserve.sampling import SamplingParams
+from kvserve.structured.bitmask import apply_bitmask
 
-__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow", "apply_bitmask"]
+__all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
 _CANDIDATES = 1024  # top-k/top-p first look for their cut among each row's top 1024 tokens
@@ -290,10 +291,9 @@ class Sampler:
         not None: {token id: logprob} of the row's top-N and of its token in `token_ids`
         (inserted first), and that token's 1-based rank; chunked through the workspace.
 
-        One function for both kinds of logprobs, so that a sampled token's and a prompt
-        token's (`LLMEngine`, with the next prompt token as the row's token) cannot differ.
-        Runs in inference mode, as `__call__` does: the workspace it writes into may have
-        been made there, and an inference tensor cannot be written outside it."""
+        One function for both kinds of logprobs (a prompt token's: engine/step_sampler.py),
+        so that they cannot differ. Runs in inference mode, as `__call__` does: the workspace
+        it writes into may have been made there; an inference tensor is read-only outside it."""
         with torch.inference_mode():
             return self._token_logprobs(logits, token_ids, num_top)
 
@@ -516,71 +516,6 @@ def _apply_logit_changes(work: torch.Tensor, changed: list[tuple[int, SamplingRo
             dtype=work.dtype, device=device)
         fp = fp[keys // vocab]
         flat[keys] = flat[keys] - (fp[:, 0] * counts.to(work.dtype) + fp[:, 1])
-
-
-def apply_bitmask(work: torch.Tensor, token_bitmask: torch.Tensor,
-                  rows: list[tuple[int, int]], backend: str | None = None) -> None:
-    """-inf, in place, on every token of `work` ([n, vocab] float32) that a packed bitmask
-    forbids; `rows` pairs a row of `work` with its row of `token_bitmask` (int32 [m, words]).
-    Bits past the vocabulary's end are ignored; tokens past the bitmask's end are forbidden.
-
-    On the CPU (`backend` None or "numpy"): NumPy, in place, no torch thread pool involved: each
-    byte of the packed mask picks its 8 additive biases (0 or -inf) from a 256-entry table.
-    That measured 1.4-1.8x faster than xgrammar's CPU kernel (`apply_token_bitmask_inplace`,
-    docs/benchmarks.md), so xgrammar's kernels serve the other devices only: Triton on CUDA
-    (the bitmask, a few kB, is copied over instead of the logits being unpacked against on the
-    host), plain torch elsewhere. `backend` names one of xgrammar's for tests."""
-    vocab, words = work.shape[1], token_bitmask.shape[1]
-    at = [j for j, _ in rows]
-    picked = [r for _, r in rows]
-    if backend is None:
-        backend = "numpy" if work.device.type == "cpu" else _bitmask_backend(work.device)
-    if backend == "numpy":
-        packed = np.ascontiguousarray(token_bitmask.numpy().astype("<i4", copy=False))
-        bits = 32 * words
-        width = min(vocab, bits)
-        # One row of biases at a time into a kept buffer: a fresh [rows, vocab] array per step
-        # cost its page faults (2.5-4x the time at a 152k vocabulary).
-        buf = _BIAS_ROWS.get(words)
-        if buf is None:
-            buf = _BIAS_ROWS[words] = np.empty((4 * words, 8), dtype=np.float32)
-        flat = buf.reshape(-1)[:width]
-        arr = work.numpy()
-        for j, r in rows:
-            np.take(_BYTE_BIAS, packed[r].view(np.uint8), axis=0, out=buf)
-            np.add(arr[j, :width], flat, out=arr[j, :width])
-            if bits < vocab:  # tokens past the bitmask's end are forbidden
-                arr[j, bits:] = -np.inf
-        return
-    from xgrammar import apply_token_bitmask_inplace
-
-    if at != picked:  # xgrammar pairs row i of the logits with row i of the bitmask
-        aligned = token_bitmask.new_empty((max(at) + 1, words))
-        aligned[at] = token_bitmask[picked]
-        token_bitmask = aligned
-    token_bitmask = token_bitmask.to(work.device, non_blocking=True)
-    apply_token_bitmask_inplace(work, token_bitmask, vocab_size=min(vocab, 32 * words),
-                                indices=at, backend=backend)
-    if 32 * words < vocab:  # tokens past the bitmask's end are forbidden
-        work[at, 32 * words:] = float("-inf")
-
-
-# For each byte value, the additive bias of its 8 tokens (bit b set: token allowed, bias 0).
-_BIAS_ROWS: dict[int, np.ndarray] = {}  # apply_bitmask's row buffer, per bitmask width
-_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
-                                    bitorder="little") == 1, 0.0, -np.inf).astype(np.float32)
-
-
-def _bitmask_backend(device: torch.device) -> str:
-    """xgrammar's kernel for a device other than the CPU: Triton on CUDA when Triton is there,
-    else plain torch (no compilation step)."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch_native"
-        return "triton"
-    return "torch_native"
 
 
 def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

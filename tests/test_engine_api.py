@@ -65,6 +65,21 @@ def test_n_samples_and_seeds(llm):
     assert [tuple(c.token_ids) for c in again.outputs] == samples
 
 
+def test_a_seeded_request_draws_the_same_tokens_when_preempted(tiny_model_dir, llm):
+    """The worker keeps each request's sampling state (its generator included) from its first
+    step until it finishes, preemptions included: seeded random samples in a pool so small that
+    requests are preempted and recomputed equal those of a roomy pool."""
+    prompts = _ids(llm, 6, length=40, seed=4)
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=7, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    small = LLM(model=str(tiny_model_dir), max_model_len=256, block_size=16, seed=0,
+                kv_cache_memory_bytes=20 * 16 * kv_bytes_per_token(tiny_model_dir))
+    tight = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert tight == roomy
+    assert len(small.engine.runner.sampling) == 0  # the worker forgot every finished request
+
+
 def test_stop_string_and_stop_token(llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     base = llm.generate("Once upon a time", params)[0].outputs[0]

@@ -196,14 +196,14 @@ def test_a_request_whose_prompt_logprobs_raise_fails_alone(hf_checkpoints, refer
     llm = _llm(hf_checkpoints["llama"])
     engine = llm.engine
     bad = [9, 9, 9, 9, 9, 9]
-    original = engine.sampler.token_logprobs
+    original = engine.runner.sampling.sampler.token_logprobs
 
     def flaky(logits, token_ids, num_top):
         if list(token_ids[:3]) == bad[1:4]:
             raise RuntimeError("injected")
         return original(logits, token_ids, num_top)
 
-    engine.sampler.token_logprobs = flaky
+    engine.runner.sampling.sampler.token_logprobs = flaky
     ids = [engine.add_request({"prompt_token_ids": p}, PARAMS) for p in (bad, prompts[3])]
     plain = engine.add_request({"prompt_token_ids": prompts[4]},
                                SamplingParams(temperature=0.0, max_tokens=2))
@@ -230,14 +230,14 @@ def test_prefill_only_scores_the_prompt_and_samples_nothing(arch, hf_checkpoints
     prompts, refs = references[arch]
     llm = _llm(hf_checkpoints[arch], max_num_batched_tokens=24, max_num_seqs=4)
     sampled_rows: list[int] = []
-    original = llm.engine.sampler.__call__
+    original = llm.engine.runner.sampling.sampler.__call__
 
-    class Spy(type(llm.engine.sampler)):
+    class Spy(type(llm.engine.runner.sampling.sampler)):
         def __call__(self, logits, rows, token_bitmask=None):
             sampled_rows.append(len(rows))
             return original(logits, rows, token_bitmask)
 
-    llm.engine.sampler.__class__ = Spy
+    llm.engine.runner.sampling.sampler.__class__ = Spy
     score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=TOP, n=2)
     outs = _run(llm, prompts, score)
     assert not sampled_rows, "a prefill-only request was sampled"

@@ -77,7 +77,7 @@ def test_unencodable_text_and_oov_ids_are_refused_at_add_request(llm):
 
 @pytest.mark.parametrize("where", ["add", "flush"])
 def test_a_failing_detokenizer_fails_only_its_request(llm, alone, monkeypatch, where):
-    """`add` runs for every token (LLMEngine._append_token, through the output processor's
+    """`add` runs for every token (LLMEngine._outputs, through the output processor's
     stop_string); `flush` once, when the output of the finished request is built
     (OutputProcessor.output)."""
     from kvserve.engine import output_processor
@@ -126,7 +126,8 @@ class _FaultySampler:
 
 def test_a_failing_sampler_row_fails_only_its_request(llm, alone, monkeypatch):
     engine = llm.engine
-    monkeypatch.setattr(engine, "sampler", _FaultySampler(engine.sampler))
+    sampling = engine.runner.sampling  # the worker's sampler
+    monkeypatch.setattr(sampling, "sampler", _FaultySampler(sampling.sampler))
     done = _run_all(engine, [(p, GREEDY) for p in PROMPTS]
                     + [("the bad one", SamplingParams(seed=666, max_tokens=5))])
     assert "sampler fault" in done["the bad one"].error
@@ -138,7 +139,8 @@ def test_async_engine_delivers_a_request_error_to_that_request_only(llm, alone, 
     from kvserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
 
     engine = llm.engine
-    monkeypatch.setattr(engine, "sampler", _FaultySampler(engine.sampler))
+    sampling = engine.runner.sampling  # the worker's sampler
+    monkeypatch.setattr(sampling, "sampler", _FaultySampler(sampling.sampler))
 
     async def collect(ae, prompt, params, rid):
         return [o async for o in ae.generate(prompt, params, rid)][-1]

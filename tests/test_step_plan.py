@@ -10,6 +10,7 @@ import torch
 from helpers import pool_over
 
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step_sampler import StepSampler
 from kvserve.engine.step import StepFailed, StepInput
 from kvserve.kv.plan import ChunkLoad, ChunkSave, StepPlan
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
@@ -26,6 +27,7 @@ def _runner(num_blocks: int = 6, block_size: int = 2):
     runner = ModelRunner.__new__(ModelRunner)
     runner.tensors = pool
     runner.backend = TorchAttentionBackend(pool, 1.0)
+    runner.sampling = StepSampler()
     return runner, caches
 
 

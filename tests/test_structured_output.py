@@ -16,7 +16,8 @@ from helpers import kv_bytes_per_token
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.make_model import ensure_default_model
-from kvserve.sampler import Sampler, SamplingRow, apply_bitmask
+from kvserve.sampler import Sampler, SamplingRow
+from kvserve.structured.bitmask import apply_bitmask
 from kvserve.server.tool_parser import ForcedToolCalls, ToolCallStream, assemble, parse_tool_calls
 from kvserve.structured import StructuredOutputsParams
 

@@ -28,8 +28,10 @@ from kvserve.kv.spec import (
     KVCacheSpec,
     KVGroup,
     KVStorage,
+    capacity_line,
     decoder_kv_spec,
     kv_dtype_name,
+    mla_saving_line,
     resolve_kv_dtype,
 )
 from kvserve.kv.tensors import KVTensorPool
@@ -101,8 +103,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         group_windows=None if groups is None
                         else [getattr(g.spec, "window", None) for g in groups],
                         track_released=tensors.keeps_block_state)
-    runner = ModelRunner(model, backend, tensors, config.block_size)
+    runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
+    _log_capacity(config, kv, model_config, kv_spec)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
                        tiers, kv, runner, InProcessExecutor(runner))
 
@@ -261,3 +264,15 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
                            block_size, mc.layer_windows,
                            kv_lora_rank=mla.kv_lora_rank if mla else None,
                            rope_dim=mla.qk_rope_head_dim if mla else 0)
+
+
+def _log_capacity(config: EngineConfig, kv: KVCacheManager, model_config: ModelConfig,
+                  kv_spec: KVCacheSpec) -> None:
+    """The start-up lines users size deployments by: tokens and requests the pool holds, and
+    what MLA's latent cache saves."""
+    logger.info(capacity_line(kv.num_blocks, config.block_size, config.max_model_len,
+                              kv.final_blocks(config.max_model_len), kv.num_groups))
+    mla = model_config.mla
+    if mla is not None:
+        logger.info(mla_saving_line(kv_spec.layer_specs()[0], model_config.num_attention_heads,
+                                    mla.qk_head_dim, mla.v_head_dim))

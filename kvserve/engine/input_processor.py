@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Union
 
 from kvserve import features as F
@@ -58,6 +58,10 @@ class InputProcessor:
             self._features.add(F.HYBRID)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
+        # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
+        # (the compile, its samples). The engine queues them once it is done; the batch never
+        # waits for a compile.
+        self.compiling: dict[str, tuple[Future, list[Request]]] = {}
         self._grammars_lock = threading.Lock()
         # The engine-wide bounded KV cache (lossy, opt-in), checked now so a bad one fails at
         # start-up; a request may ask for its own (add_request's bounded_kv).
@@ -77,6 +81,25 @@ class InputProcessor:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  sorted(self.eos_token_ids))
             return self._grammars
+
+    def take_compiled(self) -> list[tuple[str, list[Request], Future]]:
+        """The held requests whose compile is done (failed or not), no longer held."""
+        done = [(parent, children, grammar)
+                for parent, (grammar, children) in self.compiling.items() if grammar.done()]
+        for parent, _, _ in done:
+            del self.compiling[parent]
+        return done
+
+    def wait_compiling(self, timeout: float) -> None:
+        wait([f for f, _ in self.compiling.values()], timeout=timeout,
+             return_when=FIRST_COMPLETED)
+
+    def with_grammar(self, children: list[Request], grammar: Future | None) -> list[Request]:
+        """The samples, each with its own matcher over the compiled grammar if there is one."""
+        if grammar is not None:
+            for child in children:
+                child.grammar = self.grammars.new_state(grammar.result())
+        return children
 
     def close(self) -> None:
         if self._grammars is not None:

@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> run -> sample -> update, one step at a time.
+"""The engine loop: schedule -> run (plan, forward, sample) -> update, one step at a time.
 
 `LLMEngine` holds the parts (engine/builder.py builds them: model, KV pool, worker), the
 scheduler and the sampler. A request is validated by its InputProcessor
@@ -12,8 +12,6 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -22,18 +20,15 @@ from kvserve.engine.builder import build_engine
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
-from kvserve.engine.scheduler import ScheduledBatch, Scheduler
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.bounded import BoundedKV, BoundedKVConfig
 from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
-from kvserve.kv.spec import capacity_line, mla_saving_line
-from kvserve.kv.tiers.stats import SOURCES
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.sampler import Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
-from kvserve.structured.grammar import GrammarCompiler, bitmask_words
+from kvserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("kvserve")
 
@@ -48,7 +43,6 @@ class LLMEngine:
             parts.page_groups
         self.tensors, self.backend, self.tiers = parts.tensors, parts.backend, parts.tiers
         self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
-        num_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(config, self.kv)
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
@@ -57,24 +51,12 @@ class LLMEngine:
         if bound is not None:
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
                            bound.policy, bound.budget, bound.sink_tokens)
-        self.sampler = Sampler(seed=config.seed)
+        self.scheduler.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self.inputs.eos_token_ids
         self._groups: dict[str, list[Request]] = {}
         self.outputs = OutputProcessor(self.tokenizer)
         self._streaming: set[str] = set()
-        # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
-        # (the compile, its samples). They join the scheduler once it is done; the batch never
-        # waits for a compile.
-        self._compiling: dict[str, tuple[Future, list[Request]]] = {}
         self._next_id = 0
-        logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
-                                  self.kv.final_blocks(config.max_model_len),
-                                  self.kv.num_groups))
-        mla = self.model_config.mla
-        if mla is not None:
-            logger.info(mla_saving_line(self.kv_spec.layer_specs()[0],
-                                        self.model_config.num_attention_heads, mla.qk_head_dim,
-                                        mla.v_head_dim))
 
     @property
     def bounded_kv(self) -> BoundedKV | None:
@@ -122,63 +104,55 @@ class LLMEngine:
             self.outputs.track(child, stream)
             self.kv.start_prefetch(child)
         if grammar is not None and not grammar.done():
-            self._compiling[rid] = (grammar, children)
+            self.inputs.compiling[rid] = (grammar, children)  # joins the queue once compiled
         else:
-            self._schedule_children(children, grammar)
+            self.scheduler.add_all(self.inputs.with_grammar(children, grammar))
         return rid
-
-    def _schedule_children(self, children: list[Request], grammar: Future | None) -> None:
-        """Queue the samples of a request, each with its own matcher over the compiled
-        grammar when it has one."""
-        for child in children:
-            if grammar is not None:
-                child.grammar = self.grammars.new_state(grammar.result())
-            self.scheduler.add(child)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar finished compiling; a compile that failed fails
         its request (the server compiles before adding, so that this is rare there)."""
         outputs = []
-        for parent, (grammar, children) in list(self._compiling.items()):
-            if not grammar.done():
-                continue
-            del self._compiling[parent]
+        for parent, children, grammar in self.inputs.take_compiled():
             if grammar.exception() is not None:
                 outputs.append(self._fail_group(parent, children, grammar.exception()))
             else:
-                self._schedule_children(children, grammar)
+                self.scheduler.add_all(self.inputs.with_grammar(children, grammar))
         return outputs
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
         # A request still waiting for its grammar is in no queue, but add_request started its
-        # tier prefetch: _finish (the scheduler's finish, then kv.free) forgets that too.
-        self._compiling.pop(request_id, None)
+        # tier prefetch: the scheduler's finish (then kv.free) forgets that too.
+        self.inputs.compiling.pop(request_id, None)
         for child in self._groups.pop(request_id, ()):
             if not child.finished:
-                self._finish(child, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self.outputs.forget(child.request_id)
         self._streaming.discard(request_id)
+        if not self.scheduler.has_unfinished():
+            self._forget_finished()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self.inputs.compiling)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of requests that finished, and of streaming
         requests that got a token."""
-        compiled = self._admit_compiled() if self._compiling else []
+        compiled = self._admit_compiled() if self.inputs.compiling else []
         batch = self._schedule()
         if not batch.requests:
-            self._run_plan(batch.plan)
-            if self._compiling and not self.scheduler.has_unfinished():
-                _wait_any([f for f, _ in self._compiling.values()], 0.05)
+            if batch.plan or batch.step.finished:
+                self._execute(batch.step)  # its plan; the worker forgets the finished
+            if self.inputs.compiling and not self.scheduler.has_unfinished():
+                self.inputs.wait_compiling(0.05)
                 return compiled + self._admit_compiled()
             if not self.kv.wait_for_prefetch(0.05):
                 return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
-        out = self._execute(batch.step)  # its plan, then its forward
-        self.scheduler.update(batch)
+        out = self._execute(batch.step)  # its plan, its forward, its sampling
+        update = self.scheduler.update_from_output(batch, out)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV moves in the plan handed out right after, with the write-through saves of the
         # chunks this forward completed (saved now, not a step later: an engine that goes idle
@@ -187,29 +161,40 @@ class LLMEngine:
         plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
         plan.compactions = moves
         self._run_plan(plan)
-        failed = self._record_prompt_logprobs(batch, out)  # parent id -> what it raised
-        now = time.time()
-        prefilled = self._finish_prefill_only(batch, failed, now)
-        if not out.sampled and not failed and not prefilled:
-            return compiled
-        rows = [batch.requests[i] for i in out.sampled]
-        tokens, all_logprobs, sample_failed = self._sample(out.logits, rows)
-        failed = {**sample_failed, **failed}
+        outputs = compiled + self._outputs(update)
+        if not self.scheduler.has_unfinished():
+            self._forget_finished()  # idle next: no step would tell the worker
+        return outputs
+
+    def _forget_finished(self) -> None:
+        finished = self.scheduler.take_finished()
+        if finished:
+            self.executor.execute(StepInput(finished=finished))
+
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+        """Stop strings on the new tokens (the text has them now), then the outputs due: every
+        streaming request that got a token, every request whose samples all finished, and a
+        final error output for each request that failed in the step."""
+        failed = update.failed
         # parent id -> its samples
         touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
-        for parent in prefilled:
+        for parent in update.prefilled:
             touched.setdefault(parent, self._groups[parent])
-        for request, token, logprobs in zip(rows, tokens, all_logprobs):
+        for request, token, text in update.appended:
             parent = request.parent_id or request.request_id
             if parent not in touched:
                 touched[parent] = self._groups[parent]
-            if parent in failed:
+            if not text or parent in failed:
                 continue
             try:
-                self._append_token(request, token, logprobs, now)
+                if self.outputs.stop_string(request, token):  # (also advances the text)
+                    if request.finished:  # by length, on the token that hit the stop string
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[parent] = exc
-        outputs = compiled
+        outputs = []
         for parent, children in touched.items():
             if parent in failed or not (parent in self._streaming
                                         or all(c.finished for c in children)):
@@ -259,75 +244,6 @@ class LLMEngine:
                 logger.exception("saving chunk %x to the tiers failed; it is skipped",
                                  chunk_hash)
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request]
-                ) -> tuple[list[int | None], list[dict[int, float] | None],
-                           dict[str, Exception]]:
-        """Sample every row in one batch; should that raise, sample row by row, so that only
-        the requests whose own row raises fail (their token is None; errors by parent id).
-        The retry may draw again from generators the failed batch already advanced: greedy
-        neighbours are unaffected, random ones stay valid samples."""
-        if not rows:
-            return [], [], {}
-        try:
-            result = self.sampler(logits, *_sampling_rows(rows, logits.shape[1]))
-            return result.token_ids, result.logprobs, {}
-        except Exception:
-            logger.exception("batched sampling failed; sampling row by row to isolate it")
-        tokens: list[int | None] = []
-        logprobs: list[dict[int, float] | None] = []
-        failed: dict[str, Exception] = {}
-        for i, request in enumerate(rows):
-            try:
-                one = self.sampler(logits[i:i + 1], *_sampling_rows([request], logits.shape[1]))
-                tokens.append(one.token_ids[0])
-                logprobs.append(one.logprobs[0])
-            except Exception as exc:
-                tokens.append(None)
-                logprobs.append(None)
-                failed[request.parent_id or request.request_id] = exc
-        return tokens, logprobs, failed
-
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput
-                                ) -> dict[str, Exception]:
-        """Append to each request the logprobs of the prompt tokens this step's logits
-        predicted (the scheduler asked only for the ones not recorded yet, so a prompt recomputed
-        after a preemption neither repeats nor loses an entry). Request by request, so that one
-        that raises fails alone: returns what raised, by parent id."""
-        failed: dict[str, Exception] = {}
-        at = 0
-        for span in out.prompt_spans:
-            request = batch.requests[span.index]
-            logits = out.prompt_logits[at:at + span.count]
-            at += span.count
-            try:
-                assert len(request.prompt_logprobs) == span.first_token, \
-                    "prompt logprobs out of step"
-                tokens = request.prompt_token_ids[span.first_token:span.first_token + span.count]
-                entries, ranks = self.sampler.token_logprobs(
-                    logits, tokens, [request.sampling_params.prompt_logprobs] * span.count)
-                request.prompt_logprobs.extend(entries)
-                request.prompt_logprob_ranks.extend(ranks)
-            except Exception as exc:
-                failed[request.parent_id or request.request_id] = exc
-        return failed
-
-    def _finish_prefill_only(self, batch: ScheduledBatch, failed: dict[str, Exception],
-                             now: float) -> list[str]:
-        """Finish ("length") the prefill-only requests (max_tokens 0) whose prompt this step
-        completed; their blocks go back to the pool (the full ones stay in the prefix cache).
-        Their output is ready now, which is what their first/last token times record. Returns
-        their parent ids."""
-        parents = []
-        for request in batch.requests:
-            parent = request.parent_id or request.request_id
-            if not request.prefill_only or request.finished or parent in failed \
-                    or request.num_computed_tokens < request.num_tokens:
-                continue
-            request.first_token_time = request.last_token_time = now
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
-            parents.append(parent)
-        return parents
-
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
         """Finish every sample of a request that raised inside the step (finish_reason
@@ -339,45 +255,9 @@ class LLMEngine:
         self._streaming.discard(parent_id)
         for c in children:
             if not c.finished:
-                self._finish(c, RequestStatus.FINISHED_ERROR)
+                self.scheduler.finish(c, RequestStatus.FINISHED_ERROR)
             c.status = RequestStatus.FINISHED_ERROR  # a sibling that had ended fails with it
         return self.outputs.error_output(parent_id, children, exc)
-
-    def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None,
-                      now: float) -> None:
-        request.token_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-            request.cumulative_logprob += logprobs[token]
-        if request.grammar is not None and not request.grammar.accept(token):
-            raise ValueError(f"token {token} is not allowed by the request's grammar")
-        status = self._check_stop(request, token)
-        if status is None and request.grammar is not None and request.grammar.terminated:
-            status = RequestStatus.FINISHED_STOPPED  # the grammar has ended (its stop token)
-        if status is not None:
-            self._finish(request, status)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if self.outputs.stop_string(request, token):  # (also advances the request's text)
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(request, status)
-        request.finished_time = time.time()
 
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
@@ -389,15 +269,7 @@ class LLMEngine:
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Debug check run by the tests after every step: queues, tables and pool agree."""
-        live = list(self.scheduler.running) + list(self.scheduler.waiting)
-        assert len({r.request_id for r in live}) == len(live), "a request is queued twice"
-        for r in self.scheduler.running:
-            assert r.status is RequestStatus.RUNNING
-        for r in self.scheduler.waiting:
-            assert r.status is RequestStatus.WAITING
-            assert r.request_id not in self.kv.block_tables, "a waiting request holds blocks"
-        assert len(self.scheduler.running) <= self.config.max_num_seqs
-        self.kv.check_invariants(live)
+        self.scheduler.check_invariants()
 
     def drain_kv_events(self) -> tuple[list[KVEvent], int]:
         """Blocks stored in / removed from the prefix index since the last drain, and how many
@@ -415,36 +287,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_evicted_blocks=self.kv.num_evicted_blocks,
-            hit_tokens={source: self.kv.hit_tokens[source] for source in SOURCES})
+        return self.scheduler.stats()
 
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""
         return self.tiers.stats.snapshot() if self.tiers is not None else {}
-
-
-def _sampling_rows(requests: list[Request], vocab: int
-                   ) -> tuple[list[SamplingRow], torch.Tensor | None]:
-    """The sampler's rows, and the step's grammar bitmask: the requests with a grammar fill one
-    row each of one int32 tensor, in batch order (`SamplingRow.bitmask_row`), which the sampler
-    applies as it is; the others have none and pay nothing."""
-    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-    bitmask = None
-    if constrained:
-        bitmask = torch.full((len(constrained), bitmask_words(vocab)), -1, dtype=torch.int32)
-        for j, i in enumerate(constrained):
-            requests[i].grammar.fill_bitmask(bitmask, j)
-    rows_of = {i: j for j, i in enumerate(constrained)}
-    return [SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids, r.generator,
-                        r.eos_token_ids, rows_of.get(i)) for i, r in enumerate(requests)], bitmask
-
-
-def _wait_any(futures: list[Future], timeout: float) -> None:
-    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)

@@ -3,9 +3,10 @@
 It is handed plain data only: token ids, positions, block tables and a memory plan; it never
 sees a request, the scheduler or the KV manager (tests/test_architecture.py holds it to that),
 so the same worker can sit behind another process's executor. It turns the step into the
-flat tensors of `AttentionMetadata` and returns logits only for the rows that sample (so a
-prefill chunk never pays for the LM head), plus the prompt positions whose logprobs are wanted,
-in the same LM-head call.
+flat tensors of `AttentionMetadata`, computes logits only for the rows that sample (so a
+prefill chunk never pays for the LM head) and the prompt positions whose logprobs are wanted,
+in the same LM-head call, and samples them (engine/step_sampler.py): what comes back is tokens
+and logprobs.
 
 It is also the one place where KV memory is moved: the step's plan (saves read out for the
 storage tiers, loads from them, copy-on-write copies, bounded-cache compactions, per-block state
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from kvserve.engine.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
+from kvserve.engine.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
@@ -29,7 +31,7 @@ logger = logging.getLogger("kvserve")
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, tensors: KVTensorPool,
-                 block_size: int) -> None:
+                 block_size: int, seed: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.tensors = tensors
@@ -37,11 +39,13 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
         self.graphs = None
+        self.sampling = StepSampler(seed)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        """The step's plan, then its forward; the logits of the rows that sample and of the
-        prompt positions whose logprobs are wanted."""
+        """The step's plan, then its forward, then its sampling: a token for each row that
+        samples, the logprobs of the prompt positions that want them."""
+        self.sampling.begin(step)
         saved = self.apply_plan(step.plan)
         if not step.seqs:
             return StepOutput(saved=saved)
@@ -50,6 +54,7 @@ class ModelRunner:
         except Exception as e:
             raise StepFailed("forward", saved) from e
         out.saved = saved
+        self.sampling.sample(step, out)
         return out
 
     def apply_plan(self, plan: StepPlan) -> list[tuple[int, torch.Tensor]]:

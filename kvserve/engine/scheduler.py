@@ -14,8 +14,10 @@ or the one token sampled last step), and the scheduler hands out the step's toke
 
 The batch carries the step as the worker gets it (`step`: engine/step.py's plain data, built
 here, the one place that reads requests and block tables for it), with its `StepPlan` (what the
-KV cache must do to memory before the forward); after the forward `update` is the one place
-that advances requests' computed tokens.
+KV cache must do to memory before the forward); after the forward `update_from_output` is the
+one place that advances requests: computed tokens, the sampled token appended, the token stops
+(EOS, stop token ids, grammar end, lengths) checked, finished requests freed. Stop strings need
+the text, so the engine's output processor checks them and finishes through `finish`.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.config import EngineConfig
 from kvserve.engine.bounded_kv import BoundedCaches
-from kvserve.engine.step import SeqStep, StepInput
+from kvserve.engine.stats import EngineStats
+from kvserve.engine.step import SeqSampling, SeqStep, StepInput, StepOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
+from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
+from kvserve.structured.grammar import bitmask_words
 
 
 @dataclass
@@ -41,6 +48,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
     step: StepInput = field(default_factory=StepInput)  # seqs[i] is requests[i]'s part
+    failed: dict[str, Exception] = field(default_factory=dict)  # by parent id, before the step
 
     @property
     def plan(self) -> StepPlan:
@@ -53,6 +61,16 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+@dataclass
+class StepUpdate:
+    """What a step's output did to its requests (Scheduler.update_from_output)."""
+
+    # (request, its new token, whether the text should see it: not an EOS or stop token id)
+    appended: list[tuple[Request, int, bool]] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)  # by parent id
+    prefilled: list[str] = field(default_factory=list)  # parents of finished prefill-only ones
 
 
 def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
@@ -78,9 +96,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
+        self._finished_ids: list[str] = []  # for the next step: the worker drops their state
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def add_all(self, requests: list[Request]) -> None:
+        self.waiting.extend(requests)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -110,43 +133,161 @@ class Scheduler:
         if not preempted:
             self._admit(chosen, budget)
 
-        prefills = [(r, n) for r, n in chosen if n > 1]
-        decodes = [(r, n) for r, n in chosen if n == 1]
-        ordered = prefills + decodes
         now = time.time()
-        for r, _ in ordered:
+        prefills: list[tuple[Request, int]] = []
+        decodes: list[tuple[Request, int]] = []
+        for chosen_one in chosen:
+            r, n = chosen_one
+            (prefills if n > 1 else decodes).append(chosen_one)
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+        ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
-        return ScheduledBatch([r for r, _ in ordered], [n for _, n in ordered], preempted,
-                              StepInput(self._seq_steps(ordered), plan))
+        requests = [r for r, _ in ordered]
+        step = StepInput(self._seq_steps(ordered), plan, self.take_finished())
+        batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step)
+        if self.vocab_size is not None and any(r.grammar is not None for r in requests):
+            self._grammar_bitmask(batch)
+        return batch
 
     def _seq_steps(self, chosen: list[tuple[Request, int]]) -> list[SeqStep]:
         """The worker's view of each request's part of the step (for every running request,
         every step)."""
         kv = self.kv
         one_group = kv.num_groups == 1
+        table_of = kv.block_table
         observe_rows = self.bounded.observe_rows
         seqs = []
+        append = seqs.append
         for request, n in chosen:
             start = request.num_computed_tokens
             end = start + n
             token_ids = request.token_ids
-            tables = (kv.block_table(request),) if one_group \
+            tables = (table_of(request),) if one_group \
                 else tuple(kv.group_block_tables(request))
-            seqs.append(SeqStep(
+            # The common case (no prompt logprobs, no bounded cache) calls nothing.
+            rows = None if request.sampling_params.prompt_logprobs is None \
+                else prompt_rows(request, start, end)
+            observe = None if request.bounded_kv is None else observe_rows(request, start, end)
+            append(SeqStep(
                 request.request_id, token_ids[start:end], start,
                 start - request.num_dropped_tokens, tables,
-                end == len(token_ids) and not request.prefill_only,
-                prompt_rows(request, start, end), observe_rows(request, start, end)))
+                end == len(token_ids) and request.max_tokens != 0, rows, observe,
+                None if request.worker_has_state else _sampling_state(request)))
         return seqs
+
+    def _grammar_bitmask(self, batch: ScheduledBatch) -> None:
+        """The allowed next tokens of each sampling row with a grammar, one packed row each (the
+        matchers stay here: the worker applies the bits). A matcher that raises fails its
+        request alone, after the step (its row allows everything)."""
+        step = batch.step
+        rows = {i: j for j, i in enumerate(
+            i for i, (r, s) in enumerate(zip(batch.requests, step.seqs))
+            if s.samples and r.grammar is not None)}
+        if not rows:
+            return
+        step.bitmask = bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1,
+                                            dtype=torch.int32)
+        step.bitmask_rows = rows
+        for i, j in rows.items():
+            request = batch.requests[i]
+            try:
+                request.grammar.fill_bitmask(bitmask, j)
+            except Exception as exc:
+                bitmask[j] = -1
+                batch.failed[request.parent_id or request.request_id] = exc
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are computed, and their full blocks go into
         the prefix cache (so a request arriving next step can hit them)."""
+        bs = self.kv.block_size
+        publish = self.kv.cache_full_blocks
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
+            computed = request.num_computed_tokens + n
+            request.num_computed_tokens = computed
+            if n > 1 or computed % bs == 0:  # one token completes a block only at its end
+                publish(request)
+
+    def update_from_output(self, batch: ScheduledBatch, out: StepOutput) -> StepUpdate:
+        """After the forward: computed tokens advance (`update`), prompt logprobs are recorded,
+        prefill-only requests whose prompt is done finish, and each sampled token is appended
+        and checked against the token stops; finished requests are freed. Request by request:
+        one that raises fails alone (its parent id in `failed`), the others go on."""
+        self.update(batch)
+        now = time.time()
+        result = StepUpdate(failed=dict(batch.failed))
+        failed = result.failed
+        self._record_prompt_logprobs(batch, out, failed)
+        for request in batch.requests:
+            if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens \
+                    and not request.finished:  # a prefill-only request whose prompt is done
+                parent = request.parent_id or request.request_id
+                if parent not in failed:
+                    request.first_token_time = request.last_token_time = now
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)
+                    result.prefilled.append(parent)
+        for request_id, exc in out.failed.items():
+            request = batch.requests[next(i for i, s in enumerate(batch.step.seqs)
+                                          if s.request_id == request_id)]
+            failed.setdefault(request.parent_id or request.request_id, exc)
+        requests, appended, append = batch.requests, result.appended, self._append
+        for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs):
+            request = requests[i]
+            if token is None or (failed and (request.parent_id or request.request_id) in failed):
+                continue
+            try:
+                appended.append((request, token, append(request, token, logprobs, now)))
+            except Exception as exc:  # this request's own fault: it alone fails
+                failed[request.parent_id or request.request_id] = exc
+        return result
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput,
+                                failed: dict[str, Exception]) -> None:
+        """Append to each request the logprobs of the prompt tokens this step predicted (the
+        scheduler asked only for the ones not recorded yet, so a prompt recomputed after a
+        preemption neither repeats nor loses an entry)."""
+        for span, (entries, ranks) in zip(out.prompt_spans, out.prompt_logprobs):
+            request = batch.requests[span.index]
+            if request.request_id in out.failed:
+                continue
+            try:
+                assert len(request.prompt_logprobs) == span.first_token, \
+                    "prompt logprobs out of step"
+                request.prompt_logprobs.extend(entries)
+                request.prompt_logprob_ranks.extend(ranks)
+            except Exception as exc:
+                failed[request.parent_id or request.request_id] = exc
+
+    def _append(self, request: Request, token: int, logprobs: dict[int, float] | None,
+                now: float) -> bool:
+        """Append the token; finish the request if a token stop ends it. Returns whether its
+        text should see the token (False after an EOS or stop token id)."""
+        token_ids = request.token_ids
+        token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs[token]
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token):
+            raise ValueError(f"token {token} is not allowed by the request's grammar")
+        params = request.sampling_params
+        n_out = len(token_ids) - len(request.prompt_token_ids)
+        if n_out >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return False
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return False
+        if n_out >= request.max_tokens or len(token_ids) >= self.config.max_model_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+        elif grammar is not None and grammar.terminated:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)  # its grammar has ended
+        return True
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         """Admit waiting requests while budget, sequence slots and blocks last.
@@ -155,6 +296,8 @@ class Scheduler:
         request (the same system prompt arriving twice, n > 1 samples) waits one step and then
         hits it, instead of computing it a second time.
         """
+        if not self.waiting:
+            return
         if self.config.scheduling_policy == "lpm" and len(self.waiting) > 1:
             self._order_by_longest_match()
         inflight = self._blocks_in_flight(chosen)
@@ -211,11 +354,52 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def take_finished(self) -> list[str]:
+        """The requests that ended since the last step (the worker drops their state)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
+    def check_invariants(self) -> None:
+        """Debug check run by the tests after every step: queues, tables and pool agree."""
+        live = list(self.running) + list(self.waiting)
+        assert len({r.request_id for r in live}) == len(live), "a request is queued twice"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING
+        for r in self.waiting:
+            assert r.status is RequestStatus.WAITING
+            assert r.request_id not in self.kv.block_tables, "a waiting request holds blocks"
+        assert len(self.running) <= self.config.max_num_seqs
+        self.kv.check_invariants(live)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            hit_tokens={source: kv.hit_tokens[source] for source in SOURCES})
+
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and release its blocks."""
+        """Remove a request from the queues and release its blocks (and, with the next step,
+        what the worker kept of it)."""
         request.status = status
+        request.finished_time = time.time()
+        if request.worker_has_state:
+            self._finished_ids.append(request.request_id)
+            request.worker_has_state = False
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+
+def _sampling_state(request: Request) -> SeqSampling:
+    """What the worker keeps of a request to sample it (sent once; see SeqSampling)."""
+    request.worker_has_state = True
+    params = request.sampling_params
+    seed = None if params.seed is None else params.seed + request.index
+    return SeqSampling(params, request.prompt_token_ids, list(request.output_token_ids),
+                       frozenset(request.eos_token_ids), seed)

@@ -12,7 +12,11 @@ running requests each step costs more than the rest of the message): the schedul
 none of them until the step's output is back. An executor that sends the message to another
 process serializes them there.
 
-Sampling stays on the engine's side for now: the worker returns the sampling rows' logits.
+The worker also samples: what it needs of a request to sample it (`SeqSampling`: parameters,
+prompt and output tokens for penalties, its seed's generator) is sent once, with the first step
+that schedules the request, and kept there until a step's `finished` names it; each step then
+carries only the structured-output bitmask of the rows that have a grammar (the matchers stay
+on the scheduler's side, which checks each token against them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv.plan import StepPlan
+from kvserve.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,19 @@ class PromptSpan:
     index: int
     first_token: int
     count: int
+
+
+@dataclass(slots=True)
+class SeqSampling:
+    """What the worker keeps of a request to sample it, from its first step until it finishes
+    (a preempted request keeps it: its generator goes on where it was)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the worker appends each token it samples (penalties)
+    eos_token_ids: frozenset[int]
+    seed: int | None  # the request's own generator's seed (None: the worker's shared one)
+    generator: torch.Generator | None = None  # made by the worker from `seed`
 
 
 @dataclass(slots=True)
@@ -51,6 +69,8 @@ class SeqStep:
     # Rows [start, start + len) whose attention weights are summed and returned (SnapKV's
     # observation window, every row for H2O), or None.
     observe: tuple[int, int] | None = None
+    # Set in the first step that schedules the request (the worker keeps it), else None.
+    sampling: SeqSampling | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +85,12 @@ class StepInput:
 
     seqs: list[SeqStep] = field(default_factory=list)
     plan: StepPlan = field(default_factory=StepPlan)
+    # Requests that ended since the last step: the worker drops what it kept of them.
+    finished: list[str] = field(default_factory=list)
+    # Structured outputs: one packed int32 row per sampling sequence with a grammar
+    # (kvserve.structured.bitmask.apply_bitmask), and seqs index -> its row.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +99,10 @@ class StepInput:
 
 @dataclass
 class StepOutput:
+    """The forward's rows (`logits`, `prompt_logits`), then what the worker's sampler made of
+    them: a token per sampling row, and each prompt span's logprobs. A row whose sampling
+    raised has token None and its error in `failed` (by request id): it alone fails."""
+
     logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(sampled), vocab]
     sampled: list[int] = field(default_factory=list)  # index into seqs of each row of `logits`
     # Rows for prompt logprobs ([sum of span counts, vocab] float32), span after span.
@@ -82,6 +112,11 @@ class StepOutput:
     saved: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # Attention weights observed (SnapKV, H2O): by request id, one [kv_heads, keys] per layer.
     observed: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    tokens: list[int | None] = field(default_factory=list)  # one per `sampled`
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per `sampled`
+    # One per prompt span: (logprob entries, ranks) of its prompt tokens.
+    prompt_logprobs: list[tuple[list, list]] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
 
 
 class StepFailed(RuntimeError):

@@ -72,6 +72,7 @@ def engine_maps(engine: Any) -> dict[str, int]:
         "scheduler.waiting": len(eng.scheduler.waiting),
         "kv.block_tables": len(eng.kv.block_tables),
         "kv._cursors": sum(len(g.cursors) for g in eng.kv.groups),
+        "worker.sampling": len(eng.runner.sampling),
     }
     if eng.kv.prefix_caching:  # every group's index together
         sizes["prefix.cached_blocks"] = sum(g.index.num_cached_blocks for g in eng.kv.groups)
