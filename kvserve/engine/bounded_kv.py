@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.bounded import add_votes
-from kvserve.kv.manager import KVCacheManager, kv_length
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.seq import kv_length
 from kvserve.kv.plan import KVMove
 from kvserve.request import Request
 

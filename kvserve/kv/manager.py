@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvserve import features as F
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
@@ -47,41 +46,9 @@ from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
+from kvserve.kv.seq import CachedSeq, kv_length, matchable_tokens
 from kvserve.kv.spec import first_needed_block
 from kvserve.kv.tiers.link import NoTiers, TieredMatch, Tiers
-
-
-class CachedSeq(Protocol):
-    """What the cache reads of a request (the engine's `Request`, the simulator's `SimSeq`)."""
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int  # written only by the sequence's owner
-    cache_salt: str | None
-    priority: int
-    block_hashes: list[int]  # chained hashes of full blocks, extended on demand by the manager
-    # True for a sequence that needs every prompt position's logits (vLLM's name): it reads
-    # nothing from the cache, though its computed blocks are still published for others.
-    skip_reading_prefix_cache: bool
-    # Tokens whose KV a bounded cache (kvserve.kv.bounded) dropped: the sequence holds
-    # num_computed_tokens - this many (0 for every other sequence).
-    num_dropped_tokens: int
-
-
-def matchable_tokens(seq: CachedSeq) -> int:
-    """How much of a sequence the cache may serve: all but its last token, whose logits are
-    needed, so at least one token is always computed; nothing for a sequence that needs the
-    logits of every position (a cached block holds KV, not the hidden states logits come
-    from)."""
-    if seq.skip_reading_prefix_cache:
-        return 0
-    return max(len(seq.token_ids) - 1, 0)
-
-
-def kv_length(seq: CachedSeq) -> int:
-    """Tokens of KV a sequence holds: its computed tokens, less those a bounded cache dropped
-    (kvserve.kv.bounded)."""
-    return seq.num_computed_tokens - seq.num_dropped_tokens
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,15 @@ from dataclasses import dataclass, field
 
 from kvserve.kv.eviction import Belady, FutureUses, make_eviction_policy
 from kvserve.kv.hashing import block_hash, chain_hashes, extra_keys
-from kvserve.kv.manager import KVCacheManager, matchable_tokens
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.seq import matchable_tokens
 from kvserve.router.policies import ALL_POLICIES, make_policy
 from kvserve.sim.trace import Trace, TraceRequest
 
 
 @dataclass
 class SimSeq:
-    """A simulated request: what the KV cache reads of one (`kvserve.kv.manager.CachedSeq`)."""
+    """A simulated request: what the KV cache reads of one (`kvserve.kv.seq.CachedSeq`)."""
 
     request_id: str
     token_ids: list[int]
