@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import gemv
-from kvserve.model.cpu_features import cpu_info
+from kvserve.kernels.cpu import gemv
+from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.model.decoder import _onednn_linear, _onednn_pack, onednn_available
 
 # (out, in) per projection of bench-qwen2-small (hidden 512, intermediate 1408, 8 layers,

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserve.model import gemv
+from kvserve.kernels.cpu import gemv
 from kvserve.sampling import SamplingParams
 
 __all__ = ["GREEDY_EPS", "SampleResult", "Sampler", "SamplingRow", "apply_bitmask"]

@@ -103,7 +103,7 @@ def test_the_gateway_imports_no_engine_model_or_server():
     simulator, for its part, may use the gateway's policies (one implementation)."""
     graph = import_graph()
     heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",
-             "kvserve.planner")
+             "kvserve.planner", "kvserve.layers", "kvserve.kernels", "kvserve.attention")
     # `--tokenizer default` (or a .gguf) reads the embedded model's GGUF header, lazily, only
     # then: kvserve.model.default and the GGUF reader import neither torch nor the model
     lazy_ok = {("kvserve.router.launch", "kvserve.model.default"),

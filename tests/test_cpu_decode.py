@@ -1,4 +1,4 @@
-"""The one-call CPU decode (kvserve/model/cpu_decode.py): decode steps of up to four sequences
+"""The one-call CPU decode (kvserve/layers/fast_decode.py): decode steps of up to four sequences
 run every layer in one C++ call. Checked against transformers' greedy continuations (1 to 4
 running sequences, blocks of 16 and 7, a sliding window, a hybrid model's per-group tables),
 bit for bit against the layer-by-layer path it replaces, and for the steps and caches it must
@@ -13,8 +13,8 @@ from conftest import make_hf_checkpoint
 from helpers import generate_checked, hf_greedy, random_prompts, save_random_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import gemv
-from kvserve.model.attention import cpu_paged
+from kvserve.kernels.cpu import gemv
+from kvserve.attention import cpu_paged
 
 pytestmark = pytest.mark.skipif(gemv.load() is None or cpu_paged.load_kernel() is None,
                                 reason="the C++ kernels could not be built")

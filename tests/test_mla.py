@@ -17,8 +17,8 @@ from helpers import first_token_logits, generate_checked, hf_greedy, random_prom
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
-from kvserve.model.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.attention.base import AttentionMetadata, SequenceSlice
+from kvserve.attention.mla import MLAProjections, TorchMLABackend
 
 VOCAB = 512
 NEW = 8

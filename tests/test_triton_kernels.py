@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvserve.model.attention import triton_kernels as tk  # noqa: E402
-from kvserve.model.attention import triton_tiles  # noqa: E402
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvserve.attention import triton_kernels as tk  # noqa: E402
+from kvserve.attention import triton_tiles  # noqa: E402
+from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
 from reference_attention import reference_paged_attention  # noqa: E402
 
@@ -233,10 +233,11 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(4096)[-1] == 512
 
 
-# -- fused element-wise kernels of the decoder (kvserve.model.gpu_ops) -------------------------
+# -- fused element-wise kernels of the decoder (kvserve.kernels.gpu.ops) -------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_ops_match_torch(dtype):
-    from kvserve.model import decoder, gpu_ops
+    from kvserve.model import decoder
+    from kvserve.kernels.gpu import ops as gpu_ops
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 48, generator=gen).to(DEVICE, dtype)

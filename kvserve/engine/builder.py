@@ -32,8 +32,8 @@ from kvserve.kv.spec import (
 )
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
-from kvserve.model.attention.base import AttentionBackend
-from kvserve.model.attention.select import make_attention_backend
+from kvserve.attention.base import AttentionBackend
+from kvserve.attention.select import make_attention_backend
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import tokenizer_dir

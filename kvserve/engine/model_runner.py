@@ -21,7 +21,7 @@ import torch
 from kvserve.engine.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 from kvserve.model.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")

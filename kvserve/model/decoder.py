@@ -45,12 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import hugepages
-from kvserve.model import gemm_select, gemv, panel_gemm
-from kvserve.model.attention.base import AttentionFn
-from kvserve.model.cpu_decode import FastDecode
+from kvserve.layers import gemm_select
+from kvserve.kernels.cpu import gemv, panel_gemm
+from kvserve.attention.base import AttentionFn
+from kvserve.layers.fast_decode import FastDecode
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_features import cpu_info
-from kvserve.model.gemm_select import GemmPlan
+from kvserve.kernels.cpu.cpu_features import cpu_info
+from kvserve.layers.gemm_select import GemmPlan
 
 logger = logging.getLogger("kvserve")
 
@@ -278,16 +279,16 @@ class DecoderLayer(nn.Module):
         self._ops: list[_LayerOps] = []  # per gemm_select bucket, once a GEMM plan is set
         self._mlp_chunk_rows: int | None = None  # set with a GEMM plan (CPU): mlp_chunk_rows
         # (qkv, MLP block) bound GEMV ops of the first bucket, where the plan allows
-        # cpu_decode.FastDecode
+        # fast_decode.FastDecode
         self.fast_decode_ops: tuple[gemv.BoundGemv, gemv.BoundMLPBlock] | None = None
         # Without a plan (the GPU path, unpacked models): this layer's own swappable
         # norm / RoPE / GEMM functions (use_triton_ops swaps them).
         self._fallback = _LayerOps(self._attn_in, self._o_add, self._mlp, self._down_add)
 
     def use_triton_ops(self) -> None:
-        """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.model.gpu_ops`): the GPU path,
+        """Fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.kernels.gpu.ops`): the GPU path,
         where each PyTorch element-wise op is a kernel launch. Not with oneDNN-packed weights."""
-        from kvserve.model import gpu_ops
+        from kvserve.kernels.gpu import ops as gpu_ops
 
         self._norm = gpu_ops.rms_norm
         self._rope = gpu_ops.apply_rope
@@ -295,7 +296,7 @@ class DecoderLayer(nn.Module):
             self._swiglu = self._swiglu_triton
 
     def _swiglu_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.model import gpu_ops
+        from kvserve.kernels.gpu import ops as gpu_ops
 
         return gpu_ops.silu_mul(self._linear(x, self.gate_up_proj, self.gate_up_bias))
 
@@ -382,7 +383,7 @@ class DecoderLayer(nn.Module):
             self._ops.append(_LayerOps(ops["qkv"], ops["o"], ops["mlp"], ops["down"], fused))
             if b == 0 and fused is not None and plan.kernels["qkv"][0] == "gemv" \
                     and self.qk_norm is None and self.input_layernorm is not None:
-                # the whole layer as bound C++ ops, for cpu_decode.FastDecode
+                # the whole layer as bound C++ ops, for fast_decode.FastDecode
                 self.fast_decode_ops = (gemv.load().bind(
                     self.qkv_proj, self.qkv_bias, norm_weight=self.input_layernorm,
                     eps=self.eps, rope_cols=self.qk_size, head_dim=self.head_dim), fused)
@@ -992,7 +993,7 @@ class CausalLM(nn.Module):
 
     def use_triton_ops(self) -> None:
         """Switch every layer to the fused Triton element-wise kernels (see DecoderLayer)."""
-        from kvserve.model import gpu_ops
+        from kvserve.kernels.gpu import ops as gpu_ops
 
         for layer in self.layers:
             layer.use_triton_ops()

@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import gemm_select
-from kvserve.model.attention.mla import MLAAttentionFn, MLAProjections
+from kvserve.layers import gemm_select
+from kvserve.attention.mla import MLAAttentionFn, MLAProjections
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import (_PROJS, CausalLM, _apply_rope, _dense_linear, _gated,
                                    _dense_linear_add, _onednn_linear, _onednn_linear_add,
                                    _onednn_pack, _param, rms_norm)
 from kvserve.model.deepseek_config import MoEConfig
-from kvserve.model.gemm_select import GemmPlan
+from kvserve.layers.gemm_select import GemmPlan
 
 
 class MoE(nn.Module):

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_features import cpu_info
+from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvserve import hugepages
-from kvserve.model import cpu_ext
+from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm.cpp"
 ABI_VERSION = 2

@@ -11,9 +11,9 @@ Candidates: "dense" (`F.linear` / `addmm_` on the row-major weight: MKL for floa
 "onednn" (`torch.ops.mkldnn._linear_pointwise` on weights packed in oneDNN's blocked layout,
 with SiLU, the SwiGLU product and the residual add fused as epilogues; its row counts are
 rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded), and
-"gemv" (kvserve/model/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
+"gemv" (kvserve/kernels/cpu/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
 SiLU/GELU * up and the residual add fused; float32, offered for the first row bucket only,
-`PARTIAL_KERNELS`), and "panel" (kvserve/model/panel_gemm.py: a C++ GEMM on weights packed
+`PARTIAL_KERNELS`), and "panel" (kvserve/kernels/cpu/panel_gemm.py: a C++ GEMM on weights packed
 in panels of 32 output features, which streams them from DRAM while it computes; float32,
 with bias and the residual add fused).
 
@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.model.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
+from kvserve.kernels.cpu.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
@@ -66,7 +66,7 @@ BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
 # Kernels offered for some row buckets only (their factories return None for the others): they
 # never make a projection's single choice, they replace it in the buckets where they win. The
 # GEMV only for a few rows; the panel GEMM above them, where the GEMV (and the one-call decode
-# path it enables, cpu_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
+# path it enables, fast_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
 # Not the panel GEMM for prefills above 512 rows: there its row blocks stream every weight from
 # the L3 once per 192 rows, and at 8,192 rows it ran 6-18% behind oneDNN and MKL (bench_throughput's
 # ceiling), though level with them at the bucket's 1,000-row probe, where a coin toss chose it.
@@ -210,7 +210,7 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
             if k not in ROW_MAJOR:
                 _take_over(chosen, per_kernel, k, last)
             # The GEMV beside a row-major kernel adds no layout, and it enables the one-call
-            # decode path (cpu_decode.FastDecode: ~13% of a batch-1 step) that no per-GEMM
+            # decode path (fast_decode.FastDecode: ~13% of a batch-1 step) that no per-GEMM
             # timing sees: it keeps its buckets unless it is MIXED_MIN_GAIN slower. (With
             # "any margin" a noisy measurement could hand one projection to MKL at one row and
             # turn that path off.)

@@ -14,8 +14,8 @@
 // rotate-half RoPE over the first `rope_cols` output features after it (the q and k heads of
 // a fused qkv projection; cos | sin halves per row in `cos_sin`).
 //
-// Built at first use by kvserve/model/cpu_ext.py (-O3 -march=native -fopenmp) and called
-// through ctypes with raw pointers (kvserve/model/gemv.py). Plain C++: the inner loops are
+// Built at first use by kvserve/kernels/cpu/cpu_ext.py (-O3 -march=native -fopenmp) and called
+// through ctypes with raw pointers (kvserve/kernels/cpu/gemv.py). Plain C++: the inner loops are
 // `omp simd` reductions the compiler vectorizes for whatever the CPU has (AVX2, AVX-512).
 //
 // Layout:

@@ -21,8 +21,8 @@ import ctypes
 
 import torch
 
-from kvserve.model import gemv
-from kvserve.model.attention.base import BoundAttention
+from kvserve.kernels.cpu import gemv
+from kvserve.attention.base import BoundAttention
 
 
 class FastDecode:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model import cpu_ext
+from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 ABI_VERSION = 5
@@ -55,7 +55,7 @@ class Gemv:
         layers = lib.kvserve_decode_layers
         layers.argtypes = [ctypes.c_void_p]
         layers.restype = ctypes.c_int
-        self.decode_layers = layers  # cpu_decode.py's one call per step (see gemv.cpp)
+        self.decode_layers = layers  # fast_decode.py's one call per step (see gemv.cpp)
         norm = lib.kvserve_rms_norm_f32
         norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
         norm.restype = ctypes.c_int
