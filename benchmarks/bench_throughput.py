@@ -327,7 +327,9 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     from kvserve.model.loader import load_model
 
     model, config = load_model(args.model, "float32", pack_weights=False)
-    cands = model.gemm_candidates(layer_ops=False)
+    from kvserve.layers.selection import gemm_candidates
+
+    cands = gemm_candidates(model, layer_ops=False)
     prefill = min(args.num_prompts * args.prompt_len, args.max_batched_tokens)
     out: dict = {"layers": config.num_hidden_layers, "rows": {}}
     with torch.inference_mode():

@@ -26,8 +26,10 @@ from kvserve.model.config import ModelConfig  # noqa: E402
 from kvserve.models.registry import (SUPPORTED_ARCHITECTURES, config_from_dict,  # noqa: E402
                                      config_from_dir)
 from kvserve.kernels.cpu import panel_gemm  # noqa: E402
-from kvserve.model.decoder import (CausalLM, gemv_available, onednn_available,  # noqa: E402
-                                   rope_inv_freq)
+from kvserve.layers.cpu_linear import gemv_available, onednn_available  # noqa: E402
+from kvserve.layers.rotary import rope_inv_freq  # noqa: E402
+from kvserve.layers.selection import apply_gemm_plan  # noqa: E402
+from kvserve.model.decoder import CausalLM  # noqa: E402
 from kvserve.model.loader import load_model  # noqa: E402
 from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
@@ -221,7 +223,7 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
                      "down": [kinds[b // 2 % k] for b in range(n)],
                      "head": [kinds[(b + 1) % k] for b in range(n)]}, "test")
     model.gemm_plan = None
-    model.apply_gemm_plan(plan)
+    apply_gemm_plan(model, plan)
     assert model.packed
     for i, (limit, probe) in enumerate(BUCKETS):
         t = min(probe + 3, int(limit)) if limit != float("inf") else 600
@@ -248,19 +250,19 @@ def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
 @pytest.mark.parametrize("variant", ["llama_bias", "gemma3", "olmo2"])
 @pytest.mark.parametrize("gemm", ["onednn", "dense"])
 def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
-    """A long prefill's MLP runs a chunk of rows at a time (decoder.mlp_chunk_rows; made 200
+    """A long prefill's MLP runs a chunk of rows at a time (selection.mlp_chunk_rows; made 200
     rows here, the last chunk partial): transformers' logits, with the residual added in
     place (dense) and through oneDNN's padded rows, whose result is copied back; Gemma 3's
     output norm before the add."""
-    from kvserve.model.decoder import mlp_chunk_rows
+    from kvserve.layers.selection import mlp_chunk_rows
 
     # ~16 MiB of gate/up activations per chunk, >= 256 rows, a multiple of 64
     assert mlp_chunk_rows(1408, 4) == 1472 and mlp_chunk_rows(11008, 4) == 256
     hf, path = saved(variant)
     model, config = load_model(path, gemm=gemm)
     for layer in model.layers:
-        assert layer._mlp_chunk_rows is not None
-        layer._mlp_chunk_rows = 200
+        assert layer.mlp_chunk_rows is not None
+        layer.mlp_chunk_rows = 200
     diff = _one_forward_diff(model, hf, config, token_ids(650, seed=400))
     assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: relative diff {diff}"
 

@@ -129,7 +129,7 @@ class PanelGemm:
     def bind(self, w: PanelWeight, bias: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> BoundPanel:
         """`linear` with w and bias fixed (see BoundPanel). A gated w takes gate | up's bias
-        [2 n]. norm_weight [k]: x's rows are RMS-normed (decoder.rms_norm with eps) first, in
+        [2 n]. norm_weight [k]: x's rows are RMS-normed (layers.norm.rms_norm with eps) first, in
         the same call."""
         want = 2 * w.n if w.act else w.n
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (want,)
