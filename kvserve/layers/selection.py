@@ -374,12 +374,14 @@ def warm_up_steps(model: CausalLM, max_rows: int, max_logit_rows: int,
 def use_triton_ops(model: CausalLM) -> None:
     """The fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.kernels.gpu.ops`) around
     every DecoderLayer's dense projections, and the final norm: the GPU path, where each
-    PyTorch element-wise op is a kernel launch. Not with packed weights. DeepSeek's layers
-    keep the plain PyTorch element-wise ops (no fused MLA kernels yet)."""
+    PyTorch element-wise op is a kernel launch. A model with a GEMM plan (the CPU, where a
+    Triton backend runs in the interpreter) keeps its plan's layer methods, as before this
+    was a function: only the final norm changes. DeepSeek's layers keep the plain PyTorch
+    element-wise ops (no fused MLA kernels yet)."""
     from kvserve.kernels.gpu import ops as gpu_ops  # Triton: imported only on this path
 
     for layer in model.layers:
-        if not isinstance(layer, DecoderLayer):
+        if not isinstance(layer, DecoderLayer) or model.gemm_plan is not None:
             continue
         gate_up = None
         if not layer.gelu:
