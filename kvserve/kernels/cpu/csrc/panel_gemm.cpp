@@ -2,7 +2,7 @@
 // ([panels][K][32], zero past N: kvserve/kernels/cpu/panel_gemm.py packs it), for the decode-sized
 // GEMMs of a CPU step (a few to a few hundred rows). Two more epilogues fuse the element-wise
 // work around a decoder layer's projections:
-// - norm: x's rows RMS-normed first (decoder.rms_norm, rounded as the separate norm rounds)
+// - norm: x's rows RMS-normed first (layers.norm.rms_norm, rounded as the separate norm rounds)
 //   into a buffer of the call's own, which stays in cache for the tiles;
 // - act: W's columns come in pairs of vectors, gate then up (pack's `gated` order), and the
 //   tile writes act(gate) * up (SiLU or GELU-tanh): the [rows, 2 x intermediate] product of
