@@ -66,7 +66,7 @@ def main() -> int:
     sys.path.insert(0, str(BENCH_DIR))
     import bench_throughput as bt
 
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     model = args.model or str(bt.ensure_checkpoint(bt.cache_dir() / "bench-qwen2-small", 900))
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]

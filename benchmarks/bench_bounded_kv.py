@@ -56,7 +56,7 @@ from bench_kv_quant import resolve_model  # noqa: E402  (None: SmolLM2; "stdlib-
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 

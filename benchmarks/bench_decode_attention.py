@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode attention for one layer: the paged kernel (kvserve/model/attention/cpu_paged.py)
+"""Decode attention for one layer: the paged kernel (kvserve/attention/cpu_paged.py)
 against the gather + SDPA path it replaces, through TorchAttentionBackend, same inputs.
 
 Each figure is the minimum over --repeats calls of bind (the per-step prepare) + one layer's
@@ -30,12 +30,12 @@ import torch  # noqa: E402
 
 from kvserve.kv.spec import KVStorage, decoder_kv_spec  # noqa: E402
 from kvserve.kv.tensors import KVTensorPool  # noqa: E402
-from kvserve.model import cpu_ext  # noqa: E402
-from kvserve.model.attention import cpu_paged  # noqa: E402
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.cpu_features import cpu_info, l3_cache_bytes  # noqa: E402
-from kvserve.model.gemm_select import cache_evictor  # noqa: E402
+from kvserve.kernels.cpu import cpu_ext  # noqa: E402
+from kvserve.attention import cpu_paged  # noqa: E402
+from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.kernels.cpu.cpu_features import cpu_info, l3_cache_bytes  # noqa: E402
+from kvserve.layers.gemm_select import cache_evictor  # noqa: E402
 
 
 def one(n: int, ctx: int, heads: int, kv_heads: int, dim: int, bs: int, repeats: int,

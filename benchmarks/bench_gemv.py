@@ -22,9 +22,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import gemv
-from kvserve.model.cpu_features import cpu_info
-from kvserve.model.decoder import _onednn_linear, _onednn_pack, onednn_available
+from kvserve.kernels.cpu import gemv
+from kvserve.kernels.cpu.cpu_features import cpu_info
+from kvserve.layers.cpu_linear import onednn_available
+from kvserve.layers.cpu_linear import onednn_linear as _onednn_linear
+from kvserve.layers.cpu_linear import onednn_pack as _onednn_pack
 
 # (out, in) per projection of bench-qwen2-small (hidden 512, intermediate 1408, 8 layers,
 # vocab 32000; q 512 + k 128 + v 128 rows)

@@ -70,7 +70,7 @@ def worker_llamacpp(args: argparse.Namespace) -> dict:
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return cpu_info().summary()
 

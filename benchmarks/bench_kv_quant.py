@@ -345,8 +345,8 @@ def attention(args) -> dict:
     cost alone, without the rest of the model."""
     from kvserve.kv.spec import KVStorage, decoder_kv_spec
     from kvserve.kv.tensors import KVTensorPool
-    from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
-    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+    from kvserve.attention.base import AttentionMetadata, SequenceSlice
+    from kvserve.attention.torch_backend import TorchAttentionBackend
 
     h, hkv, d, bs = 8, 2, 64, 16  # the reference model's attention
     dtype = getattr(torch, args.dtype)

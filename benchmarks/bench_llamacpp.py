@@ -115,7 +115,7 @@ def main() -> int:
     sys.path.insert(0, str(BENCH_DIR))
     import bench_throughput as bt
 
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     model_dir = bt.ensure_checkpoint(bt.cache_dir() / "bench-qwen2-small", args.timeout)
     gguf = Path(args.gguf) if args.gguf else model_dir.parent / "bench-qwen2-small-f32.gguf"

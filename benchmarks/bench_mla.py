@@ -34,14 +34,14 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
-from kvserve.model.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.attention.base import AttentionMetadata, SequenceSlice
+from kvserve.attention.mla import MLAProjections, TorchMLABackend
 from kvserve.model.make_model import make_model
 
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 

@@ -48,7 +48,7 @@ llama_cpp.Llama(model_path={path!r}, n_ctx=8192, n_threads={threads}, verbose=Fa
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return cpu_info().summary()
 

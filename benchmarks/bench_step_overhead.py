@@ -32,7 +32,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.scheduler import Scheduler  # noqa: E402
 from kvserve.engine.step import StepOutput  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
-from kvserve.model.cpu_features import cpu_info  # noqa: E402
+from kvserve.kernels.cpu.cpu_features import cpu_info  # noqa: E402
 from kvserve.request import Request  # noqa: E402
 from kvserve.sampling import SamplingParams  # noqa: E402
 

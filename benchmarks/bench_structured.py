@@ -35,7 +35,7 @@ REGEX = "[a-z ]{400}"  # longer than any run here: constrained requests run to m
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return cpu_info().summary()
 

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 from kvserve.kv.prefix_index import common_prefix
-from kvserve.model.cpu_features import (ISA_CAPS, ISA_ENV, LIBRARY_ISA_ENV, cpu_info,
-                                        isa_cap_env, l3_cache_bytes)
+from kvserve.kernels.cpu.cpu_features import (ISA_CAPS, ISA_ENV, LIBRARY_ISA_ENV, cpu_info,
+                                              isa_cap_env, l3_cache_bytes)
 from kvserve.paths import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,7 +222,7 @@ def worker_ceiling(args: argparse.Namespace) -> dict:
     import torch
 
     _set_threads(args.threads)
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     n = 2048
     out: dict = {"threads": torch.get_num_threads()}
@@ -293,7 +293,7 @@ def read_bandwidth(samples: int, nbytes: int, between: int = 0) -> dict:
     compiler."""
     import torch
 
-    from kvserve.model import gemv
+    from kvserve.kernels.cpu import gemv
 
     kernel = gemv.load()
 
@@ -323,11 +323,13 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     decode batch, its prefill step and the prefill's sampled rows. Seconds per call."""
     import torch
 
-    from kvserve.model.gemm_select import time_once
+    from kvserve.layers.gemm_select import time_once
     from kvserve.model.loader import load_model
 
     model, config = load_model(args.model, "float32", pack_weights=False)
-    cands = model.gemm_candidates(layer_ops=False)
+    from kvserve.layers.selection import gemm_candidates
+
+    cands = gemm_candidates(model, layer_ops=False)
     prefill = min(args.num_prompts * args.prompt_len, args.max_batched_tokens)
     out: dict = {"layers": config.num_hidden_layers, "rows": {}}
     with torch.inference_mode():

@@ -36,7 +36,7 @@ from kvserve.model.make_model import make_model  # noqa: E402
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return cpu_info().summary()
 

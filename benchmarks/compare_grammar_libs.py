@@ -49,7 +49,7 @@ DOC = {"name": "Rex", "age": 7, "kind": "dog", "tags": ["a", "bc"], "pos": {"x":
 
 def cpu_line() -> str:
     """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     return cpu_info().summary()
 

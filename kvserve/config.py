@@ -78,7 +78,7 @@ class EngineConfig:
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
     remeasure_kernels: bool = _arg(False, "CPU: time the GEMM kernels again instead of using "
                                    "the choice cached for this machine and model shape "
-                                   "(kvserve/model/gemm_select.py)")
+                                   "(kvserve/layers/gemm_select.py)")
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "keep every KV block of a sliding-window layer for the request's life instead "
         "of releasing the blocks outside the window (vLLM's name)")

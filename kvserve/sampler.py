@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserve.model import gemv
+from kvserve.kernels.cpu import gemv
 from kvserve.sampling import SamplingParams
 from kvserve.structured.bitmask import apply_bitmask
 

@@ -103,7 +103,7 @@ def test_the_gateway_imports_no_engine_model_or_server():
     simulator, for its part, may use the gateway's policies (one implementation)."""
     graph = import_graph()
     heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",
-             "kvserve.planner")
+             "kvserve.planner", "kvserve.layers", "kvserve.kernels", "kvserve.attention")
     # `--tokenizer default` (or a .gguf) reads the embedded model's GGUF header, lazily, only
     # then: kvserve.model.default and the GGUF reader import neither torch nor the model
     lazy_ok = {("kvserve.router.launch", "kvserve.model.default"),
@@ -151,3 +151,33 @@ def test_the_worker_imports_nothing_of_the_scheduler_side():
     leaked = sorted(_reachable(graph, WORKER) & SCHEDULER_SIDE)
     assert not leaked, f"the worker imports {leaked}"
     assert not _reachable(graph, "kvserve.engine.step") & SCHEDULER_SIDE
+
+
+MODEL_CODE = ("kvserve.model.decoder", "kvserve.model.deepseek", "kvserve.models")
+# What chooses and binds kernels, and the kernels themselves: the model code runs the methods
+# it is given (kvserve.layers.linear / block, kernel-free) and never reaches these.
+KERNEL_CHOICE = ("kvserve.kernels", "kvserve.layers.selection", "kvserve.layers.gemm_select",
+                 "kvserve.layers.cpu_linear", "kvserve.layers.cpu_layer_ops",
+                 "kvserve.layers.fast_decode")
+
+
+def test_the_model_code_imports_no_kernel_choice():
+    """The decoder, DeepSeek's layers and the architecture registry do not know which kernel
+    runs: nothing they import, directly or not, is the GEMM plan, the code that binds it, or
+    the kernels package (kvserve.layers.selection binds methods onto the layers)."""
+    graph = import_graph()
+    model = [m for m in graph if m.startswith(MODEL_CODE)]
+    assert "kvserve.model.decoder" in model and "kvserve.models.registry" in model
+    leaked = sorted((m, dep) for m in model for dep in _reachable(graph, m)
+                    if dep.startswith(KERNEL_CHOICE))
+    assert not leaked, f"model code reaches the kernel choice: {leaked[:10]}"
+    # the other way round is how the kernels get there
+    assert "kvserve.layers.gemm_select" in graph["kvserve.layers.selection"]
+    assert "kvserve.model.decoder" in graph["kvserve.layers.selection"]
+
+
+def test_files_stay_under_600_lines():
+    """Issue 30: a file of kvserve/ over 600 lines is a layout that hides its parts."""
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long

@@ -390,13 +390,13 @@ def test_snapkv_refused_without_torch_backend_weights(checkpoint):
 def test_attention_policies_refused_on_a_backend_that_does_not_observe(checkpoint, policy):
     """The engine asks the backend interface (`AttentionBackend.observes_attention`): the torch
     backend computes observation weights, the Triton and MLA ones do not."""
-    from kvserve.model.attention.mla import TorchMLABackend
-    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+    from kvserve.attention.mla import TorchMLABackend
+    from kvserve.attention.torch_backend import TorchAttentionBackend
 
     assert TorchAttentionBackend.observes_attention
     assert not TorchMLABackend.observes_attention
     try:
-        from kvserve.model.attention.triton_backend import TritonAttentionBackend
+        from kvserve.attention.triton_backend import TritonAttentionBackend
     except ImportError:  # no triton here: nothing to say about its backend
         pass
     else:

@@ -100,8 +100,8 @@ def test_backend_observation_matches_per_head_reference():
     head j // group); block table out of order, a chunk's observation rows in its middle."""
     from helpers import pool_over
 
-    from kvserve.model.attention.base import SequenceSlice
-    from kvserve.model.attention.torch_backend import TorchAttentionBackend
+    from kvserve.attention.base import SequenceSlice
+    from kvserve.attention.torch_backend import TorchAttentionBackend
 
     heads, hkv, d, bs, blocks = 8, 2, 16, 4, 6
     gen = torch.Generator().manual_seed(2)

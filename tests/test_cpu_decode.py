@@ -1,4 +1,4 @@
-"""The one-call CPU decode (kvserve/model/cpu_decode.py): decode steps of up to four sequences
+"""The one-call CPU decode (kvserve/layers/fast_decode.py): decode steps of up to four sequences
 run every layer in one C++ call. Checked against transformers' greedy continuations (1 to 4
 running sequences, blocks of 16 and 7, a sliding window, a hybrid model's per-group tables),
 bit for bit against the layer-by-layer path it replaces, and for the steps and caches it must
@@ -13,8 +13,8 @@ from conftest import make_hf_checkpoint
 from helpers import generate_checked, hf_greedy, random_prompts, save_random_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import gemv
-from kvserve.model.attention import cpu_paged
+from kvserve.kernels.cpu import gemv
+from kvserve.attention import cpu_paged
 
 pytestmark = pytest.mark.skipif(gemv.load() is None or cpu_paged.load_kernel() is None,
                                 reason="the C++ kernels could not be built")
@@ -51,10 +51,10 @@ def _engine(path, monkeypatch, fast: bool = True, **kwargs) -> tuple[LLM, dict]:
     monkeypatch.setenv("KVSERVE_GEMM", "gemv")
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kwargs)
     model = llm.engine.runner.model
-    assert model._fast_decode is not None, "the one-call decode was not set up"
+    assert model.decode_step is not None, "the one-call decode was not set up"
     seen = {"rows": [], "left": 0, "logits": []}
     if fast:
-        inner = model._fast_decode.run
+        inner = model.decode_step.run
 
         def counted(hidden, *args):
             result = inner(hidden, *args)
@@ -64,9 +64,9 @@ def _engine(path, monkeypatch, fast: bool = True, **kwargs) -> tuple[LLM, dict]:
                 seen["rows"].append(hidden.shape[0])
             return result
 
-        model._fast_decode.run = counted
+        model.decode_step.run = counted
     else:
-        model._fast_decode = None
+        model.decode_step = None
     logits = model.compute_logits
 
     def recorded(hidden):
@@ -158,4 +158,4 @@ def test_qk_norm_models_stay_on_the_layer_path(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSERVE_GEMM", "gemv")
     path = make_hf_checkpoint("qwen3", tmp_path / "qwen3")
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    assert llm.engine.runner.model._fast_decode is None
+    assert llm.engine.runner.model.decode_step is None

@@ -1,4 +1,4 @@
-"""kvserve/model/cpu_ext.py: what a C++ kernel's build key covers, and that an installed package
+"""kvserve/kernels/cpu/cpu_ext.py: what a C++ kernel's build key covers, and that an installed package
 carries every file its kernels compile (a `pip install .` that left out a header lost the paged
 decode kernel without an error: the engine fell back to PyTorch attention); the instruction-set
 cap (KVSERVE_CPU_ISA, cpu_features) that emulates an AVX2-only CPU, end to end."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.model import cpu_ext, cpu_features, gemv, panel_gemm
-from kvserve.model.attention import cpu_paged
+from kvserve.kernels.cpu import cpu_ext, cpu_features, gemv, panel_gemm
+from kvserve.attention import cpu_paged
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvserve"
@@ -71,8 +71,9 @@ import json, sys
 import torch
 from helpers import hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
-from kvserve.model import cpu_ext, cpu_features, gemm_select, gemv, panel_gemm
-from kvserve.model.attention import cpu_paged
+from kvserve.kernels.cpu import cpu_ext, cpu_features, gemv, panel_gemm
+from kvserve.layers import gemm_select
+from kvserve.attention import cpu_paged
 path = sys.argv[1]
 prompts = random_prompts([5, 40, 77, 9, 130, 3, 64, 21], 512, seed=3)  # decodes of 8 rows
 llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=16)
@@ -91,7 +92,7 @@ print(json.dumps({"flags": sorted(cpu_features.cpu_info().flags), "cxxflags": cp
 
 
 def _has_x86_64_v3() -> bool:
-    from kvserve.model.cpu_features import ISA_CAPS, _host_cpu
+    from kvserve.kernels.cpu.cpu_features import ISA_CAPS, _host_cpu
 
     return all(f in _host_cpu().flags for f in ISA_CAPS["avx2"][1])
 

@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (kvserve/model/attention/cpu_paged.py) against a plain-PyTorch
+"""The CPU paged decode kernel (kvserve/attention/cpu_paged.py) against a plain-PyTorch
 paged attention (tests/reference_attention.py) and against the backend's gather path.
 
 Block tables are scattered and lengths cross block boundaries (and stop mid-block), so a kernel
@@ -19,10 +19,10 @@ from reference_attention import reference_paged_attention
 from kvserve.kv.block_pool import NULL_BLOCK
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention import cpu_paged
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.cpu_ext import CXXFLAGS, load_library
+from kvserve.attention import cpu_paged
+from kvserve.attention.base import AttentionMetadata, SequenceSlice
+from kvserve.attention.torch_backend import TorchAttentionBackend
+from kvserve.kernels.cpu.cpu_ext import CXXFLAGS, load_library
 
 kernel = cpu_paged.load_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="paged decode kernel could not be built")

@@ -92,7 +92,7 @@ def test_equal_length_prompts_batched_attention_matches(arch, hf_checkpoints):
     """Fresh prompts of one length in one step share one attention call (a run of prefills);
     runs of two lengths, a prompt alone between them, and a sequence with a cached prefix
     (never in a run): first-token logits against transformers' forward on each prompt."""
-    from kvserve.model.attention import torch_backend
+    from kvserve.attention import torch_backend
 
     prompts = random_prompts([17] * 4 + [5] + [40] * 3, VOCAB, seed=21)
     prompts.append(prompts[0][:12] + prompts[5][:9])  # shares 12 tokens with the first

@@ -1,4 +1,4 @@
-"""GEMM kernel choice by measurement (kvserve/model/gemm_select.py): the decision rule, the
+"""GEMM kernel choice by measurement (kvserve/layers/gemm_select.py): the decision rule, the
 per-CPU cache, and that the engine runs with what was chosen.
 
 Logits under every kernel choice (all dense, all oneDNN, measured, and a plan mixing kernels
@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from kvserve.model import gemm_select as gs
+from kvserve.layers import gemm_select as gs
 
 N = len(gs.BUCKETS)
 
@@ -228,7 +228,7 @@ def test_remeasure_measures_everything_again(tmp_path, monkeypatch):
 def test_a_plan_cached_for_another_shape_or_machine_is_not_used(tmp_path, monkeypatch):
     """The key names the CPU, its flags, torch, threads, dtype and every weight shape: a
     cache written under another one is a miss (measured), never reused."""
-    from kvserve.model import cpu_features
+    from kvserve.kernels.cpu import cpu_features
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))

@@ -19,8 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model.decoder import _onednn_linear, _onednn_linear_add, _onednn_pack, gemm_rows
-from kvserve.model.decoder import onednn_available
+from kvserve.layers.cpu_linear import gemm_rows, onednn_available
+from kvserve.layers.cpu_linear import onednn_linear as _onednn_linear
+from kvserve.layers.cpu_linear import onednn_linear_add as _onednn_linear_add
+from kvserve.layers.cpu_linear import onednn_pack as _onednn_pack
+from kvserve.layers.selection import warm_up_gemms
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32, torch.device("cpu")),
                                 reason="oneDNN-packed GEMMs are not used on this machine")
@@ -81,7 +84,8 @@ from kvserve import LLM, SamplingParams
 llm = LLM(max_model_len=256, num_threads=1, enable_prefix_caching=False, max_num_seqs=8,
           max_num_batched_tokens=256)
 model = llm.engine.model
-print("WARMED", model.warm_up_gemms(256, 8), flush=True)
+from kvserve.layers.selection import warm_up_gemms
+print("WARMED", warm_up_gemms(model, 256, 8), flush=True)
 ctypes.CDLL(None).fflush(None)  # oneDNN logs through C stdio: keep the order
 os.write(1, b"SERVING\\n")
 prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in range(17, 81)]
@@ -93,7 +97,7 @@ ctypes.CDLL(None).fflush(None)
 
 
 def test_after_the_warm_up_serving_compiles_no_gemm(tmp_path):
-    """`kvserve serve` warms every GEMM shape up front (`CausalLM.warm_up_gemms`): afterwards a
+    """`kvserve serve` warms every GEMM shape up front (`selection.warm_up_gemms`): afterwards a
     workload with 64 prompt lengths and mixed batches finds every GEMM compiled already."""
     env = dict(os.environ, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT), KVSERVE_GEMM="onednn")  # every GEMM through oneDNN
@@ -115,8 +119,8 @@ def test_warm_up_stays_within_its_flop_budget():
     from kvserve.model.make_model import ensure_default_model
 
     model = load_model(ensure_default_model(), gemm="onednn")[0]
-    assert model.warm_up_gemms(8192, 256, max_flops=0) == 0
-    some = model.warm_up_gemms(8192, 256, max_flops=5e7)
+    assert warm_up_gemms(model, 8192, 256, max_flops=0) == 0
+    some = warm_up_gemms(model, 8192, 256, max_flops=5e7)
     assert 0 < some < len({gemm_rows(t) for t in range(1, 8193)})
 
 

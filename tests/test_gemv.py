@@ -1,4 +1,4 @@
-"""The C++ small-batch GEMV (kvserve/model/gemv.py, csrc/gemv.cpp) against plain PyTorch.
+"""The C++ small-batch GEMV (kvserve/kernels/cpu/gemv.py, csrc/gemv.cpp) against plain PyTorch.
 
 Odd sizes (output features not a multiple of the kernel's 4-row blocks, k not a multiple of
 the vector width) catch a wrong tail; strided x rows catch a wrong row stride; the fused
@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import gemm_select, gemv
+from kvserve.layers import gemm_select
+
+from kvserve.kernels.cpu import gemv
 
 g = gemv.load()
 pytestmark = pytest.mark.skipif(g is None, reason="the C++ GEMV kernel could not be built")

@@ -29,7 +29,7 @@ import kvserve
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention import cpu_paged
+from kvserve.attention import cpu_paged
 
 MODEL = Path(kvserve.__file__).parent / "assets" / "stdlib-coder"
 QUANTIZED = ["fp8", "fp8_e5m2", "int8", "int4"]
@@ -275,7 +275,7 @@ TOLERANCE = 5e-3
 
 def _paged_decode_calls(llm) -> list:
     """The backend's decodes through the paged C++ kernel: the number of sequences of each
-    layer call, called from Python or handed to the one-call decode (cpu_decode.py) as
+    layer call, called from Python or handed to the one-call decode (fast_decode.py) as
     kernel arguments."""
     backend, calls = llm.engine.backend, []
     inner, inner_args = backend._decode_paged, backend.kernel_args

@@ -17,8 +17,9 @@ from helpers import first_token_logits, generate_checked, hf_greedy, random_prom
 from kvserve import LLM, SamplingParams
 from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice
-from kvserve.model.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.attention.base import AttentionMetadata, SequenceSlice
+from kvserve.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.layers.selection import warm_up_gemms
 
 VOCAB = 512
 NEW = 8
@@ -407,15 +408,15 @@ def test_warm_up_compiles_every_packed_shape(checkpoints):
     ids = torch.tensor(random_prompts([9], VOCAB, seed=2)[0])
     before = _logits_through_pool(model, config, ids)
     if not model.packed:
-        assert model.warm_up_gemms(64, 8) == 0
+        assert warm_up_gemms(model, 64, 8) == 0
         return
-    assert model.warm_up_gemms(64, 8, max_flops=0) == 0
-    assert model.warm_up_gemms(64, 8) == 16 + 8 + 8  # 1..16, 8 sizes to 32, 8 more to 64
+    assert warm_up_gemms(model, 64, 8, max_flops=0) == 0
+    assert warm_up_gemms(model, 64, 8) == 16 + 8 + 8  # 1..16, 8 sizes to 32, 8 more to 64
     assert [type(layer.mlp).__name__ for layer in model.warm_up_layers()] == ["SwiGLU"]
     moe_model = load_model(checkpoints["v2_moe"], "float32")[0]
     assert [type(layer.mlp).__name__ for layer in moe_model.warm_up_layers()] == ["SwiGLU",
                                                                                "MoE"]
-    assert moe_model.warm_up_gemms(32, 8) > 0
+    assert warm_up_gemms(moe_model, 32, 8) > 0
     assert torch.equal(_logits_through_pool(model, config, ids), before)
 
 

@@ -17,7 +17,7 @@ from helpers import generate_checked, hf_greedy, random_prompts  # noqa: E402
 from test_mla import decode_setup, make_deepseek_checkpoint, reference_mla  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model.attention.mla_triton import TritonMLABackend  # noqa: E402
+from kvserve.attention.mla_triton import TritonMLABackend  # noqa: E402
 
 
 @pytest.mark.parametrize(("lens", "block_size", "heads"),

@@ -19,15 +19,17 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
 from kvserve.model.config import ModelConfig  # noqa: E402
 from kvserve.models.registry import (SUPPORTED_ARCHITECTURES, config_from_dict,  # noqa: E402
                                      config_from_dir)
-from kvserve.model import panel_gemm  # noqa: E402
-from kvserve.model.decoder import (CausalLM, gemv_available, onednn_available,  # noqa: E402
-                                   rope_inv_freq)
+from kvserve.kernels.cpu import panel_gemm  # noqa: E402
+from kvserve.layers.cpu_linear import gemv_available, onednn_available  # noqa: E402
+from kvserve.layers.rotary import rope_inv_freq  # noqa: E402
+from kvserve.layers.selection import apply_gemm_plan  # noqa: E402
+from kvserve.model.decoder import CausalLM  # noqa: E402
 from kvserve.model.loader import load_model  # noqa: E402
 from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
@@ -207,7 +209,7 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
     right ones, biases and residual adds included; Gemma 3: the GELU-tanh gate and the output
     norms before the residual adds, on every kernel): dense, oneDNN and (where it builds) the
     panel GEMM."""
-    from kvserve.model.gemm_select import BUCKETS, GemmPlan
+    from kvserve.layers.gemm_select import BUCKETS, GemmPlan
 
     hf, path = saved(variant)
     model, config = load_model(path, pack_weights=False)
@@ -221,7 +223,7 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
                      "down": [kinds[b // 2 % k] for b in range(n)],
                      "head": [kinds[(b + 1) % k] for b in range(n)]}, "test")
     model.gemm_plan = None
-    model.apply_gemm_plan(plan)
+    apply_gemm_plan(model, plan)
     assert model.packed
     for i, (limit, probe) in enumerate(BUCKETS):
         t = min(probe + 3, int(limit)) if limit != float("inf") else 600
@@ -248,19 +250,19 @@ def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
 @pytest.mark.parametrize("variant", ["llama_bias", "gemma3", "olmo2"])
 @pytest.mark.parametrize("gemm", ["onednn", "dense"])
 def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
-    """A long prefill's MLP runs a chunk of rows at a time (decoder.mlp_chunk_rows; made 200
+    """A long prefill's MLP runs a chunk of rows at a time (selection.mlp_chunk_rows; made 200
     rows here, the last chunk partial): transformers' logits, with the residual added in
     place (dense) and through oneDNN's padded rows, whose result is copied back; Gemma 3's
     output norm before the add."""
-    from kvserve.model.decoder import mlp_chunk_rows
+    from kvserve.layers.selection import mlp_chunk_rows
 
     # ~16 MiB of gate/up activations per chunk, >= 256 rows, a multiple of 64
     assert mlp_chunk_rows(1408, 4) == 1472 and mlp_chunk_rows(11008, 4) == 256
     hf, path = saved(variant)
     model, config = load_model(path, gemm=gemm)
     for layer in model.layers:
-        assert layer._mlp_chunk_rows is not None
-        layer._mlp_chunk_rows = 200
+        assert layer.mlp_chunk_rows is not None
+        layer.mlp_chunk_rows = 200
     diff = _one_forward_diff(model, hf, config, token_ids(650, seed=400))
     assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: relative diff {diff}"
 
@@ -413,7 +415,7 @@ def test_auto_dtype_follows_config(tmp_path):
     EPYC, or KVSERVE_CPU_ISA=avx2) it loads in float32 and matches transformers' float32
     logits. An explicit float32 is float32 on every CPU. (The CPU without bf16 is also run on
     this one, under the cap: test_auto_dtype_under_the_avx2_cap.)"""
-    from kvserve.model.cpu_features import cpu_info
+    from kvserve.kernels.cpu.cpu_features import cpu_info
 
     hf = build_hf("qwen2").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
@@ -439,7 +441,7 @@ CAPPED_DTYPE = """
 import json, logging, sys
 import torch
 import torch.nn.functional as F
-from kvserve.model.cpu_features import cpu_info
+from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.model.loader import load_model
 warnings = []
 handler = logging.Handler(logging.WARNING)
@@ -462,7 +464,7 @@ print(json.dumps({"has_bf16": cpu_info().has_bf16, "cap": cpu_info().isa_cap,
 
 
 def _x86_64_v3() -> bool:
-    from kvserve.model.cpu_features import ISA_CAPS, _host_cpu
+    from kvserve.kernels.cpu.cpu_features import ISA_CAPS, _host_cpu
 
     return all(f in _host_cpu().flags for f in ISA_CAPS["avx2"][1])
 
@@ -477,7 +479,7 @@ def test_auto_dtype_under_the_avx2_cap(tmp_path):
     import subprocess
     import sys
 
-    from kvserve.model.cpu_features import isa_cap_env
+    from kvserve.kernels.cpu.cpu_features import isa_cap_env
 
     build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
     tests = Path(__file__).resolve().parent
@@ -504,7 +506,7 @@ def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
     import logging
 
     from kvserve.model import loader
-    from kvserve.model.cpu_features import CpuInfo
+    from kvserve.kernels.cpu.cpu_features import CpuInfo
 
     build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)
     hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

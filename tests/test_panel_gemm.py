@@ -1,4 +1,4 @@
-"""The panel GEMM (kvserve/model/panel_gemm.py) against F.linear: every tile height (1 to 8 rows
+"""The panel GEMM (kvserve/kernels/cpu/panel_gemm.py) against F.linear: every tile height (1 to 8 rows
 and more than one tile), output widths that end mid-panel, K of any size, biases, the residual
 add in place, strided x; its RMSNorm and gated-activation epilogues against torch in
 float64; the kernel built for older x86 levels too (its vector width follows the
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import panel_gemm
-from kvserve.model.cpu_ext import CXXFLAGS, load_library
+from kvserve.kernels.cpu import panel_gemm
+from kvserve.kernels.cpu.cpu_ext import CXXFLAGS, load_library
 
 kernel = panel_gemm.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the panel GEMM could not be built")

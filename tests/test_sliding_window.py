@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 from helpers import pool_over  # noqa: E402
 from reference_attention import reference_paged_attention  # noqa: E402
 
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.config import layer_windows  # noqa: E402
 from kvserve.models.registry import config_from_dict, config_from_dir  # noqa: E402
 
@@ -205,7 +205,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("bs,window", [(4, 8), (5, 13), (16, 8)])
 def test_triton_backend_windowed_step(bs, window, dtype):
     pytest.importorskip("triton")
-    from kvserve.model.attention.triton_backend import TritonAttentionBackend
+    from kvserve.attention.triton_backend import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(bs + window)
     caches, tables, meta, q, k, v = _mixed_step(bs, window, gen, DEVICE, dtype)
@@ -219,7 +219,7 @@ def test_triton_decode_window_with_splits(num_splits):
     """Split-K over the window only: every split inside it, long contexts, a window that is
     not a multiple of the block size or the tile."""
     pytest.importorskip("triton")
-    from kvserve.model.attention import triton_kernels as tk
+    from kvserve.attention import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(11)
     bs, window, lens = 4, 21, [1, 20, 21, 22, 90]

@@ -13,7 +13,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.step_sampler import StepSampler
 from kvserve.engine.step import StepFailed, StepInput
 from kvserve.kv.plan import ChunkLoad, ChunkSave, StepPlan
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.attention.torch_backend import TorchAttentionBackend
 
 
 def _runner(num_blocks: int = 6, block_size: int = 2):

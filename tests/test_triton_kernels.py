@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvserve.model.attention import triton_kernels as tk  # noqa: E402
-from kvserve.model.attention import triton_tiles  # noqa: E402
-from kvserve.model.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvserve.attention import triton_kernels as tk  # noqa: E402
+from kvserve.attention import triton_tiles  # noqa: E402
+from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
+from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
 from reference_attention import reference_paged_attention  # noqa: E402
 
@@ -233,27 +233,29 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(4096)[-1] == 512
 
 
-# -- fused element-wise kernels of the decoder (kvserve.model.gpu_ops) -------------------------
+# -- fused element-wise kernels of the decoder (kvserve.kernels.gpu.ops) -------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_ops_match_torch(dtype):
-    from kvserve.model import decoder, gpu_ops
+    from kvserve.kernels.gpu import ops as gpu_ops
+    from kvserve.layers.norm import rms_norm
+    from kvserve.layers.rotary import apply_rope
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 48, generator=gen).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(48, generator=gen)).to(DEVICE, dtype)
     # 16-bit: one unit in the last place (rounding order); float32: summation order only.
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(gpu_ops.rms_norm(x, w, 1e-6), decoder.rms_norm(x, w, 1e-6),
+    torch.testing.assert_close(gpu_ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6),
                                **tol)
     # Per-head weights on a strided [T, heads, D] view (Qwen3's q/k norm).
     fused = torch.randn(5, 7, 32, generator=gen).to(DEVICE, dtype)
     qk = fused[:, :6]
     wh = (1 + 0.1 * torch.randn(6, 32, generator=gen)).to(DEVICE, dtype)
-    torch.testing.assert_close(gpu_ops.rms_norm(qk, wh, 1e-6), decoder.rms_norm(qk, wh, 1e-6),
+    torch.testing.assert_close(gpu_ops.rms_norm(qk, wh, 1e-6), rms_norm(qk, wh, 1e-6),
                                **tol)
     cos_sin = torch.randn(5, 32, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(gpu_ops.apply_rope(qk, cos_sin),
-                               decoder._apply_rope(qk, cos_sin), **tol)
+                               apply_rope(qk, cos_sin), **tol)
     gate_up = torch.randn(5, 2 * 40, generator=gen).to(DEVICE, dtype)
     ref = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
     torch.testing.assert_close(gpu_ops.silu_mul(gate_up), ref, **tol)

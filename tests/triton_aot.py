@@ -8,8 +8,8 @@ import time
 import triton
 from triton.compiler import ASTSource, compile as tcompile
 from triton.backends.compiler import GPUTarget
-from kvserve.model.attention import triton_kernels as tk
-from kvserve.model import gpu_ops
+from kvserve.attention import triton_kernels as tk
+from kvserve.kernels.gpu import ops as gpu_ops
 
 target = GPUTarget("cuda", 90, 32)
 

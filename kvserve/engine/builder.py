@@ -36,8 +36,9 @@ from kvserve.kv.spec import (
 )
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
-from kvserve.model.attention.base import AttentionBackend
-from kvserve.model.attention.select import make_attention_backend
+from kvserve.attention.base import AttentionBackend
+from kvserve.attention.select import make_attention_backend
+from kvserve.layers.selection import use_triton_ops
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import tokenizer_dir
@@ -81,7 +82,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model, model_config = load_model(model_dir, config.dtype, config.device,
                                      remeasure_kernels=config.remeasure_kernels)
     if config.attention_backend == "triton":
-        model.use_triton_ops()  # fused element-wise kernels: fewer launches per step
+        use_triton_ops(model)  # fused element-wise kernels: fewer launches per step
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     dtype = next(model.parameters()).dtype

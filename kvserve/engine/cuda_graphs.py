@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from kvserve.model.attention.base import AttentionMetadata, padded_block_tables
-from kvserve.model.attention.triton_backend import (DecodeState, TritonAttentionBackend,
-                                                     TritonStepState)
-from kvserve.model.attention.triton_kernels import decode_splits
+from kvserve.attention.base import AttentionMetadata, padded_block_tables
+from kvserve.attention.triton_backend import (DecodeState, TritonAttentionBackend,
+                                              TritonStepState)
+from kvserve.attention.triton_kernels import decode_splits
 from kvserve.model.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")

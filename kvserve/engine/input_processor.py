@@ -25,7 +25,7 @@ from kvserve.kv.bounded import (
     resolve_bounded_kv,
 )
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.attention.base import AttentionBackend
+from kvserve.attention.base import AttentionBackend
 from kvserve.model.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams

@@ -23,7 +23,7 @@ from kvserve.engine.step import PromptSpan, SeqStep, StepFailed, StepInput, Step
 from kvserve.engine.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
 from kvserve.model.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")

@@ -11,7 +11,7 @@ Per layer, as transformers computes it:
   * RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... The weight
     map (`kvserve.models.deepseek`, which registers these classes) permutes the RoPE rows of
     q_b_proj (or q_proj) and kv_a_proj_with_mqa to (x0, x2, ..., x1, x3, ...), after which
-    the rotation is the rotate-half form every other model here uses (`_apply_rope`); dot
+    the rotation is the rotate-half form every other model here uses (`kvserve.layers.rotary.apply_rope`); dot
     products between q and k are unchanged by a permutation applied to both, so the attention
     is exactly transformers'.
   * MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then routed experts plus
@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import gemm_select
-from kvserve.model.attention.mla import MLAAttentionFn, MLAProjections
+from kvserve.attention.mla import MLAAttentionFn, MLAProjections
+from kvserve.layers.activation import gated
+from kvserve.layers.linear import Dense, LinearMethod
+from kvserve.layers.norm import rms_norm
+from kvserve.layers.rotary import apply_rope
 from kvserve.model.config import ModelConfig
-from kvserve.model.decoder import (_PROJS, CausalLM, _apply_rope, _dense_linear, _gated,
-                                   _dense_linear_add, _onednn_linear, _onednn_linear_add,
-                                   _onednn_pack, _param, rms_norm)
+from kvserve.model.decoder import CausalLM, _param
 from kvserve.model.deepseek_config import MoEConfig
-from kvserve.model.gemm_select import GemmPlan
 
 
 class MoE(nn.Module):
@@ -107,7 +107,7 @@ class MoE(nn.Module):
                 continue
             rows = slice(start, start + n)
             gate_up = F.linear(xs[rows], self.w13[expert])
-            act = _gated(gate_up, i, False)
+            act = gated(gate_up, i, False)
             out[rows] = F.linear(act, self.w2[expert])
             start += n
         out.mul_(weights.flatten().index_select(0, order).to(out.dtype)[:, None])
@@ -119,10 +119,6 @@ class MoE(nn.Module):
             hidden = self.shared.forward_add(x, hidden)
         return hidden.add_(self.routed(x))
 
-    def pack_weights(self) -> None:
-        if self.shared is not None:
-            self.shared.pack_weights()
-
 
 class SwiGLU(nn.Module):
     """A dense SwiGLU MLP: down(silu(gate(x)) * up(x)), added into the residual stream."""
@@ -133,19 +129,13 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = _param(2 * intermediate, hidden, dtype=dtype, device=device)
         self.down_proj = _param(hidden, intermediate, dtype=dtype, device=device)
-        self._linear = _dense_linear
-        self._linear_add = _dense_linear_add
+        # how the projections run (kvserve.layers.linear; selection binds the GEMM plan's)
+        self.gate_up: LinearMethod = Dense(self.gate_up_proj)
+        self.down: LinearMethod = Dense(self.down_proj)
 
     def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, self.gate_up_proj, None)
-        act = _gated(gate_up, self.intermediate, False)
-        return self._linear_add(act, hidden, self.down_proj, None)
-
-    def pack_weights(self) -> None:
-        self.gate_up_proj = nn.Parameter(_onednn_pack(self.gate_up_proj), requires_grad=False)
-        self.down_proj = nn.Parameter(_onednn_pack(self.down_proj), requires_grad=False)
-        self._linear = _onednn_linear  # rows rounded by gemm_rows: a bounded set of kernels
-        self._linear_add = _onednn_linear_add
+        act = gated(self.gate_up.apply(x), self.intermediate, False)
+        return self.down.apply_add(act, hidden)
 
 
 class DeepseekLayer(nn.Module):
@@ -176,9 +166,10 @@ class DeepseekLayer(nn.Module):
             self.mlp: MoE | SwiGLU = MoE(moe, hidden, dtype, device)
         else:
             self.mlp = SwiGLU(hidden, c.intermediate_size, dtype, device)
-        self._linear = _dense_linear
-        self._linear_add = _dense_linear_add
-        self._norm = rms_norm
+        # how the projections run (kvserve.layers.linear; selection binds the GEMM plan's)
+        self.qkv_a: LinearMethod = Dense(self.qkv_a_proj)
+        self.q_b: LinearMethod | None = None if self.q_b_proj is None else Dense(self.q_b_proj)
+        self.o: LinearMethod = Dense(self.o_proj)
         self._proj: MLAProjections | None = None
 
     @property
@@ -187,33 +178,6 @@ class DeepseekLayer(nn.Module):
         if self._proj is None:
             self._proj = MLAProjections.of(self.kv_b_proj, self.num_heads, self.nope, self.v_dim)
         return self._proj
-
-    def set_gemm_plan(self, plan: GemmPlan) -> None:
-        """Bind `plan`'s kernel: these layers have one set of ops for every row bucket (the
-        per-bucket choice of gemm_select.py is measured on DecoderLayer's projections), so a
-        plan must give every projection and bucket the same kernel (the LM head may differ)."""
-        # the C++ GEMV and panel GEMM are not wired into MLA / MoE: those projections stay dense
-        kernels = {"dense" if k in ("gemv", "panel") else k for p in _PROJS
-                   for k in plan.kernels[p]}
-        if len(kernels) != 1:
-            raise ValueError("DeepSeek layers run one GEMM kernel for every projection and "
-                             f"batch size; the plan mixes {sorted(kernels)}")
-        if kernels == {"onednn"}:
-            self.pack_weights()
-
-    def pack_weights(self) -> None:
-        """oneDNN-packed q/kv down-projections, q up-projection, o_proj and dense MLPs; kv_b_proj
-        stays dense (the backend slices it per head for absorption)."""
-        for name in ("qkv_a_proj", "q_b_proj", "o_proj"):
-            w = getattr(self, name)
-            if w is not None:
-                setattr(self, name, nn.Parameter(_onednn_pack(w), requires_grad=False))
-        self.mlp.pack_weights()
-        self._linear = _onednn_linear
-        self._linear_add = _onednn_linear_add
-
-    def use_triton_ops(self) -> None:
-        """The GPU path keeps the plain PyTorch element-wise ops (no fused MLA kernels yet)."""
 
     def gemm_flops_per_row(self) -> int:
         """FLOPs per token of the packed projections (routed experts run through F.linear)."""
@@ -230,11 +194,10 @@ class DeepseekLayer(nn.Module):
         """Run each packed projection once on zeros x [rows, hidden] (compiles its kernel); the
         same ops serve every row bucket."""
         rows = x.shape[0]
-        self._linear(x, self.qkv_a_proj, None)
-        if self.q_b_proj is not None:
-            self._linear(x.new_zeros(rows, self.q_lora), self.q_b_proj, None)
-        self._linear_add(x.new_zeros(rows, self.num_heads * self.v_dim), x.clone(), self.o_proj,
-                         None)
+        self.qkv_a.apply(x)
+        if self.q_b is not None:
+            self.q_b.apply(x.new_zeros(rows, self.q_lora))
+        self.o.apply_add(x.new_zeros(rows, self.num_heads * self.v_dim), x.clone())
         mlp = self.mlp.shared if isinstance(self.mlp, MoE) else self.mlp
         if mlp is not None:
             mlp.forward_add(x, x.clone())
@@ -243,22 +206,22 @@ class DeepseekLayer(nn.Module):
                 attn: MLAAttentionFn, bucket: int = 0) -> torch.Tensor:
         """As DecoderLayer.forward; `bucket` is ignored (one set of ops for every row count)."""
         t = hidden.shape[0]
-        x = self._norm(hidden, self.input_layernorm, self.eps)
-        a = self._linear(x, self.qkv_a_proj, None)
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        a = self.qkv_a.apply(x)
         if self.q_lora:
-            q_a = self._norm(a[:, : self.q_a_size], self.q_a_layernorm, self.eps)
-            q = self._linear(q_a, self.q_b_proj, None)
+            q_a = rms_norm(a[:, : self.q_a_size], self.q_a_layernorm, self.eps)
+            q = self.q_b.apply(q_a)
         else:
             q = a[:, : self.q_a_size]
         q = q.reshape(t, self.num_heads, self.nope + self.rope)
-        q_rope = _apply_rope(q[..., self.nope:], cos_sin)
-        latent = self._norm(a[:, self.q_a_size: self.q_a_size + self.rank], self.kv_a_layernorm,
-                            self.eps)
-        k_rope = _apply_rope(a[:, None, self.q_a_size + self.rank:], cos_sin)
+        q_rope = apply_rope(q[..., self.nope:], cos_sin)
+        latent = rms_norm(a[:, self.q_a_size: self.q_a_size + self.rank], self.kv_a_layernorm,
+                          self.eps)
+        k_rope = apply_rope(a[:, None, self.q_a_size + self.rank:], cos_sin)
         c = torch.cat((latent, k_rope[:, 0]), dim=-1)
         o = attn(self.layer_idx, q[..., : self.nope], q_rope, c, self.projections)
-        hidden = self._linear_add(o.reshape(t, -1), hidden, self.o_proj, None)
-        x = self._norm(hidden, self.post_attention_layernorm, self.eps)
+        hidden = self.o.apply_add(o.reshape(t, -1), hidden)
+        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
         return self.mlp.forward_add(x, hidden)
 
 
@@ -269,11 +232,6 @@ class DeepseekCausalLM(CausalLM):
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:
         return DeepseekLayer(config, index, dtype, device)
-
-    def _measure_gemms(self, remeasure: bool = False) -> GemmPlan:
-        """"auto" on DeepSeek: oneDNN for every projection and the LM head, as before the
-        per-bucket choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
-        return gemm_select.forced_plan("onednn")
 
     def warm_up_layers(self) -> list[nn.Module]:
         """The first layer (dense MLP) and the first MoE layer (shared experts): every packed

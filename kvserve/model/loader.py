@@ -25,7 +25,8 @@ from safetensors import safe_open
 
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_features import cpu_info
+from kvserve.kernels.cpu.cpu_features import cpu_info
+from kvserve.layers import selection
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
@@ -101,7 +102,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     naming the file or tensor at fault.
 
     With `pack_weights` (the default) each projection gets the GEMM kernel that measures
-    fastest on this CPU per batch size (`CausalLM.pack_weights`; `gemm` = "auto", "onednn",
+    fastest on this CPU per batch size (`kvserve.layers.selection.pack_weights`; `gemm` = "auto", "onednn",
     "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
     to float rounding either way; `remeasure_kernels` measures them again rather than reading
     the choice cached for this CPU and model shape. Without it every GEMM stays dense
@@ -130,7 +131,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
     if pack_weights:
-        model.pack_weights(gemm or os.environ.get("KVSERVE_GEMM", "auto"), remeasure_kernels)
+        selection.pack_weights(model, gemm or os.environ.get("KVSERVE_GEMM", "auto"),
+                               remeasure_kernels)
     return model, config
 
 

@@ -36,10 +36,12 @@ def warm_up_gemms(engine) -> Iterator[None]:
     without the warm-up."""
     import time
 
+    from kvserve.layers.selection import warm_up_steps
+
     cfg = engine.config
     start = time.monotonic()
     warmed = 0
-    for _ in engine.engine.model.warm_up_steps(cfg.max_num_batched_tokens, cfg.max_num_seqs):
+    for _ in warm_up_steps(engine.engine.model, cfg.max_num_batched_tokens, cfg.max_num_seqs):
         warmed += 1
         yield
     if warmed:

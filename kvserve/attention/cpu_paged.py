@@ -13,7 +13,7 @@ filling), decoding one token row at a time in registers / L1; and a first visibl
 sequence serves sliding-window layers.
 
 The kernel is plain C++ with a C ABI, compiled at first use with the machine's compiler and
-loaded with ctypes (`kvserve.model.cpu_ext`: cached per source, flags, compiler and CPU; runs
+loaded with ctypes (`kvserve.kernels.cpu.cpu_ext`: cached per source, flags, compiler and CPU; runs
 on torch's OpenMP threads). Where there is no compiler (or the build fails) `load_kernel`
 returns None, logs why once, and the backend keeps its gather path.
 """
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.quant import FP8Codec, Int4KIVICodec, Int8Codec, KVCodec
-from kvserve.model import cpu_ext
+from kvserve.kernels.cpu import CSRC, cpu_ext
 
 logger = logging.getLogger("kvserve")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCE = CSRC / "paged_decode.cpp"
 ABI_VERSION = 3
 # Limits of the kernel's fixed per-thread buffers (see the .cpp file).
 MAX_BLOCK_SIZE = 256

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.attention.triton_tiles import LOG2E, attend_paged, ieee, on_gpu
+from kvserve.attention.triton_tiles import LOG2E, attend_paged, ieee, on_gpu
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256

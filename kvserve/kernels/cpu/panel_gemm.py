@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvserve import hugepages
-from kvserve.model import cpu_ext
+from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm.cpp"
 ABI_VERSION = 2
@@ -129,7 +129,7 @@ class PanelGemm:
     def bind(self, w: PanelWeight, bias: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> BoundPanel:
         """`linear` with w and bias fixed (see BoundPanel). A gated w takes gate | up's bias
-        [2 n]. norm_weight [k]: x's rows are RMS-normed (decoder.rms_norm with eps) first, in
+        [2 n]. norm_weight [k]: x's rows are RMS-normed (layers.norm.rms_norm with eps) first, in
         the same call."""
         want = 2 * w.n if w.act else w.n
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (want,)

@@ -1,8 +1,8 @@
 // y = x W^T (+ bias) (+ residual) for float32, on W packed in panels of 32 output features
-// ([panels][K][32], zero past N: kvserve/model/panel_gemm.py packs it), for the decode-sized
+// ([panels][K][32], zero past N: kvserve/kernels/cpu/panel_gemm.py packs it), for the decode-sized
 // GEMMs of a CPU step (a few to a few hundred rows). Two more epilogues fuse the element-wise
 // work around a decoder layer's projections:
-// - norm: x's rows RMS-normed first (decoder.rms_norm, rounded as the separate norm rounds)
+// - norm: x's rows RMS-normed first (layers.norm.rms_norm, rounded as the separate norm rounds)
 //   into a buffer of the call's own, which stays in cache for the tiles;
 // - act: W's columns come in pairs of vectors, gate then up (pack's `gated` order), and the
 //   tile writes act(gate) * up (SiLU or GELU-tanh): the [rows, 2 x intermediate] product of
@@ -18,7 +18,7 @@
 // it computes it asks for the next panel, its lines spread evenly over the panel's tiles and
 // their steps of K.
 //
-// Built at first use with the machine's compiler (kvserve/model/cpu_ext.py) and called through
+// Built at first use with the machine's compiler (kvserve/kernels/cpu/cpu_ext.py) and called through
 // ctypes. Generic vectors (vec.h) sized for the instruction set it is built for; OpenMP over
 // panels on torch's threads.
 #include <algorithm>

@@ -20,10 +20,10 @@ import torch
 
 from kvserve import features as F
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention import triton_kernels as tk
-from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
-                                          padded_block_tables)
-from kvserve.model.attention.triton_tiles import INTERPRETED
+from kvserve.attention import triton_kernels as tk
+from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                    padded_block_tables)
+from kvserve.attention.triton_tiles import INTERPRETED
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model import cpu_ext
+from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 ABI_VERSION = 5
@@ -55,7 +55,7 @@ class Gemv:
         layers = lib.kvserve_decode_layers
         layers.argtypes = [ctypes.c_void_p]
         layers.restype = ctypes.c_int
-        self.decode_layers = layers  # cpu_decode.py's one call per step (see gemv.cpp)
+        self.decode_layers = layers  # fast_decode.py's one call per step (see gemv.cpp)
         norm = lib.kvserve_rms_norm_f32
         norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
         norm.restype = ctypes.c_int
@@ -114,9 +114,9 @@ class Gemv:
                cos_sin: torch.Tensor | None = None, rope_cols: int = 0, head_dim: int = 0
                ) -> torch.Tensor:
         """x W^T + b -> new [rows, n] (F.linear). With `norm_weight`, x is RMS-normed first
-        (`decoder.rms_norm(x, norm_weight, eps)`); with `cos_sin` ([rows, head_dim]: cos |
+        (`kvserve.layers.norm.rms_norm(x, norm_weight, eps)`); with `cos_sin` ([rows, head_dim]: cos |
         sin halves, unit stride along head_dim), the first `rope_cols` outputs of each row
-        are heads of `head_dim` rotated in place after (`decoder._apply_rope`)."""
+        are heads of `head_dim` rotated in place after (`kvserve.layers.rotary.apply_rope`)."""
         self._check(x, w, b, w.shape[0], norm_weight)
         if cos_sin is not None and (cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1
                                     or cos_sin.shape != (x.shape[0], head_dim)):
@@ -184,7 +184,7 @@ class Gemv:
                              down_w, down_b, gelu)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """decoder.rms_norm of float32 x [rows, k] (unit stride along k) -> new [rows, k]."""
+        """layers.norm.rms_norm of float32 x [rows, k] (unit stride along k) -> new [rows, k]."""
         k = x.shape[-1]
         if x.dtype != torch.float32 or x.dim() != 2 or (x.stride(1) != 1 and k > 1) \
                 or weight.dtype != torch.float32 or weight.shape != (k,) \
@@ -200,7 +200,7 @@ class Gemv:
               ) -> torch.Tensor:
         """Rotate the first `cols` columns of float32 y [rows, n] (unit stride along n), heads
         of `head_dim`, by cos_sin [rows, head_dim] (cos | sin halves), in place
-        (decoder._apply_rope's rotation); returns y."""
+        (layers.rotary.apply_rope's rotation); returns y."""
         rows = y.shape[0]
         if y.dtype != torch.float32 or y.dim() != 2 or y.stride(1) != 1 or cols > y.shape[1] \
                 or cos_sin.dtype != torch.float32 or cos_sin.shape != (rows, head_dim) \

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import AttentionBackend
+from kvserve.attention.base import AttentionBackend
 
 BACKENDS = ("torch", "triton")
 
@@ -16,24 +16,24 @@ def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
                            dtype: torch.dtype | None = None) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
     for tests); an MLA latent pool gets the MLA variant of either. `dtype`: the model's."""
-    from kvserve.model.attention.mla import TorchMLABackend, is_mla_pool
+    from kvserve.attention.mla import TorchMLABackend, is_mla_pool
 
     if is_mla_pool(pool) and name == "torch":
         return TorchMLABackend(pool, scale)
     if is_mla_pool(pool) and name == "triton":
         try:
-            from kvserve.model.attention.mla_triton import TritonMLABackend
+            from kvserve.attention.mla_triton import TritonMLABackend
         except ImportError as e:
             raise ValueError("attention_backend='triton' needs the triton package "
                              f"(pip install triton): {e}") from e
         return TritonMLABackend(pool, scale)
     if name == "torch":
-        from kvserve.model.attention.torch_backend import TorchAttentionBackend
+        from kvserve.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(pool, scale, dtype)
     if name == "triton":
         try:
-            from kvserve.model.attention.triton_backend import TritonAttentionBackend
+            from kvserve.attention.triton_backend import TritonAttentionBackend
         except ImportError as e:
             raise ValueError("attention_backend='triton' needs the triton package "
                              f"(pip install triton): {e}") from e

@@ -1,6 +1,6 @@
 """Compile a plain C++ source into a cached shared library and load it with ctypes.
 
-Why: the CPU kernels (the paged decode attention, `attention/csrc/paged_decode.cpp`; the
+Why: the CPU kernels (the paged decode attention, `csrc/paged_decode.cpp`; the
 small-batch GEMV, `csrc/gemv.cpp`) are C++ with a C ABI, built at first use with the machine's
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) and -march=native (or the cap of
 $KVSERVE_CPU_ISA, cpu_features.march). Not torch extensions: without
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kvserve.model.cpu_features import cpu_info, march
+from kvserve.kernels.cpu.cpu_features import cpu_info, march
 from kvserve.paths import cache_dir
 
 if TYPE_CHECKING:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.mla import (MLAProjections, TorchMLABackend, _PrefillPlan,
-                                         _StepState)
-from kvserve.model.attention.mla_triton_kernels import mla_decode_attention
-from kvserve.model.attention.triton_tiles import INTERPRETED
+from kvserve.attention.mla import (MLAProjections, TorchMLABackend, _PrefillPlan,
+                                   _StepState)
+from kvserve.attention.mla_triton_kernels import mla_decode_attention
+from kvserve.attention.triton_tiles import INTERPRETED
 
 
 class TritonMLABackend(TorchMLABackend):

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.attention.triton_tiles import (LOG2E, dot, ieee, on_gpu, online_softmax_step,
-                                                  paged_slots)
+from kvserve.attention.triton_tiles import (LOG2E, dot, ieee, on_gpu, online_softmax_step,
+                                            paged_slots)
 
 MIN_TILE = 16  # tl.dot's smallest inner dimension
 

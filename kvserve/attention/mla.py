@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from kvserve.kv.spec import MLALatentSpec
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
-                                          ceil_div, padded_block_tables)
+from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                    ceil_div, padded_block_tables)
 
 DECODE_MODES = ("absorbed", "decompress")
 

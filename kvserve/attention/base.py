@@ -61,7 +61,7 @@ class AttentionMetadata:
 class BoundAttention:
     """One step's attention: `__call__(layer, q, k, v)` is the AttentionFn the model calls;
     `kernel_args` hands out the backend's kernel arguments for a layer instead (the CPU's
-    one-call decode, kvserve/model/cpu_decode.py)."""
+    one-call decode, kvserve/layers/fast_decode.py)."""
 
     def __init__(self, backend: AttentionBackend, metas: list[AttentionMetadata],
                  states: list[object]) -> None:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.attention import triton_tiles as _tiles  # noqa: F401 - interpreter compat
+from kvserve.attention import triton_tiles as _tiles  # noqa: F401 - interpreter compat
 
 
 @triton.jit

@@ -6,7 +6,7 @@
 // cache is ever written. Scores, softmax and the value sums work on 8 or 16 rows at a time in
 // vector registers (see chunk_scores, expv, add_values).
 //
-// Built at first use by kvserve/model/attention/cpu_paged.py with the machine's compiler
+// Built at first use by kvserve/attention/cpu_paged.py with the machine's compiler
 // (-O3 -march=native -fopenmp) and called through ctypes with raw pointers: no torch headers,
 // so it compiles in about a second. OpenMP resolves to the libgomp torch has already loaded,
 // so the kernel shares torch's thread count (torch.set_num_threads). Plain C++ loops, GCC/Clang
@@ -44,7 +44,7 @@
 
 #include <omp.h>
 
-#include "../../csrc/vec.h"
+#include "vec.h"
 
 namespace {
 

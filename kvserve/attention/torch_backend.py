@@ -39,9 +39,9 @@ from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.spec import first_needed_block, first_visible
 from kvserve.kv.tensors import KVTensorPool
-from kvserve.model.attention import cpu_paged
-from kvserve.model.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
-                                          ceil_div, padded_block_tables)
+from kvserve.attention import cpu_paged
+from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
+                                    ceil_div, padded_block_tables)
 
 
 @dataclass

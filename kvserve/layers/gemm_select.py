@@ -10,10 +10,10 @@ of the CPU's speed on the table, so at load the model times both candidates on i
 Candidates: "dense" (`F.linear` / `addmm_` on the row-major weight: MKL for float32),
 "onednn" (`torch.ops.mkldnn._linear_pointwise` on weights packed in oneDNN's blocked layout,
 with SiLU, the SwiGLU product and the residual add fused as epilogues; its row counts are
-rounded by `decoder.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded), and
-"gemv" (kvserve/model/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
+rounded by `cpu_linear.gemm_rows` so that oneDNN's per-shape kernel cache stays bounded), and
+"gemv" (kvserve/kernels/cpu/gemv.py: a C++ matrix-vector kernel on the row-major weight, with bias,
 SiLU/GELU * up and the residual add fused; float32, offered for the first row bucket only,
-`PARTIAL_KERNELS`), and "panel" (kvserve/model/panel_gemm.py: a C++ GEMM on weights packed
+`PARTIAL_KERNELS`), and "panel" (kvserve/kernels/cpu/panel_gemm.py: a C++ GEMM on weights packed
 in panels of 32 output features, which streams them from DRAM while it computes; float32,
 with bias and the residual add fused).
 
@@ -48,7 +48,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.model.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
+from kvserve.kernels.cpu.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
+from kvserve.layers.buckets import BUCKET_LABELS, BUCKETS, bucket_of  # noqa: F401
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
@@ -57,16 +58,11 @@ KERNELS = ("dense", "onednn", "gemv", "panel")
 # Kernels that read the row-major weight (no second layout when mixed with each other).
 ROW_MAJOR = ("dense", "gemv")
 PROJECTIONS = ("qkv", "o", "mlp", "down", "head")
-# Row buckets: (largest row count in the bucket, the row count measured for it). A decode step
-# has as many rows as running sequences; a prefill step up to max_num_batched_tokens. The
-# probe of the last bucket is deliberately not a rounded size, so oneDNN's padding is paid.
-BUCKETS: tuple[tuple[float, int], ...] = ((4, 1), (32, 16), (128, 64), (512, 256),
-                                          (float("inf"), 1000))
-BUCKET_LABELS = ("<=4", "<=32", "<=128", "<=512", ">512")
+# Row buckets: kvserve/layers/buckets.py (BUCKETS, BUCKET_LABELS, bucket_of).
 # Kernels offered for some row buckets only (their factories return None for the others): they
 # never make a projection's single choice, they replace it in the buckets where they win. The
 # GEMV only for a few rows; the panel GEMM above them, where the GEMV (and the one-call decode
-# path it enables, cpu_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
+# path it enables, fast_decode.FastDecode, which no per-GEMM timing sees) is the better choice.
 # Not the panel GEMM for prefills above 512 rows: there its row blocks stream every weight from
 # the L3 once per 192 rows, and at 8,192 rows it ran 6-18% behind oneDNN and MKL (bench_throughput's
 # ceiling), though level with them at the bucket's 1,000-row probe, where a coin toss chose it.
@@ -84,14 +80,6 @@ CACHE_VERSION = 11  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer la
 # factory(rows) -> a zero-argument callable running the projection once on `rows` rows (None
 # where the kernel is not offered for that many rows)
 RunFactory = Callable[[int], Callable[[], object] | None]
-
-
-def bucket_of(rows: int) -> int:
-    """Index into BUCKETS of a GEMM with `rows` rows."""
-    for i, (limit, _) in enumerate(BUCKETS):
-        if rows <= limit:
-            return i
-    return len(BUCKETS) - 1
 
 
 @dataclass
@@ -210,7 +198,7 @@ def decide(times: dict[str, dict[str, list[float | None]]]) -> dict[str, list[st
             if k not in ROW_MAJOR:
                 _take_over(chosen, per_kernel, k, last)
             # The GEMV beside a row-major kernel adds no layout, and it enables the one-call
-            # decode path (cpu_decode.FastDecode: ~13% of a batch-1 step) that no per-GEMM
+            # decode path (fast_decode.FastDecode: ~13% of a batch-1 step) that no per-GEMM
             # timing sees: it keeps its buckets unless it is MIXED_MIN_GAIN slower. (With
             # "any margin" a noisy measurement could hand one projection to MKL at one row and
             # turn that path off.)
@@ -501,7 +489,7 @@ def model_plan(factories: Callable[[], dict[str, dict[str, RunFactory]]],
                dtype: str, remeasure: bool = False) -> GemmPlan:
     """The plan of a decoder of `num_layers` layers with projections `shapes` (out, in
     features; "head" the LM head's), by `choose` on factories() (layer 0's weights and the LM
-    head: decoder.CausalLM.gemm_candidates), under the key of this CPU, threads and shapes."""
+    head: selection.gemm_candidates), under the key of this CPU, threads and shapes."""
     import torch  # deferred: nothing else here needs it
 
     # the LM head runs on sampled rows only (<= max_num_seqs): measured up to 128 rows

@@ -14,8 +14,8 @@
 // rotate-half RoPE over the first `rope_cols` output features after it (the q and k heads of
 // a fused qkv projection; cos | sin halves per row in `cos_sin`).
 //
-// Built at first use by kvserve/model/cpu_ext.py (-O3 -march=native -fopenmp) and called
-// through ctypes with raw pointers (kvserve/model/gemv.py). Plain C++: the inner loops are
+// Built at first use by kvserve/kernels/cpu/cpu_ext.py (-O3 -march=native -fopenmp) and called
+// through ctypes with raw pointers (kvserve/kernels/cpu/gemv.py). Plain C++: the inner loops are
 // `omp simd` reductions the compiler vectorizes for whatever the CPU has (AVX2, AVX-512).
 //
 // Layout:
@@ -116,7 +116,7 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
-// decoder._apply_rope in place: each head of head_dim in y[r, 0:cols) rotated by cs[r]
+// layers.rotary.apply_rope in place: each head of head_dim in y[r, 0:cols) rotated by cs[r]
 // (cos | sin halves).
 void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
                const float* cs, int64_t cs_stride) {
@@ -289,7 +289,7 @@ int kvserve_decode_layers(const int64_t* a) {
   return 0;
 }
 
-// decoder.rms_norm on rows of x into out, and the RoPE of the first `cols` columns of y in
+// layers.norm.rms_norm on rows of x into out, and the RoPE of the first `cols` columns of y in
 // place: the element-wise work around the GEMMs of the layers that run MKL or oneDNN (more than
 // gemv's few rows), which as torch ops cost ~0.2 ms per layer at 64 rows (several passes and
 // dispatches each) against ~10 us here. Rows are shared out across threads.

@@ -1,5 +1,9 @@
-"""A decode step of up to gemv.MAX_ROWS sequences on the CPU as one C++ call for all decoder
-layers (gemv.cpp's kvserve_decode_layers).
+"""The one-call decode step: a decode step of up to gemv.MAX_ROWS sequences on the CPU as one
+C++ call for all decoder layers (gemv.cpp's kvserve_decode_layers). A method of the model's
+forward, not a second model: `kvserve.layers.selection.apply_gemm_plan` installs it as
+`CausalLM.decode_step` where the measured GEMM plan runs every projection of the first row
+bucket on the GEMV (its ops are the very bound kernels the layer-by-layer path calls), and
+the forward offers it each step; tests/test_cpu_decode.py checks it against that path.
 
 Why: at batch 1 a layer is three C++ calls (the qkv GEMV with its norm and RoPE, the paged
 decode kernel, the MLP block), and the Python between them (views, the attention backend's
@@ -12,7 +16,7 @@ Used only where it computes exactly what the layer-by-layer path computes: a flo
 whose every projection runs the GEMV at this many rows, with RoPE fused (no q/k norms), no
 Gemma output norms, and an attention backend that has kernel arguments for every layer of
 the step (a float cache of the model's dtype, decode rows only); otherwise `run` returns
-None and the caller takes the layer-by-layer path.
+None and the forward takes the layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import ctypes
 
 import torch
 
-from kvserve.model import gemv
-from kvserve.model.attention.base import BoundAttention
+from kvserve.attention.base import BoundAttention
+from kvserve.kernels.cpu import gemv
+from kvserve.layers.buckets import BUCKETS
 
 
 class FastDecode:
     """Fixed scratch (qkv rows and attention output for MAX_ROWS rows) shared by the layers,
-    and the layers' bound GEMV ops (`DecoderLayer.fast_decode_ops`)."""
+    and the layers' bound GEMV ops (`selection.bind_layer`'s)."""
 
     def __init__(self, ops: list[tuple[gemv.BoundGemv, gemv.BoundMLPBlock]], heads: int,
                  kv_heads: int, head_dim: int) -> None:
@@ -37,6 +42,8 @@ class FastDecode:
         self._qkv = torch.empty(gemv.MAX_ROWS, width, dtype=torch.float32)
         self._out = torch.empty(gemv.MAX_ROWS, heads * head_dim, dtype=torch.float32)
         self._fn = gemv.load().decode_layers
+        # the GEMV runs the first row bucket only (the plan's ops beyond it are others)
+        self._max_rows = min(gemv.MAX_ROWS, int(BUCKETS[0][0]))
         n = len(ops)
         self._qkv_args = (ctypes.c_void_p * n)()
         self._mlp_args = (ctypes.c_void_p * n)()
@@ -46,7 +53,7 @@ class FastDecode:
         """hidden [rows, hidden] (the residual stream, updated in place) through every layer;
         None (nothing run) where the step is not one this path serves."""
         rows = hidden.shape[0]
-        if not isinstance(attn, BoundAttention) or rows > gemv.MAX_ROWS \
+        if not isinstance(attn, BoundAttention) or rows > self._max_rows \
                 or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
                 or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1:
             return None

@@ -1,4 +1,4 @@
-// decoder.rms_norm in C++, shared by the GEMV and the panel GEMM (which norm the rows of x
+// layers.norm.rms_norm in C++, shared by the GEMV and the panel GEMM (which norm the rows of x
 // before their dots, in the same call).
 #pragma once
 
@@ -7,7 +7,7 @@
 
 namespace {
 
-// 1 / sqrt(mean(x^2) + eps) of a row of k floats (decoder.rms_norm's statistic): the squares
+// 1 / sqrt(mean(x^2) + eps) of a row of k floats (layers.norm.rms_norm's statistic): the squares
 // summed in 16 float lanes (vectorized), the lanes in double.
 inline float inv_rms(const float* x, int64_t k, float eps) {
   float lanes[16] = {};
@@ -22,7 +22,7 @@ inline float inv_rms(const float* x, int64_t k, float eps) {
   return 1.f / std::sqrt(static_cast<float>(ss / k) + eps);
 }
 
-// decoder.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row.
+// layers.norm.rms_norm: x * rsqrt(mean(x^2) + eps) * w per row.
 inline void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k,
                           const float* w, float eps, float* dst, int64_t dst_stride) {
   for (int64_t r = 0; r < rows; ++r) {
