@@ -65,11 +65,12 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
             return event_stream(self._chat_events(prep, streams, cid, created, model, req,
-                                                  tools),
+                                                  tools, arrival),
                                 lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
+        self._log_requests(req, prep, outputs, arrival)
         out = outputs[0]
         choices = []
         for c in out.outputs:
@@ -92,28 +93,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.content is None:
-                content = ""
-            elif isinstance(m.content, str):
-                content = m.content
-            else:
-                content = "\n".join(part.text for part in m.content)
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_calls:
-                msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                  if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools or None, **kwargs)
+            text = render_chat(self.tokenizer, req)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # a template is user-supplied code: any failure is a 400
@@ -142,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_events(self, prep: Prepared, streams: list[RequestStream], cid: str,
                            created: int, model: str, req: ChatCompletionRequest,
-                           tools: ToolPlan) -> AsyncIterator[str]:
+                           tools: ToolPlan, arrival: float = 0.0) -> AsyncIterator[str]:
         cursors = [ChoiceCursor() for _ in range(req.n)]
         parsers = [tools.parser() for _ in range(req.n)] if tools.parse else None
         tier = {"service_tier": SERVED_TIER} if req.service_tier is not None else {}
@@ -191,6 +172,7 @@ class OpenAIServingChat(OpenAIServing):
                     cur.done = finished
                     yield chunk(c.index, {"content": delta} if delta or not finished else {},
                                 lp, finish, c.stop_reason, c)
+            self._log_requests(req, prep, [last], arrival)
             if opts.include_usage:
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                            "model": model, **tier, "choices": [],
@@ -201,6 +183,32 @@ class OpenAIServingChat(OpenAIServing):
             yield "data: [DONE]\n\n"
         finally:
             self._abort_all(prep, streams)
+
+
+def render_chat(tokenizer, req: ChatCompletionRequest) -> str:
+    """The prompt text the chat template makes of a request (encode it without special tokens).
+    A function of its own so that `kvserve diagnose` renders logged requests exactly as the
+    server rendered them."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            content = "\n".join(part.text for part in m.content)
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+              if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                         tools=req.tools or None, **kwargs)
 
 
 def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
