@@ -101,9 +101,9 @@ def parse_line(d: Any, index: int, where: str) -> list[LogRecord]:
 
 
 def read_log(path: str | Path, limit: int | None = None) -> RequestLog:
-    """Every request of a log file, in the file's order (the order they were served in: a
-    kvserve log is written as requests finish, which for a sequential client is arrival
-    order). The last header seen gives the pool size."""
+    """Every request of a log file, in arrival order: by "time" when every record has one (a
+    kvserve log is written as requests finish, and concurrent requests finish out of order),
+    else in the file's order. The last header seen gives the pool size."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"request log {str(path)!r} does not exist")
@@ -127,6 +127,10 @@ def read_log(path: str | Path, limit: int | None = None) -> RequestLog:
                 break
     if not log.records:
         raise ValueError(f"request log {str(path)!r} holds no requests")
+    if all(r.time is not None for r in log.records):
+        log.records.sort(key=lambda r: r.time)  # stable: equal times keep the file's order
+        for i, r in enumerate(log.records):
+            r.index = i
     return log
 
 

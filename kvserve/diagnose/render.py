@@ -1,5 +1,5 @@
 """Logged requests to the prompt text and token ids the server would compute: the chat template
-and tokenizer the server uses (`kvserve.server.serving_chat.render_chat`), so that what diagnose
+and tokenizer the server uses (`kvserve.server.chat_prompt.render_chat`), so that what diagnose
 replays is what the prefix cache saw.
 
 Why render rather than read token ids from the log: the fixes diagnose measures change the
@@ -50,7 +50,7 @@ def _chat_request(record: LogRecord):
 def render_text(tokenizer, record: LogRecord) -> str | None:
     """The prompt text of a record (None when it came as token ids)."""
     if record.is_chat:
-        from kvserve.server.serving_chat import render_chat
+        from kvserve.server.chat_prompt import render_chat
 
         return render_chat(tokenizer, _chat_request(record))
     return record.prompt if isinstance(record.prompt, str) else None

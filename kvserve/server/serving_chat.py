@@ -24,14 +24,13 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, ChatCompletionRequest, StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
 from kvserve.server.streaming import event_stream, sse
-from kvserve.server.structured_request import (ToolPlan, history_tool_calls,
-                                               structured_outputs_of, tool_plan)
+from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
 
 
@@ -183,32 +182,6 @@ class OpenAIServingChat(OpenAIServing):
             yield "data: [DONE]\n\n"
         finally:
             self._abort_all(prep, streams)
-
-
-def render_chat(tokenizer, req: ChatCompletionRequest) -> str:
-    """The prompt text the chat template makes of a request (encode it without special tokens).
-    A function of its own so that `kvserve diagnose` renders logged requests exactly as the
-    server rendered them."""
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            content = "\n".join(part.text for part in m.content)
-        msg: dict[str, Any] = {"role": m.role, "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        messages.append(msg)
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                         tools=req.tools or None, **kwargs)
 
 
 def _echoed(req: ChatCompletionRequest) -> dict[str, Any]:
