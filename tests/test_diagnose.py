@@ -82,14 +82,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}{{ ' !' if loud is d
 def test_template_drift(tiny, tmp_path):
     """Two clients send the same messages, one with a chat_template_kwargs the template reads
     in its markup."""
-    import shutil
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tiny) / name, tmp_path / name)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tokenizer = load_tokenizer(str(tmp_path))
+    tokenizer = _custom_tokenizer(tiny, tmp_path, TEMPLATE)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     a = LogRecord(1, messages=msgs, chat_template_kwargs={"loud": True})
     b = LogRecord(0, messages=msgs)
@@ -261,3 +254,52 @@ def test_request_log_streams_and_completions(tmp_path, tiny):
     log = read_log(served_log)
     assert [r.cache_salt for r in log.records] == ["tenant-a", None, None]
     assert len(find_spans(log.records, render_all(load_tokenizer(tiny), log.records))) == 3
+
+
+def _custom_tokenizer(tiny: str, tmp_path: Path, template: str):
+    """The tiny model's tokenizer with another chat template."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny) / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(str(tmp_path))
+
+
+def test_reordered_messages_and_tools(tiny, tmp_path):
+    """Few-shot turns sent as messages, and tool definitions, in a per-request order: both are
+    named, and the fix puts them in the log's most common order."""
+    import random
+
+    tools_template = ("{% if tools %}<|im_start|>tools\n{% for t in tools %}"
+                      "{{ t.function.name }}: {{ t.function.description }}\n\n{% endfor %}"
+                      "<|im_end|>\n{% endif %}" + TEMPLATE)
+    tokenizer = _custom_tokenizer(tiny, tmp_path, tools_template)
+    rng = random.Random(0)
+    shots = [[{"role": "user", "content": f"Example question {w}?"},
+              {"role": "assistant", "content": f"The answer about {w} is short."}]
+             for w in ("disks", "buckets", "keys", "domains")]
+    tools = [{"type": "function", "function": {"name": n, "description": f"Do {n} things "
+                                               "with the account, carefully and well."}}
+             for n in ("search", "resize", "bill", "restore")]
+    records = []
+    for i in range(40):
+        pairs, ts = list(shots), list(tools)
+        if i % 3 == 1:
+            rng.shuffle(pairs)
+        if i % 3 == 2:
+            rng.shuffle(ts)
+        msgs = [{"role": "system", "content": "Be brief."}] + [m for p in pairs for m in p] + \
+            [{"role": "user", "content": f"Question number {chr(65 + i % 26)}{i} here"}]
+        records.append(LogRecord(i, messages=msgs, tools=ts))
+    got = diagnose(RequestLog(records), tokenizer)
+    assert [c.cls for c in got.classes] == ["reordered"]
+    assert got.classes[0].gain_points > 5
+    levels = {f.level for f in find_spans(records, render_all(tokenizer, records))
+              if f.cls == "reordered"}
+    assert levels == {"messages", "tools"}
+    fixed = cleaned_records(RequestLog(records), tokenizer, ["reordered"])
+    assert all(r.tools == tools and r.messages[1:9] == [m for p in shots for m in p]
+               for r in fixed)

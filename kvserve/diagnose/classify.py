@@ -6,8 +6,9 @@ then the same question format), while content (a different user question) differ
 So each class is a pattern at the divergence point in both prompts, followed by `AGREE` equal
 characters (or both prompts' end). The classes, in the order they are tried:
 
-- reordered: the same items in another order (few-shot examples, documents, tool definitions
-  rendered into the prompt), items being what blank lines and template markup separate;
+- reordered: the same items in another order: tool definitions (`tools`, when the template
+  renders them), whole messages (few-shot turns, documents sent as messages), or items of a
+  message (what blank lines and template markup separate: examples, documents);
 - timestamp: dates, times, epoch stamps (patterns.TIMESTAMP);
 - id: UUIDs and hex ids;
 - number: any other number that changes per request;
@@ -20,10 +21,11 @@ characters (or both prompts' end). The classes, in the order they are tried:
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvserve.diagnose.divergence import Divergence
+from kvserve.diagnose.divergence import Divergence, common_prefix
 from kvserve.diagnose.log import LogRecord
 from kvserve.diagnose.patterns import PATTERNS, covering, split_segments
 
@@ -50,10 +52,23 @@ class Finding:
     other_span: str = ""
     items: tuple[str, ...] = field(default=())
     left: str = ""  # text just before the span (numbers: the fix replaces numbers after it)
+    level: str = "text"  # reordered: what was reordered (text items, messages or tools)
 
     @property
     def is_pollution(self) -> bool:
         return self.cls in CLASSES
+
+
+def _describe(key: str) -> str:
+    """A reordered message or tool, shown by its content or name."""
+    x = json.loads(key)
+    if isinstance(x, dict):
+        fn = x.get("function")
+        if isinstance(fn, dict) and "name" in fn:
+            return f"tool {fn['name']}"
+        if isinstance(x.get("content"), str):
+            return f"{x.get('role', '?')}: {x['content']}"
+    return key
 
 
 def _agree_after(a: str, ea: int, b: str, eb: int) -> bool:
@@ -116,6 +131,24 @@ def _reordered_items(a: str, b: str, d: int) -> tuple[str, ...] | None:
     return None
 
 
+def _key(x) -> str:
+    return json.dumps(x, sort_keys=True, ensure_ascii=False)
+
+
+def _permuted_run(xs: list, ys: list) -> tuple[int, tuple[str, ...]] | None:
+    """(start, keys) of the shortest run from the first difference that holds the same
+    elements in both lists in another order."""
+    kx, ky = [_key(x) for x in xs], [_key(y) for y in ys]
+    p = common_prefix(kx, ky)
+    diff: Counter = Counter()
+    for k in range(p, min(len(kx), len(ky), p + MAX_ITEMS)):
+        diff[kx[k]] += 1
+        diff[ky[k]] -= 1
+        if k > p and not any(diff.values()):
+            return p, tuple(kx[p:k + 1])
+    return None
+
+
 def _message_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
     """Where each message's content sits in the rendered prompt (-1 when not found)."""
     spans, pos = [], 0
@@ -126,6 +159,43 @@ def _message_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
         if at >= 0:
             pos = at + len(content)
     return spans
+
+
+def _message_at(a: str, ra: LogRecord, d: int) -> tuple[int, bool]:
+    """(index of the message at or after character d, whether d is inside its content)."""
+    spans = _message_spans(a, ra.messages)
+    for k, (s, e) in enumerate(spans):
+        if s <= d < e:
+            return k, True
+        if s > d:
+            return k, False
+    return len(spans), False
+
+
+def _reordered_messages(a: str, ra: LogRecord, rb: LogRecord, d: int) -> tuple[str, ...] | None:
+    """Whole messages reordered (few-shot turns, documents sent as messages), the run starting
+    at the message where the prompts diverge."""
+    if not (ra.is_chat and rb.is_chat):
+        return None
+    got = _permuted_run(ra.messages, rb.messages)
+    if got is None:
+        return None
+    start, keys = got
+    k, _ = _message_at(a, ra, d)
+    return keys if start <= k <= start + len(keys) else None
+
+
+def _reordered_tools(a: str, ra: LogRecord, rb: LogRecord, d: int) -> tuple[str, ...] | None:
+    """The same tool definitions in another order, where the template renders them before the
+    messages the two requests share."""
+    if not (ra.tools and rb.tools) or ra.tools == rb.tools:
+        return None
+    if Counter(map(_key, ra.tools)) != Counter(map(_key, rb.tools)):
+        return None
+    k, _ = _message_at(a, ra, d)
+    if not (ra.is_chat and rb.is_chat) or ra.messages[:k + 1] != rb.messages[:k + 1]:
+        return None
+    return tuple(_key(t) for t in ra.tools)
 
 
 def _is_template_drift(a: str, ra: LogRecord, rb: LogRecord, d: int) -> bool:
@@ -160,6 +230,14 @@ def classify(div: Divergence, a: str | None, b: str | None, ra: LogRecord,
     if d >= len(a) or d >= len(b):
         f.cls = "extension"  # one prompt continues the other (a conversation's next turn)
         return f
+    if rb is not None:
+        for level, find in (("tools", _reordered_tools), ("messages", _reordered_messages)):
+            keys = find(a, ra, rb, d)
+            if keys is not None:
+                f.cls, f.items, f.level = "reordered", keys, level
+                f.span, f.other_span = _describe(keys[0]), _describe(
+                    next((x for x in keys if x != keys[0]), keys[0]))
+                return f
     items = _reordered_items(a, b, d)
     if items is not None:
         f.cls, f.items = "reordered", items

@@ -10,8 +10,9 @@ its own gain and no other's:
   prefix, or drop it);
 - number: numbers replaced where they follow a context the classifier saw a changing number
   after (a "Request #" counter, not the numbers of a user's question);
-- reordered: each run of items that the classifier saw reordered, put in the log's most
-  common order of them (a client would fix one order);
+- reordered: each run of items (within a message), of whole messages, or the tool
+  definitions that the classifier saw reordered, put in the log's most common order of them
+  (a client would fix one order);
 - whitespace: lines right-stripped, inner runs of spaces and of blank lines collapsed, each
   message stripped;
 - template: the log's most common template settings (chat_template_kwargs,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvserve.diagnose.classify import Finding
@@ -40,18 +41,31 @@ class FixContext:
 
     reordered_items: set[str] = field(default_factory=set)
     item_rank: dict[str, int] = field(default_factory=dict)  # the order reordered items get
+    reordered_messages: set[str] = field(default_factory=set)  # messages, as JSON keys
+    message_rank: dict[str, int] = field(default_factory=dict)
+    tool_rank: dict[str, int] = field(default_factory=dict)  # tools seen reordered, in order
     number_contexts: set[str] = field(default_factory=set)
     template: tuple[dict | None, bool] = (None, True)
 
     @classmethod
     def from_findings(cls, findings: list[Finding], records: list[LogRecord]) -> "FixContext":
         ctx = cls()
+        tools: set[str] = set()
         for f in findings:
-            if f.cls == "reordered":
+            if f.cls == "reordered" and f.level == "messages":
+                ctx.reordered_messages.update(f.items)
+            elif f.cls == "reordered" and f.level == "tools":
+                tools.update(f.items)
+            elif f.cls == "reordered":
                 ctx.reordered_items.update(x for x in f.items if x.strip())
             elif f.cls == "number" and f.left.strip():
                 ctx.number_contexts.add(_context_key(f.left))
-        ctx.item_rank = _canonical_order(records, ctx.reordered_items)
+        ctx.item_rank = _canonical_order((split_segments(t)[0::2] for r in records
+                                          for t in _texts(r)), ctx.reordered_items)
+        ctx.message_rank = _canonical_order(([_key(m) for m in r.messages] for r in records
+                                             if r.is_chat), ctx.reordered_messages)
+        ctx.tool_rank = _canonical_order(([_key(t) for t in r.tools] for r in records
+                                          if r.tools), tools)
         chats = [r for r in records if r.is_chat]
         if chats:
             counts = Counter(json.dumps([r.chat_template_kwargs, r.add_generation_prompt],
@@ -67,9 +81,8 @@ def _texts(r: LogRecord) -> list[str]:
     return [r.prompt] if isinstance(r.prompt, str) else []
 
 
-def _runs(text: str, items: set[str]) -> list[tuple[int, int]]:
-    """(start, end) of each run of consecutive reordered items among a text's items."""
-    parts = split_segments(text)[0::2]
+def _runs(parts: list[str], items: set[str]) -> list[tuple[int, int]]:
+    """(start, end) of each run of consecutive reordered items in a sequence."""
     runs, k = [], 0
     while k < len(parts):
         if parts[k] in items:
@@ -83,18 +96,16 @@ def _runs(text: str, items: set[str]) -> list[tuple[int, int]]:
     return runs
 
 
-def _canonical_order(records: list[LogRecord], items: set[str]) -> dict[str, int]:
+def _canonical_order(sequences: Iterable[list[str]], items: set[str]) -> dict[str, int]:
     """The order a reordered list is fixed to: the log's most common order of it (so the
     requests that already agree keep their prompts, and their cached blocks), items it does
     not hold after it, alphabetically."""
     if not items:
         return {}
     orders: Counter = Counter()
-    for r in records:
-        for text in _texts(r):
-            parts = split_segments(text)[0::2]
-            for s, e in _runs(text, items):
-                orders[tuple(parts[s:e])] += 1
+    for parts in sequences:
+        for s, e in _runs(parts, items):
+            orders[tuple(parts[s:e])] += 1
     rank: dict[str, int] = {}
     for order, _ in orders.most_common():
         for x in order:
@@ -102,6 +113,10 @@ def _canonical_order(records: list[LogRecord], items: set[str]) -> dict[str, int
     for x in sorted(items - set(rank)):
         rank[x] = len(rank)
     return rank
+
+
+def _key(x) -> str:
+    return json.dumps(x, sort_keys=True, ensure_ascii=False)
 
 
 def _context_key(left: str) -> str:
@@ -133,11 +148,31 @@ def _sort_items(text: str, ctx: FixContext) -> str:
     """Runs of consecutive reordered items put in the canonical order (separators stay where
     they are)."""
     parts = split_segments(text)
-    items = parts[0::2]
-    for k, j in _runs(text, ctx.reordered_items):
-        items[k:j] = sorted(items[k:j], key=lambda x: ctx.item_rank.get(x, len(ctx.item_rank)))
-    parts[0::2] = items
+    parts[0::2] = _reorder(parts[0::2], ctx.reordered_items, ctx.item_rank)
     return "".join(parts)
+
+
+def _reorder(xs: list, items: set[str], rank: dict[str, int], key=lambda x: x) -> list:
+    """`xs` with each run of reordered elements put in the canonical order."""
+    keys = [key(x) for x in xs]
+    out = list(xs)
+    for k, j in _runs(keys, items):
+        out[k:j] = sorted(out[k:j], key=lambda x: rank.get(key(x), len(rank)))
+    return out
+
+
+def _fix_reordered(ctx: "FixContext") -> Callable[[LogRecord], LogRecord]:
+    """Items within messages, whole messages, and tool definitions, each put in order."""
+    text_fix = _text_fix(lambda t: _sort_items(t, ctx))
+
+    def apply(r: LogRecord) -> LogRecord:
+        if r.is_chat and ctx.reordered_messages:
+            r = r.copy(messages=_reorder(r.messages, ctx.reordered_messages, ctx.message_rank,
+                                         _key))
+        if r.tools and ctx.tool_rank:
+            r = r.copy(tools=_reorder(r.tools, set(ctx.tool_rank), ctx.tool_rank, _key))
+        return text_fix(r)
+    return apply
 
 
 _SPACES = re.compile(r"(?<=\S)[ \t]{2,}")
@@ -169,7 +204,7 @@ def make_fix(cls: str, ctx: FixContext) -> Callable[[LogRecord], LogRecord]:
     if cls == "number":
         return _text_fix(lambda t: _replace_numbers(t, ctx))
     if cls == "reordered":
-        return _text_fix(lambda t: _sort_items(t, ctx))
+        return _fix_reordered(ctx)
     if cls == "whitespace":
         return _text_fix(_strip_whitespace)
     if cls == "template":
