@@ -223,6 +223,12 @@ def test_predicted_gain_matches_served_gain(tmp_path, tiny, tokenizer):
             measured[c.cls] = 100 * (serve(cleaned_records(log, tokenizer, [c.cls])) - served)
         for c in got.classes:
             assert abs(c.gain_points - measured[c.cls]) <= 2.0, (c, measured)
+        # the whole log, every run of it: the resets between runs are in it, and the replay
+        # empties its cache there as the server did
+        full = read_log(served_log)
+        assert len(full.records) == 48 * (1 + len(got.classes))
+        assert full.resets == [48 * k for k in range(1, 1 + len(got.classes))]
+        assert diagnose(full, tokenizer).hit_rate == pytest.approx(full.served_hit_rate)
     finally:
         assert srv.stop() is None, srv.log()[-3000:]
 

@@ -15,6 +15,7 @@ the user has; what diagnose needs from any of them is the prompt as the client s
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,6 +53,9 @@ class RequestLog:
     pool_blocks: int | None = None
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # where the server's cache was emptied (a /reset_prefix_cache, a restart): the number of
+    # records served before it
+    resets: list[int] = field(default_factory=list)
 
     @property
     def served_hit_rate(self) -> float | None:
@@ -108,6 +112,7 @@ def read_log(path: str | Path, limit: int | None = None) -> RequestLog:
     if not path.is_file():
         raise ValueError(f"request log {str(path)!r} does not exist")
     log = RequestLog([], source=str(path))
+    resets: list[tuple[float | None, int]] = []  # (time, records before it)
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -121,16 +126,28 @@ def read_log(path: str | Path, limit: int | None = None) -> RequestLog:
                 log.meta = d["meta"]
                 log.block_size = d["meta"].get("block_size", log.block_size)
                 log.pool_blocks = d["meta"].get("pool_blocks", log.pool_blocks)
+                if log.records:  # a server (re)started: its cache starts empty
+                    resets.append((d["meta"].get("started"), len(log.records)))
+                continue
+            if isinstance(d, dict) and d.get("event") == "reset_prefix_cache":
+                resets.append((d.get("time"), len(log.records)))
                 continue
             log.records += parse_line(d, len(log.records), f"{path}:{lineno}")
             if limit is not None and len(log.records) >= limit:
                 break
     if not log.records:
         raise ValueError(f"request log {str(path)!r} holds no requests")
-    if all(r.time is not None for r in log.records):
+    timed = all(r.time is not None for r in log.records)
+    if timed:
         log.records.sort(key=lambda r: r.time)  # stable: equal times keep the file's order
         for i, r in enumerate(log.records):
             r.index = i
+    times = [r.time for r in log.records]
+    for t, before in resets:
+        at = bisect.bisect_right(times, t) if timed and isinstance(t, (int, float)) else before
+        if 0 < at < len(log.records) and at not in log.resets:
+            log.resets.append(at)
+    log.resets.sort()
     return log
 
 

@@ -50,13 +50,20 @@ def to_trace(rendered: list[Rendered]) -> Trace:
     return Trace(reqs, source="request log")
 
 
-def hit_rate(rendered: list[Rendered], pool: PoolSize, policy: str = "lru") -> HitRate:
-    """Cached prompt tokens / prompt tokens over the log, replayed in order."""
+def hit_rate(rendered: list[Rendered], pool: PoolSize, resets: list[int] = (),
+             policy: str = "lru") -> HitRate:
+    """Cached prompt tokens / prompt tokens over the log, replayed in order, from an empty
+    cache at the start and at each reset (the number of requests before it)."""
     cfg = SimConfig(capacity_tokens=pool.pool_blocks * pool.block_size,
                     block_size=pool.block_size, policy=policy, lifetime="immediate")
-    got = replay(to_trace(rendered), cfg)
-    if got["rejected"]:
-        raise ValueError(f"{got['rejected']} requests do not fit a pool of {pool.pool_blocks} "
-                         f"blocks of {pool.block_size} tokens")
-    prompt = sum(len(r.token_ids) for r in rendered)
-    return HitRate(got["hit_tokens"], prompt)
+    bounds = [0, *sorted(b for b in resets if 0 < b < len(rendered)), len(rendered)]
+    hits = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        if lo == hi:
+            continue
+        got = replay(to_trace(rendered[lo:hi]), cfg)
+        if got["rejected"]:
+            raise ValueError(f"{got['rejected']} requests do not fit a pool of "
+                             f"{pool.pool_blocks} blocks of {pool.block_size} tokens")
+        hits += got["hit_tokens"]
+    return HitRate(hits, sum(len(r.token_ids) for r in rendered))

@@ -391,6 +391,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
             from kvserve.server.serving import engine_error
 
             raise engine_error(exc) from exc
+        if serving.request_log is not None:  # a replay of the log must empty its cache here
+            serving.request_log.write({"event": "reset_prefix_cache", "time": time.time()})
         return Response(status_code=200)
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)

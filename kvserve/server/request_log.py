@@ -5,7 +5,10 @@ Why a log of its own: the prefix-cache hit rate /metrics reports says how much w
 why the rest was not. Diagnosing that needs the prompts as the clients sent them (the chat
 messages, before the template), the cache salt, and what the cache actually served, in arrival
 order. The first line of each server run is a header, `{"meta": {...}}`, with the pool's block
-size and block count, so that diagnose replays at the server's own pool size by default.
+size and block count, so that diagnose replays at the server's own pool size by default; a
+`/reset_prefix_cache` writes `{"event": "reset_prefix_cache", "time"}`, since a replay that
+did not empty its cache there would credit hits the server never had (a restart, a new header,
+empties it too).
 
 The log is append-only and flushed per line (a crash loses at most the line being written); a
 write that fails is logged once and the server goes on serving: a full disk must not turn
