@@ -9,7 +9,7 @@ from kvserve.cli_flags import add_report_args, print_report
 EPILOG = """\
 LOG is kvserve's request log (`kvserve serve --request-log FILE`) or OpenAI-format JSONL of
 /v1/chat/completions or /v1/completions bodies (batch-API lines {"body": {...}} too). The pool
-replayed at is the one in the request log's header (the server's), else --pool-blocks, else one
+replayed at is --pool-blocks, else the one in the request log's header (the server's), else one
 that holds every prompt. Example:
 
   kvserve serve --request-log requests.jsonl
