@@ -60,13 +60,16 @@ class Diagnosis:
 def resolve_pool(log: RequestLog, rendered, block_size: int | None,
                  pool_blocks: int | None) -> PoolSize:
     """The pool to replay at: the flags, else the request log's header (the server's own
-    pool), else a pool that holds everything."""
+    pool), else a pool that holds everything; evicting as the server's header says."""
     bs = block_size or log.block_size or DEFAULT_BLOCK_SIZE
+    policy = log.meta.get("eviction_policy", "lru")
+    if policy not in ("lru", "lfu", "priority"):
+        policy = "lru"
     if pool_blocks is not None:
-        return PoolSize(bs, pool_blocks, "flags")
+        return PoolSize(bs, pool_blocks, "flags", policy)
     if log.pool_blocks is not None and bs == log.block_size:
-        return PoolSize(bs, int(log.pool_blocks), "request log")
-    return PoolSize(bs, unbounded_pool(rendered, bs), "unbounded")
+        return PoolSize(bs, int(log.pool_blocks), "request log", policy)
+    return PoolSize(bs, unbounded_pool(rendered, bs), "unbounded", policy)
 
 
 def find_spans(records: list[LogRecord], rendered) -> list[Finding]:

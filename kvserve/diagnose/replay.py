@@ -24,6 +24,7 @@ class PoolSize:
     block_size: int
     pool_blocks: int
     source: str  # "request log", "flags" or "unbounded" (what the numbers came from)
+    policy: str = "lru"  # the server's eviction policy (the request log's header)
 
 
 @dataclass
@@ -50,12 +51,11 @@ def to_trace(rendered: list[Rendered]) -> Trace:
     return Trace(reqs, source="request log")
 
 
-def hit_rate(rendered: list[Rendered], pool: PoolSize, resets: list[int] = (),
-             policy: str = "lru") -> HitRate:
+def hit_rate(rendered: list[Rendered], pool: PoolSize, resets: list[int] = ()) -> HitRate:
     """Cached prompt tokens / prompt tokens over the log, replayed in order, from an empty
     cache at the start and at each reset (the number of requests before it)."""
     cfg = SimConfig(capacity_tokens=pool.pool_blocks * pool.block_size,
-                    block_size=pool.block_size, policy=policy, lifetime="immediate")
+                    block_size=pool.block_size, policy=pool.policy, lifetime="immediate")
     bounds = [0, *sorted(b for b in resets if 0 < b < len(rendered)), len(rendered)]
     hits = 0
     for lo, hi in zip(bounds, bounds[1:]):

@@ -292,7 +292,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         kv = engine.engine.kv
         serving.request_log = RequestLog(request_log, {
             "model": served_model_names[0], "block_size": kv.block_size,
-            "pool_blocks": kv.num_blocks,
+            "pool_blocks": kv.num_blocks, "eviction_policy": engine.config.eviction_policy,
             "prefix_caching": engine.config.enable_prefix_caching})
     created = int(time.time())
 
