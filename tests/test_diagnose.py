@@ -154,6 +154,17 @@ def test_reads_openai_and_batch_lines(tmp_path):
         read_log(path)
 
 
+def test_overlapping_requests_are_noted(tokenizer):
+    from kvserve.diagnose.report import render_text
+
+    records = [LogRecord(i, messages=b["messages"], time=float(i), finished=i + 1.5)
+               for i, b in enumerate(synth.generate(6, seed=7, classes=()))]
+    log = RequestLog(records, source="concurrent")
+    assert log.overlapped == 5
+    assert "5 requests arrived while an earlier one was running" in \
+        render_text(diagnose(log, tokenizer))
+
+
 def test_request_log_write_failure_is_not_fatal(tmp_path, caplog):
     log = ServerRequestLog(tmp_path, {"block_size": 16})  # a directory: cannot be opened
     log.write({"a": 1})
@@ -237,6 +248,7 @@ def test_predicted_gain_matches_served_gain(tmp_path, tiny, tokenizer):
         assert len(full.records) == 48 * (1 + len(got.classes))
         assert full.resets == [48 * k for k in range(1, 1 + len(got.classes))]
         assert diagnose(full, tokenizer).hit_rate == pytest.approx(full.served_hit_rate)
+        assert full.overlapped == 0  # a sequential client
     finally:
         assert srv.stop() is None, srv.log()[-3000:]
 
@@ -267,6 +279,7 @@ def test_request_log_streams_and_completions(tmp_path, tiny):
     assert all(x["prompt_tokens"] > 0 and x["cached_tokens"] >= 0 for x in lines[1:])
     log = read_log(served_log)
     assert [r.cache_salt for r in log.records] == ["tenant-a", None, None]
+    assert all(r.finished >= r.time for r in log.records) and log.overlapped == 0
     assert len(find_spans(log.records, render_all(load_tokenizer(tiny), log.records))) == 3
 
 
@@ -317,3 +330,21 @@ def test_reordered_messages_and_tools(tiny, tmp_path):
     fixed = cleaned_records(RequestLog(records), tokenizer, ["reordered"])
     assert all(r.tools == tools and r.messages[1:9] == [m for p in shots for m in p]
                for r in fixed)
+
+
+def test_changing_number_in_the_system_prompt(tokenizer):
+    """A counter templated into the system prompt is named, and its fix replaces the counter
+    only, not the numbers elsewhere."""
+    bodies = synth.generate(60, seed=6, classes=())
+    for i, b in enumerate(bodies):
+        system = b["messages"][0]
+        intro, rest = system["content"].split("\n\n", 1)
+        system["content"] = f"{intro}\n\nYou have answered {100 + 7 * i} questions today.\n\n" \
+            f"{rest}"
+    log = _log(bodies)
+    got = diagnose(log, tokenizer)
+    assert [c.cls for c in got.classes] == ["number"]
+    assert got.classes[0].gain_points > 20
+    fixed = cleaned_records(log, tokenizer, ["number"])
+    assert len({r.messages[0]["content"] for r in fixed}) == 1
+    assert "You have answered <n> questions today." in fixed[0].messages[0]["content"]

@@ -49,6 +49,7 @@ class Diagnosis:
     classes: list[ClassReport]  # ranked by gain
     hit_rate_all_fixed: float
     divergences: dict[str, int] = field(default_factory=dict)  # every category's count
+    overlapped: int = 0  # requests that overlapped an earlier one on the server
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -109,7 +110,7 @@ def diagnose(log: RequestLog, tokenizer, block_size: int | None = None,
     all_fixed = hit_rate(render_all(tokenizer, apply_fixes(records, found, ctx)), pool,
                          log.resets).rate if found else base.rate
     return Diagnosis(log.source, len(records), base.prompt_tokens, pool, base.rate,
-                     log.served_hit_rate, reports, all_fixed, dict(counts))
+                     log.served_hit_rate, reports, all_fixed, dict(counts), log.overlapped)
 
 
 def cleaned_records(log: RequestLog, tokenizer, classes: list[str]) -> list[LogRecord]:

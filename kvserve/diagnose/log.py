@@ -35,6 +35,7 @@ class LogRecord:
     add_generation_prompt: bool = True
     cache_salt: str | None = None
     time: float | None = None
+    finished: float | None = None  # kvserve's log: when the request finished
     prompt_tokens: int | None = None  # what the server counted (kvserve's log only)
     cached_tokens: int | None = None  # what the server's prefix cache served
 
@@ -56,6 +57,18 @@ class RequestLog:
     # where the server's cache was emptied (a /reset_prefix_cache, a restart): the number of
     # records served before it
     resets: list[int] = field(default_factory=list)
+
+    @property
+    def overlapped(self) -> int:
+        """Requests that arrived before an earlier one had finished (kvserve's log): concurrent
+        traffic, which a sequential replay does not model."""
+        count, last_end = 0, float("-inf")
+        for r in self.records:
+            if r.time is not None and r.time < last_end:
+                count += 1
+            if r.finished is not None:
+                last_end = max(last_end, r.finished)
+        return count
 
     @property
     def served_hit_rate(self) -> float | None:
@@ -83,8 +96,10 @@ def parse_line(d: Any, index: int, where: str) -> list[LogRecord]:
     body = _body_of(d)
     common = dict(cache_salt=body.get("cache_salt"), time=d.get("time", body.get("time")),
                   prompt_tokens=d.get("prompt_tokens"), cached_tokens=d.get("cached_tokens"))
-    if common["time"] is not None and not isinstance(common["time"], (int, float)):
-        common["time"] = None
+    common["finished"] = d.get("finished")
+    for key in ("time", "finished"):
+        if common[key] is not None and not isinstance(common[key], (int, float)):
+            common[key] = None
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list) or not messages:

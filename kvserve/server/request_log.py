@@ -10,6 +10,8 @@ size and block count, so that diagnose replays at the server's own pool size by 
 did not empty its cache there would credit hits the server never had (a restart, a new header,
 empties it too).
 
+Each record has its arrival `time` and its `finished` time: requests that overlapped can be
+told from requests sent one after another (diagnose's replay is sequential, docs/diagnose.md).
 The log is append-only and flushed per line (a crash loses at most the line being written); a
 write that fails is logged once and the server goes on serving: a full disk must not turn
 into failed requests.
@@ -51,6 +53,7 @@ class RequestLog:
         self._failed = True
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one line; a failure is logged (once until a write succeeds), not raised."""
         if self._file is None:
             return
         try:
@@ -82,7 +85,8 @@ def chat_record(req, arrival: float, prompt_tokens: int, cached_tokens: int,
             record[key] = body[key]
     if req.add_generation_prompt is False:
         record["add_generation_prompt"] = False
-    record.update(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    record.update(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                  finished=time.time())
     return record
 
 
@@ -96,5 +100,6 @@ def completion_record(prompt: dict[str, Any], arrival: float, salt: str | None,
         record["prompt"] = prompt["prompt"]
     else:
         record["prompt_token_ids"] = list(prompt["prompt_token_ids"])
-    record.update(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    record.update(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                  finished=time.time())
     return record
