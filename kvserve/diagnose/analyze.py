@@ -91,7 +91,8 @@ def diagnose(log: RequestLog, tokenizer, block_size: int | None = None,
     """The ranked report of a request log. `progress`, when given, wraps the list of classes
     being replayed (tqdm)."""
     records = log.records
-    rendered = render_all(tokenizer, records)
+    memo: dict = {}  # renderings shared by the log and its fixed versions
+    rendered = render_all(tokenizer, records, memo)
     pool = resolve_pool(log, rendered, block_size, pool_blocks)
     findings = find_spans(records, rendered)
     counts = Counter(f.cls for f in findings)
@@ -101,13 +102,13 @@ def diagnose(log: RequestLog, tokenizer, block_size: int | None = None,
     reports = []
     for cls in (progress(found) if progress is not None and found else found):
         example = next(f for f in findings if f.cls == cls)
-        fixed_rendered = render_all(tokenizer, apply_fixes(records, [cls], ctx))
+        fixed_rendered = render_all(tokenizer, apply_fixes(records, [cls], ctx), memo)
         fixed = hit_rate(fixed_rendered, pool, log.resets)
         touched = sum(f.token_ids != r.token_ids for f, r in zip(fixed_rendered, rendered))
         reports.append(ClassReport(cls, LABELS[cls], touched, counts[cls], example.span,
                                    example.other_span, base.rate, fixed.rate))
     reports.sort(key=lambda r: (-r.gain_points, -r.requests))
-    all_fixed = hit_rate(render_all(tokenizer, apply_fixes(records, found, ctx)), pool,
+    all_fixed = hit_rate(render_all(tokenizer, apply_fixes(records, found, ctx), memo), pool,
                          log.resets).rate if found else base.rate
     return Diagnosis(log.source, len(records), base.prompt_tokens, pool, base.rate,
                      log.served_hit_rate, reports, all_fixed, dict(counts), log.overlapped)

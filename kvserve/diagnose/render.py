@@ -66,12 +66,14 @@ def render(tokenizer, record: LogRecord) -> Rendered:
     return Rendered(text, ids, record.cache_salt)
 
 
-def render_all(tokenizer, records: list[LogRecord]) -> list[Rendered]:
-    """Every record rendered, each distinct request once (a log repeats many)."""
-    memo: dict[str, Rendered] = {}
-    out = []
+def render_all(tokenizer, records: list[LogRecord],
+               memo: dict[str, Rendered] | None = None) -> list[Rendered]:
+    """Every record rendered, each distinct request once (a log repeats many; pass one `memo`
+    to the renderings of a log and its fixed versions, which share most requests)."""
     import json
 
+    memo = {} if memo is None else memo
+    out = []
     for r in records:
         key = json.dumps([r.messages, r.prompt, r.tools, r.chat_template_kwargs,
                           r.add_generation_prompt, r.cache_salt], sort_keys=True)
