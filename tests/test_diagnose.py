@@ -165,6 +165,18 @@ def test_overlapping_requests_are_noted(tokenizer):
         render_text(diagnose(log, tokenizer))
 
 
+def test_unrenderable_requests_are_left_out(tokenizer):
+    from kvserve.diagnose.report import render_text
+
+    bodies = synth.generate(10, seed=8, classes=())
+    records = [LogRecord(i, messages=b["messages"]) for i, b in enumerate(bodies)]
+    records.insert(3, LogRecord(3, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
+    got = diagnose(RequestLog(records, resets=[5]), tokenizer)
+    assert got.requests == 10 and got.skipped == 1 and "request 3" in got.skip_reason
+    assert "1 requests could not be rendered" in render_text(got)
+
+
 def test_request_log_write_failure_is_not_fatal(tmp_path, caplog):
     log = ServerRequestLog(tmp_path, {"block_size": 16})  # a directory: cannot be opened
     log.write({"a": 1})

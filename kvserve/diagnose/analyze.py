@@ -9,7 +9,7 @@ at the end of a prompt is everywhere and costs nothing.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.diagnose.classify import CLASSES, LABELS, Finding, classify
 from kvserve.diagnose.divergence import find_divergences
@@ -50,6 +50,8 @@ class Diagnosis:
     hit_rate_all_fixed: float
     divergences: dict[str, int] = field(default_factory=dict)  # every category's count
     overlapped: int = 0  # requests that overlapped an earlier one on the server
+    skipped: int = 0  # requests the template could not render (left out of the replay)
+    skip_reason: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -86,12 +88,36 @@ def find_spans(records: list[LogRecord], rendered) -> list[Finding]:
 
 
 
+def renderable(log: RequestLog, tokenizer, memo: dict) -> tuple[RequestLog, int, str]:
+    """The log without the requests this model's template cannot render (a log from another
+    server may hold content kvserve does not take, such as images), the number dropped and
+    the first reason. The resets keep their places among the requests kept."""
+    kept, skipped, reason, resets = [], 0, "", []
+    pending = sorted(log.resets)
+    for i, r in enumerate(log.records):
+        while pending and pending[0] <= i:
+            pending.pop(0)
+            resets.append(len(kept))
+        try:
+            render_all(tokenizer, [r], memo)
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            skipped += 1
+            reason = reason or f"request {i}: {str(exc).splitlines()[0]}"
+            continue
+        kept.append(r)
+    if not kept:
+        raise ValueError(f"no request of the log renders with this model's template ({reason})")
+    return replace(log, records=kept, resets=[x for x in resets if 0 < x < len(kept)]), \
+        skipped, reason
+
+
 def diagnose(log: RequestLog, tokenizer, block_size: int | None = None,
              pool_blocks: int | None = None, progress=None) -> Diagnosis:
     """The ranked report of a request log. `progress`, when given, wraps the list of classes
     being replayed (tqdm)."""
-    records = log.records
     memo: dict = {}  # renderings shared by the log and its fixed versions
+    log, skipped, reason = renderable(log, tokenizer, memo)
+    records = log.records
     rendered = render_all(tokenizer, records, memo)
     pool = resolve_pool(log, rendered, block_size, pool_blocks)
     findings = find_spans(records, rendered)
@@ -111,7 +137,8 @@ def diagnose(log: RequestLog, tokenizer, block_size: int | None = None,
     all_fixed = hit_rate(render_all(tokenizer, apply_fixes(records, found, ctx), memo), pool,
                          log.resets).rate if found else base.rate
     return Diagnosis(log.source, len(records), base.prompt_tokens, pool, base.rate,
-                     log.served_hit_rate, reports, all_fixed, dict(counts), log.overlapped)
+                     log.served_hit_rate, reports, all_fixed, dict(counts), log.overlapped,
+                     skipped, reason)
 
 
 def cleaned_records(log: RequestLog, tokenizer, classes: list[str]) -> list[LogRecord]:

@@ -22,6 +22,9 @@ def render_text(d: Diagnosis) -> str:
              f"prefix-cache hit rate, replayed: {100 * d.hit_rate:.1f}%"
              + (f" (the server reported {100 * d.served_hit_rate:.1f}%)"
                 if d.served_hit_rate is not None else "")]
+    if d.skipped:
+        lines.append(f"note: {d.skipped} requests could not be rendered and are left out "
+                     f"({d.skip_reason})")
     if d.overlapped:
         lines.append(f"note: {d.overlapped} requests arrived while an earlier one was running; "
                      "the replay sends them one after another, so it may credit hits that "
