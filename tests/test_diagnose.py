@@ -360,3 +360,24 @@ def test_changing_number_in_the_system_prompt(tokenizer):
     fixed = cleaned_records(log, tokenizer, ["number"])
     assert len({r.messages[0]["content"] for r in fixed}) == 1
     assert "You have answered <n> questions today." in fixed[0].messages[0]["content"]
+
+
+def test_default_model_is_the_embedded_one(tmp_path, capsys):
+    """Without --model, requests are rendered as `kvserve serve` without a model renders them:
+    the embedded SmolLM2's tokenizer and ChatML template."""
+    from kvserve.model.default import embedded_model_path
+
+    try:
+        embedded_model_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    from kvserve.cli import main
+
+    tokenizer = load_tokenizer(None)
+    r = render_all(tokenizer, [LogRecord(0, messages=[{"role": "user", "content": "hi"}])])[0]
+    assert r.text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    path = tmp_path / "log.jsonl"
+    synth.write(synth.generate(100, seed=9), str(path))
+    assert main(["diagnose", str(path), "--json"]) == 0
+    assert {c["cls"] for c in json.loads(capsys.readouterr().out)["classes"]} == \
+        set(synth.PLANTED)
