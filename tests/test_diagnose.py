@@ -381,3 +381,27 @@ def test_default_model_is_the_embedded_one(tmp_path, capsys):
     assert main(["diagnose", str(path), "--json"]) == 0
     assert {c["cls"] for c in json.loads(capsys.readouterr().out)["classes"]} == \
         set(synth.PLANTED)
+
+
+def test_template_drift_of_a_client_rendered_prompt(tokenizer):
+    """Half the traffic renders its own template for /v1/completions, with another role
+    header: named as template drift, and fixed to the server's rendering."""
+    from kvserve.diagnose.render import render_text
+
+    records = []
+    for i, b in enumerate(synth.generate(60, seed=10, classes=())):
+        chat = LogRecord(i, messages=b["messages"])
+        if i % 2:
+            text = render_text(tokenizer, chat).replace("<|im_start|>system\n",
+                                                        "<|im_start|>System\n")
+            records.append(LogRecord(i, prompt=text))
+        else:
+            records.append(chat)
+    log = RequestLog(records)
+    got = diagnose(log, tokenizer)
+    assert [c.cls for c in got.classes] == ["template"]
+    # an unbounded pool keeps both renderings: the drift costs each its first request only
+    assert got.classes[0].requests == 30 and got.classes[0].gain_points > 1
+    fixed = cleaned_records(log, tokenizer, ["template"])
+    assert all(render_text(tokenizer, f) == render_text(tokenizer, LogRecord(0, messages=b[
+        "messages"])) for f, b in zip(fixed, synth.generate(60, seed=10, classes=())))

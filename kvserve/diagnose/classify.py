@@ -14,9 +14,10 @@ characters (or both prompts' end). The classes, in the order they are tried:
 - number: any other number that changes per request;
 - whitespace: the prompts differ only in a run of whitespace there (trailing spaces, blank
   lines);
-- template: the same messages rendered differently (the divergence is in the template's markup,
-  not in a message, and the messages up to there are the same: chat_template_kwargs,
-  add_generation_prompt, or a client that renders its own template).
+- template: the same messages rendered differently: chat requests whose messages agree but whose
+  rendering differs in the template's markup (chat_template_kwargs, add_generation_prompt), or
+  prompt texts that differ only in markup (a client rendering its own template for
+  /v1/completions) and agree again after it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvserve.diagnose.divergence import Divergence, common_prefix
 from kvserve.diagnose.log import LogRecord
-from kvserve.diagnose.patterns import PATTERNS, covering, split_segments
+from kvserve.diagnose.patterns import MARKUP, PATTERNS, covering, split_segments
 
 AGREE = 12  # characters that must agree after a span for it to be a local difference
 MAX_ITEMS = 64  # longest run of items a reordering is looked for in
@@ -52,6 +53,7 @@ class Finding:
     other_span: str = ""
     items: tuple[str, ...] = field(default=())
     left: str = ""  # text just before the span (numbers: the fix replaces numbers after it)
+    subs: tuple[str, str] | None = None  # template drift in text: (variant, the reference)
     level: str = "text"  # reordered: what was reordered (text items, messages or tools)
 
     @property
@@ -198,6 +200,47 @@ def _reordered_tools(a: str, ra: LogRecord, rb: LogRecord, d: int) -> tuple[str,
     return tuple(_key(t) for t in ra.tools)
 
 
+MARKUP_REACH = 256  # longest markup difference looked for (a default system message)
+HEADER_CHANGE = 24  # longest change in a header line (a role name) without a special token
+
+
+def _realign(a: str, b: str, d: int, reach: int) -> tuple[int, int] | None:
+    """The shortest skips (i in a, j in b) after which the prompts agree for AGREE characters
+    again."""
+    best = None
+    for i in range(reach + 1):
+        probe = a[d + i:d + i + AGREE]
+        if len(probe) < AGREE or (best is not None and i >= sum(best)):
+            break
+        j = b.find(probe, d, d + reach + AGREE)
+        if j >= 0 and (best is None or i + j - d < sum(best)):
+            best = (i, j - d)
+    return best
+
+
+def _markup_drift(a: str, b: str, d: int) -> tuple[str, str] | None:
+    """Two renderings of the same conversation that differ in the template's markup (a client
+    rendering its own template for /v1/completions: another role header, a missing default
+    system message): the divergence is in a markup header (after a special token, before the
+    end of its line) or the differing spans hold a special token, and the prompts agree again
+    within MARKUP_REACH characters. The spans returned run from that special token to the
+    realignment, plus the AGREE characters both share, so that replacing one by the other is
+    specific."""
+    got = _realign(a, b, d, MARKUP_REACH)
+    if got is None:
+        return None
+    i, j = got
+    last = None
+    for m in MARKUP.finditer(a, max(0, d - 64), d):
+        last = m
+    in_header = last is not None and "\n" not in a[last.end():d]
+    inside = MARKUP.search(a, d, d + i) or MARKUP.search(b, d, d + j)
+    if not (inside or (in_header and max(i, j) <= HEADER_CHANGE)):
+        return None  # (a long change after a header is content: "[INST] question")
+    s = last.start() if in_header else d
+    return a[s:d + i + AGREE], b[s:d + j + AGREE]
+
+
 def _is_template_drift(a: str, ra: LogRecord, rb: LogRecord, d: int) -> bool:
     """The divergence is in markup, not in a message, and the messages so far are equal."""
     if not (ra.is_chat and rb.is_chat):
@@ -256,4 +299,12 @@ def classify(div: Divergence, a: str | None, b: str | None, ra: LogRecord,
         return f
     if rb is not None and _is_template_drift(a, ra, rb, d):
         f.cls, f.span, f.other_span = "template", a[d:d + 24], b[d:d + 24]
+        return f
+    markup = _markup_drift(a, b, d)
+    if markup is not None:
+        f.cls, f.span, f.other_span = "template", markup[0], markup[1]
+        # the fix rewrites a client's own rendering (a completion prompt) to the server's, the
+        # reference, or (two completion prompts) to the earlier request's
+        chat_is_this = ra.is_chat and rb is not None and not rb.is_chat
+        f.subs = (markup[1], markup[0]) if chat_is_this else (markup[0], markup[1])
     return f

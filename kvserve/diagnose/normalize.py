@@ -16,7 +16,8 @@ its own gain and no other's:
 - whitespace: lines right-stripped, inner runs of spaces and of blank lines collapsed, each
   message stripped;
 - template: the log's most common template settings (chat_template_kwargs,
-  add_generation_prompt) on every chat request.
+  add_generation_prompt) on every chat request; in completion prompts (a client's own
+  rendering), each markup variant seen replaced by the server's rendering of it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class FixContext:
     tool_rank: dict[str, int] = field(default_factory=dict)  # tools seen reordered, in order
     number_contexts: set[str] = field(default_factory=set)
     template: tuple[dict | None, bool] = (None, True)
+    template_subs: list[tuple[str, str]] = field(default_factory=list)  # completion prompts
 
     @classmethod
     def from_findings(cls, findings: list[Finding], records: list[LogRecord]) -> "FixContext":
@@ -58,6 +60,9 @@ class FixContext:
                 tools.update(f.items)
             elif f.cls == "reordered":
                 ctx.reordered_items.update(x for x in f.items if x.strip())
+            elif f.cls == "template" and f.subs is not None and f.subs not in ctx.template_subs \
+                    and (f.subs[1], f.subs[0]) not in ctx.template_subs:
+                ctx.template_subs.append(f.subs)
             elif f.cls == "number" and f.left.strip():
                 ctx.number_contexts.add(_context_key(f.left))
         ctx.item_rank = _canonical_order((split_segments(t)[0::2] for r in records
@@ -209,8 +214,17 @@ def make_fix(cls: str, ctx: FixContext) -> Callable[[LogRecord], LogRecord]:
         return _text_fix(_strip_whitespace)
     if cls == "template":
         kwargs, gen = ctx.template
-        return lambda r: r.copy(chat_template_kwargs=kwargs, add_generation_prompt=gen) \
-            if r.is_chat else r
+
+        def fix_template(r: LogRecord) -> LogRecord:
+            if r.is_chat:
+                return r.copy(chat_template_kwargs=kwargs, add_generation_prompt=gen)
+            if isinstance(r.prompt, str):
+                text = r.prompt
+                for variant, reference in ctx.template_subs:
+                    text = text.replace(variant, reference)
+                return r.copy(prompt=text)
+            return r
+        return fix_template
     raise ValueError(f"no fix for class {cls!r}")
 
 

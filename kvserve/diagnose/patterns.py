@@ -40,7 +40,9 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 # What separates the items of a list in a prompt: blank lines, and the chat template's markup
 # tokens (<|im_start|>, <|eot_id|>, ...), so that the last item of a list is not glued to the
 # end of its message.
-SEPARATOR = re.compile(r"(\n[ \t]*\n\s*|<\|[^|<>\s]{1,40}\|>|</?s>|\[/?INST\])")
+_MARKUP = r"<\|[^|<>\s]{1,40}\|>|</?s>|\[/?INST\]"
+SEPARATOR = re.compile(rf"(\n[ \t]*\n\s*|{_MARKUP})")
+MARKUP = re.compile(_MARKUP)  # a chat template's special tokens
 
 PATTERNS = {"timestamp": TIMESTAMP, "id": IDENTIFIER, "number": NUMBER}
 
