@@ -1,5 +1,5 @@
-"""`kvserve make-model | generate | demo | serve | route | plan | simulate`: the command line, with
-vLLM's flag names."""
+"""`kvserve make-model | generate | demo | serve | route | plan | simulate | diagnose`: the command
+line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -165,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog=SIM_EPILOG, formatter_class=raw)
     add_simulate_args(sim)
     sim.set_defaults(func=cmd_simulate)
+
+    from kvserve.diagnose.cli import EPILOG as DIAG_EPILOG, add_diagnose_args, cmd_diagnose
+
+    diag = sub.add_parser("diagnose", help="why a request log misses the prefix cache: "
+                          "polluting spans, ranked by the hit rate their fix brings back",
+                          epilog=DIAG_EPILOG, formatter_class=raw)
+    add_diagnose_args(diag)
+    diag.set_defaults(func=cmd_diagnose)
     return parser
 
 

@@ -273,7 +273,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
               api_key: str | None = None,
               metrics: PrometheusStatLogger | None = None, *,
               api_key_protect_all: bool = False,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              request_log: str | None = None) -> FastAPI:
     served_model_names = list(served_model_names)
     if metrics is None:
         metrics = PrometheusStatLogger(served_model_names[0])
@@ -285,6 +286,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         kv_events = KVEventPublisher()
         engine.stat_loggers.append(kv_events)
     serving = OpenAIServingChat(engine, served_model_names)
+    if request_log is not None:
+        from kvserve.server.request_log import RequestLog
+
+        kv = engine.engine.kv
+        serving.request_log = RequestLog(request_log, {
+            "model": served_model_names[0], "block_size": kv.block_size,
+            "pool_blocks": kv.num_blocks, "eviction_policy": engine.config.eviction_policy,
+            "prefix_caching": engine.config.enable_prefix_caching})
     created = int(time.time())
 
     @asynccontextmanager
@@ -295,6 +304,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
             yield
         finally:
             engine.shutdown()
+            if serving.request_log is not None:
+                serving.request_log.close()
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API of the kvserve inference engine")
@@ -380,6 +391,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
             from kvserve.server.serving import engine_error
 
             raise engine_error(exc) from exc
+        if serving.request_log is not None:  # a replay of the log must empty its cache here
+            serving.request_log.write({"event": "reset_prefix_cache", "time": time.time()})
         return Response(status_code=200)
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)

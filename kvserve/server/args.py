@@ -32,6 +32,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 (default 32 MiB)")
+    parser.add_argument("--request-log", metavar="FILE", default=None,
+                        help="append one JSON line per finished request (time, cache_salt, the "
+                        "prompt or chat messages, prompt and cached tokens) after a header with "
+                        "the KV pool's size: what `kvserve diagnose` reads")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic throughput/cache log line")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,

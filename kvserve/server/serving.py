@@ -102,6 +102,7 @@ class OpenAIServing:
         self.model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, tuple[str, bytes, int]] = {}
+        self.request_log = None  # a kvserve.server.request_log.RequestLog (--request-log)
 
     # -- shared -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -303,6 +304,23 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
+    def _log_requests(self, req, prep: Prepared, outputs: Sequence[RequestOutput | None],
+                      arrival: float) -> None:
+        """One --request-log line per finished engine request (none without the flag)."""
+        if self.request_log is None:
+            return
+        from kvserve.server.request_log import chat_record, completion_record
+
+        for prompt, rid, out in zip(prep.prompts, prep.engine_ids, outputs):
+            if out is None or not out.finished:
+                continue
+            n, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            if isinstance(req, ChatCompletionRequest):
+                record = chat_record(req, arrival, n, cached, rid)
+            else:
+                record = completion_record(prompt, arrival, req.cache_salt, n, cached, rid)
+            self.request_log.write(record)
+
     @staticmethod
     def _usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
         outs = [o for o in outputs if o is not None]
@@ -362,11 +380,12 @@ class OpenAIServing:
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
             return event_stream(self._completion_events(prep, streams, cid, created, model,
-                                                        req),
+                                                        req, arrival),
                                 lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
+        self._log_requests(req, prep, outputs, arrival)
         choices = []
         for p, out in enumerate(outputs):
             prompt_text = self._echo_text(prep.prompts[p], req) if req.echo else ""
@@ -460,8 +479,8 @@ class OpenAIServing:
         return result
 
     async def _completion_events(self, prep: Prepared, streams: list[RequestStream], cid: str,
-                                 created: int, model: str, req: CompletionRequest
-                                 ) -> AsyncIterator[str]:
+                                 created: int, model: str, req: CompletionRequest,
+                                 arrival: float = 0.0) -> AsyncIterator[str]:
         n = req.n
         opts = req.stream_options or StreamOptions()
         cursors = [[ChoiceCursor() for _ in range(n)] for _ in streams]
@@ -505,6 +524,7 @@ class OpenAIServing:
                     if opts.continuous_usage_stats:
                         chunk["usage"] = self._choice_usage(len(out.prompt_token_ids), c)
                     yield sse(chunk)
+            self._log_requests(req, prep, last, arrival)
             if opts.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": self._usage(last)})

@@ -24,14 +24,13 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, ChatCompletionRequest, StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
 from kvserve.server.streaming import event_stream, sse
-from kvserve.server.structured_request import (ToolPlan, history_tool_calls,
-                                               structured_outputs_of, tool_plan)
+from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
 
 
@@ -65,11 +64,12 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
             return event_stream(self._chat_events(prep, streams, cid, created, model, req,
-                                                  tools),
+                                                  tools, arrival),
                                 lambda: self._abort_all(prep, streams))
         outputs = await self._collect(raw, prep, streams)
         if outputs is None:
             return Response(status_code=499)
+        self._log_requests(req, prep, outputs, arrival)
         out = outputs[0]
         choices = []
         for c in out.outputs:
@@ -92,28 +92,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.content is None:
-                content = ""
-            elif isinstance(m.content, str):
-                content = m.content
-            else:
-                content = "\n".join(part.text for part in m.content)
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_calls:
-                msg["tool_calls"] = history_tool_calls(m.tool_calls, i)
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                  if k not in _RESERVED_TEMPLATE_KWARGS and isinstance(k, str)}
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools or None, **kwargs)
+            text = render_chat(self.tokenizer, req)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # a template is user-supplied code: any failure is a 400
@@ -142,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_events(self, prep: Prepared, streams: list[RequestStream], cid: str,
                            created: int, model: str, req: ChatCompletionRequest,
-                           tools: ToolPlan) -> AsyncIterator[str]:
+                           tools: ToolPlan, arrival: float = 0.0) -> AsyncIterator[str]:
         cursors = [ChoiceCursor() for _ in range(req.n)]
         parsers = [tools.parser() for _ in range(req.n)] if tools.parse else None
         tier = {"service_tier": SERVED_TIER} if req.service_tier is not None else {}
@@ -191,6 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                     cur.done = finished
                     yield chunk(c.index, {"content": delta} if delta or not finished else {},
                                 lp, finish, c.stop_reason, c)
+            self._log_requests(req, prep, [last], arrival)
             if opts.include_usage:
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                            "model": model, **tier, "choices": [],
