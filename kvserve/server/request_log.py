@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvserve.server.protocol import ChatCompletionRequest
+
 logger = logging.getLogger("kvserve")
 
 FORMAT = "kvserve-request-log"
@@ -64,6 +66,20 @@ class RequestLog:
             self._failed = False
         except (OSError, TypeError, ValueError) as exc:
             self._fail(exc)
+
+    def log_finished(self, req, prompts: list[dict[str, Any]], engine_ids: list[str],
+                     outputs, arrival: float) -> None:
+        """One line per finished engine request of a chat or completions request (a chat
+        request is one prompt; a completions request may hold several)."""
+        for prompt, rid, out in zip(prompts, engine_ids, outputs):
+            if out is None or not out.finished:
+                continue
+            n, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            if isinstance(req, ChatCompletionRequest):
+                record = chat_record(req, arrival, n, cached, rid)
+            else:
+                record = completion_record(prompt, arrival, req.cache_salt, n, cached, rid)
+            self.write(record)
 
     def close(self) -> None:
         if self._file is not None:

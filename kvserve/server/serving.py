@@ -307,19 +307,8 @@ class OpenAIServing:
     def _log_requests(self, req, prep: Prepared, outputs: Sequence[RequestOutput | None],
                       arrival: float) -> None:
         """One --request-log line per finished engine request (none without the flag)."""
-        if self.request_log is None:
-            return
-        from kvserve.server.request_log import chat_record, completion_record
-
-        for prompt, rid, out in zip(prep.prompts, prep.engine_ids, outputs):
-            if out is None or not out.finished:
-                continue
-            n, cached = len(out.prompt_token_ids), out.num_cached_tokens
-            if isinstance(req, ChatCompletionRequest):
-                record = chat_record(req, arrival, n, cached, rid)
-            else:
-                record = completion_record(prompt, arrival, req.cache_salt, n, cached, rid)
-            self.request_log.write(record)
+        if self.request_log is not None:
+            self.request_log.log_finished(req, prep.prompts, prep.engine_ids, outputs, arrival)
 
     @staticmethod
     def _usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
