@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.jsonl import read_jsonl
+
 
 @dataclass
 class LogRecord:
@@ -123,33 +125,22 @@ def read_log(path: str | Path, limit: int | None = None) -> RequestLog:
     """Every request of a log file, in arrival order: by "time" when every record has one (a
     kvserve log is written as requests finish, and concurrent requests finish out of order),
     else in the file's order. The last header seen gives the pool size."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"request log {str(path)!r} does not exist")
     log = RequestLog([], source=str(path))
     resets: list[tuple[float | None, int]] = []  # (time, records before it)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from exc
-            if isinstance(d, dict) and set(d) == {"meta"} and isinstance(d["meta"], dict):
-                log.meta = d["meta"]
-                log.block_size = d["meta"].get("block_size", log.block_size)
-                log.pool_blocks = d["meta"].get("pool_blocks", log.pool_blocks)
-                if log.records:  # a server (re)started: its cache starts empty
-                    resets.append((d["meta"].get("started"), len(log.records)))
-                continue
-            if isinstance(d, dict) and d.get("event") == "reset_prefix_cache":
-                resets.append((d.get("time"), len(log.records)))
-                continue
-            log.records += parse_line(d, len(log.records), f"{path}:{lineno}")
-            if limit is not None and len(log.records) >= limit:
-                break
+    for lineno, d in read_jsonl(path, "request log"):
+        if isinstance(d, dict) and set(d) == {"meta"} and isinstance(d["meta"], dict):
+            log.meta = d["meta"]
+            log.block_size = d["meta"].get("block_size", log.block_size)
+            log.pool_blocks = d["meta"].get("pool_blocks", log.pool_blocks)
+            if log.records:  # a server (re)started: its cache starts empty
+                resets.append((d["meta"].get("started"), len(log.records)))
+            continue
+        if isinstance(d, dict) and d.get("event") == "reset_prefix_cache":
+            resets.append((d.get("time"), len(log.records)))
+            continue
+        log.records += parse_line(d, len(log.records), f"{path}:{lineno}")
+        if limit is not None and len(log.records) >= limit:
+            break
     if not log.records:
         raise ValueError(f"request log {str(path)!r} holds no requests")
     timed = all(r.time is not None for r in log.records)

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.jsonl import read_jsonl
+
 _MAX_TOKEN = 2**62  # token ids are hashed as int64; larger hash ids are renumbered above this
 
 
@@ -156,28 +158,17 @@ def load_trace(path: str | Path, block_size: int | None = None, time_unit: str =
     scale = {"ms": 1e-3, "s": 1.0, "us": 1e-6}.get(time_unit)
     if scale is None:
         raise ValueError(f"time unit must be ms, s or us, got {time_unit!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"trace {str(path)!r} does not exist")
     requests: list[TraceRequest] = []
     renumber: dict[int, int] = {}
     bs = block_size
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {i}: not JSON: {e}") from e
-            if isinstance(d, dict) and "meta" in d and len(d) == 1:
-                if bs is None and d["meta"].get("block_size"):
-                    bs = int(d["meta"]["block_size"])
-                continue
-            requests.append(parse_record(d, i, bs or 512, scale, renumber))
-            if limit is not None and len(requests) >= limit:
-                break
+    for i, d in read_jsonl(path, "trace"):
+        if isinstance(d, dict) and "meta" in d and len(d) == 1:
+            if bs is None and d["meta"].get("block_size"):
+                bs = int(d["meta"]["block_size"])
+            continue
+        requests.append(parse_record(d, i, bs or 512, scale, renumber))
+        if limit is not None and len(requests) >= limit:
+            break
     if not requests:
         raise ValueError(f"trace {str(path)!r} holds no requests")
     trace = Trace(requests, bs or 512, str(path))
