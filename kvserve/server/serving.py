@@ -188,6 +188,9 @@ class OpenAIServing:
             raise APIError(400, "prompt_logprobs is not supported with stream (with "
                            "/v1/completions, echo with logprobs streams them)",
                            param="prompt_logprobs")
+        if req.kv_cache_report and req.stream:
+            raise APIError(400, "kv_cache_report is not supported with stream",
+                           param="kv_cache_report")
         if req.user is not None:  # what OpenAI keeps it for: telling abusers apart, in logs
             logger.info("request %s from user %s", rid, shorten(req.user))
 
@@ -201,7 +204,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req.logit_bias),
-            structured_outputs=structured)
+            structured_outputs=structured, kv_cache_report=req.kv_cache_report)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -393,9 +396,12 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
                         out, req.prompt_logprobs)
                 choices.append(choice)
-        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices,
-                             "usage": self._usage(outputs)})
+        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": self._usage(outputs)}
+        if req.kv_cache_report:  # one object per prompt (a list for several)
+            reports = [o.kv_cache_report for o in outputs]
+            body["kv_cache_report"] = reports[0] if len(reports) == 1 else reports
+        return JSONResponse(body)
 
     def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
         out = []

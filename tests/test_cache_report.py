@@ -1,0 +1,268 @@
+"""The per-request cache report ("why did my prompt miss?", kvserve/kv/report.py).
+
+1. A table of constructed cases, one per reason, through a real server process: each request's
+   `kv_cache_report` names the reason the case was built for, `POST /v1/cache/explain` said the
+   same before the request ran and agrees with what it then found cached, and the Prometheus
+   counter counts the missed tokens by reason.
+2. The reasons a server test would need another model or storage set-up for (`window`,
+   `tier_error`, `bounded`, the source split), and the offline `RequestOutput`, through `LLM`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import transformers
+from helpers import kv_bytes_per_token, save_random_checkpoint
+from server_process import ServerProcess
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.bounded import BoundedKVConfig
+from kvserve.kv.report import REASONS
+
+BS = 16
+REPORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, kv_cache_report=True)
+
+
+def toks(seed: int, n: int, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def reason(report: dict) -> str:
+    return report["first_miss"]["reason"]
+
+
+# -- 1. through the server --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from kvserve.model.make_model import ensure_default_model
+
+    tiny = str(ensure_default_model())
+    # a pool of 24 blocks: a few prompts evict the first one
+    proc = ServerProcess("report", [tiny, "--block-size", str(BS), "--kv-cache-memory-bytes",
+                                    str(24 * BS * kv_bytes_per_token(tiny)), "--dtype",
+                                    "float32"], tmp_path_factory.mktemp("report-logs"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        code = proc.stop()
+    assert code is None, proc.log()[-3000:]
+
+
+def complete(server, prompt, **fields) -> dict:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "kv_cache_report": True,
+            **fields}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def explain(server, **body) -> dict:
+    r = httpx.post(f"{server.url}/v1/cache/explain", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def checked(server, prompt, **fields) -> dict:
+    """Explain, then run: the request's report is the explained one, and its cached tokens
+    are those the usage reports."""
+    explained = explain(server, prompt=prompt, **{k: v for k, v in fields.items()
+                                                  if k in ("cache_salt", "prompt_logprobs")})
+    body = complete(server, prompt, **fields)
+    report = body["kv_cache_report"]
+    assert report["cached_tokens"] == body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert report["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert sum(report["cached_tokens_by_source"].values()) == report["cached_tokens"]
+    assert report["missed_tokens"] == report["prompt_tokens"] - report["cached_tokens"]
+    assert explained["cached_tokens"] == report["cached_tokens"]
+    assert explained["first_miss"]["reason"] == reason(report)
+    assert explained["first_miss"]["position"] == report["first_miss"]["position"]
+    return report
+
+
+def test_reasons_through_the_server(server):
+    a = toks(1, 40)  # 2 full blocks + 8 tokens
+    r = checked(server, a)
+    assert (reason(r), r["cached_tokens"], r["first_miss"]["position"]) == ("never_seen", 0, 0)
+
+    r = checked(server, a)  # the same prompt: its last 8 tokens are below the block size
+    assert (reason(r), r["cached_tokens"]) == ("partial_block", 32)
+    assert r["first_miss"]["tail_tokens"] == 7 and r["first_miss"]["block_size"] == BS
+
+    b = toks(2, 33)  # 2 full blocks + the last token
+    checked(server, b)
+    r = checked(server, b)
+    assert (reason(r), r["cached_tokens"], r["first_miss"]["position"]) == ("last_token", 32, 32)
+
+    c = a[:20] + toks(3, 28)  # leaves `a` at position 20, inside its second block
+    r = checked(server, c)
+    assert reason(r) == "diverged" and r["first_miss"]["position"] == 20
+    miss = r["first_miss"]
+    assert miss["diverged_at"] == 20 and miss["text_before"] and miss["prompt_text"]
+    assert miss["cached_text"] and miss["prompt_text"] != miss["cached_text"]
+    assert r["cached_tokens_by_source"]["device"] == 20
+
+    r = checked(server, a, cache_salt="tenant-b")  # `a` is cached, but not under this salt
+    assert reason(r) == "salt" and r["cached_tokens"] == 0
+    assert not any(isinstance(v, str) and v for k, v in r["first_miss"].items()
+                   if k.endswith("text")), "another tenant's text is shown"
+
+    r = checked(server, b, prompt_logprobs=0)
+    assert (reason(r), r["cached_tokens"], r["first_miss"]["position"]) == \
+        ("prompt_logprobs", 0, 0)
+
+    # evicted: fill the 24-block pool with other prompts, LRU evicts `b`'s blocks
+    for seed in range(10, 16):
+        complete(server, toks(seed, 64))
+    r = checked(server, b)
+    assert reason(r) == "evicted" and r["cached_tokens"] == 0
+    assert r["first_miss"]["policy"] == "lru"
+    assert r["first_miss"]["evicted_seconds_ago"] >= 0
+    assert 0 <= r["first_miss"]["pool_usage_at_eviction"] <= 1  # held by requests then
+
+
+def test_chat_and_explain_of_messages(server):
+    messages = [{"role": "system", "content": "You answer in one word. " * 6},
+                {"role": "user", "content": "What colour is the sky on a clear day?"}]
+    before = explain(server, messages=messages)
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "max_tokens": 2, "kv_cache_report": True})
+    assert r.status_code == 200, r.text
+    report = r.json()["kv_cache_report"]
+    assert before["cached_tokens"] == report["cached_tokens"]
+    assert before["first_miss"]["reason"] == reason(report)
+    after = explain(server, messages=messages)  # now the same messages find their blocks
+    again = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                       json={"messages": messages, "max_tokens": 2, "kv_cache_report": True})
+    assert after["cached_tokens"] == again.json()["kv_cache_report"]["cached_tokens"] > 0
+
+
+def test_report_only_when_asked_and_refusals(server):
+    body = complete(server, toks(30, 20), kv_cache_report=False)
+    assert "kv_cache_report" not in body
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"prompt": "hi", "stream": True, "kv_cache_report": True})
+    assert r.status_code == 400 and "kv_cache_report" in r.text
+    r = httpx.post(f"{server.url}/v1/cache/explain", timeout=30, json={})
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/v1/cache/explain", timeout=30,
+                   json={"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+
+
+def test_missed_tokens_counted_by_reason(server):
+    a = toks(40, 40)
+    complete(server, a)
+    complete(server, a)  # never_seen 40, then partial_block 8
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("kvserve:prompt_tokens_missed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('reason="')[1].split('"')[0]] = float(value)
+    assert counts.get("never_seen", 0) >= 40 and counts.get("partial_block", 0) >= 8
+    assert set(counts) <= set(REASONS)
+
+
+# -- 2. offline: LLM and RequestOutput ----------------------------------------------------------
+def llm_for(model_dir, pool_blocks: int = 64, **kwargs) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", max_model_len=512, block_size=BS,
+               kv_cache_memory_bytes=pool_blocks * BS * kv_bytes_per_token(model_dir), **kwargs)
+
+
+def run(llm: LLM, prompt, params=REPORT, **extra) -> dict:
+    [out] = llm.generate([{"prompt_token_ids": prompt, **extra}], params, use_tqdm=False)
+    report = out.kv_cache_report
+    assert report is not None and report["cached_tokens"] == out.num_cached_tokens
+    return report
+
+
+def test_offline_report_and_off_by_default(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    a = toks(1, 40)
+    assert reason(run(llm, a)) == "never_seen"
+    [out] = llm.generate([{"prompt_token_ids": a}], SamplingParams(max_tokens=2),
+                         use_tqdm=False)
+    assert out.kv_cache_report is None and out.num_cached_tokens == 32
+    assert reason(run(llm, a)) == "partial_block"
+    # another salt holds `a`; explain (read-only) says so too, and changes nothing
+    assert llm.engine.explain_cache({"prompt_token_ids": a}, "t2")["first_miss"]["reason"] \
+        == "salt"
+    assert reason(run(llm, a, cache_salt="t2")) == "salt"
+    stats = llm.engine.stats()
+    assert stats.missed_tokens["never_seen"] == 40 and stats.missed_tokens["salt"] == 40
+    with pytest.raises(ValueError, match="kv_cache_report"):
+        SamplingParams(kv_cache_report="yes")
+
+
+def test_bounded_requests_skip_reading(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    a = toks(5, 48)
+    run(llm, a)
+    engine = llm.engine
+    rid = engine.add_request({"prompt_token_ids": a}, REPORT,
+                             bounded_kv=BoundedKVConfig("snapkv", 24, 4, 8))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid and o.finished]
+    report = outs[0].kv_cache_report
+    assert (reason(report), report["cached_tokens"]) == ("bounded", 0)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=1024, rms_norm_eps=1e-6,
+                                     bos_token_id=0, eos_token_id=2, pad_token_id=0,
+                                     num_hidden_layers=2, sliding_window=32,
+                                     tie_word_embeddings=False, rope_theta=1e4)
+    return save_random_checkpoint(cfg, tmp_path_factory.mktemp("mistral") / "m", seed=3)
+
+
+def test_window(mistral):
+    """A long prompt's early blocks leave the window (released, idle); other prompts evict
+    them and all but the last of the rest: the path is still in the index, but a hit there
+    lacks blocks its window needs."""
+    llm = llm_for(mistral, pool_blocks=16)
+    a = toks(7, 160, vocab=250)  # 10 blocks
+    run(llm, a)
+    kv = llm.engine.kv
+    kv.index.evict(kv.index.num_cached_blocks - 1)  # every block but a leaf: hollow nodes
+    report = run(llm, a)
+    assert reason(report) == "window" and report["first_miss"]["window"] == 32
+
+
+def test_tier_sources_and_tier_error(tiny_model_dir, tmp_path):
+    """Host memory serves an evicted prompt (source `host`); a corrupt chunk on disk is a
+    `tier_error`."""
+    chunk = 2 * BS
+    host = llm_for(tiny_model_dir, pool_blocks=12,
+                   kv_tier_config={"chunk_size": chunk, "local_cpu": True,
+                                   "max_local_cpu_size": 0.01})
+    a, b = toks(8, 150), toks(9, 150)
+    run(host, a)
+    run(host, b)  # evicts `a` into host memory
+    assert host.engine.tiers.flush()
+    report = run(host, a)
+    assert report["cached_tokens_by_source"]["host"] > 0
+    assert sum(report["cached_tokens_by_source"].values()) == report["cached_tokens"]
+
+    disk_dir = tmp_path / "disk"
+    disk = llm_for(tiny_model_dir, pool_blocks=12,
+                   kv_tier_config={"chunk_size": chunk, "local_cpu": False,
+                                   "local_disk": str(disk_dir), "max_local_disk_size": 0.01})
+    run(disk, a)
+    run(disk, b)
+    assert disk.engine.tiers.flush()
+    for f in disk_dir.glob("*.kvchunk"):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    report = run(disk, a)
+    assert reason(report) == "tier_error", report
+    assert report["first_miss"]["tier"] == "disk"
+    assert report["first_miss"]["error"] == "corrupt_chunk"
