@@ -1,16 +1,19 @@
 """The per-request cache report ("why did my prompt miss?", kvserve/kv/report.py).
 
-1. A table of constructed cases, one per reason, through a real server process: each request's
-   `kv_cache_report` names the reason the case was built for, `POST /v1/cache/explain` said the
-   same before the request ran and agrees with what it then found cached, and the Prometheus
-   counter counts the missed tokens by reason.
-2. The reasons a server test would need another model or storage set-up for (`window`,
-   `tier_error`, `bounded`, the source split), and the offline `RequestOutput`, through `LLM`.
+1. A table of constructed cases, one per reason, through real server processes (a tiny model;
+   a sliding-window one for `window`; a disk tier for its source and `tier_error`; an
+   engine-wide SnapKV cache for `bounded`): each request's `kv_cache_report` names the reason
+   the case was built for, and `POST /v1/cache/explain` said the same before the request ran
+   and agrees with what it then found cached (except with a disk tier: explain does not
+   promote chunks from disk first, as a request does); the Prometheus counter counts the
+   missed tokens by reason.
+2. The same through `LLM` and the offline `RequestOutput`.
 """
 
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import pytest
@@ -168,6 +171,88 @@ def test_missed_tokens_counted_by_reason(server):
     assert set(counts) <= set(REASONS)
 
 
+@pytest.fixture(scope="module")
+def more_servers(mistral, tmp_path_factory):
+    """A sliding-window model (window), a disk tier (its source, tier_error) and an engine-wide
+    SnapKV bounded cache (bounded), started at once so that their start-ups overlap."""
+    from kvserve.model.make_model import ensure_default_model
+
+    tiny = str(ensure_default_model())
+    logs = tmp_path_factory.mktemp("report-more-logs")
+    disk = tmp_path_factory.mktemp("report-disk")
+    tiers = logs / "tiers.yaml"
+    tiers.write_text(f"chunk_size: {2 * BS}\nlocal_cpu: false\nlocal_disk: {disk}\n"
+                     "max_local_disk_size: 0.01\n")
+
+    def pool(model, blocks):
+        return ["--block-size", str(BS), "--dtype", "float32", "--kv-cache-memory-bytes",
+                str(blocks * BS * kv_bytes_per_token(model))]
+
+    procs = {"window": ServerProcess("window", [str(mistral), *pool(mistral, WINDOW_POOL)],
+                                     logs),
+             "disk": ServerProcess("disk", [tiny, *pool(tiny, 12), "--kv-tier-config",
+                                            str(tiers)], logs),
+             "bounded": ServerProcess("bounded", [tiny, *pool(tiny, 64), "--bounded-kv-policy",
+                                                  "snapkv", "--bounded-kv-budget", "24",
+                                                  "--bounded-kv-observation-window", "8"],
+                                      logs)}
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs, disk
+    finally:
+        codes = {name: proc.stop() for name, proc in procs.items()}
+    assert set(codes.values()) == {None}, {n: p.log()[-2000:] for n, p in procs.items()}
+
+
+def test_window_through_the_server(more_servers):
+    server = more_servers[0]["window"]
+    report = window_case(lambda p: checked(server, p))
+    assert reason(report) == "window" and report["first_miss"]["window"] == 32
+
+
+def test_bounded_through_the_server(more_servers):
+    server = more_servers[0]["bounded"]
+    a = toks(5, 48)
+    checked(server, a)
+    report = checked(server, a)
+    assert (reason(report), report["cached_tokens"]) == ("bounded", 0)
+
+
+def _saved_chunks(disk, before: set) -> set:
+    """The chunk files written since `before`, once the saver has stopped writing."""
+    deadline, last = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        now = set(disk.glob("*.kvchunk")) - before
+        if now and now == last:
+            return now
+        last = now
+        time.sleep(0.5)
+    raise AssertionError("no chunk was saved")
+
+
+def test_disk_source_and_tier_error_through_the_server(more_servers):
+    procs, disk = more_servers
+    server = procs["disk"]
+    a, b, c, d = (toks(s, 150) for s in (8, 9, 18, 19))
+    complete(server, a)
+    complete(server, b)  # evicts `a`: its chunks go to disk
+    _saved_chunks(disk, set())
+    report = complete(server, a)["kv_cache_report"]  # prefetched from disk, then loaded
+    assert report["cached_tokens_by_source"]["disk"] > 0
+    assert sum(report["cached_tokens_by_source"].values()) == report["cached_tokens"]
+    before = set(disk.glob("*.kvchunk"))
+    complete(server, c)
+    complete(server, d)  # evicts `c`
+    for f in _saved_chunks(disk, before):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    report = complete(server, c)["kv_cache_report"]
+    assert reason(report) == "tier_error", report
+    assert report["first_miss"]["tier"] == "disk"
+    assert report["first_miss"]["error"] == "corrupt_chunk"
+
+
 # -- 2. offline: LLM and RequestOutput ----------------------------------------------------------
 def llm_for(model_dir, pool_blocks: int = 64, **kwargs) -> LLM:
     return LLM(model=str(model_dir), dtype="float32", max_model_len=512, block_size=BS,
@@ -224,17 +309,25 @@ def mistral(tmp_path_factory):
     return save_random_checkpoint(cfg, tmp_path_factory.mktemp("mistral") / "m", seed=3)
 
 
+WINDOW_POOL = 16  # blocks
+
+
+def window_case(run_prompt) -> dict:
+    """A 160-token prompt (10 blocks; window 32) leaves 10 idle cached blocks and 6 free; a
+    230-token one needs 15, so LRU hollows the long prompt's 9 shallowest blocks and keeps its
+    last: the path is still in the index, but a hit anywhere on it lacks blocks its window
+    needs. Returns the long prompt's report the second time."""
+    a, b = toks(7, 160, vocab=250), toks(17, 230, vocab=250)
+    run_prompt(a)
+    run_prompt(b)
+    return run_prompt(a)
+
+
 def test_window(mistral):
-    """A long prompt's early blocks leave the window (released, idle); other prompts evict
-    them and all but the last of the rest: the path is still in the index, but a hit there
-    lacks blocks its window needs."""
-    llm = llm_for(mistral, pool_blocks=16)
-    a = toks(7, 160, vocab=250)  # 10 blocks
-    run(llm, a)
-    kv = llm.engine.kv
-    kv.index.evict(kv.index.num_cached_blocks - 1)  # every block but a leaf: hollow nodes
-    report = run(llm, a)
+    llm = llm_for(mistral, pool_blocks=WINDOW_POOL)
+    report = window_case(lambda p: run(llm, p))
     assert reason(report) == "window" and report["first_miss"]["window"] == 32
+    assert report["first_miss"]["cached_path_tokens"] > 0
 
 
 def test_tier_sources_and_tier_error(tiny_model_dir, tmp_path):
