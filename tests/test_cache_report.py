@@ -359,3 +359,34 @@ def test_tier_sources_and_tier_error(tiny_model_dir, tmp_path):
     assert reason(report) == "tier_error", report
     assert report["first_miss"]["tier"] == "disk"
     assert report["first_miss"]["error"] == "corrupt_chunk"
+
+
+def test_explain_changes_nothing(tiny_model_dir):
+    """explain admits nothing, counts nothing, touches no LRU order."""
+    llm = llm_for(tiny_model_dir)
+    a = toks(50, 40)
+    run(llm, a)
+    kv = llm.engine.kv
+
+    def state():
+        nodes = sorted((n.block, n.last_access, n.hit_count)
+                       for n in kv.index._node_of_block.values())
+        return (nodes, kv.prefix_cache_queries, kv.prefix_cache_hits, dict(kv.hit_tokens),
+                kv.num_available_blocks, dict(llm.engine.stats().missed_tokens))
+
+    before = state()
+    for prompt in (a, a[:20] + toks(51, 20), toks(52, 40)):
+        llm.engine.explain_cache({"prompt_token_ids": prompt})
+    assert state() == before and not kv.block_tables
+
+
+def test_eviction_record_is_bounded():
+    from kvserve.kv.evicted import EvictionRecord
+
+    record = EvictionRecord(capacity=3)
+    for h in range(5):
+        record.record(h, (float(h), "lru", 0.5))
+    assert len(record) == 3 and record.get(0) is None and record.get(4) == (4.0, "lru", 0.5)
+    record.record(2, (9.0, "lfu", 1.0))  # evicted again: the newest stamp, kept longest
+    record.record(5, (5.0, "lru", 0.5))
+    assert record.get(3) is None and record.get(2) == (9.0, "lfu", 1.0)
