@@ -97,7 +97,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.missed_tokens: Counter[str] = Counter()  # prompt tokens of reported requests, by reason
+        # prompt tokens missed by the requests that asked for a cache report, by reason
+        self.missed_tokens: Counter[str] = Counter()
         self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
 

@@ -137,8 +137,9 @@ class PrometheusStatLogger:
         self.kv_cache_size_tokens = gauge("kvserve:kv_cache_size_tokens",
                                           "Tokens the KV pool holds (blocks x block size).")
         self._label = {"model_name": model_name}
-        labelled = {"cache_config_info", "request_success", "hits_by_source", "missed_by_reason", "tier_bytes_saved", "tier_bytes_loaded",
-                    "tier_errors", "tier_skipped_saves", "tier_load_latency", "tier_usage"}
+        labelled = {"cache_config_info", "request_success", "hits_by_source", "missed_by_reason",
+                    "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
+                    "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
                           if isinstance(m, (Counter, Gauge, Histogram)) and name not in labelled}
         self._last_counts: dict[tuple, float] = {}
