@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -144,12 +145,23 @@ def test_chat_and_explain_of_messages(server):
     assert after["cached_tokens"] == again.json()["kv_cache_report"]["cached_tokens"] > 0
 
 
-def test_report_only_when_asked_and_refusals(server):
+def test_report_only_when_asked_streamed_and_refusals(server):
     body = complete(server, toks(30, 20), kv_cache_report=False)
     assert "kv_cache_report" not in body
-    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                   json={"prompt": "hi", "stream": True, "kv_cache_report": True})
-    assert r.status_code == 400 and "kv_cache_report" in r.text
+    prompt = toks(31, 36)
+    complete(server, prompt)
+    for path, field in (("completions", {"prompt": prompt}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        with httpx.stream("POST", f"{server.url}/v1/{path}", timeout=60,
+                          json={**field, "max_tokens": 2, "stream": True,
+                                "kv_cache_report": True}) as r:
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                      if ln.startswith("data: {")]
+        # the last chunk carries the report, and only it
+        assert [("kv_cache_report" in e) for e in events] == [False] * (len(events) - 1) + [True]
+        assert events[-1]["choices"] == [] and events[-1]["kv_cache_report"]["prompt_tokens"]
+    assert events[0]["object"] == "chat.completion.chunk"
     r = httpx.post(f"{server.url}/v1/cache/explain", timeout=30, json={})
     assert r.status_code == 400
     r = httpx.post(f"{server.url}/v1/cache/explain", timeout=30,

@@ -27,7 +27,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
-from kvserve.server.streaming import event_stream, sse
+from kvserve.server.streaming import event_stream, reports_field, sse
 from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import holdback
@@ -188,9 +188,6 @@ class OpenAIServing:
             raise APIError(400, "prompt_logprobs is not supported with stream (with "
                            "/v1/completions, echo with logprobs streams them)",
                            param="prompt_logprobs")
-        if req.kv_cache_report and req.stream:
-            raise APIError(400, "kv_cache_report is not supported with stream",
-                           param="kv_cache_report")
         if req.user is not None:  # what OpenAI keeps it for: telling abusers apart, in logs
             logger.info("request %s from user %s", rid, shorten(req.user))
 
@@ -396,12 +393,9 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
                         out, req.prompt_logprobs)
                 choices.append(choice)
-        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": self._usage(outputs)}
-        if req.kv_cache_report:  # one object per prompt (a list for several)
-            reports = [o.kv_cache_report for o in outputs]
-            body["kv_cache_report"] = reports[0] if len(reports) == 1 else reports
-        return JSONResponse(body)
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices, "usage": self._usage(outputs),
+                             **(reports_field(outputs) if req.kv_cache_report else {})})
 
     def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
         out = []
@@ -523,6 +517,9 @@ class OpenAIServing:
             if opts.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": self._usage(last)})
+            if req.kv_cache_report:  # a last chunk of its own, as the usage has
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], **reports_field(last)})
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are out: report in the stream, then end it
             err = engine_error(exc)

@@ -29,7 +29,7 @@ from kvserve.server.protocol import APIError, CacheExplainRequest, ChatCompletio
     StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
-from kvserve.server.streaming import event_stream, sse
+from kvserve.server.streaming import event_stream, reports_field, sse
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
@@ -89,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": self._usage(outputs), **_echoed(req)}
         if req.kv_cache_report:
-            body["kv_cache_report"] = out.kv_cache_report
+            body.update(reports_field(outputs))
         if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
         return JSONResponse(body)
@@ -201,6 +201,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                            "model": model, **tier, "choices": [],
                            "usage": self._usage([last])})
+            if req.kv_cache_report:  # a last chunk of its own, as the usage has
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                           "model": model, **tier, "choices": [], **reports_field([last])})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield sse(engine_error(exc).body())
