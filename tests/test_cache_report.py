@@ -4,9 +4,9 @@
    a sliding-window one for `window`; a disk tier for its source and `tier_error`; an
    engine-wide SnapKV cache for `bounded`): each request's `kv_cache_report` names the reason
    the case was built for, and `POST /v1/cache/explain` said the same before the request ran
-   and agrees with what it then found cached (except with a disk tier: explain does not
-   promote chunks from disk first, as a request does); the Prometheus counter counts the
-   missed tokens by reason.
+   and agrees with what it then found cached (chunks on disk counted as the request finds them
+   after its prefetch; only a corrupt one, which explain does not read, differs); the
+   Prometheus counter counts the missed tokens by reason.
 2. The same through `LLM` and the offline `RequestOutput`.
 """
 
@@ -83,6 +83,7 @@ def checked(server, prompt, **fields) -> dict:
     assert sum(report["cached_tokens_by_source"].values()) == report["cached_tokens"]
     assert report["missed_tokens"] == report["prompt_tokens"] - report["cached_tokens"]
     assert explained["cached_tokens"] == report["cached_tokens"]
+    assert explained["cached_tokens_by_source"] == report["cached_tokens_by_source"]
     assert explained["first_miss"]["reason"] == reason(report)
     assert explained["first_miss"]["position"] == report["first_miss"]["position"]
     return report
@@ -250,7 +251,7 @@ def test_disk_source_and_tier_error_through_the_server(more_servers):
     complete(server, a)
     complete(server, b)  # evicts `a`: its chunks go to disk
     _saved_chunks(disk, set())
-    report = complete(server, a)["kv_cache_report"]  # prefetched from disk, then loaded
+    report = checked(server, a)  # prefetched from disk, then loaded; explain counts it too
     assert report["cached_tokens_by_source"]["disk"] > 0
     assert sum(report["cached_tokens_by_source"].values()) == report["cached_tokens"]
     before = set(disk.glob("*.kvchunk"))
@@ -259,6 +260,7 @@ def test_disk_source_and_tier_error_through_the_server(more_servers):
     for f in _saved_chunks(disk, before):
         data = f.read_bytes()
         f.write_bytes(data[: len(data) // 2])
+    # explain reads no chunk: only the load finds this one corrupt
     report = complete(server, c)["kv_cache_report"]
     assert reason(report) == "tier_error", report
     assert report["first_miss"]["tier"] == "disk"

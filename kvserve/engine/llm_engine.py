@@ -126,13 +126,13 @@ class LLMEngine:
                       prompt_logprobs: int | None = None) -> dict:
         """What a request for `prompt` would find cached now, and why its first uncached token
         would miss (the cache report, kvserve/kv/report.py), without running it: nothing is
-        queued, admitted or changed. Chunks on disk or in Redis are not promoted first, as a
-        real request's are: they count as misses here."""
+        queued, admitted or changed. Chunks on disk or in Redis count as a request would find
+        them after its prefetch (present now: nothing is read or promoted)."""
         params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs,
                                 kv_cache_report=True)
         [probe], _ = self.inputs.make_requests(prompt, params, "explain", None, cache_salt, 0,
                                                None)
-        match = self.kv.match(probe) if probe.skip_reason is None else \
+        match = self.kv.match_after_prefetch(probe) if probe.skip_reason is None else \
             PrefixMatch([], block_size=self.kv.block_size)
         report = build_report(self.kv, probe, match, probe.skip_reason)
         return report.to_dict(self.tokenizer.decode)

@@ -234,6 +234,25 @@ class TieredKVStore:
             found.append(FoundChunk(h, data, source))
         return found
 
+    def lower_run(self, chunk_hashes: Sequence[int]) -> list[FoundChunk]:
+        """The leading run of these chunks that host memory or a lower tier holds now, as far
+        as a prefetch would promote them (what host memory fits), their KV not read (`data`
+        None): what a request for them would find after its prefetch (the cache report's
+        explain; disk: a file's existence, Redis: one EXISTS per chunk)."""
+        found = []
+        fit = self.host.budget // self.identity.chunk_bytes
+        for h in chunk_hashes[:fit]:
+            key = self.key(h)
+            if self.host.contains(key):
+                with self._lock:
+                    source = self._origin.get(key, "host")
+            else:
+                source = next((s.name for s in self._lower if s.contains(key)), None)
+                if source is None:
+                    break
+            found.append(FoundChunk(h, None, source))  # type: ignore[arg-type]
+        return found
+
     def consumed(self, chunks: Sequence[FoundChunk]) -> None:
         """These chunks were loaded into the device: count them, and drop staging copies."""
         for c in chunks:
