@@ -57,3 +57,6 @@ class RequestOutput:
     # Beside prompt_logprobs: each prompt token's rank in the distribution that predicted it
     # (1 = most likely, ties share the better rank; None for the first token).
     prompt_logprob_ranks: list[int | None] | None = None
+    # With SamplingParams.kv_cache_report: cached tokens by source and why the first uncached
+    # prompt token missed (kvserve/kv/report.py's CacheReport.to_dict); else None.
+    kv_cache_report: dict | None = None

@@ -64,6 +64,8 @@ class Request:
     # used, then dropped, after the prompt), H2O's accumulated attention of every query.
     kv_votes: Any | None = None
     stop_reason: int | str | None = None
+    # The cache report (kvserve.kv.report.CacheReport), made at admission when asked for.
+    cache_report: Any = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # vLLM's prompt_logprobs, one entry per prompt token computed so far (entry 0 is None: no
     # distribution predicts the first token); empty unless this request records them.
@@ -106,6 +108,15 @@ class Request:
             return True
         return self.records_prompt_logprobs and \
             len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why this request reads nothing from the cache (the cache report's reason), if so."""
+        if not self.skip_reading_prefix_cache:
+            return None
+        if self.bounded_kv is not None and self.bounded_kv.selects_by_attention:
+            return "bounded"
+        return "prompt_logprobs"
 
     @property
     def prefill_only(self) -> bool:

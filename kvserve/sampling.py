@@ -52,6 +52,9 @@ class SamplingParams:
     # tokens the grammar allows, and the request ends when the grammar does. A dict is read
     # as StructuredOutputsParams' fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # kvserve's per-request cache report (kvserve/kv/report.py): cached tokens by source and
+    # why the first uncached prompt token missed, in RequestOutput.kv_cache_report.
+    kv_cache_report: bool = False
     # filled by the engine, not the user
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -113,6 +116,8 @@ class SamplingParams:
                  or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs must be StructuredOutputsParams (or a dict of its fields), "
                  f"got {type(self.structured_outputs).__name__}")
+        _require(isinstance(self.kv_cache_report, bool),
+                 f"kv_cache_report must be a boolean, got {shorten(self.kv_cache_report)}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers, got "
                  f"{shorten(self.stop_token_ids)}")

@@ -616,6 +616,81 @@ def case_continuous_usage_stats(ep, ctx) -> None:
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
 
 
+def case_kv_cache_report(ep, ctx) -> None:
+    assert "kv_cache_report" not in ep.ok(max_tokens=1)
+    field = {"messages": [{"role": "user", "content": _unique_prompt(random.randrange(10**9))}]} \
+        if ep.chat else {"prompt": _unique_prompt(random.randrange(10**9))}
+    first = ep.ok(max_tokens=1, kv_cache_report=True, **field)["kv_cache_report"]
+    # a new prompt may share its first tokens (a template's, a BOS) with a cached one
+    assert first["first_miss"]["reason"] in ("diverged", "never_seen")
+    assert first["first_miss"]["position"] == first["cached_tokens"]
+    second = ep.ok(max_tokens=1, kv_cache_report=True, **field)["kv_cache_report"]
+    assert second["cached_tokens"] > 0
+    assert ep.stream(max_tokens=1, kv_cache_report=True)[-1]["kv_cache_report"]["prompt_tokens"]
+
+
+def _explain(ctx, **body) -> httpx.Response:
+    return httpx.post(ctx["server"].url + "/v1/cache/explain", json=body, timeout=60)
+
+
+def _explained(ctx, **body) -> dict:
+    r = _explain(ctx, **body)
+    assert r.status_code == 200, r.text[:500]
+    return r.json()
+
+
+def case_explain_model(ep, ctx) -> None:
+    _explained(ctx, model=MODEL, prompt=PROMPT)
+    r = _explain(ctx, model="no-such-model", prompt=PROMPT)
+    assert r.status_code == 404 and "no-such-model" in r.text
+
+
+def case_explain_prompt(ep, ctx) -> None:
+    text = _unique_prompt(random.randrange(10**9))
+    assert _explained(ctx, prompt=text)["cached_tokens"] == 0
+    ep.ok(prompt=text, max_tokens=1)
+    assert _explained(ctx, prompt=text)["cached_tokens"] > 0
+    ids = ctx["tokenizer"].encode(text)
+    assert _explained(ctx, prompt=ids)["prompt_tokens"] == len(ids)
+
+
+def _explain_chat(ctx, **fields) -> dict:
+    return _explained(ctx, messages=MSGS, **fields)
+
+
+def case_explain_messages(ep, ctx) -> None:
+    assert _explain_chat(ctx)["prompt_tokens"] == len(ctx["prompt_ids"](Endpoint("", True)))
+
+
+def case_explain_add_generation_prompt(ep, ctx) -> None:
+    assert _explain_chat(ctx, add_generation_prompt=False)["prompt_tokens"] < \
+        _explain_chat(ctx)["prompt_tokens"]
+
+
+def case_explain_chat_template_kwargs(ep, ctx) -> None:
+    assert _explain_chat(ctx, chat_template_kwargs={"kvserve_marker": "kernel cache"})[
+        "prompt_tokens"] > _explain_chat(ctx)["prompt_tokens"]
+
+
+def case_explain_tools(ep, ctx) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert _explain_chat(ctx, tools=tools)["prompt_tokens"] >= _explain_chat(ctx)["prompt_tokens"]
+
+
+def case_explain_cache_salt(ep, ctx) -> None:
+    text = _unique_prompt(random.randrange(10**9))
+    ep.ok(prompt=text, max_tokens=1, cache_salt="tenant-a")
+    assert _explained(ctx, prompt=text, cache_salt="tenant-a")["cached_tokens"] > 0
+    assert _explained(ctx, prompt=text, cache_salt="tenant-b")["first_miss"]["reason"] == "salt"
+
+
+def case_explain_prompt_logprobs(ep, ctx) -> None:
+    text = _unique_prompt(random.randrange(10**9))
+    ep.ok(prompt=text, max_tokens=1)
+    report = _explained(ctx, prompt=text, prompt_logprobs=0)
+    assert report["first_miss"]["reason"] == "prompt_logprobs" and report["cached_tokens"] == 0
+
+
 # vLLM's names before 0.12 (which removed them): refused with the replacement named
 PART_B_REFUSED = {"guided_json": {"type": "object"}, "guided_regex": "a+",
                   "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
@@ -633,7 +708,7 @@ SHARED = {"model": case_model, "n": case_n, "temperature": case_temperature,
           "priority": case_priority, "prompt_logprobs": case_prompt_logprobs,
           "response_format": case_response_format, "max_tokens": case_max_tokens,
           "structured_outputs": case_structured_outputs,
-          "logprobs": case_logprobs}
+          "logprobs": case_logprobs, "kv_cache_report": case_kv_cache_report}
 CASES: dict[tuple[str, str], Callable] = {}
 for _name in ("CompletionRequest", "ChatCompletionRequest"):
     CASES.update({(_name, f): c for f, c in SHARED.items()})
@@ -656,6 +731,13 @@ CASES.update({("ChatMessage", "role"): case_role, ("ChatMessage", "content"): ca
               ("TextPart", "type"): case_part_type, ("TextPart", "text"): case_part_text,
               ("StreamOptions", "include_usage"): case_include_usage,
               ("StreamOptions", "continuous_usage_stats"): case_continuous_usage_stats})
+CASES.update({("CacheExplainRequest", f): c for f, c in {
+    "model": case_explain_model, "prompt": case_explain_prompt,
+    "messages": case_explain_messages,
+    "add_generation_prompt": case_explain_add_generation_prompt,
+    "chat_template_kwargs": case_explain_chat_template_kwargs, "tools": case_explain_tools,
+    "cache_salt": case_explain_cache_salt,
+    "prompt_logprobs": case_explain_prompt_logprobs}.items()})
 # which endpoint a nested model's case runs on
 _NESTED_ENDPOINT = {"ChatMessage": "chat", "TextPart": "chat", "StreamOptions": "both"}
 

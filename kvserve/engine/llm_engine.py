@@ -25,6 +25,8 @@ from kvserve.engine.stats import EngineStats
 from kvserve.kv.bounded import BoundedKV, BoundedKVConfig
 from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
+from kvserve.kv.prefix_index import PrefixMatch
+from kvserve.kv.report import build_report
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
@@ -119,6 +121,21 @@ class LLMEngine:
             else:
                 self.scheduler.add_all(self.inputs.with_grammar(children, grammar))
         return outputs
+
+    def explain_cache(self, prompt: PromptType, cache_salt: str | None = None,
+                      prompt_logprobs: int | None = None) -> dict:
+        """What a request for `prompt` would find cached now, and why its first uncached token
+        would miss (the cache report, kvserve/kv/report.py), without running it: nothing is
+        queued, admitted or changed. Chunks on disk or in Redis count as a request would find
+        them after its prefetch (present now: nothing is read or promoted)."""
+        params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs,
+                                kv_cache_report=True)
+        [probe], _ = self.inputs.make_requests(prompt, params, "explain", None, cache_salt, 0,
+                                               None)
+        match = self.kv.match_after_prefetch(probe) if probe.skip_reason is None else \
+            PrefixMatch([], block_size=self.kv.block_size)
+        report = build_report(self.kv, probe, match, probe.skip_reason)
+        return report.to_dict(self.tokenizer.decode)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""

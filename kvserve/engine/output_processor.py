@@ -97,7 +97,16 @@ class OutputProcessor:
                              num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs,
                              prompt_logprob_ranks=None if prompt_logprobs is None
-                             else list(first.prompt_logprob_ranks))
+                             else list(first.prompt_logprob_ranks),
+                             kv_cache_report=None if first.cache_report is None
+                             else self.report_dict(first))
+
+    def report_dict(self, request: Request) -> dict:
+        """The request's cache report as RequestOutput carries it (texts decoded once)."""
+        report = request.cache_report
+        if not isinstance(report, dict):
+            report = request.cache_report = report.to_dict(self.tokenizer.decode)
+        return report
 
     def error_output(self, parent_id: str, children: list[Request],
                      exc: Exception) -> RequestOutput:
@@ -114,6 +123,7 @@ class OutputProcessor:
                      for c in children],
             finished=True, metrics=_group_metrics(children, True),
             num_cached_tokens=first.num_cached_tokens,
+            kv_cache_report=None if first.cache_report is None else self.report_dict(first),
             error=shorten(f"{type(exc).__name__}: {exc}", 200))
 
 

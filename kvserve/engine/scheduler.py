@@ -23,7 +23,7 @@ the text, so the engine's output processor checks them and finishes through `fin
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,7 @@ from kvserve.engine.step import SeqSampling, SeqStep, StepInput, StepOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
+from kvserve.kv.report import build_report
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.grammar import bitmask_words
@@ -96,6 +97,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # prompt tokens missed by the requests that asked for a cache report, by reason
+        self.missed_tokens: Counter[str] = Counter()
         self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
 
@@ -317,12 +320,20 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
+            # The cache report, for a request that asked: decided here, before admission
+            # changes the index (read-only; nothing of it runs for other requests).
+            report = build_report(self.kv, request, match, request.skip_reason) \
+                if request.sampling_params.kv_cache_report and request.num_preemptions == 0 \
+                else None
             admission = self.kv.admit(request, match, n)
             if admission is None:
                 break
             request.num_computed_tokens = admission.num_computed_tokens
             if request.num_preemptions == 0:  # a resumed request hitting its own blocks is no news
                 request.num_cached_tokens = admission.num_computed_tokens
+                if report is not None:
+                    request.cache_report = report
+                    self.missed_tokens[report.reason] += report.missed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -379,7 +390,8 @@ class Scheduler:
             kv_cache_usage=kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_evicted_blocks=kv.num_evicted_blocks,
-            hit_tokens={source: kv.hit_tokens[source] for source in SOURCES})
+            hit_tokens={source: kv.hit_tokens[source] for source in SOURCES},
+            missed_tokens=dict(self.missed_tokens))
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks (and, with the next step,

@@ -23,3 +23,6 @@ class EngineStats:
     num_evicted_blocks: int  # cached blocks evicted from the device pool
     # Prefix-cache hit tokens by where the KV came from: device, host, disk, remote.
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens not served from the cache, by the cache report's reason (kv/report.py):
+    # counted for the requests that asked for a report (the reason is decided only for them).
+    missed_tokens: dict[str, int] = field(default_factory=dict)

@@ -243,6 +243,14 @@ class KVCacheManager:
             return match
         return self.tiers.continue_match(match, self._matchable_hashes(seq))
 
+    def match_after_prefetch(self, seq: CachedSeq) -> PrefixMatch:
+        """`match` as the sequence would find it once a prefetch of its chunks on disk or in
+        Redis were done, without doing one (read-only: the cache report's explain)."""
+        match = self.device_match(seq)
+        if matchable_tokens(seq) == 0 or not self.prefix_caching:
+            return match
+        return self.tiers.match_after_prefetch(match, self._matchable_hashes(seq))
+
     def hashes_completed_by(self, seq: CachedSeq, num_new_tokens: int) -> list[int]:
         """Hashes of the full blocks that computing `num_new_tokens` more of `seq` completes (the
         scheduler lets a request whose next block is among them wait a step and hit it)."""

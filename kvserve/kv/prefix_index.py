@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
+from kvserve.kv.evicted import EvictionRecord
 from kvserve.kv.spec import first_needed_block
 
 
@@ -103,8 +105,14 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
         self.num_evicted_blocks = 0
+        # Recently evicted hashes, for the cache report's `evicted` (kv/report.py); None: off.
+        self.evictions: EvictionRecord | None = EvictionRecord()
 
     # -- lookup -----------------------------------------------------------------------------
+    def root_keys(self) -> list[bytes]:
+        """The extra-key namespaces (cache salts) that have a root (the cache report's)."""
+        return list(self._roots)
+
     def root(self, extra: bytes) -> Node:
         node = self._roots.get(extra)
         if node is None:
@@ -239,11 +247,17 @@ class PrefixIndex:
         """Free up to `n` idle blocks, leaves first, in policy order; returns the evicted nodes
         (their parent links still name the rest of their chunk, for the storage tiers)."""
         evicted: list[Node] = []
+        record = self.evictions
+        # one stamp per call (time, policy, pool usage before it): the record costs a dict set
+        # per evicted block
+        stamp = (time.time(), self.policy.name, self.pool.usage) if record is not None else None
         while len(evicted) < n and self._heap:
             *_, version, node = heapq.heappop(self._heap)
             if not self._evictable(node, version):
                 continue
             evicted.append(node)
+            if record is not None:
+                record.record(node.block_hash, stamp)
             if node.children:  # windowed: keep the path to the children, drop the block
                 self._hollow(node)
                 continue
@@ -328,6 +342,7 @@ class NoPrefixCache:
     generation = 0
     num_cached_blocks = 0
     num_evicted_blocks = 0
+    evictions = None
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

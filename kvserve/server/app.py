@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from kvserve.server.protocol import (APIError, CacheExplainRequest, ChatCompletionRequest,
+                                     CompletionRequest,
                                      error_body)
 from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.validation import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -398,6 +399,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await serving.create_completion(body, raw_request)
+
+    @app.post("/v1/cache/explain", responses=_ERROR_RESPONSES)
+    async def explain_cache(body: CacheExplainRequest) -> dict[str, Any]:
+        return await serving.explain_cache(body)
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest,

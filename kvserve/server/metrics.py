@@ -109,6 +109,10 @@ class PrometheusStatLogger:
         self.hits_by_source = counter("kvserve:prefix_cache_hits_by_source",
                                       "Prefix cache hits in tokens, by where the KV was found: "
                                       "device, host, disk or remote.", ["source"])
+        self.missed_by_reason = counter("kvserve:prompt_tokens_missed",
+                                        "Prompt tokens not served from the prefix cache, by the "
+                                        "cache report's reason (counted for requests that ask "
+                                        "for kv_cache_report).", ["reason"])
         self.tier_bytes_saved = counter("kvserve:kv_tier_bytes_saved",
                                         "Bytes of KV chunks written to a storage tier.", ["tier"])
         self.tier_bytes_loaded = counter("kvserve:kv_tier_bytes_loaded",
@@ -133,8 +137,9 @@ class PrometheusStatLogger:
         self.kv_cache_size_tokens = gauge("kvserve:kv_cache_size_tokens",
                                           "Tokens the KV pool holds (blocks x block size).")
         self._label = {"model_name": model_name}
-        labelled = {"cache_config_info", "request_success", "hits_by_source", "tier_bytes_saved", "tier_bytes_loaded",
-                    "tier_errors", "tier_skipped_saves", "tier_load_latency", "tier_usage"}
+        labelled = {"cache_config_info", "request_success", "hits_by_source", "missed_by_reason",
+                    "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
+                    "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
                           if isinstance(m, (Counter, Gauge, Histogram)) and name not in labelled}
         self._last_counts: dict[tuple, float] = {}
@@ -187,6 +192,7 @@ class PrometheusStatLogger:
 
     def _tier_metrics(self, engine: LLMEngine, stats: EngineStats) -> None:
         self._grow(self.hits_by_source, stats.hit_tokens, source=None)
+        self._grow(self.missed_by_reason, stats.missed_tokens, reason=None)
         tiers = engine.tiers
         if tiers is None:
             return

@@ -96,6 +96,8 @@ class _SamplingFields(_Strict):
     cache_salt: Optional[str] = None
     priority: Optional[int] = 0
     prompt_logprobs: Optional[NumLogprobs] = None
+    # kvserve's cache report (kvserve/kv/report.py): a top-level `kv_cache_report` object
+    kv_cache_report: Optional[bool] = False
     # Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
     # structured_outputs {json, regex, choice, grammar, json_object, ...}; at most one of them.
     response_format: Optional[dict[str, Any]] = None
@@ -156,6 +158,27 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: Optional[Metadata] = None
     store: Optional[bool] = False
     service_tier: Optional[ServiceTier] = None
+
+
+class CacheExplainRequest(_Strict):
+    """POST /v1/cache/explain: a prompt (as /v1/completions takes one) or chat messages (as
+    /v1/chat/completions renders them), and what decides its cache lookup."""
+
+    model: Optional[str] = None
+    prompt: Optional[Union[Annotated[str, Field(min_length=1)],
+                           Annotated[list[TokenId], Field(min_length=1)]]] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    cache_salt: Optional[str] = None
+    prompt_logprobs: Optional[NumLogprobs] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
 
 
 # -- errors ---------------------------------------------------------------------------------

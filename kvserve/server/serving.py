@@ -27,7 +27,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
-from kvserve.server.streaming import event_stream, sse
+from kvserve.server.streaming import event_stream, reports_field, sse
 from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import holdback
@@ -201,7 +201,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req.logit_bias),
-            structured_outputs=structured)
+            structured_outputs=structured, kv_cache_report=req.kv_cache_report)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -394,8 +394,8 @@ class OpenAIServing:
                         out, req.prompt_logprobs)
                 choices.append(choice)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices,
-                             "usage": self._usage(outputs)})
+                             "model": model, "choices": choices, "usage": self._usage(outputs),
+                             **(reports_field(outputs) if req.kv_cache_report else {})})
 
     def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
         out = []
@@ -517,6 +517,9 @@ class OpenAIServing:
             if opts.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": self._usage(last)})
+            if req.kv_cache_report:  # a last chunk of its own, as the usage has
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], **reports_field(last)})
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are out: report in the stream, then end it
             err = engine_error(exc)

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.chat_prompt import render_chat
-from kvserve.server.protocol import APIError, ChatCompletionRequest, StreamOptions
+from kvserve.server.protocol import APIError, CacheExplainRequest, ChatCompletionRequest, \
+    StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
-from kvserve.server.streaming import event_stream, sse
+from kvserve.server.streaming import event_stream, reports_field, sse
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
@@ -87,9 +88,33 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": self._usage(outputs), **_echoed(req)}
+        if req.kv_cache_report:
+            body.update(reports_field(outputs))
         if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
         return JSONResponse(body)
+
+    async def explain_cache(self, req: CacheExplainRequest) -> dict[str, Any]:
+        """POST /v1/cache/explain: the cache report a request for this prompt would get now,
+        rendered and tokenized as the real one is, read on the engine's thread between steps
+        without running anything."""
+        self.check_model(req.model)
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         chat_template_kwargs=req.chat_template_kwargs,
+                                         tools=req.tools)
+            prompt = await off_loop(text_size([m.content for m in req.messages]),
+                                    self._chat_prompt, chat)
+        else:
+            [prompt] = await off_loop(text_size(req.prompt), self._completion_prompts,
+                                      req.prompt)
+        try:
+            return await self.engine.call(lambda e: e.explain_cache(
+                {"prompt_token_ids": prompt["prompt_token_ids"]}, req.cache_salt,
+                req.prompt_logprobs))
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from exc
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         try:
@@ -176,6 +201,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                            "model": model, **tier, "choices": [],
                            "usage": self._usage([last])})
+            if req.kv_cache_report:  # a last chunk of its own, as the usage has
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                           "model": model, **tier, "choices": [], **reports_field([last])})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield sse(engine_error(exc).body())

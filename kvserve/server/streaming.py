@@ -39,3 +39,9 @@ class _EventStreamResponse(StreamingResponse):
 def event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
     return _EventStreamResponse(events, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def reports_field(outputs) -> dict[str, Any]:
+    """The `kv_cache_report` of a response (one object, or a list for several prompts)."""
+    reports = [None if o is None else o.kv_cache_report for o in outputs]
+    return {"kv_cache_report": reports[0] if len(reports) == 1 else reports}

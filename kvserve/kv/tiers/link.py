@@ -103,6 +103,21 @@ class TierLink:
                            skip_blocks=skip,
                            num_loaded_blocks=len(found) * self.chunk_blocks - skip)
 
+    def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
+                             ) -> PrefixMatch:
+        """A device match continued as a request would find it once its prefetch from disk or
+        Redis is done (read-only, nothing is promoted; its chunks carry no KV): the cache
+        report's explain."""
+        if not self.tiers.has_lower_tiers:
+            return self.continue_match(match, block_hashes)
+        found = self.tiers.lower_run(self.chunk_hashes(block_hashes, len(match.nodes)))
+        if not found:
+            return match
+        skip = len(match.nodes) % self.chunk_blocks
+        return TieredMatch(match.nodes, block_size=self.block_size, chunks=found,
+                           skip_blocks=skip,
+                           num_loaded_blocks=len(found) * self.chunk_blocks - skip)
+
     def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
         """The KV of a match's loaded blocks, in token order (the first chunk's leading blocks,
         which the device holds already, cut off)."""
@@ -170,6 +185,25 @@ class NoTiers:
 
     def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
         return match  # so no match is ever a TieredMatch, and the three below are never called
+
+    def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
+                             ) -> PrefixMatch:
+        """A device match continued as a request would find it once its prefetch from disk or
+        Redis is done (read-only, nothing is promoted; its chunks carry no KV): the cache
+        report's explain."""
+        if not self.tiers.has_lower_tiers:
+            return self.continue_match(match, block_hashes)
+        found = self.tiers.lower_run(self.chunk_hashes(block_hashes, len(match.nodes)))
+        if not found:
+            return match
+        skip = len(match.nodes) % self.chunk_blocks
+        return TieredMatch(match.nodes, block_size=self.block_size, chunks=found,
+                           skip_blocks=skip,
+                           num_loaded_blocks=len(found) * self.chunk_blocks - skip)
+
+    def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
+                             ) -> PrefixMatch:
+        return match
 
     def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
         raise AssertionError("no tiers: nothing is loaded")

@@ -60,6 +60,9 @@ class Prefetch:
             pass
 
 
+_MAX_LOAD_ERRORS = 4096  # failed loads remembered for the cache report
+
+
 class TieredKVStore:
     def __init__(self, config: TierConfig, identity: ChunkIdentity) -> None:
         self.config = config
@@ -77,6 +80,8 @@ class TieredKVStore:
             self.remote.on_recover = self._forget_written
         self._origin: dict[str, str] = {}  # key -> tier a prefetch promoted it from
         self._written: OrderedDict[str, None] = OrderedDict()  # keys sent below, newest last
+        # key -> (tier, kind) of recent failed loads, for the cache report's `tier_error`
+        self._load_errors: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._saves: queue.Queue = queue.Queue(maxsize=config.max_pending_saves)
         self._saver = threading.Thread(target=self._save_loop, name="kvserve-tier-save",
@@ -194,6 +199,7 @@ class TieredKVStore:
             data = decode(key, blob, self.identity.dtype, self.identity.shape)
         except CorruptChunkError as e:
             self.stats.add("errors", (store.name, "corrupt_chunk"))
+            self._note_load_error(key, store.name, "corrupt_chunk")
             logger.warning("dropping a bad KV chunk from the %s tier: %s", store.name, e)
             store.delete(key)
             with self._lock:
@@ -202,6 +208,18 @@ class TieredKVStore:
         self.stats.observe_load(store.name, time.perf_counter() - start)
         self.stats.add("bytes_loaded", store.name, len(blob))
         return data
+
+    def _note_load_error(self, key: str, tier: str, kind: str) -> None:
+        with self._lock:
+            self._load_errors[key] = (tier, kind)
+            self._load_errors.move_to_end(key)
+            if len(self._load_errors) > _MAX_LOAD_ERRORS:
+                self._load_errors.popitem(last=False)
+
+    def load_error(self, chunk_hash: int) -> tuple[str, str] | None:
+        """(tier, kind) of the last failed load of this chunk, if it is recent."""
+        with self._lock:
+            return self._load_errors.get(self.key(chunk_hash))
 
     def lookup(self, chunk_hashes: Sequence[int]) -> list[FoundChunk]:
         """The leading run of these chunks that host memory holds now (engine thread)."""
@@ -214,6 +232,25 @@ class TieredKVStore:
             with self._lock:
                 source = self._origin.get(key, "host")
             found.append(FoundChunk(h, data, source))
+        return found
+
+    def lower_run(self, chunk_hashes: Sequence[int]) -> list[FoundChunk]:
+        """The leading run of these chunks that host memory or a lower tier holds now, as far
+        as a prefetch would promote them (what host memory fits), their KV not read (`data`
+        None): what a request for them would find after its prefetch (the cache report's
+        explain; disk: a file's existence, Redis: one EXISTS per chunk)."""
+        found = []
+        fit = self.host.budget // self.identity.chunk_bytes
+        for h in chunk_hashes[:fit]:
+            key = self.key(h)
+            if self.host.contains(key):
+                with self._lock:
+                    source = self._origin.get(key, "host")
+            else:
+                source = next((s.name for s in self._lower if s.contains(key)), None)
+                if source is None:
+                    break
+            found.append(FoundChunk(h, None, source))  # type: ignore[arg-type]
         return found
 
     def consumed(self, chunks: Sequence[FoundChunk]) -> None:
