@@ -188,21 +188,6 @@ class NoTiers:
 
     def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
                              ) -> PrefixMatch:
-        """A device match continued as a request would find it once its prefetch from disk or
-        Redis is done (read-only, nothing is promoted; its chunks carry no KV): the cache
-        report's explain."""
-        if not self.tiers.has_lower_tiers:
-            return self.continue_match(match, block_hashes)
-        found = self.tiers.lower_run(self.chunk_hashes(block_hashes, len(match.nodes)))
-        if not found:
-            return match
-        skip = len(match.nodes) % self.chunk_blocks
-        return TieredMatch(match.nodes, block_size=self.block_size, chunks=found,
-                           skip_blocks=skip,
-                           num_loaded_blocks=len(found) * self.chunk_blocks - skip)
-
-    def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
-                             ) -> PrefixMatch:
         return match
 
     def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
