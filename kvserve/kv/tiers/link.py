@@ -95,13 +95,8 @@ class TierLink:
     # -- loading ----------------------------------------------------------------------------
     def continue_match(self, match: PrefixMatch, block_hashes: Sequence[int]) -> PrefixMatch:
         """Extend a device match with the chunks host memory holds right after it."""
-        found = self.tiers.lookup(self.chunk_hashes(block_hashes, len(match.nodes)))
-        if not found:
-            return match
-        skip = len(match.nodes) % self.chunk_blocks
-        return TieredMatch(match.nodes, block_size=self.block_size, chunks=found,
-                           skip_blocks=skip,
-                           num_loaded_blocks=len(found) * self.chunk_blocks - skip)
+        return self._extend(match, self.tiers.lookup(
+            self.chunk_hashes(block_hashes, len(match.nodes))))
 
     def match_after_prefetch(self, match: PrefixMatch, block_hashes: Sequence[int]
                              ) -> PrefixMatch:
@@ -110,7 +105,12 @@ class TierLink:
         report's explain."""
         if not self.tiers.has_lower_tiers:
             return self.continue_match(match, block_hashes)
-        found = self.tiers.lower_run(self.chunk_hashes(block_hashes, len(match.nodes)))
+        return self._extend(match, self.tiers.lower_run(
+            self.chunk_hashes(block_hashes, len(match.nodes))))
+
+    def _extend(self, match: PrefixMatch, found: list[FoundChunk]) -> PrefixMatch:
+        """`match` followed by the chunks found after it (the first one's leading blocks, which
+        the device holds already, skipped)."""
         if not found:
             return match
         skip = len(match.nodes) % self.chunk_blocks
