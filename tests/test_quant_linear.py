@@ -1,0 +1,138 @@
+"""The quantized linear layers (issue 31): the C++ kernel on GGUF Q8_0/Q4_0/Q4_1 blocks
+(kernels/cpu/qgemv.py) against PyTorch on the weights `gguf.quants` dequantizes, in each of
+its instruction-set paths, and the engine on the default Q4_1 model with quantization="gguf"
+against the dequantized float32 path.
+
+The kernel quantizes each row of x to 8-bit blocks of 32 (scale d = amax / 127, values
+rounded to nearest), so its products differ from x W^T by the activation error alone: each
+x_i moves by at most d_b / 2 (d_b of its block), hence
+
+    |y_o - (x W^T)_o| <= sum_b d_b / 2 * sum_{i in b} |W_oi|   (+ float32 rounding)
+
+which `_bound` computes; against the same quantization of x done here in numpy the kernel
+agrees to float32 rounding of the accumulation (relative 1e-5 of sum |x||W|)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from kvserve.kernels.cpu import cpu_ext, qgemv
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# (label, -march): the build's own (VNNI where this CPU has it), AVX2 without VNNI (an EPYC of
+# issue 18; kvserve's KVSERVE_CPU_ISA=avx2 cap builds the same), and plain x86-64 (SSE2: the
+# C++ loop)
+ISAS = (("native", None), ("avx2", "x86-64-v3"), ("plain", "x86-64"))
+
+
+def _cpu_has(flag: str) -> bool:
+    from kvserve.kernels.cpu.cpu_features import cpu_info
+
+    return flag in cpu_info().flags
+
+
+def _kernel(march: str | None) -> qgemv.QGemv:
+    if march is None:
+        k = qgemv.load()
+    else:
+        if march == "x86-64-v3" and not _cpu_has("avx2"):
+            pytest.skip("no AVX2 on this CPU")
+        flags = tuple(f"-march={march}" if f.startswith("-march=") else f
+                      for f in cpu_ext.CXXFLAGS)
+        lib = cpu_ext.load_library(qgemv.SOURCE, flags)
+        k = None if lib is None else qgemv.QGemv(lib)
+    if k is None:
+        pytest.skip("no C++ compiler")
+    return k
+
+
+def _weight(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(blocks as uint8 [n, row bytes], the float64 weight gguf.quants dequantizes them to)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qt = getattr(gguf.GGMLQuantizationType, type_name)
+    raw = quants.quantize(w, qt)
+    return (torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).view(n, -1),
+            quants.dequantize(raw, qt).astype(np.float64))
+
+
+def _quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's rows as the kernel quantizes them (float32 steps as in qgemv.cpp): (dequantized
+    x as float64, per-block scales [rows, k / 32])."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[..., None])
+    return (q * d[..., None].astype(np.float64)).reshape(x.shape), d.astype(np.float64)
+
+
+def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The activation-quantization bound above, [rows, n], plus float32 rounding."""
+    _, d = _quantized_x(x)
+    wb = np.abs(w).reshape(w.shape[0], -1, 32).sum(axis=2)  # [n, blocks]
+    rounding = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    return d / 2 @ wb.T + rounding
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 37])
+def test_kernel_matches_reference(isa, type_name, rows):
+    kern = _kernel(isa[1])
+    assert kern.isa == {"avx2": "AVX2", "plain": "C++"}.get(isa[0], kern.isa)
+    n, k = 67, 32 * 19  # k not a multiple of 256 (no super-blocks), n not of 4
+    wq, w = _weight(type_name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = kern.linear(x, wq, type_name, k).double().numpy()
+    xn = x.numpy()
+    exact = xn.astype(np.float64) @ w.T
+    assert (np.abs(y - exact) <= _bound(xn, w)).all()
+    xq, _ = _quantized_x(xn)  # the same quantization of x: only float rounding is left
+    tight = 1e-5 * (np.abs(xn).astype(np.float64) @ np.abs(w).T) + 1e-6
+    assert (np.abs(y - xq @ w.T) <= tight).all()
+
+
+@pytest.mark.parametrize("isa", ISAS[:2], ids=[i[0] for i in ISAS[:2]])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_epilogues(isa, type_name):
+    """The residual add, the bias and the gated activations (SiLU, GELU-tanh) of [gate; up],
+    each against its float64 reference on the kernel's own product (mode 0)."""
+    kern = _kernel(isa[1])
+    inter, k, rows = 40, 32 * 9, 3
+    wq, _ = _weight(type_name, 2 * inter, k, seed=7)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(2 * inter, generator=g)
+    plain = kern.linear(x, wq, type_name, k).double()
+    with_bias = kern.linear(x, wq, type_name, k, bias).double()
+    torch.testing.assert_close(with_bias, plain + bias.double(), rtol=1e-6, atol=1e-5)
+    residual = torch.randn(rows, 2 * inter, generator=g)
+    expect = residual.double() + plain
+    kern.linear(x, wq, type_name, k, mode=qgemv.MODE_ADD, out=residual)
+    torch.testing.assert_close(residual.double(), expect, rtol=1e-6, atol=1e-5)
+    gate, up = plain[:, :inter], plain[:, inter:]
+    silu = kern.linear(x, wq, type_name, k, mode=qgemv.MODE_SILU_MUL).double()
+    torch.testing.assert_close(silu, torch.nn.functional.silu(gate) * up, rtol=1e-5,
+                               atol=1e-5)
+    gelu = kern.linear(x, wq, type_name, k, mode=qgemv.MODE_GELU_MUL).double()
+    torch.testing.assert_close(gelu, torch.nn.functional.gelu(gate, approximate="tanh") * up,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_is_gguf_quants(type_name):
+    kern = _kernel(None)
+    wq, w = _weight(type_name, 33, 32 * 7, seed=11)
+    assert np.array_equal(kern.dequantize(wq, type_name, 32 * 7).numpy().astype(np.float64), w)
+
+
+def test_kernel_refuses_bad_weights():
+    kern = _kernel(None)
+    wq, _ = _weight("Q4_1", 8, 64, seed=1)
+    with pytest.raises(ValueError, match="Q4_1 weight"):
+        kern.linear(torch.randn(1, 64), wq[:, :-1].contiguous(), "Q4_1", 64)
+    with pytest.raises(ValueError, match="no kernel"):
+        kern.linear(torch.randn(1, 64), wq, "Q5_0", 64)
