@@ -47,7 +47,10 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_
 
 # load_model's quantization: "gguf" keeps a GGUF file's block formats, "none" dequantizes
 QUANTIZATIONS = ("gguf", "none")
-DEFAULT_QUANTIZATION = "none"  # for a GGUF file on the CPU (None in load_model)
+# For a GGUF file on the CPU: measured on the default model (SmolLM2-135M, Q4_1 projections),
+# 2 threads, batch-1 decode 128 -> 128: 58 tok/s kept quantized (the LM head on the float
+# table) against 37 dequantized to float32 (medians of 4 interleaved runs).
+DEFAULT_QUANTIZATION = "gguf"
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
