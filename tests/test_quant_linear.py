@@ -173,7 +173,8 @@ def test_engine_keeps_the_blocks(engines):
         assert set(layer.quant_weights) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
         assert {w.type_name for w in layer.quant_weights.values()} == {"Q4_1"}
         assert layer.qkv_proj is None and layer.gate_up_proj is None  # no float copies
-    assert model.gemm_plan.kernels["head"][0] == "gemv"  # the float table (see bind_quantized)
+    assert model.quant_head.type_name == "Q8_0"  # x kept in float there (bind_quantized)
+    assert model.gemm_plan.kernels["head"][0] == "quant-fx"
     assert dense.engine.model.gemm_plan.source != "quantized"
 
 
@@ -195,7 +196,7 @@ def test_prefill_runs_the_file_weights_exactly(engines):
 def test_decode_agrees_with_the_dequantized_model(engines):
     """Batch-1 decode on the integer kernel (x quantized to 8 bits per block of 32, as
     llama.cpp runs these formats) against the dequantized float32 model, 16 greedy tokens on 8
-    prompts (the LM head on the float table in both). Measured on this model: the logprobs
+    prompts (the LM head with x in float32 in both). Measured on this model: the logprobs
     of the agreed tokens within 0.13 of each other, every prompt's first 8 tokens equal and 5
     of 8 prompts equal for 16 tokens (the others part at a near-tie of the top two tokens).
     The bounds below leave a margin over that: the kernel's own error is bounded exactly by the tests above; these catch a wiring
@@ -238,3 +239,23 @@ def test_quantization_option():
         loader._keeps_blocks("gguf", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="quantization must be one of"):
         loader.load_model("/nonexistent", quantization="q8_0")
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+@pytest.mark.parametrize("rows", [1, 4, 37])
+def test_float_x_q8_0(isa, rows):
+    """The LM head's path: x kept in float32, Q8_0 widened in registers: only float32
+    rounding of the sums is left (relative 1e-5 of sum |x||W|), no activation error."""
+    kern = _kernel(isa[1])
+    n, k = 53, 32 * 19
+    wq, w = _weight("Q8_0", n, k, seed=5)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
+    y = kern.linear(x, wq, "Q8_0", k, float_x=True).double().numpy()
+    xn = x.numpy().astype(np.float64)
+    assert (np.abs(y - xn @ w.T) <= 1e-5 * (np.abs(xn) @ np.abs(w).T) + 1e-6).all()
+    residual = torch.ones(rows, n)
+    kern.linear(x, wq, "Q8_0", k, mode=qgemv.MODE_ADD, out=residual, float_x=True)
+    torch.testing.assert_close(residual.double().numpy(), y + 1, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="float x"):
+        q4, _ = _weight("Q4_1", n, k, seed=5)
+        kern.linear(x, q4, "Q4_1", k, float_x=True)

@@ -79,14 +79,17 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
 
 
 class QuantizedLinear(LinearMethod):
-    """x W^T + b on a QuantWeight: the integer kernel up to `int_rows` rows, MKL on a
-    dequantized copy above."""
+    """x W^T + b on a QuantWeight: the C++ kernel up to `int_rows` rows (x quantized to 8
+    bits, or with `float_x` kept in float32: Q8_0 only, the LM head's), MKL on a dequantized
+    copy above."""
 
-    __slots__ = ("weight", "bias", "int_rows", "_kernel")
+    __slots__ = ("weight", "bias", "int_rows", "float_x", "_kernel")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
-                 int_rows: float = INT_ROWS) -> None:
-        self.weight, self.bias, self.int_rows = weight, bias, int_rows
+                 int_rows: float = INT_ROWS, float_x: bool = False) -> None:
+        if float_x and weight.type_name != "Q8_0":
+            raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
+        self.weight, self.bias, self.int_rows, self.float_x = weight, bias, int_rows, float_x
         self._kernel = qgemv.load()
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +97,14 @@ class QuantizedLinear(LinearMethod):
         if x.shape[0] <= self.int_rows:
             out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
             return self._kernel.run(x, w.data, w.type_name, w.n, w.k, self.bias, out,
-                                    qgemv.MODE_STORE)
+                                    qgemv.MODE_STORE, self.float_x)
         return F.linear(x, dequantized(w), self.bias)
 
     def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.shape[0] <= self.int_rows and residual.stride(1) == 1:
             return self._kernel.run(x, w.data, w.type_name, w.n, w.k, self.bias, residual,
-                                    qgemv.MODE_ADD)
+                                    qgemv.MODE_ADD, self.float_x)
         residual.addmm_(x, dequantized(w).t())
         return residual if self.bias is None else residual.add_(self.bias)
 

@@ -38,7 +38,7 @@ from kvserve.layers.fast_decode import FastDecode
 from kvserve.layers.gemm_select import GemmPlan
 from kvserve.layers.linear import Dense, DenseGated
 from kvserve.layers.norm import rms_norm
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, quantized_methods
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantizedLinear, quantized_methods
 from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.deepseek import DeepseekLayer, MoE, SwiGLU
 
@@ -377,11 +377,12 @@ def warm_up_steps(model: CausalLM, max_rows: int, max_logit_rows: int,
 def bind_quantized(model: CausalLM) -> None:
     """Bind the quantized linear methods (kvserve/layers/quant_linear.py) onto the layers
     whose projections the loader kept in their GGUF block format (`layer.quant_weights`; a
-    projection it kept in float runs F.linear). The LM head stays on its float table (the
-    GEMV at the first row bucket): the integer kernel on SmolLM2's Q8_0 table, x quantized
-    to 8 bits, changed the demo's answer ("What is the capital of France?" no longer began
-    "The capital of France is Paris"), the final norm's outliers setting each block's scale;
-    a head kernel that keeps x in float is for a later slice. Installs a plan of
+    projection it kept in float runs F.linear). At the first row bucket the LM head runs its
+    Q8_0 table (`model.quant_head`, where the file has one) with x kept in float32 (the
+    float table, else the GEMV, above it): the integer kernel there, x quantized to 8 bits,
+    changed the demo's answer ("What is the capital of France?" no longer began "The capital
+    of France is Paris"), the final norm's outliers setting each block's scale. Installs a
+    plan of
     source "quantized" in place of the measured one: the GEMM plan times float kernels, which
     these layers no longer have weights for. No one-call decode step (FastDecode reads
     float weights): the layer-by-layer path runs."""
@@ -397,7 +398,11 @@ def bind_quantized(model: CausalLM) -> None:
     head = model.lm_head if model.lm_head is not None else model.embed_tokens
     model.head_methods = [Dense(head)] * len(BUCKETS)
     head_kernels = ["dense"] * len(BUCKETS)
-    if has_gemv:  # the float GEMV at a few rows, as a measured plan has it on most CPUs
+    quant_head = getattr(model, "quant_head", None)
+    if quant_head is not None:  # Q8_0, x in float: 0.9 ms at batch 1 against fp32's 2.2
+        model.head_methods[0] = QuantizedLinear(quant_head, None, float("inf"), float_x=True)
+        head_kernels[0] = "quant-fx"
+    elif has_gemv:  # the float GEMV at a few rows, as a measured plan has it on most CPUs
         model.head_methods[0] = Gemv(gemv.load().bind(head))
         head_kernels[0] = "gemv"
     if has_gemv:

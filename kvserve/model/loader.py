@@ -328,8 +328,9 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
 
 def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> list[tuple]:
     """Keep the block-format projections of `work` as `layer.quant_weights` (the float
-    parameter dropped: it was never written, so it never took memory); returns the rest of
-    `work`, to dequantize (the embedding and LM head's table among them, in this slice)."""
+    parameter dropped: it was never written, so it never took memory), and a Q8_0 LM head's
+    table also as `model.quant_head`; returns the rest of `work`, to dequantize (the
+    embedding table among them: its lookups read the float copy in this slice)."""
     groups = _quantized_groups(model, work)
     taken = set()
     for layer, attr, p, type_name, parts in groups.values():
@@ -344,6 +345,12 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
             layer.quant_weights = {}
         layer.quant_weights[attr] = QuantWeight(data, type_name, p.shape[1])
         setattr(layer, attr, None)
+    head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    for tensor, _ in work:  # a Q8_0 copy of the head's table (see selection.bind_quantized)
+        if tensor.name == head and tensor.info.type_name == "Q8_0" \
+                and tensor.shape[1] % qgemv.BLOCK == 0:
+            model.quant_head = QuantWeight(torch.from_numpy(tensor.raw_rows()), "Q8_0",
+                                           tensor.shape[1])
     rest = [item for item in work if id(item[0]) not in taken]
     kinds = sorted({item[0].info.type_name for item in rest})
     logger.info("quantization gguf: %d projections kept in their block format (%s); "

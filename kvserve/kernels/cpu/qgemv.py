@@ -21,7 +21,7 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's type codes
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
@@ -44,7 +44,10 @@ class QGemv:
         deq = lib.kvserve_qdequant
         deq.argtypes = [ptr, c_int, i64, i64, ptr, c_int]
         deq.restype = c_int
-        self._fn, self._deq = fn, deq
+        fx = lib.kvserve_qgemv_f32x
+        fx.argtypes = fn.argtypes
+        fx.restype = c_int
+        self._fn, self._deq, self._fx = fn, deq, fx
         self.isa = ISA_NAMES[lib.kvserve_qgemv_isa()]
         self._lib = lib
 
@@ -59,23 +62,27 @@ class QGemv:
                              f"{w.dtype}")
 
     def run(self, x: torch.Tensor, w: torch.Tensor, type_name: str, n: int, k: int,
-            bias: torch.Tensor | None, out: torch.Tensor, mode: int) -> torch.Tensor:
+            bias: torch.Tensor | None, out: torch.Tensor, mode: int,
+            float_x: bool = False) -> torch.Tensor:
         """The unchecked call (QuantizedLinear checks the weight once): x float32 [rows, k]
-        unit stride along k, out float32 [rows, n] unit stride along n."""
+        unit stride along k, out float32 [rows, n] unit stride along n. `float_x`: x stays
+        in float32, the Q8_0 weight widened in registers (modes 0 and 1; Q8_0 only): the
+        LM head's path, where 8-bit x moved the logits too far."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k \
                 or (x.stride(1) != 1 and k > 1):
             raise ValueError(f"qgemv: x must be float32 [rows, {k}] with unit stride along k, "
                              f"got {tuple(x.shape)} {x.dtype}")
-        rc = self._fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(), TYPES[type_name],
+        rc = (self._fx if float_x else self._fn)(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(), TYPES[type_name],
                       n, k, cpu_ext.address(bias), out.data_ptr(), out.stride(0), mode,
                       torch.get_num_threads())
         if rc != 0:
-            raise ValueError(f"qgemv: bad type, mode {mode} or k {k}")
+            raise ValueError(f"qgemv: bad type, mode {mode} or k {k}"
+                             + (" (float x: Q8_0, modes 0 and 1 only)" if float_x else ""))
         return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, type_name: str, k: int,
                bias: torch.Tensor | None = None, mode: int = MODE_STORE,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, float_x: bool = False) -> torch.Tensor:
         """x W^T + b (mode 0), out += x W^T + b (1), or act(gate) * up on W = [gate; up]
         (2 SiLU, 3 GELU-tanh), x float32 [rows, k]."""
         n_w = w.shape[0]
@@ -85,7 +92,7 @@ class QGemv:
             out = torch.empty((x.shape[0], n), dtype=torch.float32)
         elif out.shape != (x.shape[0], n) or out.dtype != torch.float32 or out.stride(1) != 1:
             raise ValueError(f"qgemv: out must be float32 [{x.shape[0]}, {n}], unit stride")
-        return self.run(x, w, type_name, n, k, bias, out, mode)
+        return self.run(x, w, type_name, n, k, bias, out, mode, float_x)
 
     def dequantize(self, w: torch.Tensor, type_name: str, k: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -296,11 +296,94 @@ void dequant_rows(const uint8_t* w, int64_t n, int64_t k, float* out, int num_th
   }
 }
 
+// The float-x product on Q8_0 (the LM head's table in SmolLM2's file): the weight blocks
+// widened to float in registers, x kept in float32. Why beside the integer path: with x
+// quantized to 8 bits, the head's logits moved enough to change the demo's greedy answer
+// (the final norm's outliers set each block's scale); this reads the same 34 bytes per 32
+// weights and rounds nothing but the float sums.
+template <int R>
+inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64_t nb,
+                       float* acc) {
+#ifdef KVQ_AVX2
+  __m256 v0[R], v1[R];
+  for (int r = 0; r < R; ++r) v0[r] = v1[r] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* v) {
+    const uint8_t* blk = w + b * 34;
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    __m256 wf[4];
+    for (int j = 0; j < 4; ++j)
+      wf[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * x_stride + b * kQK;
+      __m256 p = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
+      p = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), p);
+      p = _mm256_fmadd_ps(wf[2], _mm256_loadu_ps(xb + 16), p);
+      p = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), p);
+      v[r] = _mm256_fmadd_ps(p, d, v[r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, v0);
+    step(b + 1, v1);
+  }
+  if (b < nb) step(b, v0);
+  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r]));
+#else
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 34;
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * x_stride + b * kQK;
+      float sum = 0.f;
+      for (int j = 0; j < kQK; ++j) sum += static_cast<float>(q[j]) * xb[j];
+      acc[r] += d * sum;
+    }
+  }
+#endif
+}
+
 }  // namespace
 
 extern "C" {
 
-int kvserve_qgemv_abi_version() { return 1; }
+int kvserve_qgemv_abi_version() { return 2; }
+
+// out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
+// row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
+int kvserve_qgemv_f32x(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+                       int type, int64_t n, int64_t k, const float* bias, float* out,
+                       int64_t out_stride, int mode, int num_threads) {
+  if (type != kQ8_0 || mode < 0 || mode > 1 || k <= 0 || k % kQK || rows < 0) return 1;
+  const int64_t nb = k / kQK, row_bytes = nb * 34;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t o = 0; o < n; ++o) {
+    if (o + kPrefetchRows < n) {
+      const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
+    }
+    const float b = bias != nullptr ? bias[o] : 0.f;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
+      const float* xr = x + r0 * x_stride;
+      float acc[4];
+      switch (cnt) {
+        case 4: row_dots_f<4>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        case 3: row_dots_f<3>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        case 2: row_dots_f<2>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        default: row_dots_f<1>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+      }
+      for (int64_t r = 0; r < cnt; ++r) {
+        float* y = out + (r0 + r) * out_stride + o;
+        *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+      }
+    }
+  }
+  return 0;
+}
 
 // 2 where the build has the VNNI path, 1 the AVX2 one, 0 the plain C++ loop.
 int kvserve_qgemv_isa() {
