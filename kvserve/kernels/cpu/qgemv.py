@@ -72,9 +72,10 @@ class QGemv:
                 or (x.stride(1) != 1 and k > 1):
             raise ValueError(f"qgemv: x must be float32 [rows, {k}] with unit stride along k, "
                              f"got {tuple(x.shape)} {x.dtype}")
-        rc = (self._fx if float_x else self._fn)(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(), TYPES[type_name],
-                      n, k, cpu_ext.address(bias), out.data_ptr(), out.stride(0), mode,
-                      torch.get_num_threads())
+        fn = self._fx if float_x else self._fn
+        rc = fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(), TYPES[type_name],
+                n, k, cpu_ext.address(bias), out.data_ptr(), out.stride(0), mode,
+                torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"qgemv: bad type, mode {mode} or k {k}"
                              + (" (float x: Q8_0, modes 0 and 1 only)" if float_x else ""))
