@@ -120,6 +120,12 @@ def test_kernel_epilogues(isa, type_name):
     gelu = kern.linear(x, wq, type_name, k, mode=qgemv.MODE_GELU_MUL).double()
     torch.testing.assert_close(gelu, torch.nn.functional.gelu(gate, approximate="tanh") * up,
                                rtol=1e-5, atol=1e-5)
+    # the bound ops (one pointer a call) are the same calls
+    assert torch.equal(kern.bind(wq, type_name, k, bias)(x), with_bias.float())
+    assert torch.equal(kern.bind(wq, type_name, k, mode=qgemv.MODE_SILU_MUL)(x), silu.float())
+    residual = torch.zeros(rows, 2 * inter)
+    kern.bind(wq, type_name, k, mode=qgemv.MODE_ADD)(x, residual)
+    assert torch.equal(residual, plain.float())
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -83,28 +83,26 @@ class QuantizedLinear(LinearMethod):
     bits, or with `float_x` kept in float32: Q8_0 only, the LM head's), MKL on a dequantized
     copy above."""
 
-    __slots__ = ("weight", "bias", "int_rows", "float_x", "_kernel")
+    __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
                  int_rows: float = INT_ROWS, float_x: bool = False) -> None:
         if float_x and weight.type_name != "Q8_0":
             raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
         self.weight, self.bias, self.int_rows, self.float_x = weight, bias, int_rows, float_x
-        self._kernel = qgemv.load()
+        kernel, w = qgemv.load(), weight
+        self._store = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_STORE, float_x)
+        self._add = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_ADD, float_x)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
         if x.shape[0] <= self.int_rows:
-            out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
-            return self._kernel.run(x, w.data, w.type_name, w.n, w.k, self.bias, out,
-                                    qgemv.MODE_STORE, self.float_x)
-        return F.linear(x, dequantized(w), self.bias)
+            return self._store(x)
+        return F.linear(x, dequantized(self.weight), self.bias)
 
     def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.shape[0] <= self.int_rows and residual.stride(1) == 1:
-            return self._kernel.run(x, w.data, w.type_name, w.n, w.k, self.bias, residual,
-                                    qgemv.MODE_ADD, self.float_x)
+            return self._add(x, residual)
         residual.addmm_(x, dequantized(w).t())
         return residual if self.bias is None else residual.add_(self.bias)
 
@@ -113,7 +111,7 @@ class QuantizedGated(LinearMethod):
     """The gate | up projection on a QuantWeight [2i, k]: act(x gate^T + b_g) * (x up^T +
     b_u), fused into the integer kernel up to `int_rows` rows."""
 
-    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_kernel")
+    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_gated")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, intermediate: int,
                  gelu: bool, int_rows: float = INT_ROWS) -> None:
@@ -121,15 +119,13 @@ class QuantizedGated(LinearMethod):
             raise ValueError(f"a [gate; up] weight has {2 * intermediate} rows, got {weight.n}")
         self.weight, self.bias, self.intermediate, self.gelu = weight, bias, intermediate, gelu
         self.int_rows = int_rows
-        self._kernel = qgemv.load()
+        mode = qgemv.MODE_GELU_MUL if gelu else qgemv.MODE_SILU_MUL
+        self._gated = qgemv.load().bind(weight.data, weight.type_name, weight.k, bias, mode)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.shape[0] <= self.int_rows:
-            out = torch.empty((x.shape[0], self.intermediate), dtype=torch.float32)
-            mode = qgemv.MODE_GELU_MUL if self.gelu else qgemv.MODE_SILU_MUL
-            return self._kernel.run(x, w.data, w.type_name, self.intermediate, w.k, self.bias,
-                                    out, mode)
+            return self._gated(x)
         return gated(F.linear(x, dequantized(w), self.bias), self.intermediate, self.gelu)
 
 
