@@ -79,6 +79,11 @@ class EngineConfig:
     remeasure_kernels: bool = _arg(False, "CPU: time the GEMM kernels again instead of using "
                                    "the choice cached for this machine and model shape "
                                    "(kvserve/layers/gemm_select.py)")
+    quantization: str | None = _arg(None, "gguf: a GGUF file's Q8_0/Q4_0/Q4_1 projections "
+                                    "stay in their block format (quantized kernels); none: "
+                                    "every tensor dequantized at load; default: gguf for a "
+                                    "GGUF file on the CPU (vLLM's name; "
+                                    "kvserve/layers/quant_linear.py)", choices=("gguf", "none"))
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "keep every KV block of a sliding-window layer for the request's life instead "
         "of releasing the blocks outside the window (vLLM's name)")

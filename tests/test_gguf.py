@@ -134,7 +134,9 @@ def test_smollm2_matches_transformers(kind, tmp_path, monkeypatch):
     from both tokenizers are equal too."""
     path = _smollm2_file(kind, tmp_path)
     model, hf_tok = _hf(path)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0)
+    # the loader's dequantization (the quantized kernels' own checks: test_quant_linear.py)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0,
+              quantization="none")
     tok = llm.engine.tokenizer
     prompts = []
     for text in PLAIN:
@@ -155,7 +157,8 @@ def test_smollm2_matches_transformers(kind, tmp_path, monkeypatch):
     # in another order: on this model up to 1.5e-4 from float64, 2.2x transformers' float32.)
     del llm
     monkeypatch.setenv("KVSERVE_GEMM", "dense")
-    dense = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0)
+    dense = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0,
+                quantization="none")
     err = _max_logit_error(dense, prompts, reference)
     assert err <= LOGIT_ATOL, f"dense first-token logits {err:.2e} from float64"
 

@@ -80,7 +80,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model_dir = str(embedded_model_path())
         config.model = model_dir
     model, model_config = load_model(model_dir, config.dtype, config.device,
-                                     remeasure_kernels=config.remeasure_kernels)
+                                     remeasure_kernels=config.remeasure_kernels,
+                                     quantization=config.quantization)
     if config.attention_backend == "triton":
         use_triton_ops(model)  # fused element-wise kernels: fewer launches per step
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))

@@ -26,8 +26,10 @@ from safetensors import safe_open
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.kernels.cpu.cpu_features import cpu_info
+from kvserve.kernels.cpu import qgemv
 from kvserve.layers import selection
-from kvserve.model.decoder import CausalLM
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight
+from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
 from kvserve.models import registry
@@ -42,6 +44,14 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # `read_kv_scales`, not weights.
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?"
                        r"(?:([kv])_scale|output_scale)$")
+
+# load_model's quantization: "gguf" keeps a GGUF file's block formats, "none" dequantizes
+QUANTIZATIONS = ("gguf", "none")
+# For a GGUF file on the CPU: measured on the default model (SmolLM2-135M, Q4_1 projections,
+# Q8_0 head), AVX-512 VNNI Xeon, 2 threads, batch-1 decode after a 128-token prompt: 99.3
+# tok/s kept quantized against 48.2 dequantized to float32 (medians of 5 interleaved runs);
+# a 128-token prefill 0.144 s against 0.112 (its GEMMs run on dequantized copies).
+DEFAULT_QUANTIZATION = "gguf"
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,7 +106,8 @@ def half_precision_cost(dtype: torch.dtype, n: int = 256) -> float:
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
                pack_weights: bool = True, gemm: str | None = None,
-               remeasure_kernels: bool = False) -> tuple[CausalLM, ModelConfig]:
+               remeasure_kernels: bool = False,
+               quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`, or a GGUF file (its tensors
     dequantized into the model dtype); raises ValueError on any problem with the checkpoint,
     naming the file or tensor at fault.
@@ -106,7 +117,15 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
     to float rounding either way; `remeasure_kernels` measures them again rather than reading
     the choice cached for this CPU and model shape. Without it every GEMM stays dense
-    (F.linear)."""
+    (F.linear).
+
+    `quantization` (vLLM's name): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 projections in
+    their block format, run by the quantized kernels (kvserve/layers/quant_linear.py; float32
+    on the CPU only, where the kernels build); "none" dequantizes every tensor at load; None
+    is DEFAULT_QUANTIZATION for a GGUF file on the CPU, else "none"."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
+                         f"got {quantization!r}")
     model_dir = Path(model_dir)
     gguf = open_gguf(model_dir) if is_gguf(model_dir) else None
     config = registry.config_from_dir(model_dir if gguf is None else gguf.dir)
@@ -122,14 +141,17 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config, family.skip)
+        keep = gguf is not None and _keeps_blocks(quantization, torch_dtype, device)
         if gguf is not None:
-            _load_gguf(gguf, targets, loaded, config)
+            _load_gguf(gguf, targets, loaded, config, model if keep else None)
     missing = sorted(set(targets) - loaded, key=_natural_key)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)"
                                            if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
+    if any(getattr(layer, "quant_weights", None) for layer in model.layers):
+        selection.bind_quantized(model)  # with or without pack_weights: no float copies
     if pack_weights:
         selection.pack_weights(model, gemm or os.environ.get("KVSERVE_GEMM", "auto"),
                                remeasure_kernels)
@@ -243,10 +265,107 @@ def _copy(target: Target, tensor: torch.Tensor, loaded: set[str], name: str) -> 
     loaded.add(name)
 
 
+def _keeps_blocks(quantization: str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a GGUF file's block formats stay quantized (see load_model)."""
+    if quantization is None:  # the default: where the kernels run, else as before
+        if DEFAULT_QUANTIZATION == "none" or device.type != "cpu" or dtype != torch.float32:
+            return False
+    elif quantization == "none":
+        return False
+    elif device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization='gguf' runs on the CPU in float32 only (the quantized "
+                         f"kernels are C++ CPU kernels), not {device.type} {dtype}; use "
+                         "quantization='none' to dequantize the weights at load")
+    if qgemv.load() is None:
+        logger.warning("quantization: the quantized kernels cannot be built here; the GGUF "
+                       "weights are dequantized at load")
+        return False
+    return True
+
+
+def _owners(model: CausalLM) -> list[tuple[int, int, object, str, torch.Tensor]]:
+    """(start, end address, layer, attribute, parameter) of every float projection the loader
+    may keep quantized."""
+    found = []
+    for layer in model.layers:
+        if not isinstance(layer, DecoderLayer):  # DeepSeek's MLA / MoE: no quantized methods
+            continue
+        for attr in PROJECTION_ATTRS:
+            p = getattr(layer, attr, None)
+            if isinstance(p, torch.Tensor) and p.dim() == 2 and p.device.type == "cpu":
+                found.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(),
+                              layer, attr, p))
+    return found
+
+
+def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str], tuple]:
+    """The projections whose checkpoint tensors are all of one block type the kernels run,
+    copied plainly into whole rows of the parameter and covering all of it:
+    (id(layer), attribute) -> (layer, attribute, parameter, type, [(tensor, first row)])."""
+    owners = _owners(model)
+    groups: dict[tuple[int, str], list] = {}
+    for tensor, target in work:
+        dest = target.dest
+        if dest.dim() != 2 or not dest.is_contiguous():
+            continue
+        ptr = dest.data_ptr()
+        for start, end, layer, attr, p in owners:
+            if start <= ptr < end:
+                row_bytes = p.shape[1] * p.element_size()
+                if dest.shape[1] == p.shape[1] and (ptr - start) % row_bytes == 0:
+                    groups.setdefault((id(layer), attr), [layer, attr, p, []])[3].append(
+                        (tensor, target, (ptr - start) // row_bytes))
+                break
+    kept = {}
+    for key, (layer, attr, p, parts) in groups.items():
+        types = {t.info.type_name for t, _, _ in parts}
+        if len(types) != 1 or next(iter(types)) not in qgemv.TYPES or p.shape[1] % qgemv.BLOCK \
+                or any(tg.transform is not None or tg.offset for _, tg, _ in parts) \
+                or sum(tg.dest.shape[0] for _, tg, _ in parts) != p.shape[0]:
+            continue
+        kept[key] = (layer, attr, p, types.pop(), [(t, row) for t, _, row in parts])
+    return kept
+
+
+def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> list[tuple]:
+    """Keep the block-format projections of `work` as `layer.quant_weights` (the float
+    parameter dropped: it was never written, so it never took memory), and a Q8_0 LM head's
+    table also as `model.quant_head`; returns the rest of `work`, to dequantize (the
+    embedding table among them: its lookups read the float copy in this slice)."""
+    groups = _quantized_groups(model, work)
+    taken = set()
+    for layer, attr, p, type_name, parts in groups.values():
+        data = torch.empty((p.shape[0], qgemv.row_bytes(type_name, p.shape[1])),
+                           dtype=torch.uint8)
+        for tensor, row in parts:
+            rows = tensor.raw_rows()
+            data[row: row + rows.shape[0]].copy_(torch.from_numpy(rows))
+            loaded.add(tensor.name)
+            taken.add(id(tensor))
+        if getattr(layer, "quant_weights", None) is None:
+            layer.quant_weights = {}
+        layer.quant_weights[attr] = QuantWeight(data, type_name, p.shape[1])
+        setattr(layer, attr, None)
+    head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    for tensor, _ in work:  # a Q8_0 copy of the head's table (see selection.bind_quantized)
+        if tensor.name == head and tensor.info.type_name == "Q8_0" \
+                and tensor.shape[1] % qgemv.BLOCK == 0:
+            model.quant_head = QuantWeight(torch.from_numpy(tensor.raw_rows()), "Q8_0",
+                                           tensor.shape[1])
+    rest = [item for item in work if id(item[0]) not in taken]
+    kinds = sorted({item[0].info.type_name for item in rest})
+    logger.info("quantization gguf: %d projections kept in their block format (%s); "
+                "dequantized at load: %d tensors (%s)", len(groups),
+                ", ".join(sorted({g[3] for g in groups.values()})) or "none", len(rest),
+                ", ".join(kinds) or "none")
+    return rest
+
+
 def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],
-               config: ModelConfig) -> None:
+               config: ModelConfig, keep_blocks: CausalLM | None = None) -> None:
     """Every GGUF tensor dequantized (in float32) into its place; Gemma 3 GGUFs hold 1 + w in
-    their norms already, so no offset is added there."""
+    their norms already, so no offset is added there. With `keep_blocks` (the model), the
+    projections the quantized kernels run stay in their block format (`_keep_quantized`)."""
     where = f"GGUF file {str(gguf.path)!r}"
     work = []
     for tensor in gguf.tensors():
@@ -260,6 +379,8 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str
         if gguf.norms_hold_one_plus_w:
             target = replace(target, offset=0.0)
         work.append((tensor, target))
+    if keep_blocks is not None:
+        work = _keep_quantized(keep_blocks, work, loaded)
 
     def fill(item: tuple) -> None:
         tensor, target = item

@@ -45,6 +45,16 @@ class GGUFTensor:
     def raw(self) -> np.ndarray:
         return self._data.raw(self.info)
 
+    def raw_rows(self) -> np.ndarray:
+        """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy), with llama.cpp's
+        q/k row permutation undone: blocks never cross a row, so whole rows move as in
+        `dequantize`."""
+        rows = self.info.shape[0]
+        raw = np.asarray(self.raw()).reshape(rows, -1)
+        if self._unpermute_heads is not None:
+            raw = _arch.unpermute_rows(raw, self._unpermute_heads)
+        return np.array(raw)  # contiguous, writable (the file's map is read-only)
+
     def dequantize(self) -> torch.Tensor:
         """float32, with llama.cpp's q/k row permutation undone (torch is imported here, not
         above: the planner reads GGUF headers without it)."""

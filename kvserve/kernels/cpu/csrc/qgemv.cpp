@@ -1,0 +1,446 @@
+// Matrix products on GGUF block-quantized weights, kept in their file layout: y = x W^T (+ b)
+// for W in Q8_0, Q4_0 or Q4_1, x float32.
+//
+// Why: a batch-1 decode step reads every weight once, so its speed is bytes per weight. Q4_1
+// is 5 bits a weight (20 bytes per 32) against fp32's 32: dequantizing at load (what kvserve
+// did) read 6.4x the bytes the file holds.
+//
+// Design (the block formats are ggml's public spec; the kernel is our own): each row of x is
+// quantized to 8-bit blocks of 32 (one float scale dx = amax / 127 and the block's integer sum
+// per block), then every weight block is an integer dot product of 32 bytes:
+//   Q8_0 (f16 d, 32 x int8 q):             sum_i d q_i dx u_i = d dx sum(q u)
+//   Q4_0 (f16 d, 16 bytes of nibbles):     d (q - 8)          -> d dx (sum(q u) - 8 sum(u))
+//   Q4_1 (f16 d, f16 m, 16 bytes):          d q + m            -> d dx sum(q u) + m dx sum(u)
+// where the nibbles are element j = low nibble of byte j, element 16 + j = its high nibble.
+// The integer products run as AVX2 `maddubs` (u8 x s8 -> pairs of int16; for Q8_0 the signs
+// are moved onto x first: |q| * sign(u, q)) then `madd` into int32, or, where the CPU has
+// AVX-512 VNNI (with VL) or AVX-VNNI, one `dpbusd` instead of the two. No int16 overflow:
+// a pair is at most 2 * 128 * 127 = 32512 (Q8_0) or 2 * 15 * 127 = 3810 (nibbles).
+// The ISA is the build's: cpu_ext.py builds with -march=native or $KVSERVE_CPU_ISA's cap
+// (x86-64-v3 = AVX2 without VNNI), so one source gives the AVX2 and the VNNI paths; a plain
+// C++ loop is the fallback for any other CPU.
+//
+// Each weight row (a few hundred bytes) is read from memory once and then reused from L1 for
+// every row of x, up to 4 rows at a time in registers. OpenMP splits the output features in
+// contiguous ranges across torch's threads, as gemv.cpp does.
+//
+// Modes as gemv.cpp: 0 out = xW^T + b; 1 out += xW^T + b; 2 out = silu(g) * u;
+// 3 out = gelu_tanh(g) * u, W = [gate; up] (2n rows).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVQ_AVX2 1
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KVQ_VNNI 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kQK = 32;  // values per block
+#ifndef KVQ_PREFETCH_ROWS
+#define KVQ_PREFETCH_ROWS 8
+#endif
+constexpr int64_t kPrefetchRows = KVQ_PREFETCH_ROWS;  // weight rows prefetched ahead
+enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+inline int64_t block_bytes(int type) { return type == kQ8_0 ? 34 : type == kQ4_0 ? 18 : 20; }
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef KVQ_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400u) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// One row of x as 8-bit blocks: q[k], per block the scale d and s = d * sum(q).
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k / kQK; ++b) {
+    const float* xb = x + b * kQK;
+    float amax = 0.f;
+    for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f;
+    const float id = db > 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kQK; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // |v| <= 127
+      q[b * kQK + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = db;
+    s[b] = db * static_cast<float>(sum);
+  }
+}
+
+struct QRows {  // the quantized rows of x
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k, nb;
+};
+
+#ifdef KVQ_AVX2
+inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
+#ifdef KVQ_VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#endif
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// acc[r] = dot(W row, x row r) for r < R: the weight blocks loaded once, R rows of x each.
+// Two blocks per step into two sets of accumulators: at one row a single chain of FMAs (and
+// of the offset's scalar adds) waited on its own latency, not on memory.
+template <int R, int T>
+inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
+  __m256 v0[R], v1[R];
+  float c0[R], c1[R];
+  for (int r = 0; r < R; ++r) {
+    v0[r] = v1[r] = _mm256_setzero_ps();
+    c0[r] = c1[r] = 0.f;
+  }
+  const int64_t bb = block_bytes(T);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  auto step = [&](int64_t b, __m256* v, float* corr) {
+    const uint8_t* blk = w + b * bb;
+    const float dw = half_to_float(blk);
+    __m256i wq;
+    float mw = 0.f;
+    if (T == kQ8_0) {
+      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else {
+      const int off = T == kQ4_0 ? 2 : 4;
+      if (T == kQ4_1) mw = half_to_float(blk + 2);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+      const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
+      wq = _mm256_and_si256(both, low);  // elements 0..15 low nibbles, 16..31 high
+    }
+    const __m256i wabs = T == kQ8_0 ? _mm256_sign_epi8(wq, wq) : wq;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = r * x.nb + b;
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at * kQK));
+      if (T == kQ8_0) xq = _mm256_sign_epi8(xq, wq);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wabs, xq));
+      v[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.d[at]), v[r]);
+      if (T == kQ4_0) corr[r] -= 8.f * dw * x.s[at];
+      if (T == kQ4_1) corr[r] += mw * x.s[at];
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= x.nb; b += 2) {
+    step(b, v0, c0);
+    step(b + 1, v1, c1);
+  }
+  if (b < x.nb) step(b, v0, c0);
+  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r])) + c0[r] + c1[r];
+}
+#else
+template <int R, int T>
+inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
+  const int64_t bb = block_bytes(T);
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const float dw = half_to_float(blk);
+    const float mw = T == kQ4_1 ? half_to_float(blk + 2) : 0.f;
+    int8_t wq[kQK];
+    if (T == kQ8_0) {
+      std::memcpy(wq, blk + 2, kQK);
+    } else {
+      const uint8_t* qs = blk + (T == kQ4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) {
+        wq[j] = static_cast<int8_t>(qs[j] & 0x0f);
+        wq[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = r * x.nb + b;
+      const int8_t* xq = x.q + at * kQK;
+      int sum = 0;
+      for (int j = 0; j < kQK; ++j) sum += static_cast<int>(wq[j]) * xq[j];
+      acc[r] += dw * x.d[at] * static_cast<float>(sum);
+      if (T == kQ4_0) acc[r] -= 8.f * dw * x.s[at];
+      if (T == kQ4_1) acc[r] += mw * x.s[at];
+    }
+  }
+}
+#endif
+
+// acc[r] = dot(W row, x row r0 + r) for r < cnt (cnt <= 4).
+template <int T>
+inline void chunk_dots(const uint8_t* w, const QRows& x, int64_t r0, int64_t cnt, float* acc) {
+  const QRows c{x.q + r0 * x.k, x.d + r0 * x.nb, x.s + r0 * x.nb, x.k, x.nb};
+  switch (cnt) {
+    case 4: row_dots<4, T>(w, c, acc); break;
+    case 3: row_dots<3, T>(w, c, acc); break;
+    case 2: row_dots<2, T>(w, c, acc); break;
+    default: row_dots<1, T>(w, c, acc); break;
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+inline float gelu_tanh(float g) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
+}
+
+// Output features split in contiguous ranges across the threads; for each, the rows of x in
+// chunks of 4 (the weight row is read from memory once, then from L1).
+template <int T>
+void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bias, int64_t n,
+                float* out, int64_t out_stride, int mode, int num_threads) {
+  const int64_t row_bytes = x.nb * block_bytes(T);
+  const bool gated = mode >= 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t o = 0; o < n; ++o) {
+    // Software prefetch of the weight rows kPrefetchRows ahead (and of up's): streamed
+    // from DRAM without it, a decode step's weights came at ~6 GB/s, the loads waiting
+    // on memory between short bursts of arithmetic.
+    if (o + kPrefetchRows < n) {
+      const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
+      if (gated) {
+        const uint8_t* up_ahead = w + (n + o + kPrefetchRows) * row_bytes;
+        for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(up_ahead + at);
+      }
+    }
+    const float b = bias != nullptr ? bias[o] : 0.f;
+    const float bu = bias != nullptr && gated ? bias[n + o] : 0.f;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
+      float acc[4], up[4];
+      chunk_dots<T>(w + o * row_bytes, x, r0, cnt, acc);
+      if (!gated) {
+        for (int64_t r = 0; r < cnt; ++r) {
+          float* y = out + (r0 + r) * out_stride + o;
+          *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+        }
+        continue;
+      }
+      chunk_dots<T>(w + (n + o) * row_bytes, x, r0, cnt, up);
+      for (int64_t r = 0; r < cnt; ++r) {
+        const float g = acc[r] + b;
+        out[(r0 + r) * out_stride + o] = (mode == 2 ? silu(g) : gelu_tanh(g)) * (up[r] + bu);
+      }
+    }
+  }
+}
+
+template <int T>
+void dequant_rows(const uint8_t* w, int64_t n, int64_t k, float* out, int num_threads) {
+  const int64_t nb = k / kQK, bb = block_bytes(T);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t o = 0; o < n; ++o) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (o * nb + b) * bb;
+      float* y = out + o * k + b * kQK;
+      const float d = half_to_float(blk);
+      if (T == kQ8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int j = 0; j < kQK; ++j) y[j] = d * static_cast<float>(q[j]);
+        continue;
+      }
+      if (T == kQ4_0) {
+        const uint8_t* qs = blk + 2;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = d * static_cast<float>((qs[j] & 0x0f) - 8);
+          y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+        }
+        continue;
+      }
+      const float m = half_to_float(blk + 2);
+      const uint8_t* qs = blk + 4;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * static_cast<float>(qs[j] & 0x0f) + m;
+        y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    }
+  }
+}
+
+// The float-x product on Q8_0 (the LM head's table in SmolLM2's file): the weight blocks
+// widened to float in registers, x kept in float32. Why beside the integer path: with x
+// quantized to 8 bits, the head's logits moved enough to change the demo's greedy answer
+// (the final norm's outliers set each block's scale); this reads the same 34 bytes per 32
+// weights and rounds nothing but the float sums.
+template <int R>
+inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64_t nb,
+                       float* acc) {
+#ifdef KVQ_AVX2
+  __m256 v0[R], v1[R];
+  for (int r = 0; r < R; ++r) v0[r] = v1[r] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* v) {
+    const uint8_t* blk = w + b * 34;
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    __m256 wf[4];
+    for (int j = 0; j < 4; ++j)
+      wf[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * x_stride + b * kQK;
+      __m256 p = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
+      p = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), p);
+      p = _mm256_fmadd_ps(wf[2], _mm256_loadu_ps(xb + 16), p);
+      p = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), p);
+      v[r] = _mm256_fmadd_ps(p, d, v[r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, v0);
+    step(b + 1, v1);
+  }
+  if (b < nb) step(b, v0);
+  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r]));
+#else
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 34;
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * x_stride + b * kQK;
+      float sum = 0.f;
+      for (int j = 0; j < kQK; ++j) sum += static_cast<float>(q[j]) * xb[j];
+      acc[r] += d * sum;
+    }
+  }
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvserve_qgemv_abi_version() { return 3; }
+
+// out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
+// row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
+int kvserve_qgemv_f32x(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+                       int type, int64_t n, int64_t k, const float* bias, float* out,
+                       int64_t out_stride, int mode, int num_threads) {
+  if (type != kQ8_0 || mode < 0 || mode > 1 || k <= 0 || k % kQK || rows < 0) return 1;
+  const int64_t nb = k / kQK, row_bytes = nb * 34;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t o = 0; o < n; ++o) {
+    if (o + kPrefetchRows < n) {
+      const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
+    }
+    const float b = bias != nullptr ? bias[o] : 0.f;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
+      const float* xr = x + r0 * x_stride;
+      float acc[4];
+      switch (cnt) {
+        case 4: row_dots_f<4>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        case 3: row_dots_f<3>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        case 2: row_dots_f<2>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        default: row_dots_f<1>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+      }
+      for (int64_t r = 0; r < cnt; ++r) {
+        float* y = out + (r0 + r) * out_stride + o;
+        *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+      }
+    }
+  }
+  return 0;
+}
+
+// 2 where the build has the VNNI path, 1 the AVX2 one, 0 the plain C++ loop.
+int kvserve_qgemv_isa() {
+#if defined(KVQ_VNNI)
+  return 2;
+#elif defined(KVQ_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [rows, k] float32 (row stride x_stride, unit along k); w: n_w rows of k / 32 blocks of
+// `type` (n_w = n, or 2n for the gated modes); bias [n_w] or null; out [rows, n] (row stride
+// out_stride). k must be a multiple of 32. Returns 0, or 1 for a bad type, mode or k.
+int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, int type,
+                  int64_t n, int64_t k, const float* bias, float* out, int64_t out_stride,
+                  int mode, int num_threads) {
+  if (type < 0 || type > 2 || mode < 0 || mode > 3 || k <= 0 || k % kQK || rows < 0) return 1;
+  const int64_t nb = k / kQK;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  q.resize(static_cast<size_t>(rows * k));
+  d.resize(static_cast<size_t>(rows * nb));
+  s.resize(static_cast<size_t>(rows * nb));
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row(x + r * x_stride, k, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
+  const QRows xr{q.data(), d.data(), s.data(), k, nb};
+  if (type == kQ8_0)
+    qgemv_rows<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else if (type == kQ4_0)
+    qgemv_rows<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else
+    qgemv_rows<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  return 0;
+}
+
+// kvserve_qgemv (a[12] == 0) or kvserve_qgemv_f32x (a[12] != 0) with its arguments in one
+// array (qgemv.BoundQGemv's: a call passes one pointer, ~2 us less than twelve arguments):
+// x, x_stride, rows, w, type, n, k, bias, out, out_stride, mode, num_threads, float_x.
+int kvserve_qgemv_packed(const int64_t* a) {
+  auto f = [](int64_t v) { return reinterpret_cast<const float*>(v); };
+  auto call = a[12] != 0 ? kvserve_qgemv_f32x : kvserve_qgemv;
+  return call(f(a[0]), a[1], a[2], reinterpret_cast<const uint8_t*>(a[3]),
+              static_cast<int>(a[4]), a[5], a[6], f(a[7]), reinterpret_cast<float*>(a[8]),
+              a[9], static_cast<int>(a[10]), static_cast<int>(a[11]));
+}
+
+// The n x k weight as float32 into out [n, k] (the prefill path: a GEMM on the dequantized
+// copy); values as dequant.py's (d q, d (q - 8), d q + m in float32).
+int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* out,
+                     int num_threads) {
+  if (type < 0 || type > 2 || k <= 0 || k % kQK) return 1;
+  if (type == kQ8_0) dequant_rows<kQ8_0>(w, n, k, out, num_threads);
+  else if (type == kQ4_0) dequant_rows<kQ4_0>(w, n, k, out, num_threads);
+  else dequant_rows<kQ4_1>(w, n, k, out, num_threads);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,174 @@
+"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) kept as the file stores them
+(csrc/qgemv.cpp): the quantized linear layers' kernel.
+
+Why: batch-1 decode reads every weight once per step; Q4_1 is 20 bytes per 32 weights where
+the fp32 copy kvserve dequantized at load is 128. `linear` quantizes the rows of x to 8-bit
+blocks and runs integer dot products on the weight blocks (AVX2 maddubs, or VNNI dpbusd
+where the build has it); `dequantize` writes the float32 weight (the prefill path runs a
+GEMM on it). A weight is a uint8 tensor [n, k / 32 * block bytes], row after row of blocks.
+Where no compiler is found `load()` returns None and quantized weights are dequantized at
+load instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.cpu import cpu_ext
+
+SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
+ABI_VERSION = 3
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's type codes
+BLOCK = 32
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
+ISA_NAMES = {0: "C++", 1: "AVX2", 2: "VNNI"}
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    return k // BLOCK * BLOCK_BYTES[type_name]
+
+
+class QGemv:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.kvserve_qgemv_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{lib._name} has a different ABI version")
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn = lib.kvserve_qgemv
+        fn.argtypes = [ptr, i64, i64, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int]
+        fn.restype = c_int
+        deq = lib.kvserve_qdequant
+        deq.argtypes = [ptr, c_int, i64, i64, ptr, c_int]
+        deq.restype = c_int
+        fx = lib.kvserve_qgemv_f32x
+        fx.argtypes = fn.argtypes
+        fx.restype = c_int
+        packed = lib.kvserve_qgemv_packed
+        packed.argtypes = [ptr]
+        packed.restype = c_int
+        self._fn, self._deq, self._fx, self._packed = fn, deq, fx, packed
+        self.isa = ISA_NAMES[lib.kvserve_qgemv_isa()]
+        self._lib = lib
+
+    @staticmethod
+    def check_weight(w: torch.Tensor, type_name: str, n_w: int, k: int) -> None:
+        if type_name not in TYPES:
+            raise ValueError(f"qgemv: no kernel for {type_name}; one of {sorted(TYPES)}")
+        if k % BLOCK or w.dtype != torch.uint8 or not w.is_contiguous() \
+                or w.shape != (n_w, row_bytes(type_name, k)):
+            raise ValueError(f"qgemv: a {type_name} weight of {n_w} x {k} is contiguous uint8 "
+                             f"[{n_w}, {row_bytes(type_name, k)}], got {tuple(w.shape)} "
+                             f"{w.dtype}")
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, type_name: str, n: int, k: int,
+            bias: torch.Tensor | None, out: torch.Tensor, mode: int,
+            float_x: bool = False) -> torch.Tensor:
+        """The unchecked call (QuantizedLinear checks the weight once): x float32 [rows, k]
+        unit stride along k, out float32 [rows, n] unit stride along n. `float_x`: x stays
+        in float32, the Q8_0 weight widened in registers (modes 0 and 1; Q8_0 only): the
+        LM head's path, where 8-bit x moved the logits too far."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k \
+                or (x.stride(1) != 1 and k > 1):
+            raise ValueError(f"qgemv: x must be float32 [rows, {k}] with unit stride along k, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        fn = self._fx if float_x else self._fn
+        rc = fn(x.data_ptr(), x.stride(0), x.shape[0], w.data_ptr(), TYPES[type_name],
+                n, k, cpu_ext.address(bias), out.data_ptr(), out.stride(0), mode,
+                torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"qgemv: bad type, mode {mode} or k {k}"
+                             + (" (float x: Q8_0, modes 0 and 1 only)" if float_x else ""))
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, type_name: str, k: int,
+               bias: torch.Tensor | None = None, mode: int = MODE_STORE,
+               out: torch.Tensor | None = None, float_x: bool = False) -> torch.Tensor:
+        """x W^T + b (mode 0), out += x W^T + b (1), or act(gate) * up on W = [gate; up]
+        (2 SiLU, 3 GELU-tanh), x float32 [rows, k]."""
+        n_w = w.shape[0]
+        self.check_weight(w, type_name, n_w, k)
+        n = n_w // 2 if mode >= MODE_SILU_MUL else n_w
+        if out is None:
+            out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        elif out.shape != (x.shape[0], n) or out.dtype != torch.float32 or out.stride(1) != 1:
+            raise ValueError(f"qgemv: out must be float32 [{x.shape[0]}, {n}], unit stride")
+        return self.run(x, w, type_name, n, k, bias, out, mode, float_x)
+
+    def bind(self, w: torch.Tensor, type_name: str, k: int, bias: torch.Tensor | None = None,
+             mode: int = MODE_STORE, float_x: bool = False) -> BoundQGemv:
+        """The op `mode` on this weight and bias, checked once (see BoundQGemv)."""
+        n_w = w.shape[0]
+        self.check_weight(w, type_name, n_w, k)
+        n = n_w // 2 if mode >= MODE_SILU_MUL else n_w
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                 or bias.shape != (n_w,)):
+            raise ValueError(f"qgemv: bias must be contiguous float32 [{n_w}]")
+        if mode not in (MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL) \
+                or (float_x and (type_name != "Q8_0" or mode > MODE_ADD)):
+            raise ValueError(f"qgemv: bad mode {mode} (float x: Q8_0, modes 0 and 1 only)")
+        return BoundQGemv(self._packed, w, type_name, n, k, bias, mode, float_x)
+
+    def dequantize(self, w: torch.Tensor, type_name: str, k: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as float32 [n, k] (into `out`, a contiguous buffer of at least n * k
+        floats, when given)."""
+        n = w.shape[0]
+        self.check_weight(w, type_name, n, k)
+        if out is None:
+            out = torch.empty((n, k), dtype=torch.float32)
+        else:
+            if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < n * k:
+                raise ValueError(f"qgemv: dequantize needs a float32 buffer of {n * k}")
+            out = out.view(-1)[: n * k].view(n, k)
+        if self._deq(w.data_ptr(), TYPES[type_name], n, k, out.data_ptr(),
+                     torch.get_num_threads()) != 0:
+            raise ValueError(f"qgemv: bad type {type_name} or k {k}")
+        return out
+
+
+class BoundQGemv:
+    """One projection's kernel with its weight, bias and mode fixed (checked by
+    `QGemv.bind`); a call fills in x and the output and makes one ctypes call with a single
+    pointer (~3 us less than the checked call; a decode step makes 120). x must be float32
+    [rows, k] with unit stride along k (checked: anything else reads out of bounds). Not
+    reentrant (the argument array is the op's own), as gemv.BoundGemv."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, w: torch.Tensor, type_name: str, n: int, k: int,
+                 bias: torch.Tensor | None, mode: int, float_x: bool) -> None:
+        self._fn = fn
+        self._keep = (w, bias)  # the pointers below stay valid while this lives
+        self.n, self.k, self.mode = n, k, mode
+        a = (ctypes.c_int64 * 13)()
+        a[3], a[4], a[5], a[6] = w.data_ptr(), TYPES[type_name], n, k
+        a[7], a[10], a[12] = cpu_ext.address(bias), mode, int(float_x)
+        self._args = a
+        self._ptr = ctypes.addressof(a)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, k] -> out [rows, n] (new, or `out` for MODE_ADD: the residual, float32
+        with unit stride along n)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k \
+                or (x.stride(1) != 1 and self.k > 1):
+            raise ValueError(f"qgemv: x must be float32 [rows, {self.k}] with unit stride "
+                             f"along k, got {tuple(x.shape)} {x.dtype}")
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty((rows, self.n), dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (rows, self.n) or out.stride(1) != 1:
+            raise ValueError(f"qgemv: out must be float32 [{rows}, {self.n}], unit stride")
+        a = self._args
+        a[0], a[1], a[2] = x.data_ptr(), x.stride(0), rows
+        a[8], a[9], a[11] = out.data_ptr(), out.stride(0), torch.get_num_threads()
+        if self._fn(self._ptr) != 0:
+            raise ValueError("qgemv: the kernel refused its arguments")
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> QGemv | None:
+    """The kernel, built on first call; None (logged once by cpu_ext) where it cannot be."""
+    return cpu_ext.load_kernel(SOURCE, QGemv, "quantized weights are dequantized at load")

@@ -1,0 +1,157 @@
+"""Linear methods on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) kept as the file stores
+them (issue 31): `QuantizedLinear` (x W^T + b, the residual add) and `QuantizedGated` (the
+gate | up projection with act(gate) * up), both on `QuantWeight`s, and `quantized_methods`,
+a DecoderLayer's `LayerMethods` on them.
+
+Why: batch-1 decode reads every weight once a step, so bytes per weight decide its speed;
+Q4_1 is 20 bytes per 32 weights, the fp32 copy kvserve dequantized at load 128.
+
+Up to `int_rows` rows a projection runs the C++ kernel (kernels/cpu/qgemv.py: x quantized to
+8-bit blocks, integer dot products on the weight blocks); above, the weight is dequantized
+into a scratch buffer shared by every projection (one at a time: a model's forward runs on
+one thread) and F.linear (MKL) runs on it: a prefill's GEMM is compute-bound and the
+integer kernel re-reads each weight row from L1 per row of x, so at many rows the fp32 GEMM
+wins. A tiled quantized GEMM is for a later slice of issue 31.
+
+The model code never sees these (tests/test_architecture.py): the loader keeps the blocks as
+`layer.quant_weights` (projection name -> QuantWeight) in place of the float parameters, and
+`kvserve.layers.selection.bind_quantized` binds these methods onto the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.cpu import qgemv
+from kvserve.layers.activation import gated
+from kvserve.layers.block import LayerMethods, normed, split_qkv
+from kvserve.layers.linear import LinearMethod, with_output_norm
+from kvserve.layers.norm import rms_norm
+from kvserve.layers.rotary import apply_rope
+
+# The row count up to which the integer kernel runs (the first row bucket, decode); the GEMM
+# on a dequantized copy above it (see the module docstring).
+INT_ROWS = 4
+# The float projections a loader may keep quantized (DecoderLayer's attribute names)
+PROJECTION_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [n, k] weight as GGUF blocks: `data` uint8 [n, k / 32 * block bytes], row by row."""
+
+    data: torch.Tensor
+    type_name: str
+    k: int
+
+    def __post_init__(self) -> None:
+        qgemv.QGemv.check_weight(self.data, self.type_name, self.data.shape[0], self.k)
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [n, k] (into `out`'s memory when given)."""
+        return qgemv.load().dequantize(self.data, self.type_name, self.k, out)
+
+
+_scratch: list[torch.Tensor] = [torch.empty(0)]
+
+
+def dequantized(w: QuantWeight) -> torch.Tensor:
+    """w as float32 [n, k] in the shared scratch buffer (valid until the next call)."""
+    if _scratch[0].numel() < w.n * w.k:
+        _scratch[0] = torch.empty(w.n * w.k, dtype=torch.float32)
+    return w.dequantize(_scratch[0])
+
+
+class QuantizedLinear(LinearMethod):
+    """x W^T + b on a QuantWeight: the C++ kernel up to `int_rows` rows (x quantized to 8
+    bits, or with `float_x` kept in float32: Q8_0 only, the LM head's), MKL on a dequantized
+    copy above."""
+
+    __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add")
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
+                 int_rows: float = INT_ROWS, float_x: bool = False) -> None:
+        if float_x and weight.type_name != "Q8_0":
+            raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
+        self.weight, self.bias, self.int_rows, self.float_x = weight, bias, int_rows, float_x
+        kernel, w = qgemv.load(), weight
+        self._store = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_STORE, float_x)
+        self._add = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_ADD, float_x)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.int_rows:
+            return self._store(x)
+        return F.linear(x, dequantized(self.weight), self.bias)
+
+    def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.shape[0] <= self.int_rows and residual.stride(1) == 1:
+            return self._add(x, residual)
+        residual.addmm_(x, dequantized(w).t())
+        return residual if self.bias is None else residual.add_(self.bias)
+
+
+class QuantizedGated(LinearMethod):
+    """The gate | up projection on a QuantWeight [2i, k]: act(x gate^T + b_g) * (x up^T +
+    b_u), fused into the integer kernel up to `int_rows` rows."""
+
+    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_gated")
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, intermediate: int,
+                 gelu: bool, int_rows: float = INT_ROWS) -> None:
+        if weight.n != 2 * intermediate:
+            raise ValueError(f"a [gate; up] weight has {2 * intermediate} rows, got {weight.n}")
+        self.weight, self.bias, self.intermediate, self.gelu = weight, bias, intermediate, gelu
+        self.int_rows = int_rows
+        mode = qgemv.MODE_GELU_MUL if gelu else qgemv.MODE_SILU_MUL
+        self._gated = qgemv.load().bind(weight.data, weight.type_name, weight.k, bias, mode)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.shape[0] <= self.int_rows:
+            return self._gated(x)
+        return gated(F.linear(x, dequantized(w), self.bias), self.intermediate, self.gelu)
+
+
+def quantized_methods(layer, weights: dict[str, QuantWeight | torch.Tensor],
+                      norm: Callable = rms_norm, rope: Callable = apply_rope,
+                      int_rows: float = INT_ROWS) -> LayerMethods:
+    """A DecoderLayer's methods with `weights` (attribute name -> QuantWeight, or the float
+    tensor of a projection the loader kept dense) as block.dense_methods lays them out."""
+    from kvserve.layers.linear import Dense, DenseGated
+
+    def linear(name: str, bias: torch.Tensor | None) -> LinearMethod:
+        w = weights[name]
+        return QuantizedLinear(w, bias, int_rows) if isinstance(w, QuantWeight) \
+            else Dense(w, bias)
+
+    eps = layer.eps
+    qkv = normed(norm, layer.input_layernorm, eps, linear("qkv_proj", layer.qkv_bias).apply)
+
+    def attn_in(h: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
+        return split_qkv(layer, qkv(h), cos_sin, norm, rope)
+
+    o = with_output_norm(linear("o_proj", layer.o_bias), layer.attn_out_norm, eps, norm)
+    gu = weights["gate_up_proj"]
+    gate_up = QuantizedGated(gu, layer.gate_up_bias, layer.intermediate_size, layer.gelu,
+                             int_rows) if isinstance(gu, QuantWeight) \
+        else DenseGated(gu, layer.gate_up_bias, layer.intermediate_size, layer.gelu)
+    mlp = normed(norm, layer.post_attention_layernorm, eps, gate_up.apply)
+    down = with_output_norm(linear("down_proj", layer.down_bias), layer.mlp_out_norm, eps, norm)
+    return LayerMethods(attn_in, o.apply_add, mlp, down.apply_add)
