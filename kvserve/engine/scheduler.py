@@ -117,10 +117,11 @@ class Scheduler:
         preempted = 0
 
         i = 0
+        allocate = self.kv.allocate_slots
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(request, n):
+            n = min(len(request.token_ids) - request.num_computed_tokens, budget)  # uncomputed
+            while not allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted += 1

@@ -421,8 +421,6 @@ class KVCacheManager:
         """Release the blocks wholly before the sequence's window, in each windowed group: no
         query reads them again (a preempted sequence recomputes from the start). Published
         ones stay cached, idle."""
-        if not self._windowed:
-            return
         for i, g in enumerate(self.groups):
             if g.window is None:
                 continue
@@ -444,7 +442,7 @@ class KVCacheManager:
             g.index.mark_idle(self.pool.release(gone))
 
     def _grow(self, request_id: str, num_tokens: int) -> bool:
-        need = self.blocks_for_tokens(num_tokens)
+        need = -(-num_tokens // self.block_size)  # blocks_for_tokens, once per sequence a step
         if len(self.groups) == 1:  # the common case, once per running sequence per step
             table = self.block_tables.setdefault(request_id, [])
             missing = need - len(table)
@@ -466,8 +464,10 @@ class KVCacheManager:
     def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and no change, beyond releasing
         blocks that fell out of the window) if the pool is short."""
-        self._release_outside_window(seq)
-        return self._grow(seq.request_id, kv_length(seq) + num_new_tokens)
+        if self._windowed:
+            self._release_outside_window(seq)
+        return self._grow(seq.request_id,  # kv_length(seq), inline: every sequence, every step
+                          seq.num_computed_tokens - seq.num_dropped_tokens + num_new_tokens)
 
     def free(self, seq: CachedSeq) -> None:
         """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
