@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _WORKLOAD = """
 from kvserve import LLM, SamplingParams
-llm = LLM(max_model_len=256, num_threads=1, enable_prefix_caching=False)
+llm = LLM(max_model_len=256, num_threads=1, enable_prefix_caching=False, quantization="none")
 for n in range(17, 81):  # one prefill per prompt length: 64 different token counts
     llm.generate([{"prompt_token_ids": list(range(10, 10 + n))}], SamplingParams(max_tokens=1))
 """
@@ -82,6 +82,7 @@ _WARMED_WORKLOAD = """
 import ctypes, os
 from kvserve import LLM, SamplingParams
 llm = LLM(max_model_len=256, num_threads=1, enable_prefix_caching=False, max_num_seqs=8,
+          quantization="none",
           max_num_batched_tokens=256)
 model = llm.engine.model
 from kvserve.layers.selection import warm_up_gemms

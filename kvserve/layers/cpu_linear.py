@@ -7,9 +7,11 @@ Which of them a projection runs, per row bucket, is the GEMM plan's choice
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from kvserve.kernels.cpu import gemv, panel_gemm
+from kvserve.kernels.cpu import gemv
 from kvserve.layers.linear import LinearMethod
 
 
@@ -128,35 +130,33 @@ class OneDNNGated(LinearMethod):
                                                          "mul")[:t]
 
 
-class Panel(LinearMethod):
+class BoundKernel(LinearMethod):
+    """A C++ kernel bound to its weight once (one pointer per call): `bound(x)` computes the
+    projection, `bound(x, residual)` adds it into the residual stream in its epilogue."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self, bound: Callable[..., torch.Tensor]) -> None:
+        self.bound = bound
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bound(x)
+
+    def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.bound(x, residual)
+
+
+class Panel(BoundKernel):
     """kvserve's panel GEMM (kernels/cpu/panel_gemm.py) bound to its packed weight, with the
     bias (and a norm before, a gated activation after, where bound so) in the kernel's call;
     apply_add: the residual add in its epilogue."""
 
-    __slots__ = ("bound",)
-
-    def __init__(self, bound: panel_gemm.BoundPanel) -> None:
-        self.bound = bound
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bound(x)
-
-    def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.bound(x, residual)
+    __slots__ = ()
 
 
-class Gemv(LinearMethod):
+class Gemv(BoundKernel):
     """The C++ GEMV (kernels/cpu/gemv.py, up to gemv.MAX_ROWS rows) bound to its row-major
     weight; apply_add needs a binding in gemv.MODE_ADD (the add into the residual stream in
     the kernel)."""
 
-    __slots__ = ("bound",)
-
-    def __init__(self, bound: gemv.BoundGemv) -> None:
-        self.bound = bound
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bound(x)
-
-    def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.bound(x, residual)
+    __slots__ = ()
