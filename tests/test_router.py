@@ -582,8 +582,10 @@ def test_a_replica_killed_mid_run_loses_no_request_that_had_not_started(tmp_path
         gw.wait_ready()
 
         async def complete(http: httpx.AsyncClient, prompt: list[int]):
+            # As long as the streams above, which are still running when the replica dies: a
+            # shorter one could finish on replica 1 before the kill on a fast machine.
             r = await http.post(gw.url + "/v1/completions", json={
-                "prompt": prompt, "max_tokens": 200, "ignore_eos": True})
+                "prompt": prompt, "max_tokens": 480, "ignore_eos": True})
             return r.headers.get("x-kvserve-replica"), r.status_code
 
         async def run():
