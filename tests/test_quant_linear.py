@@ -22,7 +22,7 @@ from gguf import quants
 
 from kvserve.kernels.cpu import cpu_ext, qgemv
 
-TYPES = ("Q8_0", "Q4_0", "Q4_1")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (label, -march): the build's own (VNNI where this CPU has it), AVX2 without VNNI (an EPYC of
 # issue 18; kvserve's KVSERVE_CPU_ISA=avx2 cap builds the same), and plain x86-64 (SSE2: the
 # C++ loop)
@@ -150,7 +150,7 @@ def test_kernel_refuses_bad_weights():
     with pytest.raises(ValueError, match="Q4_1 weight"):
         kern.linear(torch.randn(1, 64), wq[:, :-1].contiguous(), "Q4_1", 64)
     with pytest.raises(ValueError, match="no kernel"):
-        kern.linear(torch.randn(1, 64), wq, "Q5_0", 64)
+        kern.linear(torch.randn(1, 64), wq, "Q2_K", 64)
 
 
 # -- the engine on the default model (SmolLM2-135M, Q4_1 projections, Q8_0 embedding) -------
@@ -282,7 +282,7 @@ def test_float_x_q8_0(isa, rows):
         kern.linear(x, q4, "Q4_1", k, float_x=True)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q5_0", "Q5_1"])
 def test_other_block_types_end_to_end(type_name, tmp_path):
     """The default model's weights re-encoded as Q4_0 / Q8_0 (every 2-D tensor, the head's
     table too: so with Q4_0 the head has no Q8_0 copy and runs the float GEMV): the loader

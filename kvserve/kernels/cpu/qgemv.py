@@ -1,4 +1,4 @@
-"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) kept as the file stores them
+"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) kept as stored
 (csrc/qgemv.cpp): the quantized linear layers' kernel.
 
 Why: batch-1 decode reads every weight once per step; Q4_1 is 20 bytes per 32 weights where
@@ -21,10 +21,10 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 3
-TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's type codes
+ABI_VERSION = 4
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 5, "Q5_1": 6}  # the kernel's type codes
 BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 ISA_NAMES = {0: "C++", 1: "AVX2", 2: "VNNI"}
 

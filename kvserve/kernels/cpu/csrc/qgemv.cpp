@@ -1,5 +1,5 @@
 // Matrix products on GGUF block-quantized weights, kept in their file layout: y = x W^T (+ b)
-// for W in Q8_0, Q4_0 or Q4_1, x float32.
+// for W in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1, x float32.
 //
 // Why: a batch-1 decode step reads every weight once, so its speed is bytes per weight. Q4_1
 // is 5 bits a weight (20 bytes per 32) against fp32's 32: dequantizing at load (what kvserve
@@ -46,9 +46,26 @@ constexpr int64_t kQK = 32;  // values per block
 #define KVQ_PREFETCH_ROWS 8
 #endif
 constexpr int64_t kPrefetchRows = KVQ_PREFETCH_ROWS;  // weight rows prefetched ahead
-enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 5, kQ5_1 = 6 };
 
-inline int64_t block_bytes(int type) { return type == kQ8_0 ? 34 : type == kQ4_0 ? 18 : 20; }
+inline int64_t block_bytes(int type) {
+  switch (type) {
+    case kQ8_0: return 34;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    default: return 0;
+  }
+}
+
+// Q5_0 / Q5_1: the nibbles as Q4_0 / Q4_1 (after d, or d and m) behind 4 bytes qh whose bit i
+// is element i's fifth bit; Q5_0 = d (q - 16), Q5_1 = d q + m. The value of element i:
+inline int q5_value(const uint8_t* qs, uint32_t qh, int i) {
+  const int nib = i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4);
+  return nib | static_cast<int>(((qh >> i) & 1u) << 4);
+}
+inline bool is_q5(int t) { return t == kQ5_0 || t == kQ5_1; }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -125,6 +142,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
+// 0x10 in byte i where bit i of the 4 bytes at p is set (Q5's fifth bits): byte i takes qh's
+// byte i / 8, then tests its bit i % 8.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 // acc[r] = dot(W row, x row r) for r < R: the weight blocks loaded once, R rows of x each.
 // Two blocks per step into two sets of accumulators: at one row a single chain of FMAs (and
 // of the offset's scalar adds) waited on its own latency, not on memory.
@@ -146,11 +176,13 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
     if (T == kQ8_0) {
       wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     } else {
-      const int off = T == kQ4_0 ? 2 : 4;
-      if (T == kQ4_1) mw = half_to_float(blk + 2);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+      const int off = (T == kQ4_0 || T == kQ5_0) ? 2 : 4;
+      if (T == kQ4_1 || T == kQ5_1) mw = half_to_float(blk + 2);
+      const int qoff = is_q5(T) ? off + 4 : off;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qoff));
       const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
       wq = _mm256_and_si256(both, low);  // elements 0..15 low nibbles, 16..31 high
+      if (is_q5(T)) wq = _mm256_or_si256(wq, fifth_bits(blk + off));
     }
     const __m256i wabs = T == kQ8_0 ? _mm256_sign_epi8(wq, wq) : wq;
     for (int r = 0; r < R; ++r) {
@@ -160,7 +192,8 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
       const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wabs, xq));
       v[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.d[at]), v[r]);
       if (T == kQ4_0) corr[r] -= 8.f * dw * x.s[at];
-      if (T == kQ4_1) corr[r] += mw * x.s[at];
+      if (T == kQ5_0) corr[r] -= 16.f * dw * x.s[at];
+      if (T == kQ4_1 || T == kQ5_1) corr[r] += mw * x.s[at];
     }
   };
   int64_t b = 0;
@@ -179,10 +212,15 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
   for (int64_t b = 0; b < x.nb; ++b) {
     const uint8_t* blk = w + b * bb;
     const float dw = half_to_float(blk);
-    const float mw = T == kQ4_1 ? half_to_float(blk + 2) : 0.f;
+    const float mw = (T == kQ4_1 || T == kQ5_1) ? half_to_float(blk + 2) : 0.f;
     int8_t wq[kQK];
     if (T == kQ8_0) {
       std::memcpy(wq, blk + 2, kQK);
+    } else if (is_q5(T)) {
+      const int off = T == kQ5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, blk + off, 4);
+      for (int j = 0; j < kQK; ++j) wq[j] = static_cast<int8_t>(q5_value(blk + off + 4, qh, j));
     } else {
       const uint8_t* qs = blk + (T == kQ4_0 ? 2 : 4);
       for (int j = 0; j < 16; ++j) {
@@ -197,7 +235,8 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
       for (int j = 0; j < kQK; ++j) sum += static_cast<int>(wq[j]) * xq[j];
       acc[r] += dw * x.d[at] * static_cast<float>(sum);
       if (T == kQ4_0) acc[r] -= 8.f * dw * x.s[at];
-      if (T == kQ4_1) acc[r] += mw * x.s[at];
+      if (T == kQ5_0) acc[r] -= 16.f * dw * x.s[at];
+      if (T == kQ4_1 || T == kQ5_1) acc[r] += mw * x.s[at];
     }
   }
 }
@@ -286,6 +325,20 @@ void dequant_rows(const uint8_t* w, int64_t n, int64_t k, float* out, int num_th
         }
         continue;
       }
+      if (is_q5(T)) {
+        const int off = T == kQ5_0 ? 2 : 4;
+        uint32_t qh;
+        std::memcpy(&qh, blk + off, 4);
+        if (T == kQ5_0) {
+          for (int j = 0; j < kQK; ++j)
+            y[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j) - 16);
+        } else {
+          const float m = half_to_float(blk + 2);
+          for (int j = 0; j < kQK; ++j)
+            y[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j)) + m;
+        }
+        continue;
+      }
       const float m = half_to_float(blk + 2);
       const uint8_t* qs = blk + 4;
       for (int j = 0; j < 16; ++j) {
@@ -350,7 +403,7 @@ inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64
 
 extern "C" {
 
-int kvserve_qgemv_abi_version() { return 3; }
+int kvserve_qgemv_abi_version() { return 4; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
@@ -402,7 +455,7 @@ int kvserve_qgemv_isa() {
 int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, int type,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t out_stride,
                   int mode, int num_threads) {
-  if (type < 0 || type > 2 || mode < 0 || mode > 3 || k <= 0 || k % kQK || rows < 0) return 1;
+  if (block_bytes(type) == 0 || mode < 0 || mode > 3 || k <= 0 || k % kQK || rows < 0) return 1;
   const int64_t nb = k / kQK;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, s;
@@ -416,8 +469,12 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
     qgemv_rows<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else if (type == kQ4_0)
     qgemv_rows<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else
+  else if (type == kQ4_1)
     qgemv_rows<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else if (type == kQ5_0)
+    qgemv_rows<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else
+    qgemv_rows<kQ5_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   return 0;
 }
 
@@ -436,10 +493,12 @@ int kvserve_qgemv_packed(const int64_t* a) {
 // copy); values as dequant.py's (d q, d (q - 8), d q + m in float32).
 int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* out,
                      int num_threads) {
-  if (type < 0 || type > 2 || k <= 0 || k % kQK) return 1;
+  if (block_bytes(type) == 0 || k <= 0 || k % kQK) return 1;
   if (type == kQ8_0) dequant_rows<kQ8_0>(w, n, k, out, num_threads);
   else if (type == kQ4_0) dequant_rows<kQ4_0>(w, n, k, out, num_threads);
-  else dequant_rows<kQ4_1>(w, n, k, out, num_threads);
+  else if (type == kQ4_1) dequant_rows<kQ4_1>(w, n, k, out, num_threads);
+  else if (type == kQ5_0) dequant_rows<kQ5_0>(w, n, k, out, num_threads);
+  else dequant_rows<kQ5_1>(w, n, k, out, num_threads);
   return 0;
 }
 
