@@ -113,9 +113,12 @@ class Bench:
                         "--output-len", str(a.output_len)], self.env, a.timeout)
 
     def llamacpp(self, gguf: str, prompt_file: Path) -> dict:
+        """bench_llamacpp.py's worker: one prompt (the first of the file's list)."""
         a = self.args
+        one = prompt_file.with_suffix(".first.json")
+        one.write_text(json.dumps(json.loads(prompt_file.read_text())[0]))
         return run_sub([a.llama_python, str(BENCH_DIR / "bench_llamacpp.py"), "--worker",
-                        "llamacpp", "--gguf", gguf, "--prompt-file", str(prompt_file),
+                        "llamacpp", "--gguf", gguf, "--prompt-file", str(one),
                         "--threads", str(a.threads), "--output-len", str(a.output_len)],
                        self.llama_env, a.timeout)
 
@@ -271,8 +274,8 @@ def main() -> int:
                 res[f"batch{args.batch}"] = batched(bench, name, gguf, pfn, args.batch)
             results[name] = res
     finally:
-        pf1.unlink(missing_ok=True)
-        pfn.unlink(missing_ok=True)
+        for f in (pf1, pfn, pf1.with_suffix(".first.json")):
+            f.unlink(missing_ok=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
