@@ -6,6 +6,11 @@ the fp32 copy kvserve dequantized at load is 128. `linear` quantizes the rows of
 blocks and runs integer dot products on the weight blocks (AVX2 maddubs, or VNNI dpbusd
 where the build has it); `dequantize` writes the float32 weight (the prefill path runs a
 GEMM on it). A weight is a uint8 tensor [n, k / 32 * block bytes], row after row of blocks.
+Past a few rows the kernel runs in cache tiles (16 output features x up to 64 rows of x), so
+it also serves prefill-sized calls (quant_linear measures where it beats the dequantized GEMM).
+Its threads (torch's thread count) claim units of work from the kernel's own pool
+(csrc/parallel.h) instead of OpenMP's fork/join, which waited for a descheduled thread beside
+other busy processes; KVSERVE_CPU_POOL=omp runs it on OpenMP (comparisons).
 Where no compiler is found `load()` returns None and quantized weights are dequantized at
 load instead.
 """
