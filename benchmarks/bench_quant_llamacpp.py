@@ -57,6 +57,13 @@ def cpu_line() -> str:
     return cpu_info().summary()
 
 
+def gguf_vocab_size(path: str) -> int:
+    """The file's vocabulary (prompts are random ids below it; every file here shares it)."""
+    import gguf
+
+    return len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+
+
 def worker_kvserve(args: argparse.Namespace) -> dict:
     """One kvserve run in this (fresh) process: bench_throughput's worker on the GGUF file."""
     prompts = json.loads(Path(args.prompt_file).read_text())
@@ -249,7 +256,7 @@ def main() -> int:
     files = bench.make_files()
     print(f"cpu: {cpu_line()}; {args.threads} threads; load average {os.getloadavg()[0]:.1f}")
     results: dict = {"cpu": cpu_line(), "files": files}
-    vocab = 49152
+    vocab = gguf_vocab_size(next(iter(files.values())))
     one = bt.make_prompts(1, args.prompt_len, vocab, args.seed)
     many = bt.make_prompts(args.batch, args.prompt_len, vocab, args.seed) if args.batch else []
     pf1 = bt.cache_dir() / f".bench-quant-prompt1-{os.getpid()}.json"

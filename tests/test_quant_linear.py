@@ -284,10 +284,11 @@ def test_float_x_q8_0(isa, rows):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q5_0", "Q5_1"])
 def test_other_block_types_end_to_end(type_name, tmp_path):
-    """The default model's weights re-encoded as Q4_0 / Q8_0 (every 2-D tensor, the head's
-    table too: so with Q4_0 the head has no Q8_0 copy and runs the float GEMV): the loader
-    keeps the projections in that type, a prefill's logits are the dequantized model's
-    (float rounding, FLOAT_LOGITS), and batch-1 decode follows it for the first greedy tokens."""
+    """The default model's weights re-encoded as Q4_0 / Q8_0 / Q5_0 / Q5_1 (every 2-D tensor,
+    the head's table too: so except with Q8_0 the head has no Q8_0 copy and runs the float
+    GEMV): the loader keeps the projections in that type, a prefill's logits are the
+    dequantized model's (float rounding, FLOAT_LOGITS), and batch-1 decode follows it for the
+    first greedy tokens."""
     from gguf_files import requantize, smollm2_path
     from helpers import first_token_logits
 
