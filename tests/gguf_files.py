@@ -184,3 +184,71 @@ def finish(writer) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize_k(w: np.ndarray, qtype_name: str) -> np.ndarray:
+    """A simple Q4_K / Q6_K encoder (gguf.quants has none for the K-quants): w float [n, k],
+    k a multiple of 256, -> the blocks as uint8 [n, k / 256 * block bytes], in ggml's public
+    layouts as gguf.quants.dequantize reads them (the tests check the round trip there).
+    Not llama.cpp's search for the best scales: the plain amax / range ones."""
+    n, k = w.shape
+    b = w.astype(np.float32).reshape(-1, 256)
+    if qtype_name == "Q6_K":
+        g = b.reshape(-1, 16, 16)
+        scale = np.abs(g).max(axis=2) / 31  # [blocks, 16], q - 32 in -31..31
+        d = (scale.max(axis=1) / 127).astype(np.float16)
+        df = d.astype(np.float32)
+        sc = np.clip(np.rint(scale / np.where(df > 0, df, 1)[:, None]), -128, 127)
+        eff = df[:, None] * sc
+        q = np.clip(np.rint(g / np.where(eff > 0, eff, 1)[..., None]) + 32, 0, 63)
+        q = np.where(eff[..., None] > 0, q, 32).astype(np.uint8).reshape(-1, 2, 128)
+        ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)  # [blocks, half, 64]
+        hi = (q >> 4).reshape(-1, 2, 4, 32)
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+        out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64),
+                              sc.astype(np.int8).view(np.uint8), d.reshape(-1, 1).view(np.uint8)],
+                             axis=1)
+        return np.ascontiguousarray(out).reshape(n, -1)
+    assert qtype_name == "Q4_K", qtype_name
+    g = b.reshape(-1, 8, 32)
+    lo = np.minimum(g.min(axis=2), 0)  # value = d sc q - dmin m, m >= 0
+    scale = (g.max(axis=2) - lo) / 15
+    mins = -lo
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    df, mf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(df > 0, df, 1)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / np.where(mf > 0, mf, 1)[:, None]), 0, 63).astype(np.uint8)
+    eff, meff = df[:, None] * sc, mf[:, None] * m
+    q = np.clip(np.rint((g + meff[..., None]) / np.where(eff > 0, eff, 1)[..., None]), 0, 15)
+    q = np.where(eff[..., None] > 0, q, 0).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    s = np.empty((b.shape[0], 12), dtype=np.uint8)
+    s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    out = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8),
+                          s, qs], axis=1)
+    return np.ascontiguousarray(out).reshape(n, -1)
+
+
+def requantize_mixed(src: Path, out: Path, type_of) -> Path:
+    """As `requantize`, each 2-D tensor in the type `type_of(gguf name, shape)` names ("F32"
+    keeps it float); K-quants through `quantize_k`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    copy_metadata(reader, writer, skip=("general.file_type",))
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        name = type_of(t.name, w.shape) if w.ndim == 2 else "F32"
+        if name == "F32":
+            writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
+            continue
+        qtype = gguf.GGMLQuantizationType[name]
+        data = quantize_k(w, name) if name in ("Q4_K", "Q6_K") else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+    finish(writer)
+    return out

@@ -1,7 +1,8 @@
-"""Linear methods on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) kept as the file stores
-them (issue 31): `QuantizedLinear` (x W^T + b, the residual add) and `QuantizedGated` (the
-gate | up projection with act(gate) * up), both on `QuantWeight`s, and `quantized_methods`,
-a DecoderLayer's `LayerMethods` on them.
+"""Linear methods on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) kept as the
+file stores them (issue 31): `QuantizedLinear` (x W^T + b, the residual add) and
+`QuantizedGated` (the gate | up projection with act(gate) * up), both on `QuantWeight`s,
+`quantized_methods`, a DecoderLayer's `LayerMethods` on them, and `QuantizedEmbedding`, the
+token lookup on a quantized table (the tied LM head's weight too: one copy for both).
 
 Why: batch-1 decode reads every weight once a step, so bytes per weight decide its speed;
 Q4_1 is 20 bytes per 32 weights, the fp32 copy kvserve dequantized at load 128.
@@ -42,7 +43,8 @@ PROJECTION_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A [n, k] weight as GGUF blocks: `data` uint8 [n, k / 32 * block bytes], row by row."""
+    """A [n, k] weight as GGUF blocks: `data` uint8 [n, row bytes], row by row (32 values a
+    block, 256 for the K-quants)."""
 
     data: torch.Tensor
     type_name: str
@@ -127,6 +129,21 @@ class QuantizedGated(LinearMethod):
         if x.shape[0] <= self.int_rows:
             return self._gated(x)
         return gated(F.linear(x, dequantized(w), self.bias), self.intermediate, self.gelu)
+
+
+class QuantizedEmbedding:
+    """ids -> the rows of a quantized table as float32 (the kernel dequantizes only the rows
+    looked up). Why not a float copy: a tied table is also the LM head's weight, and SmolLM2's
+    is 113 MB in float32 against 30 MB in its file's Q8_0."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: QuantWeight) -> None:
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return qgemv.load().embed(w.data, w.type_name, w.k, ids)
 
 
 def quantized_methods(layer, weights: dict[str, QuantWeight | torch.Tensor],

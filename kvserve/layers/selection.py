@@ -38,7 +38,8 @@ from kvserve.layers.fast_decode import FastDecode
 from kvserve.layers.gemm_select import GemmPlan
 from kvserve.layers.linear import Dense, DenseGated
 from kvserve.layers.norm import rms_norm
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantizedLinear, quantized_methods
+from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantizedEmbedding, QuantizedLinear,
+                                        quantized_methods)
 from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.deepseek import DeepseekLayer, MoE, SwiGLU
 
@@ -381,8 +382,11 @@ def bind_quantized(model: CausalLM) -> None:
     Q8_0 table (`model.quant_head`, where the file has one) with x kept in float32 (the
     float table, else the GEMV, above it): the integer kernel there, x quantized to 8 bits,
     changed the demo's answer ("What is the capital of France?" no longer began "The capital
-    of France is Paris"), the final norm's outliers setting each block's scale. Installs a
-    plan of
+    of France is Paris"), the final norm's outliers setting each block's scale. Where the
+    loader kept the embedding table quantized (`model.quant_embed`), lookups read its
+    blocks and a tied head runs them at every bucket (no float table is left): x in float32
+    on Q8_0, the integer kernel on the other types (no float-x path for them yet; a
+    projection-sized error, bounded by tests/test_quant_kquants.py). Installs a plan of
     source "quantized" in place of the measured one: the GEMM plan times float kernels, which
     these layers no longer have weights for. No one-call decode step (FastDecode reads
     float weights): the layer-by-layer path runs."""
@@ -399,7 +403,17 @@ def bind_quantized(model: CausalLM) -> None:
     model.head_methods = [Dense(head)] * len(BUCKETS)
     head_kernels = ["dense"] * len(BUCKETS)
     quant_head = getattr(model, "quant_head", None)
-    if quant_head is not None:  # Q8_0, x in float: 0.9 ms at batch 1 against fp32's 2.2
+    quant_embed = getattr(model, "quant_embed", None)
+    if quant_embed is not None:  # the table kept quantized: lookups read the blocks
+        model.embed_fn = QuantizedEmbedding(quant_embed)
+    if quant_head is not None and quant_embed is not None and model.lm_head is None:
+        # tied and no float table at all: the head runs the table's blocks at every bucket
+        # (x in float32 on Q8_0; the integer kernel on the others, no float path for them)
+        fx = quant_head.type_name == "Q8_0"
+        model.head_methods = [QuantizedLinear(quant_head, None, float("inf"),
+                                              float_x=fx)] * len(BUCKETS)
+        head_kernels = ["quant-fx" if fx else "quant"] * len(BUCKETS)
+    elif quant_head is not None:  # Q8_0, x in float: 0.9 ms at batch 1 against fp32's 2.2
         model.head_methods[0] = QuantizedLinear(quant_head, None, float("inf"), float_x=True)
         head_kernels[0] = "quant-fx"
     elif has_gemv:  # the float GEMV at a few rows, as a measured plan has it on most CPUs

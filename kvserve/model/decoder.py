@@ -181,6 +181,9 @@ class CausalLM(nn.Module):
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         self.head_methods: list[LinearMethod] = [Dense(head)] * NUM_BUCKETS
         self.norm_fn = rms_norm
+        # The token embedding lookup (ids [T] -> [T, hidden_size]): None reads embed_tokens;
+        # set where the loader kept the table quantized (selection.bind_quantized).
+        self.embed_fn = None
         self.decode_step = None
 
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
@@ -196,7 +199,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = F.embedding(input_ids, self.embed_tokens) if self.embed_fn is None \
+            else self.embed_fn(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]

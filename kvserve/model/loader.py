@@ -119,9 +119,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     the choice cached for this CPU and model shape. Without it every GEMM stays dense
     (F.linear).
 
-    `quantization` (vLLM's name): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 projections in
-    their block format, run by the quantized kernels (kvserve/layers/quant_linear.py; float32
-    on the CPU only, where the kernels build); "none" dequantizes every tensor at load; None
+    `quantization` (vLLM's name): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
+    projections and embedding table in their block format, run by the quantized kernels
+    (kvserve/layers/quant_linear.py; float32 on the CPU only, where the kernels build);
+    "none" dequantizes every tensor at load; None
     is DEFAULT_QUANTIZATION for a GGUF file on the CPU, else "none"."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
@@ -150,7 +151,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                                            if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
-    if any(getattr(layer, "quant_weights", None) for layer in model.layers):
+    if any(getattr(layer, "quant_weights", None) for layer in model.layers) \
+            or getattr(model, "quant_embed", None) is not None:
         selection.bind_quantized(model)  # with or without pack_weights: no float copies
     if pack_weights:
         selection.pack_weights(model, gemm or os.environ.get("KVSERVE_GEMM", "auto"),
@@ -299,9 +301,16 @@ def _owners(model: CausalLM) -> list[tuple[int, int, object, str, torch.Tensor]]
 
 
 def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str], tuple]:
-    """The projections whose checkpoint tensors are all of one block type the kernels run,
-    copied plainly into whole rows of the parameter and covering all of it:
-    (id(layer), attribute) -> (layer, attribute, parameter, type, [(tensor, first row)])."""
+    """The projections whose checkpoint tensors are all of one block type the kernels run
+    (for the K-quants: with k a multiple of 256), copied plainly into whole rows of the
+    parameter and covering all of it:
+    (id(layer), attribute) -> (layer, attribute, parameter, type, [(tensor, first row)]).
+
+    A fused projection whose parts differ in type stays dense (dequantized, logged with the
+    rest): llama.cpp's Q4_K_M mixes types inside one layer (attn_v often Q6_K beside Q4_K
+    q/k, and where a row is not a multiple of 256, as SmolLM2's 576, its quantizer falls
+    back to Q5_0 / Q8_0 per tensor), and one weight of one type per kernel call keeps the
+    kernel simple; keeping the parts as separate kernels is for a later slice."""
     owners = _owners(model)
     groups: dict[tuple[int, str], list] = {}
     for tensor, target in work:
@@ -319,7 +328,7 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
     kept = {}
     for key, (layer, attr, p, parts) in groups.items():
         types = {t.info.type_name for t, _, _ in parts}
-        if len(types) != 1 or next(iter(types)) not in qgemv.TYPES or p.shape[1] % qgemv.BLOCK \
+        if len(types) != 1 or not qgemv.fits(next(iter(types)), p.shape[1]) \
                 or any(tg.transform is not None or tg.offset for _, tg, _ in parts) \
                 or sum(tg.dest.shape[0] for _, tg, _ in parts) != p.shape[0]:
             continue
@@ -329,9 +338,10 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
 
 def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> list[tuple]:
     """Keep the block-format projections of `work` as `layer.quant_weights` (the float
-    parameter dropped: it was never written, so it never took memory), and a Q8_0 LM head's
-    table also as `model.quant_head`; returns the rest of `work`, to dequantize (the
-    embedding table among them: its lookups read the float copy in this slice)."""
+    parameter dropped: it was never written, so it never took memory); the embedding table,
+    where the kernels run its type, as `model.quant_embed` (`embed_tokens` left empty),
+    which a tied LM head shares as `model.quant_head`; an untied head's Q8_0 table also as
+    `model.quant_head` (beside its float copy). Returns the rest of `work`, to dequantize."""
     groups = _quantized_groups(model, work)
     taken = set()
     for layer, attr, p, type_name, parts in groups.values():
@@ -346,19 +356,39 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
             layer.quant_weights = {}
         layer.quant_weights[attr] = QuantWeight(data, type_name, p.shape[1])
         setattr(layer, attr, None)
-    head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    for tensor, _ in work:  # a Q8_0 copy of the head's table (see selection.bind_quantized)
-        if tensor.name == head and tensor.info.type_name == "Q8_0" \
-                and tensor.shape[1] % qgemv.BLOCK == 0:
-            model.quant_head = QuantWeight(torch.from_numpy(tensor.raw_rows()), "Q8_0",
-                                           tensor.shape[1])
+    for tensor, _ in work:
+        if tensor.name != "model.embed_tokens.weight" or not _runs(tensor):
+            continue
+        model.quant_embed = _quant_weight(tensor)
+        if model.lm_head is None:
+            model.quant_head = model.quant_embed
+        model.embed_tokens = torch.nn.Parameter(model.embed_tokens.new_empty(
+            (0, tensor.shape[1])), requires_grad=False)
+        loaded.add(tensor.name)
+        taken.add(id(tensor))
+    for tensor, _ in work:  # a Q8_0 copy of an untied head's table (selection.bind_quantized)
+        if tensor.name == "lm_head.weight" and tensor.info.type_name == "Q8_0" \
+                and _runs(tensor):
+            model.quant_head = _quant_weight(tensor)
     rest = [item for item in work if id(item[0]) not in taken]
     kinds = sorted({item[0].info.type_name for item in rest})
-    logger.info("quantization gguf: %d projections kept in their block format (%s); "
-                "dequantized at load: %d tensors (%s)", len(groups),
-                ", ".join(sorted({g[3] for g in groups.values()})) or "none", len(rest),
+    table = getattr(model, "quant_embed", None)
+    logger.info("quantization gguf: %d projections kept in their block format (%s), the "
+                "embedding table %s; dequantized at load: %d tensors (%s)", len(groups),
+                ", ".join(sorted({g[3] for g in groups.values()})) or "none",
+                f"too ({table.type_name})" if table is not None else "not", len(rest),
                 ", ".join(kinds) or "none")
     return rest
+
+
+def _runs(tensor) -> bool:
+    """Whether the quantized kernels run this 2-D GGUF tensor as it is stored."""
+    return len(tensor.shape) == 2 and qgemv.fits(tensor.info.type_name, tensor.shape[1])
+
+
+def _quant_weight(tensor) -> QuantWeight:
+    return QuantWeight(torch.from_numpy(tensor.raw_rows()), tensor.info.type_name,
+                       tensor.shape[1])
 
 
 def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],

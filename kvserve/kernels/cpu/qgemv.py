@@ -1,11 +1,14 @@
-"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) kept as stored
-(csrc/qgemv.cpp): the quantized linear layers' kernel.
+"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) kept
+as the file stores them (csrc/qgemv.cpp): the quantized linear layers' kernel.
 
 Why: batch-1 decode reads every weight once per step; Q4_1 is 20 bytes per 32 weights where
 the fp32 copy kvserve dequantized at load is 128. `linear` quantizes the rows of x to 8-bit
 blocks and runs integer dot products on the weight blocks (AVX2 maddubs, or VNNI dpbusd
 where the build has it); `dequantize` writes the float32 weight (the prefill path runs a
-GEMM on it). A weight is a uint8 tensor [n, k / 32 * block bytes], row after row of blocks.
+GEMM on it); `embed` the rows of a quantized embedding table that a batch looks up. A
+weight is a uint8 tensor [n, k / values per block * block bytes], row after row of blocks
+(32 values a block, 256 for the K-quants, which llama.cpp's Q4_K_M files hold: there a
+row's k must be a multiple of 256).
 Where no compiler is found `load()` returns None and quantized weights are dequantized at
 load instead.
 """
@@ -21,16 +24,25 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 4
-TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 5, "Q5_1": 6}  # the kernel's type codes
-BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+ABI_VERSION = 5
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5,
+         "Q5_1": 6}  # the kernel's type codes
+BLOCK = 32  # values per block of x (and of the 32-value weight types)
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q5_0": 32,
+                "Q5_1": 32}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
+               "Q5_1": 24}
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
 ISA_NAMES = {0: "C++", 1: "AVX2", 2: "VNNI"}
 
 
 def row_bytes(type_name: str, k: int) -> int:
-    return k // BLOCK * BLOCK_BYTES[type_name]
+    return k // BLOCK_VALUES[type_name] * BLOCK_BYTES[type_name]
+
+
+def fits(type_name: str, k: int) -> bool:
+    """Whether the kernel runs a `type_name` weight with rows of k values."""
+    return type_name in TYPES and k > 0 and k % BLOCK_VALUES[type_name] == 0
 
 
 class QGemv:
@@ -50,7 +62,11 @@ class QGemv:
         packed = lib.kvserve_qgemv_packed
         packed.argtypes = [ptr]
         packed.restype = c_int
+        emb = lib.kvserve_qembed
+        emb.argtypes = [ptr, c_int, i64, i64, ptr, i64, ptr, c_int]
+        emb.restype = c_int
         self._fn, self._deq, self._fx, self._packed = fn, deq, fx, packed
+        self._embed = emb
         self.isa = ISA_NAMES[lib.kvserve_qgemv_isa()]
         self._lib = lib
 
@@ -58,11 +74,11 @@ class QGemv:
     def check_weight(w: torch.Tensor, type_name: str, n_w: int, k: int) -> None:
         if type_name not in TYPES:
             raise ValueError(f"qgemv: no kernel for {type_name}; one of {sorted(TYPES)}")
-        if k % BLOCK or w.dtype != torch.uint8 or not w.is_contiguous() \
+        if not fits(type_name, k) or w.dtype != torch.uint8 or not w.is_contiguous() \
                 or w.shape != (n_w, row_bytes(type_name, k)):
             raise ValueError(f"qgemv: a {type_name} weight of {n_w} x {k} is contiguous uint8 "
-                             f"[{n_w}, {row_bytes(type_name, k)}], got {tuple(w.shape)} "
-                             f"{w.dtype}")
+                             f"[{n_w}, {row_bytes(type_name, k)}] (k a multiple of "
+                             f"{BLOCK_VALUES[type_name]}), got {tuple(w.shape)} {w.dtype}")
 
     def run(self, x: torch.Tensor, w: torch.Tensor, type_name: str, n: int, k: int,
             bias: torch.Tensor | None, out: torch.Tensor, mode: int,
@@ -126,6 +142,26 @@ class QGemv:
             out = out.view(-1)[: n * k].view(n, k)
         if self._deq(w.data_ptr(), TYPES[type_name], n, k, out.data_ptr(),
                      torch.get_num_threads()) != 0:
+            raise ValueError(f"qgemv: bad type {type_name} or k {k}")
+        return out
+
+    def embed(self, w: torch.Tensor, type_name: str, k: int, ids: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the quantized table w [n, k] as float32
+        [*ids.shape, k]; only those rows are read (IndexError for an id outside 0..n-1)."""
+        n = w.shape[0]
+        self.check_weight(w, type_name, n, k)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if out is None:
+            out = torch.empty((*ids.shape, k), dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_contiguous() \
+                or out.shape != (*ids.shape, k):
+            raise ValueError(f"qgemv: embed needs a contiguous float32 [{flat.numel()}, {k}]")
+        rc = self._embed(w.data_ptr(), TYPES[type_name], n, k, flat.data_ptr(), flat.numel(),
+                         out.data_ptr(), torch.get_num_threads())
+        if rc == 2:
+            raise IndexError(f"qgemv: an id outside the table's {n} rows")
+        if rc != 0:
             raise ValueError(f"qgemv: bad type {type_name} or k {k}")
         return out
 

@@ -1,5 +1,5 @@
 // Matrix products on GGUF block-quantized weights, kept in their file layout: y = x W^T (+ b)
-// for W in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1, x float32.
+// for W in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K, x float32.
 //
 // Why: a batch-1 decode step reads every weight once, so its speed is bytes per weight. Q4_1
 // is 5 bits a weight (20 bytes per 32) against fp32's 32: dequantizing at load (what kvserve
@@ -19,6 +19,17 @@
 // The ISA is the build's: cpu_ext.py builds with -march=native or $KVSERVE_CPU_ISA's cap
 // (x86-64-v3 = AVX2 without VNNI), so one source gives the AVX2 and the VNNI paths; a plain
 // C++ loop is the fallback for any other CPU.
+//
+// The K-quants (super-blocks of 256 values; what llama.cpp's Q4_K_M files hold) run on the
+// same 8-bit x blocks of 32. Why kept in their format: dequantized at load they were 32 bits a
+// weight again, against 4.5 (Q4_K) and 6.6 (Q6_K).
+//   Q4_K (f16 d, f16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j, 128 bytes of nibbles):
+//     sub-block j of 32 is d sc_j q - dmin m_j, its nibbles the low (j even) or high (j odd)
+//     halves of bytes 32 (j / 2) .. + 31  -> d sc_j dx sum(q u) - dmin m_j dx sum(u)
+//   Q6_K (128 bytes ql, 64 bytes qh, 16 x int8 scales of 16 values, f16 d): d sc (q - 32),
+//     q = 4 low bits from ql | 2 high bits from qh; q - 32 is signed, so as Q8_0 the signs are
+//     moved onto x (|q - 32| <= 32) and each int32 of the dot (4 neighbouring values, one
+//     scale) is scaled by its 16-value group's d sc dx in float.
 //
 // Each weight row (a few hundred bytes) is read from memory once and then reused from L1 for
 // every row of x, up to 4 rows at a time in registers. OpenMP splits the output features in
@@ -41,23 +52,34 @@
 
 namespace {
 
-constexpr int64_t kQK = 32;  // values per block
+constexpr int64_t kQK = 32;   // values per block (of x; of W for the 32-value types)
+constexpr int64_t kQKK = 256;  // values per K-quant super-block
 #ifndef KVQ_PREFETCH_ROWS
 #define KVQ_PREFETCH_ROWS 8
 #endif
 constexpr int64_t kPrefetchRows = KVQ_PREFETCH_ROWS;  // weight rows prefetched ahead
-enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 5, kQ5_1 = 6 };
+enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6 };
+constexpr int kNumTypes = 7;
 
+inline bool is_k(int type) { return type == kQ4_K || type == kQ6_K; }
+// bytes per block (of 32 values, or of 256 for the K-quants)
 inline int64_t block_bytes(int type) {
   switch (type) {
     case kQ8_0: return 34;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     default: return 0;
   }
 }
+inline int64_t values_per_block(int type) { return is_k(type) ? kQKK : kQK; }
+inline int64_t row_bytes_of(int type, int64_t k) {
+  return k / values_per_block(type) * block_bytes(type);
+}
+inline bool bad_k(int type, int64_t k) { return k <= 0 || k % values_per_block(type) != 0; }
 
 // Q5_0 / Q5_1: the nibbles as Q4_0 / Q4_1 (after d, or d and m) behind 4 bytes qh whose bit i
 // is element i's fifth bit; Q5_0 = d (q - 16), Q5_1 = d q + m. The value of element i:
@@ -122,6 +144,10 @@ struct QRows {  // the quantized rows of x
   int64_t k, nb;
 };
 
+// The K-quants' row dot (qgemv_kquants.h, included below the row_dots of the other types).
+template <int R, int T>
+inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc);
+
 #ifdef KVQ_AVX2
 inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
 #ifdef KVQ_VNNI
@@ -160,6 +186,7 @@ inline __m256i fifth_bits(const uint8_t* p) {
 // of the offset's scalar adds) waited on its own latency, not on memory.
 template <int R, int T>
 inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
+  if constexpr (T == kQ4_K || T == kQ6_K) return row_dots_k<R, T>(w, x, acc);
   __m256 v0[R], v1[R];
   float c0[R], c1[R];
   for (int r = 0; r < R; ++r) {
@@ -207,6 +234,7 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
 #else
 template <int R, int T>
 inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
+  if constexpr (T == kQ4_K || T == kQ6_K) return row_dots_k<R, T>(w, x, acc);
   const int64_t bb = block_bytes(T);
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   for (int64_t b = 0; b < x.nb; ++b) {
@@ -242,6 +270,8 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
 }
 #endif
 
+#include "qgemv_kquants.h"
+
 // acc[r] = dot(W row, x row r0 + r) for r < cnt (cnt <= 4).
 template <int T>
 inline void chunk_dots(const uint8_t* w, const QRows& x, int64_t r0, int64_t cnt, float* acc) {
@@ -266,7 +296,7 @@ inline float gelu_tanh(float g) {
 template <int T>
 void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bias, int64_t n,
                 float* out, int64_t out_stride, int mode, int num_threads) {
-  const int64_t row_bytes = x.nb * block_bytes(T);
+  const int64_t row_bytes = row_bytes_of(T, x.k);
   const bool gated = mode >= 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t o = 0; o < n; ++o) {
@@ -303,50 +333,91 @@ void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bia
   }
 }
 
+// One weight row of k values as float32 into y; values as gguf.quants dequantizes them (the
+// same float32 operations in the same order: d q, d (q - 8), d q + m; Q4_K (d sc) q - dmin m,
+// Q6_K (d sc) (q - 32)).
 template <int T>
-void dequant_rows(const uint8_t* w, int64_t n, int64_t k, float* out, int num_threads) {
-  const int64_t nb = k / kQK, bb = block_bytes(T);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = 0; o < n; ++o) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + (o * nb + b) * bb;
-      float* y = out + o * k + b * kQK;
-      const float d = half_to_float(blk);
-      if (T == kQ8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-        for (int j = 0; j < kQK; ++j) y[j] = d * static_cast<float>(q[j]);
-        continue;
+void dequant_row(const uint8_t* w, int64_t k, float* y) {
+  const int64_t nb = k / values_per_block(T), bb = block_bytes(T);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    if constexpr (T == kQ4_K) {
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        q4k_scale_min(blk + 4, j, &sc, &m);
+        const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+        const uint8_t* qs = blk + 16 + 32 * (j / 2);
+        float* yj = y + b * kQKK + 32 * j;
+        for (int i = 0; i < 32; ++i)
+          yj[i] = dl * static_cast<float>(j % 2 ? qs[i] >> 4 : qs[i] & 0x0f) - ml;
       }
-      if (T == kQ4_0) {
-        const uint8_t* qs = blk + 2;
-        for (int j = 0; j < 16; ++j) {
-          y[j] = d * static_cast<float>((qs[j] & 0x0f) - 8);
-          y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
-        }
-        continue;
+      continue;
+    } else if constexpr (T == kQ6_K) {
+      const float d = half_to_float(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      float* yb = y + b * kQKK;
+      for (int l = 0; l < kQKK; ++l)
+        yb[l] = d * static_cast<float>(sc[l / 16]) * static_cast<float>(q6k_code(blk, l) - 32);
+      continue;
+    }
+    float* yb = y + b * kQK;
+    const float d = half_to_float(blk);
+    if (T == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int j = 0; j < kQK; ++j) yb[j] = d * static_cast<float>(q[j]);
+    } else if (T == kQ4_0) {
+      const uint8_t* qs = blk + 2;
+      for (int j = 0; j < 16; ++j) {
+        yb[j] = d * static_cast<float>((qs[j] & 0x0f) - 8);
+        yb[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
       }
-      if (is_q5(T)) {
-        const int off = T == kQ5_0 ? 2 : 4;
-        uint32_t qh;
-        std::memcpy(&qh, blk + off, 4);
-        if (T == kQ5_0) {
-          for (int j = 0; j < kQK; ++j)
-            y[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j) - 16);
-        } else {
-          const float m = half_to_float(blk + 2);
-          for (int j = 0; j < kQK; ++j)
-            y[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j)) + m;
-        }
-        continue;
+    } else if (is_q5(T)) {
+      const int off = T == kQ5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, blk + off, 4);
+      if (T == kQ5_0) {
+        for (int j = 0; j < kQK; ++j)
+          yb[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j) - 16);
+      } else {
+        const float m = half_to_float(blk + 2);
+        for (int j = 0; j < kQK; ++j)
+          yb[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j)) + m;
       }
+    } else {
       const float m = half_to_float(blk + 2);
       const uint8_t* qs = blk + 4;
       for (int j = 0; j < 16; ++j) {
-        y[j] = d * static_cast<float>(qs[j] & 0x0f) + m;
-        y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+        yb[j] = d * static_cast<float>(qs[j] & 0x0f) + m;
+        yb[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
       }
     }
   }
+}
+
+// Rows ids[i] (or 0..n-1 when ids is null) of the n x k weight as float32 into out [count, k].
+template <int T>
+void dequant_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count, float* out,
+                  int num_threads) {
+  const int64_t rb = row_bytes_of(T, k);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
+  for (int64_t i = 0; i < count; ++i)
+    dequant_row<T>(w + (ids != nullptr ? ids[i] : i) * rb, k, out + i * k);
+}
+
+int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
+                float* out, int num_threads) {
+  switch (type) {
+    case kQ8_0: dequant_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
+    case kQ4_0: dequant_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
+    case kQ4_1: dequant_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
+    case kQ4_K: dequant_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
+    case kQ6_K: dequant_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
+    case kQ5_0: dequant_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
+    case kQ5_1: dequant_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
+    default: return 1;
+  }
+  return 0;
 }
 
 // The float-x product on Q8_0 (the LM head's table in SmolLM2's file): the weight blocks
@@ -403,7 +474,7 @@ inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64
 
 extern "C" {
 
-int kvserve_qgemv_abi_version() { return 4; }
+int kvserve_qgemv_abi_version() { return 5; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
@@ -449,13 +520,15 @@ int kvserve_qgemv_isa() {
 #endif
 }
 
-// x [rows, k] float32 (row stride x_stride, unit along k); w: n_w rows of k / 32 blocks of
-// `type` (n_w = n, or 2n for the gated modes); bias [n_w] or null; out [rows, n] (row stride
-// out_stride). k must be a multiple of 32. Returns 0, or 1 for a bad type, mode or k.
+// x [rows, k] float32 (row stride x_stride, unit along k); w: n_w rows of k / 32 (K-quants:
+// k / 256) blocks of `type` (n_w = n, or 2n for the gated modes); bias [n_w] or null; out
+// [rows, n] (row stride out_stride). k must be a multiple of 32 (K-quants: 256). Returns 0, or
+// 1 for a bad type, mode or k.
 int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, int type,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t out_stride,
                   int mode, int num_threads) {
-  if (block_bytes(type) == 0 || mode < 0 || mode > 3 || k <= 0 || k % kQK || rows < 0) return 1;
+  if (type < 0 || type >= kNumTypes || mode < 0 || mode > 3 || bad_k(type, k) || rows < 0)
+    return 1;
   const int64_t nb = k / kQK;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, s;
@@ -471,6 +544,10 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
     qgemv_rows<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else if (type == kQ4_1)
     qgemv_rows<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else if (type == kQ4_K)
+    qgemv_rows<kQ4_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  else if (type == kQ6_K)
+    qgemv_rows<kQ6_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else if (type == kQ5_0)
     qgemv_rows<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else
@@ -490,16 +567,23 @@ int kvserve_qgemv_packed(const int64_t* a) {
 }
 
 // The n x k weight as float32 into out [n, k] (the prefill path: a GEMM on the dequantized
-// copy); values as dequant.py's (d q, d (q - 8), d q + m in float32).
+// copy); values as gguf.quants' (see dequant_row).
 int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* out,
                      int num_threads) {
-  if (block_bytes(type) == 0 || k <= 0 || k % kQK) return 1;
-  if (type == kQ8_0) dequant_rows<kQ8_0>(w, n, k, out, num_threads);
-  else if (type == kQ4_0) dequant_rows<kQ4_0>(w, n, k, out, num_threads);
-  else if (type == kQ4_1) dequant_rows<kQ4_1>(w, n, k, out, num_threads);
-  else if (type == kQ5_0) dequant_rows<kQ5_0>(w, n, k, out, num_threads);
-  else dequant_rows<kQ5_1>(w, n, k, out, num_threads);
-  return 0;
+  if (type < 0 || type >= kNumTypes || bad_k(type, k) || n < 0) return 1;
+  return dequant_any(w, type, k, nullptr, n, out, num_threads);
+}
+
+// The embedding lookup on a quantized table: rows ids[0..count) of the n x k table as float32
+// into out [count, k], the others never read. Why: the tied table is also the LM head's
+// weight, so one quantized copy serves both (SmolLM2's is 49152 x 576: 113 MB in float32, 30
+// in Q8_0). Returns 0, or 1 for a bad type or k, 2 for an id outside 0..n-1.
+int kvserve_qembed(const uint8_t* w, int type, int64_t n, int64_t k, const int64_t* ids,
+                   int64_t count, float* out, int num_threads) {
+  if (type < 0 || type >= kNumTypes || bad_k(type, k) || count < 0) return 1;
+  for (int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || ids[i] >= n) return 2;
+  return dequant_any(w, type, k, ids, count, out, num_threads);
 }
 
 }  // extern "C"
