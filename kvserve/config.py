@@ -19,6 +19,7 @@ from kvserve import features as F
 from kvserve.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
+from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
 
 SUPPORTED_DTYPES = ("auto", *DTYPES)
 DEVICES = ("cpu", "cuda", "auto")
@@ -81,9 +82,12 @@ class EngineConfig:
                                    "(kvserve/layers/gemm_select.py)")
     quantization: str | None = _arg(None, "gguf: a GGUF file's Q8_0/Q4_0/Q4_1 projections "
                                     "stay in their block format (quantized kernels); none: "
-                                    "every tensor dequantized at load; default: gguf for a "
-                                    "GGUF file on the CPU (vLLM's name; "
-                                    "kvserve/layers/quant_linear.py)", choices=("gguf", "none"))
+                                    "every tensor dequantized at load; q8_0, q4_0, q4_1, q4_k: "
+                                    "a float checkpoint's projections quantized at load into "
+                                    "that GGUF block format (CPU, float32); default: gguf for "
+                                    "a GGUF file on the CPU (vLLM's name; "
+                                    "kvserve/model/quantize_at_load.py)",
+                                    choices=QUANTIZATIONS)
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "keep every KV block of a sliding-window layer for the request's life instead "
         "of releasing the blocks outside the window (vLLM's name)")
@@ -134,8 +138,13 @@ class EngineConfig:
         if (self.bounded_kv_policy is None) != (self.bounded_kv_budget is None):
             raise ValueError("bounded_kv_policy and bounded_kv_budget go together: a bounded "
                              "KV cache needs both a policy and a budget")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), "
+                             f"got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.device == "auto" and self.quantization in AT_LOAD:
+            self.device = "cpu"  # the quantized kernels are the CPU's
         if self.device == "auto":
             import torch
 

@@ -259,7 +259,7 @@ def test_quantization_option():
     with pytest.raises(ValueError, match="CPU in float32 only"):
         loader._keeps_blocks("gguf", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="quantization must be one of"):
-        loader.load_model("/nonexistent", quantization="q8_0")
+        loader.load_model("/nonexistent", quantization="q3_k")
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])

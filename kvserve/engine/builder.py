@@ -107,7 +107,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         track_released=tensors.keeps_block_state)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
-    _log_capacity(config, kv, model_config, kv_spec)
+    _log_capacity(config, kv, model_config, kv_spec, model, groups)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
                        tiers, kv, runner, InProcessExecutor(runner))
 
@@ -269,9 +269,16 @@ def engine_kv_spec(model_config, dtype: torch.dtype, block_size: int,
 
 
 def _log_capacity(config: EngineConfig, kv: KVCacheManager, model_config: ModelConfig,
-                  kv_spec: KVCacheSpec) -> None:
-    """The start-up lines users size deployments by: tokens and requests the pool holds, and
-    what MLA's latent cache saves."""
+                  kv_spec: KVCacheSpec, model: CausalLM,
+                  groups: tuple[KVGroup, ...] | None) -> None:
+    """The start-up lines users size deployments by: the weight bytes the model holds
+    (quantized blocks and float tensors: `weight_bytes`, the count `kvserve plan
+    --quantization` predicts), the KV pool's bytes, tokens and requests, and what MLA's
+    latent cache saves."""
+    from kvserve.model.quantize_at_load import weight_bytes
+
+    logger.info("%s; KV pool %.1f MB", weight_bytes(model).line(),
+                kv.num_blocks * kv_spec.page_bytes(groups) / 1e6)
     logger.info(capacity_line(kv.num_blocks, config.block_size, config.max_model_len,
                               kv.final_blocks(config.max_model_len), kv.num_groups))
     mla = model_config.mla

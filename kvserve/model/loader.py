@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvserve import quant_formats
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.kernels.cpu.cpu_features import cpu_info
@@ -45,8 +46,10 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?"
                        r"(?:([kv])_scale|output_scale)$")
 
-# load_model's quantization: "gguf" keeps a GGUF file's block formats, "none" dequantizes
-QUANTIZATIONS = ("gguf", "none")
+# load_model's quantization: "gguf" keeps a GGUF file's block formats, "none" dequantizes,
+# "q8_0" / "q4_0" / "q4_1" / "q4_k" quantize a float checkpoint's projections at load
+# (kvserve/model/quantize_at_load.py)
+QUANTIZATIONS = quant_formats.QUANTIZATIONS
 # For a GGUF file on the CPU: measured on the default model (SmolLM2-135M, Q4_1 projections,
 # Q8_0 head), AVX-512 VNNI Xeon, 2 threads, batch-1 decode after a 128-token prompt: 99.3
 # tok/s kept quantized against 48.2 dequantized to float32 (medians of 5 interleaved runs);
@@ -119,16 +122,21 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     the choice cached for this CPU and model shape. Without it every GEMM stays dense
     (F.linear).
 
-    `quantization` (vLLM's name): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-    projections and embedding table in their block format, run by the quantized kernels
+    `quantization` (vLLM's name): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/
+    Q6_K projections and embedding table in their block format, run by the quantized kernels
     (kvserve/layers/quant_linear.py; float32 on the CPU only, where the kernels build);
-    "none" dequantizes every tensor at load; None
-    is DEFAULT_QUANTIZATION for a GGUF file on the CPU, else "none"."""
+    "none" dequantizes every tensor at load; None is DEFAULT_QUANTIZATION for a GGUF file on
+    the CPU, else "none". "q8_0", "q4_0", "q4_1" and "q4_k" quantize a float checkpoint's
+    projections at load into those block formats (quantize_at_load.py; float32 on the CPU:
+    dtype "auto" means float32 there)."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
                          f"got {quantization!r}")
     model_dir = Path(model_dir)
     gguf = open_gguf(model_dir) if is_gguf(model_dir) else None
+    at_load = quantization in quant_formats.AT_LOAD
+    if at_load:
+        dtype, device = _at_load_dtype(quantization, dtype, device, gguf is not None)
     config = registry.config_from_dir(model_dir if gguf is None else gguf.dir)
     family = registry.get(config.architecture).family
     if device == "auto":
@@ -151,6 +159,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                                            if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
+    if at_load:
+        from kvserve.model.quantize_at_load import quantize_model
+
+        del targets  # views of the float projections: let them go as each is quantized
+        quantize_model(model, quantization)
     if any(getattr(layer, "quant_weights", None) for layer in model.layers) \
             or getattr(model, "quant_embed", None) is not None:
         selection.bind_quantized(model)  # with or without pack_weights: no float copies
@@ -283,6 +296,24 @@ def _keeps_blocks(quantization: str | None, dtype: torch.dtype, device: torch.de
                        "weights are dequantized at load")
         return False
     return True
+
+
+def _at_load_dtype(quantization: str, dtype: str | torch.dtype,
+                   device: str | torch.device, is_gguf_file: bool) -> tuple:
+    """(dtype, device) of a quantize-at-load model: float32 ("auto" included) on the CPU
+    ("auto" included)."""
+    if is_gguf_file:
+        raise ValueError(f"quantization={quantization!r} quantizes a float safetensors "
+                         "checkpoint; a GGUF file's own block formats run with "
+                         "quantization='gguf' (or None)")
+    dtype = "float32" if dtype == "auto" else dtype
+    device = "cpu" if device == "auto" else device
+    f32 = dtype == torch.float32 if isinstance(dtype, torch.dtype) \
+        else canonical_dtype(dtype) == "float32"
+    if torch.device(device).type != "cpu" or not f32:
+        raise ValueError(f"quantization={quantization!r} runs on the CPU in float32 only (the "
+                         f"quantized kernels are C++ CPU kernels), not {device} {dtype}")
+    return dtype, device
 
 
 def _owners(model: CausalLM) -> list[tuple[int, int, object, str, torch.Tensor]]:

@@ -1,0 +1,273 @@
+"""Quantize a float checkpoint's projections at load (issue 31: `quantization="q8_0" | "q4_0"
+| "q4_1" | "q4_k"`, vLLM's --quantization) into ggml's block layouts, kept as the same
+`QuantWeight`s a GGUF file's blocks become, so `selection.bind_quantized` runs them on the
+same kernels; and the weight bytes a model holds (`weight_bytes`), the one count the
+engine's start-up line and `kvserve plan` (`planned_weight_bytes`) both make.
+
+What is quantized: every DecoderLayer's qkv, o, gate_up and down projections
+(`PROJECTION_ATTRS`); the embedding, the norms, the biases and the LM head stay float32 (the
+head: with tied embeddings it is the embedding table, so a quantized copy would add memory;
+an untied head's accuracy under 4 bits is not measured in this slice). DeepSeek's MLA / MoE
+layers have no quantized methods: asking for quantize-at-load there is a ValueError, not a
+silent float model.
+
+Q8_0, Q4_0 and Q4_1 are made by `gguf.quants.quantize` (ggml's own reference quantizers, in
+numpy); Q4_K by `quantize_q4_k` here (numpy, vectorised over every block at once; checked
+against `gguf.quants.dequantize`, the independent decoder, in tests/test_quantize_at_load.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from kvserve import quant_formats
+from kvserve.kernels.cpu import qgemv
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight
+from kvserve.model.decoder import CausalLM, DecoderLayer
+
+logger = logging.getLogger("kvserve")
+
+QK_K = 256  # values per Q4_K super-block: 8 sub-blocks of 32
+
+
+# -- the quantizers -------------------------------------------------------------------------
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] (k a multiple of 256) -> uint8 [n, k / 256 * 144] in ggml's block_q4_K:
+    f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles;
+    a value decodes as d * sc_j * q - dmin * m_j (q in 0..15, j its sub-block of 32).
+
+    Per sub-block: min_j = min(0, min x), step_j = (max x - min_j) / 15; per super-block d =
+    max step_j / 63, dmin = max(-min_j) / 63 (each rounded up to f16, so the 6-bit codes stay
+    <= 63); sc_j = ceil(step_j / d) (the coded step covers the sub-block's range), m_j =
+    round(-min_j / dmin). Then every value is within (d sc_j + dmin) / 2 of its decoding (the
+    nibble's rounding, plus the min's), the bound the tests check."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % QK_K:
+        raise ValueError(f"Q4_K rows are whole blocks of {QK_K}; got {k}")
+    x = w.reshape(-1, 8, 32)  # [blocks, sub-block, value]
+    lo = np.minimum(x.min(axis=2), 0.0)
+    step = (x.max(axis=2) - lo) / 15.0
+    d = _f16_up(step.max(axis=1) / 63.0)
+    dmin = _f16_up((-lo).max(axis=1) / 63.0)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    safe_d = np.where(d32 > 0, d32, 1.0)[:, None]
+    safe_dmin = np.where(dmin32 > 0, dmin32, 1.0)[:, None]
+    sc = np.clip(np.ceil(step / safe_d - 1e-6), 0, 63).astype(np.uint8)
+    # the coded step must not fall short of the range after the ceil's tolerance
+    sc = np.where(sc.astype(np.float32) * d32[:, None] < step, np.minimum(sc + 1, 63), sc)
+    m = np.clip(np.rint(-lo / safe_dmin), 0, 63).astype(np.uint8)
+    scale = d32[:, None] * sc.astype(np.float32)  # [blocks, 8]
+    offset = dmin32[:, None] * m.astype(np.float32)
+    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0)
+    q = np.clip(np.rint((x + offset[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    # nibbles: per 64 values (two sub-blocks), byte l holds value l low, value 32 + l high
+    q = q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = np.empty((q.shape[0], 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    head = np.stack([d, dmin], axis=1).astype(np.float16).view(np.uint8)  # [blocks, 4]
+    blocks = np.concatenate([head, scales, qs], axis=1)
+    return blocks.reshape(n, k // QK_K * 144)
+
+
+def _f16_up(v: np.ndarray) -> np.ndarray:
+    """v as float16, rounded up where nearest rounding went down."""
+    h = v.astype(np.float16)
+    low = h.astype(np.float32) < v
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h
+
+
+def quantize(w: torch.Tensor, type_name: str) -> torch.Tensor:
+    """float [n, k] -> uint8 [n, row bytes] in ggml's `type_name` layout."""
+    x = w.detach().to(torch.float32).contiguous().numpy()
+    if type_name == "Q4_K":
+        raw = quantize_q4_k(x)
+    else:
+        from gguf import GGMLQuantizationType, quants
+
+        raw = quants.quantize(x, getattr(GGMLQuantizationType, type_name))
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).view(w.shape[0], -1)
+
+
+# -- the model ------------------------------------------------------------------------------
+def check_quantizable(model: CausalLM, quantization: str) -> None:
+    """ValueError where the engine cannot run `quantization`'s blocks on this model."""
+    if quantization not in quant_formats.AT_LOAD:
+        raise ValueError(f"quantize at load: one of {sorted(quant_formats.AT_LOAD)}, got "
+                         f"{quantization!r}")
+    other = sorted({type(layer).__name__ for layer in model.layers
+                    if not isinstance(layer, DecoderLayer)})
+    if other:
+        raise ValueError(f"quantization={quantization!r} quantizes DecoderLayer projections; "
+                         f"{model.config.architecture}'s {', '.join(other)} layers (MLA / MoE) "
+                         "have no quantized methods: use quantization=None")
+    if qgemv.load() is None:
+        raise ValueError(f"quantization={quantization!r}: the quantized kernels cannot be "
+                         "built here (no C++ compiler)")
+    wanted = {quant_formats.AT_LOAD[quantization]} | {
+        quant_formats.projection_type(quantization, getattr(model.layers[0], a).shape[1])
+        for a in PROJECTION_ATTRS} - {None}
+    missing = sorted(t for t in wanted if t not in qgemv.TYPES)
+    if missing:
+        raise ValueError(f"quantization={quantization!r} needs the {', '.join(missing)} "
+                         f"kernel, which this build of kvserve.kernels.cpu.qgemv lacks (it "
+                         f"runs {', '.join(sorted(qgemv.TYPES))})")
+
+
+def quantize_model(model: CausalLM, quantization: str, progress: bool = True) -> None:
+    """Replace every DecoderLayer projection by its blocks in `quantization`'s format
+    (`layer.quant_weights`, the float parameter dropped); `bind_quantized` then binds the
+    quantized methods. One layer at a time, its projections on one thread each (numpy
+    releases the GIL), under a progress bar."""
+    check_quantizable(model, quantization)
+    t0 = time.perf_counter()
+    kept: dict[str, int] = {}
+    threads = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(threads) as pool:
+        for layer in tqdm(model.layers, desc=f"Quantizing to {quantization}", unit="layer",
+                          disable=not progress or len(model.layers) < 2, leave=False):
+            jobs = {}
+            for attr in PROJECTION_ATTRS:
+                p = getattr(layer, attr)
+                type_name = quant_formats.projection_type(quantization, p.shape[1])
+                if type_name is not None:
+                    jobs[attr] = (type_name, p.shape[1], pool.submit(quantize, p, type_name))
+            layer.quant_weights = {}
+            for attr, (type_name, k, job) in jobs.items():
+                layer.quant_weights[attr] = QuantWeight(job.result(), type_name, k)
+                setattr(layer, attr, None)
+                kept[type_name] = kept.get(type_name, 0) + 1
+    logger.info("quantization %s: %s projections quantized at load in %.1f s",
+                quantization, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
+                time.perf_counter() - t0)
+
+
+# -- weight bytes ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightBytes:
+    total: int  # bytes of every weight the model holds: blocks and float tensors
+    quantized: int  # of which block-quantized
+    quantized_params: int  # values held in blocks
+    params: int  # every weight value
+    types: tuple[str, ...]  # the block formats held
+
+    def line(self) -> str:
+        """"weights 98.2 MB (q4_1 projections, 82% of params)" (the start-up line)."""
+        if not self.quantized:
+            return f"weights {_mb(self.total)} (float)"
+        share = 100 * self.quantized_params / max(1, self.params)
+        kinds = "/".join(t.lower() for t in self.types)
+        return (f"weights {_mb(self.total)} ({kinds} blocks {_mb(self.quantized)}, {share:.0f}% "
+                f"of params in quantized projections; float tensors "
+                f"{_mb(self.total - self.quantized)})")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def weight_bytes(model: CausalLM) -> WeightBytes:
+    """What `model` holds: its parameters (each storage once) plus its QuantWeights (the
+    layers' and the LM head's Q8_0 table)."""
+    seen: set[int] = set()
+    total = params = 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr() if p.device.type != "meta" else id(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += p.numel() * p.element_size()
+        params += p.numel()
+    quantized = qparams = 0
+    types = set()
+    blocks = [w for layer in model.layers for w in (getattr(layer, "quant_weights", None)
+                                                     or {}).values()]
+    head = getattr(model, "quant_head", None)
+    for w in blocks + ([head] if head is not None else []):
+        quantized += w.nbytes
+        types.add(w.type_name)
+    for w in blocks:  # the head's copy is of a table counted among the parameters
+        qparams += w.n * w.k
+    return WeightBytes(total + quantized, quantized, qparams, params + qparams,
+                       tuple(sorted(types)))
+
+
+def planned_weight_bytes(config, quantization: str | None,
+                         gguf_types: dict[tuple[int, str], str] | None = None,
+                         head_q8_0: bool = False) -> WeightBytes:
+    """The WeightBytes the engine will hold for `config` in float32 with `quantization` (an
+    AT_LOAD name, or "gguf" with `gguf_types`: (layer, projection) -> the file's block type
+    for the projections the loader keeps, and `head_q8_0` for a Q8_0 head table it copies):
+    the model built on the meta device (no memory), its projections counted as `weight_bytes`
+    counts the blocks. The planner's figure (kvserve plan --quantization)."""
+    from kvserve.models import registry
+
+    model = registry.get(config.architecture).family.model()(config, torch.float32, "meta")
+    total = params = quantized = qparams = 0
+    types = set()
+    for p in model.parameters():
+        total += p.numel() * 4
+        params += p.numel()
+    if quantization in quant_formats.AT_LOAD or quantization == "gguf":
+        for i, layer in enumerate(model.layers):
+            if not isinstance(layer, DecoderLayer):
+                if quantization != "gguf":
+                    raise ValueError(f"quantization={quantization!r}: {config.architecture}'s "
+                                     "MLA / MoE layers have no quantized methods")
+                continue
+            for attr in PROJECTION_ATTRS:
+                p = getattr(layer, attr)
+                n, k = p.shape
+                type_name = (gguf_types or {}).get((i, attr)) if quantization == "gguf" \
+                    else quant_formats.projection_type(quantization, k)
+                if type_name is None:
+                    continue
+                nbytes = quant_formats.block_bytes(type_name, n, k)
+                total += nbytes - n * k * 4
+                quantized += nbytes
+                qparams += n * k
+                types.add(type_name)
+    if head_q8_0:
+        nbytes = quant_formats.block_bytes("Q8_0", config.vocab_size, config.hidden_size)
+        total += nbytes
+        quantized += nbytes
+        types.add("Q8_0")
+    return WeightBytes(total, quantized, qparams, params, tuple(sorted(types)))
+
+
+def gguf_kept_types(checkpoint) -> tuple[dict[tuple[int, str], str], bool]:
+    """For a GGUF file: (layer, projection) -> block type for each projection the loader
+    keeps in its block format (every part of it one type the kernels run, k whole blocks:
+    loader._quantized_groups' rule), and whether its head table is Q8_0 (a copy the loader
+    keeps for the LM head)."""
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+             "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    types: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in checkpoint.tensors():
+        types[t.name], shapes[t.name] = t.info.type_name, t.shape
+    kept = {}
+    layers = {int(name.split(".")[2]) for name in types if name.startswith("model.layers.")}
+    for i in layers:
+        for attr, names in parts.items():
+            prefix = "mlp" if attr in ("gate_up_proj", "down_proj") else "self_attn"
+            found = [types.get(f"model.layers.{i}.{prefix}.{nm}.weight") for nm in names]
+            if None in found or len(set(found)) != 1 or found[0] not in qgemv.TYPES:
+                continue
+            k = shapes[f"model.layers.{i}.{prefix}.{names[0]}.weight"][1]
+            if k % quant_formats.BLOCKS[found[0]][0] == 0:
+                kept[(i, attr)] = found[0]
+    head = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
+    head_q8_0 = types.get(head) == "Q8_0" and shapes[head][1] % 32 == 0
+    return kept, head_q8_0
