@@ -199,7 +199,7 @@ def _q4_k_m_like(name: str, shape: tuple[int, ...]) -> str:
     return "Q8_0" if name == "token_embd.weight" else "Q4_1"
 
 
-def test_q4_k_m_like_end_to_end(tmp_path):
+def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
     """SmolLM2 re-encoded with the mix above: the loader keeps ffn_down in Q4_K / Q6_K, the
     mixed-type qkv dense (dequantized), gate_up and o in Q4_1, and the Q8_0 table quantized
     (lookups and the tied head on its blocks, no float table). A prefill's logits are the
@@ -210,6 +210,9 @@ def test_q4_k_m_like_end_to_end(tmp_path):
     from helpers import first_token_logits
 
     from kvserve import LLM, SamplingParams
+    from kvserve.layers import qgemm_select
+
+    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")  # prefills on the dequantized copy
 
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")

@@ -14,6 +14,8 @@ agrees to float32 rounding of the accumulation (relative 1e-5 of sum |x||W|)."""
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ import torch
 from gguf import quants
 
 from kvserve.kernels.cpu import cpu_ext, qgemv
+from kvserve.layers import qgemm_select
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (label, -march): the build's own (VNNI where this CPU has it), AVX2 without VNNI (an EPYC of
@@ -179,10 +182,19 @@ def engines():
 
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")
-    # max_num_seqs=4: every decode step is in the first row bucket, the integer kernel's
+    # max_num_seqs=4: every decode step is in the first row bucket, the integer kernel's;
+    # KVSERVE_QGEMM_ROWS=4: a prefill on the dequantized copy (the exactness test below)
     args = dict(model=str(smollm2_path()), dtype="float32", max_model_len=256, seed=0,
                 max_num_seqs=4)
-    return LLM(quantization="gguf", **args), LLM(quantization="none", **args)
+    saved = os.environ.get(qgemm_select.QGEMM_ROWS_ENV)
+    os.environ[qgemm_select.QGEMM_ROWS_ENV] = "4"
+    try:
+        return LLM(quantization="gguf", **args), LLM(quantization="none", **args)
+    finally:
+        if saved is None:
+            del os.environ[qgemm_select.QGEMM_ROWS_ENV]
+        else:
+            os.environ[qgemm_select.QGEMM_ROWS_ENV] = saved
 
 
 def test_engine_keeps_the_blocks(engines):
@@ -199,8 +211,8 @@ def test_engine_keeps_the_blocks(engines):
 
 
 def test_prefill_runs_the_file_weights_exactly(engines):
-    """Above the first row bucket the projections run F.linear on the blocks dequantized by
-    the kernel, so a prefill's logits are the dequantized model's up to float rounding
+    """Above the first row bucket (with KVSERVE_QGEMM_ROWS=4, the fixture's) the projections
+    run F.linear on the blocks dequantized by the kernel, so a prefill's logits are the dequantized model's up to float rounding
     (FLOAT_LOGITS): the blocks were placed (q, k, v fused; gate, up
     fused; llama.cpp's q/k row permutation undone) as dequantize places the floats."""
     from helpers import first_token_logits
@@ -283,7 +295,7 @@ def test_float_x_q8_0(isa, rows):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q5_0", "Q5_1"])
-def test_other_block_types_end_to_end(type_name, tmp_path):
+def test_other_block_types_end_to_end(type_name, tmp_path, monkeypatch):
     """The default model's weights re-encoded as Q4_0 / Q8_0 / Q5_0 / Q5_1 (every 2-D tensor,
     the tied table too, which stays quantized: lookups and the head read its blocks): the
     loader keeps the projections in that type, a prefill's logits are the dequantized model's
@@ -298,6 +310,7 @@ def test_other_block_types_end_to_end(type_name, tmp_path):
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")
     path = requantize(smollm2_path(), tmp_path / f"smollm2.{type_name}.gguf", type_name)
+    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")  # prefills on the dequantized copy
     args = dict(model=str(path), dtype="float32", max_model_len=128, seed=0, max_num_seqs=4)
     quant, dense = LLM(quantization="gguf", **args), LLM(quantization="none", **args)
     model = quant.engine.model

@@ -8,11 +8,13 @@ Why: batch-1 decode reads every weight once a step, so bytes per weight decide i
 Q4_1 is 20 bytes per 32 weights, the fp32 copy kvserve dequantized at load 128.
 
 Up to `int_rows` rows a projection runs the C++ kernel (kernels/cpu/qgemv.py: x quantized to
-8-bit blocks, integer dot products on the weight blocks); above, the weight is dequantized
-into a scratch buffer shared by every projection (one at a time: a model's forward runs on
-one thread) and F.linear (MKL) runs on it: a prefill's GEMM is compute-bound and the
-integer kernel re-reads each weight row from L1 per row of x, so at many rows the fp32 GEMM
-wins. A tiled quantized GEMM is for a later slice of issue 31.
+8-bit blocks, integer dot products on the weight blocks, cache-tiled past a few rows); above,
+the weight is dequantized into a scratch buffer shared by every projection (one at a time: a
+model's forward runs on one thread) and F.linear (MKL) runs on it. `int_rows` is measured
+on this CPU at a projection's first call above DECODE_ROWS rows, once per shape class
+(qgemm_select.py: the crossover of the two paths; $KVSERVE_QGEMM_ROWS fixes it): MKL's fp32
+GEMM does more arithmetic per cycle, the tiled kernel reads a quarter of the bytes and writes
+no fp32 copy of the weight, and where they cross depends on the CPU and the shape.
 
 The model code never sees these (tests/test_architecture.py): the loader keeps the blocks as
 `layer.quant_weights` (projection name -> QuantWeight) in place of the float parameters, and
@@ -32,11 +34,12 @@ from kvserve.layers.activation import gated
 from kvserve.layers.block import LayerMethods, normed, split_qkv
 from kvserve.layers.linear import LinearMethod, with_output_norm
 from kvserve.layers.norm import rms_norm
+from kvserve.layers.qgemm_select import DECODE_ROWS, crossover, env_rows
 from kvserve.layers.rotary import apply_rope
 
-# The row count up to which the integer kernel runs (the first row bucket, decode); the GEMM
-# on a dequantized copy above it (see the module docstring).
-INT_ROWS = 4
+# int_rows=None: the integer kernel up to DECODE_ROWS rows, above that up to the crossover
+# measured at the first call with more rows (or $KVSERVE_QGEMM_ROWS)
+INT_ROWS = None
 # The float projections a loader may keep quantized (DecoderLayer's attribute names)
 PROJECTION_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -83,26 +86,42 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
 class QuantizedLinear(LinearMethod):
     """x W^T + b on a QuantWeight: the C++ kernel up to `int_rows` rows (x quantized to 8
     bits, or with `float_x` kept in float32: Q8_0 only, the LM head's), MKL on a dequantized
-    copy above."""
+    copy above; int_rows None: measured (see the module docstring)."""
 
-    __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add")
+    __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add", "_pending")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
-                 int_rows: float = INT_ROWS, float_x: bool = False) -> None:
+                 int_rows: float | None = INT_ROWS, float_x: bool = False) -> None:
         if float_x and weight.type_name != "Q8_0":
             raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
-        self.weight, self.bias, self.int_rows, self.float_x = weight, bias, int_rows, float_x
+        self.weight, self.bias, self.float_x = weight, bias, float_x
+        if int_rows is None:
+            int_rows = env_rows()
+        self._pending = int_rows is None
+        self.int_rows = DECODE_ROWS if int_rows is None else int_rows
         kernel, w = qgemv.load(), weight
         self._store = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_STORE, float_x)
         self._add = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_ADD, float_x)
 
+    def _measure(self) -> None:
+        w = self.weight
+        self._pending = False
+        self.int_rows = crossover(
+            f"{w.type_name}{' float-x' if self.float_x else ''} {w.n}x{w.k}", w.k, self._store,
+            lambda x: F.linear(x, dequantized(w), self.bias))
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.int_rows:
             return self._store(x)
+        if self._pending:
+            self._measure()
+            return self.apply(x)
         return F.linear(x, dequantized(self.weight), self.bias)
 
     def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if self._pending and x.shape[0] > self.int_rows:
+            self._measure()
         if x.shape[0] <= self.int_rows and residual.stride(1) == 1:
             return self._add(x, residual)
         residual.addmm_(x, dequantized(w).t())
@@ -113,22 +132,34 @@ class QuantizedGated(LinearMethod):
     """The gate | up projection on a QuantWeight [2i, k]: act(x gate^T + b_g) * (x up^T +
     b_u), fused into the integer kernel up to `int_rows` rows."""
 
-    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_gated")
+    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_gated", "_pending")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, intermediate: int,
-                 gelu: bool, int_rows: float = INT_ROWS) -> None:
+                 gelu: bool, int_rows: float | None = INT_ROWS) -> None:
         if weight.n != 2 * intermediate:
             raise ValueError(f"a [gate; up] weight has {2 * intermediate} rows, got {weight.n}")
         self.weight, self.bias, self.intermediate, self.gelu = weight, bias, intermediate, gelu
-        self.int_rows = int_rows
+        if int_rows is None:
+            int_rows = env_rows()
+        self._pending = int_rows is None
+        self.int_rows = DECODE_ROWS if int_rows is None else int_rows
         mode = qgemv.MODE_GELU_MUL if gelu else qgemv.MODE_SILU_MUL
         self._gated = qgemv.load().bind(weight.data, weight.type_name, weight.k, bias, mode)
 
+    def _dequant_path(self, x: torch.Tensor) -> torch.Tensor:
+        return gated(F.linear(x, dequantized(self.weight), self.bias), self.intermediate,
+                     self.gelu)
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
         if x.shape[0] <= self.int_rows:
             return self._gated(x)
-        return gated(F.linear(x, dequantized(w), self.bias), self.intermediate, self.gelu)
+        if self._pending:
+            w = self.weight
+            self._pending = False
+            self.int_rows = crossover(f"{w.type_name} gated {w.n}x{w.k}", w.k, self._gated,
+                                      self._dequant_path)
+            return self.apply(x)
+        return self._dequant_path(x)
 
 
 class QuantizedEmbedding:
@@ -148,7 +179,7 @@ class QuantizedEmbedding:
 
 def quantized_methods(layer, weights: dict[str, QuantWeight | torch.Tensor],
                       norm: Callable = rms_norm, rope: Callable = apply_rope,
-                      int_rows: float = INT_ROWS) -> LayerMethods:
+                      int_rows: float | None = INT_ROWS) -> LayerMethods:
     """A DecoderLayer's methods with `weights` (attribute name -> QuantWeight, or the float
     tensor of a projection the loader kept dense) as block.dense_methods lays them out."""
     from kvserve.layers.linear import Dense, DenseGated

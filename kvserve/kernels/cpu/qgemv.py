@@ -9,6 +9,11 @@ GEMM on it); `embed` the rows of a quantized embedding table that a batch looks 
 weight is a uint8 tensor [n, k / values per block * block bytes], row after row of blocks
 (32 values a block, 256 for the K-quants, which llama.cpp's Q4_K_M files hold: there a
 row's k must be a multiple of 256).
+Past a few rows the kernel runs in cache tiles (16 output features x up to 64 rows of x), so
+it also serves prefill-sized calls (quant_linear measures where it beats the dequantized GEMM).
+Its threads (torch's thread count) claim units of work from the kernel's own pool
+(csrc/parallel.h) instead of OpenMP's fork/join, which waited for a descheduled thread beside
+other busy processes; KVSERVE_CPU_POOL=omp runs it on OpenMP (comparisons).
 Where no compiler is found `load()` returns None and quantized weights are dequantized at
 load instead.
 """

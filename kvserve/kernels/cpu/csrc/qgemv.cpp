@@ -32,8 +32,9 @@
 //     scale) is scaled by its 16-value group's d sc dx in float.
 //
 // Each weight row (a few hundred bytes) is read from memory once and then reused from L1 for
-// every row of x, up to 4 rows at a time in registers. OpenMP splits the output features in
-// contiguous ranges across torch's threads, as gemv.cpp does.
+// every row of x in a cache tile, up to 4 rows at a time in registers (qgemv_rows). Threads
+// claim units of 16 output features from parallel.h's pool (no barrier waiting on a
+// descheduled thread), torch's thread count of them.
 //
 // Modes as gemv.cpp: 0 out = xW^T + b; 1 out += xW^T + b; 2 out = silu(g) * u;
 // 3 out = gelu_tanh(g) * u, W = [gate; up] (2n rows).
@@ -41,6 +42,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -291,46 +294,71 @@ inline float gelu_tanh(float g) {
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
 }
 
-// Output features split in contiguous ranges across the threads; for each, the rows of x in
-// chunks of 4 (the weight row is read from memory once, then from L1).
+// Cache tiles (issue 31): a unit of work is kOutTile output features (with up's, gated),
+// claimed by a thread of the pool (parallel.h); inside it the rows of x run in tiles of
+// x_tile_rows(k), each tile against every weight row of the unit, 4 rows at a time in
+// registers (chunk_dots). Why: untiled, past ~100 rows the 8-bit x (k bytes a row) no
+// longer stayed in L2 and was streamed from L3 once per output feature; tiled, a tile of x
+// stays in L2 and the unit's weight rows (16 x 360-1632 bytes) in L1 while the tile runs.
+// At a few rows (decode) there is one x tile and this is the plain row-by-row loop.
+constexpr int64_t kOutTile = 16;
+#ifndef KVQ_XTILE_BYTES
+#define KVQ_XTILE_BYTES (96 << 10)
+#endif
+#ifndef KVQ_XTILE_MAX
+#define KVQ_XTILE_MAX 64  // benchmarks/bench_qgemm.py builds a huge one: the untiled loop
+#endif
+
+inline int64_t x_tile_rows(int64_t k) {  // multiple of 4 in [4, 64]: its int8 rows in L2
+  const int64_t r = int64_t{KVQ_XTILE_BYTES} / (k > 0 ? k : 1) / 4 * 4;
+  return r < 4 ? 4 : r > int64_t{KVQ_XTILE_MAX} ? int64_t{KVQ_XTILE_MAX} : r;
+}
+
 template <int T>
 void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bias, int64_t n,
                 float* out, int64_t out_stride, int mode, int num_threads) {
   const int64_t row_bytes = row_bytes_of(T, x.k);
   const bool gated = mode >= 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = 0; o < n; ++o) {
-    // Software prefetch of the weight rows kPrefetchRows ahead (and of up's): streamed
-    // from DRAM without it, a decode step's weights came at ~6 GB/s, the loads waiting
-    // on memory between short bursts of arithmetic.
-    if (o + kPrefetchRows < n) {
-      const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
-      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
-      if (gated) {
-        const uint8_t* up_ahead = w + (n + o + kPrefetchRows) * row_bytes;
-        for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(up_ahead + at);
-      }
-    }
-    const float b = bias != nullptr ? bias[o] : 0.f;
-    const float bu = bias != nullptr && gated ? bias[n + o] : 0.f;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
-      float acc[4], up[4];
-      chunk_dots<T>(w + o * row_bytes, x, r0, cnt, acc);
-      if (!gated) {
-        for (int64_t r = 0; r < cnt; ++r) {
-          float* y = out + (r0 + r) * out_stride + o;
-          *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+  const int64_t xt = x_tile_rows(x.k);
+  kvpar::parallel_for((n + kOutTile - 1) / kOutTile, num_threads, [&](int64_t tile) {
+    const int64_t o0 = tile * kOutTile, o1 = o0 + kOutTile < n ? o0 + kOutTile : n;
+    for (int64_t x0 = 0; x0 < rows; x0 += xt) {
+      const int64_t x1 = x0 + xt < rows ? x0 + xt : rows;
+      for (int64_t o = o0; o < o1; ++o) {
+        // Software prefetch of the weight rows kPrefetchRows ahead (and of up's), on the
+        // first x tile (the others find the unit's rows in cache): streamed from DRAM
+        // without it, a decode step's weights came at ~6 GB/s, the loads waiting on memory
+        // between short bursts of arithmetic.
+        if (x0 == 0 && o + kPrefetchRows < n) {
+          const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
+          for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
+          if (gated) {
+            const uint8_t* up_ahead = w + (n + o + kPrefetchRows) * row_bytes;
+            for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(up_ahead + at);
+          }
         }
-        continue;
-      }
-      chunk_dots<T>(w + (n + o) * row_bytes, x, r0, cnt, up);
-      for (int64_t r = 0; r < cnt; ++r) {
-        const float g = acc[r] + b;
-        out[(r0 + r) * out_stride + o] = (mode == 2 ? silu(g) : gelu_tanh(g)) * (up[r] + bu);
+        const float b = bias != nullptr ? bias[o] : 0.f;
+        const float bu = bias != nullptr && gated ? bias[n + o] : 0.f;
+        for (int64_t r0 = x0; r0 < x1; r0 += 4) {
+          const int64_t cnt = x1 - r0 < 4 ? x1 - r0 : 4;
+          float acc[4], up[4];
+          chunk_dots<T>(w + o * row_bytes, x, r0, cnt, acc);
+          if (!gated) {
+            for (int64_t r = 0; r < cnt; ++r) {
+              float* y = out + (r0 + r) * out_stride + o;
+              *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+            }
+            continue;
+          }
+          chunk_dots<T>(w + (n + o) * row_bytes, x, r0, cnt, up);
+          for (int64_t r = 0; r < cnt; ++r) {
+            const float g = acc[r] + b;
+            out[(r0 + r) * out_stride + o] = (mode == 2 ? silu(g) : gelu_tanh(g)) * (up[r] + bu);
+          }
+        }
       }
     }
-  }
+  });
 }
 
 // One weight row of k values as float32 into y; values as gguf.quants dequantizes them (the
@@ -483,29 +511,30 @@ int kvserve_qgemv_f32x(const float* x, int64_t x_stride, int64_t rows, const uin
                        int64_t out_stride, int mode, int num_threads) {
   if (type != kQ8_0 || mode < 0 || mode > 1 || k <= 0 || k % kQK || rows < 0) return 1;
   const int64_t nb = k / kQK, row_bytes = nb * 34;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t o = 0; o < n; ++o) {
-    if (o + kPrefetchRows < n) {
-      const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
-      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
-    }
-    const float b = bias != nullptr ? bias[o] : 0.f;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
-      const float* xr = x + r0 * x_stride;
-      float acc[4];
-      switch (cnt) {
-        case 4: row_dots_f<4>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-        case 3: row_dots_f<3>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-        case 2: row_dots_f<2>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-        default: row_dots_f<1>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+  kvpar::parallel_for((n + kOutTile - 1) / kOutTile, num_threads, [&](int64_t tile) {
+    for (int64_t o = tile * kOutTile; o < n && o < (tile + 1) * kOutTile; ++o) {
+      if (o + kPrefetchRows < n) {
+        const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
+        for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
       }
-      for (int64_t r = 0; r < cnt; ++r) {
-        float* y = out + (r0 + r) * out_stride + o;
-        *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+      const float b = bias != nullptr ? bias[o] : 0.f;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
+        const float* xr = x + r0 * x_stride;
+        float acc[4];
+        switch (cnt) {
+          case 4: row_dots_f<4>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+          case 3: row_dots_f<3>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+          case 2: row_dots_f<2>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+          default: row_dots_f<1>(w + o * row_bytes, xr, x_stride, nb, acc); break;
+        }
+        for (int64_t r = 0; r < cnt; ++r) {
+          float* y = out + (r0 + r) * out_stride + o;
+          *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
+        }
       }
     }
-  }
+  });
   return 0;
 }
 
@@ -535,9 +564,15 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
   q.resize(static_cast<size_t>(rows * k));
   d.resize(static_cast<size_t>(rows * nb));
   s.resize(static_cast<size_t>(rows * nb));
-  for (int64_t r = 0; r < rows; ++r)
-    quantize_row(x + r * x_stride, k, q.data() + r * k, d.data() + r * nb, s.data() + r * nb);
-  const QRows xr{q.data(), d.data(), s.data(), k, nb};
+  // x's rows quantized in chunks of 8 rows across the threads (a prefill's 512 rows of 1536
+  // took ~1 ms on one); the buffers are the caller's thread_locals, by pointer
+  int8_t* qp = q.data();
+  float *dp = d.data(), *sp = s.data();
+  kvpar::parallel_for((rows + 7) / 8, rows > 8 ? num_threads : 1, [&](int64_t c) {
+    for (int64_t r = c * 8; r < rows && r < (c + 1) * 8; ++r)
+      quantize_row(x + r * x_stride, k, qp + r * k, dp + r * nb, sp + r * nb);
+  });
+  const QRows xr{qp, dp, sp, k, nb};
   if (type == kQ8_0)
     qgemv_rows<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else if (type == kQ4_0)
