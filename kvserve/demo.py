@@ -29,8 +29,11 @@ from typing import Any
 from kvserve.engine.llm import LLM
 from kvserve.sampling import SamplingParams
 
+# "Answer in one sentence.": without it the first token is a near tie on the Q4_1 model
+# ("The" -1.88 against "L" -1.97 nats), which the 8-bit activations of an integer-kernel
+# prefill flip into a French ramble; with it both prefill paths answer the same.
 CHATS = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Write a Python function that reverses a string.",
 ]
 # Round 2's shared system prompt: the history section of the running Python's own LICENSE file
@@ -172,7 +175,7 @@ def round_two(server: DemoServer, opts: DemoOptions) -> None:
 
 def round_three(opts: DemoOptions) -> None:
     """The KV cache's storage format: capacity in the same memory, and the answer it gives."""
-    question = [{"role": "user", "content": CHATS[0] + " Answer in one sentence."}]
+    question = [{"role": "user", "content": CHATS[0]}]
     print("\n== 3. The KV cache in fp8 and int8: the same memory, and the same question")
     print(f"  {'kv dtype':<10}{'bytes/token':>12}{'tokens in pool':>16}  answer (greedy)")
     reference: list[int] | None = None

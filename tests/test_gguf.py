@@ -163,12 +163,19 @@ def test_smollm2_matches_transformers(kind, tmp_path, monkeypatch):
     assert err <= LOGIT_ATOL, f"dense first-token logits {err:.2e} from float64"
 
 
-def test_llm_without_a_model_runs_smollm2():
-    """`LLM()` with no model is SmolLM2 from the installed package, and it answers a plain
-    question correctly through its ChatML template (what `make demo` shows)."""
+@pytest.mark.parametrize("prefill_rows", ["4", "inf"])
+def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
+    """`LLM()` with no model is SmolLM2 from the installed package, and it answers the demo's
+    first question correctly through its ChatML template (what `make demo` shows), whichever
+    path this CPU's measured crossover gives a prefill: the dequantized weights
+    (KVSERVE_QGEMM_ROWS=4) or the integer kernel on 8-bit activations ("inf")."""
+    from kvserve.demo import CHATS
+    from kvserve.layers import qgemm_select
+
+    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, prefill_rows)
     llm = LLM(dtype="float32", max_model_len=512)
     assert os.path.samefile(llm.engine.config.model, smollm2_path())
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": CHATS[0]}],
                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
     assert out.prompt_token_ids[0] == llm.engine.tokenizer.token_to_id("<|im_start|>")
     assert "Paris" in out.outputs[0].text

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
+from kvserve.layers import qgemm_select
 from kvserve.model.quantize_at_load import quantize_q4_k
 
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was",
@@ -108,18 +109,24 @@ def float_llm(float_ckpt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, tmp_path):
+def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, tmp_path,
+                                                              monkeypatch):
     """Eight prompts decoding together (8 rows a step: above the integer kernel's 4, so the
     projections run F.linear on the kernel's dequantization of the blocks): 12 greedy tokens
     each equal to transformers' on the checkpoint gguf.quants decodes the same blocks into.
     At batch 1 (the integer kernel, x quantized to 8 bits) the first 3 tokens, as
-    test_quant_linear's GGUF test has it."""
+    test_quant_linear's GGUF test has it, except after a near tie of the reference's
+    (NEAR_TIE)."""
     from helpers import hf_greedy
     from quant_checkpoints import dequantized_checkpoint
 
     from kvserve import LLM, SamplingParams
 
     _needs_kernels()
+    # prefills and 8-row steps on the dequantized copy, as the other end-to-end tests have
+    # it: the integer kernel's 8-bit x is checked against float64 in test_qgemm, and would
+    # flip near-tied greedy tokens here (measured: in each format a prompt diverged within 12)
+    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")
     llm = LLM(model=str(float_ckpt), quantization=fmt, max_model_len=256, max_num_seqs=8,
               seed=0)
     model = llm.engine.model
@@ -138,7 +145,28 @@ def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, t
     sp1 = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     firsts = [o.outputs[0].token_ids for o in
               one.generate([{"prompt_token_ids": p} for p in prompts], sp1, use_tqdm=False)]
-    assert firsts == [e[:3] for e in expected]
+    for p, got1, want in zip(prompts, firsts, expected):
+        j = next((j for j in range(3) if got1[j] != want[j]), None)
+        if j is not None:  # only where the reference's own choice was a near tie
+            gap = _reference_gap(ref, p + want[:j], want[j], got1[j])
+            assert gap <= NEAR_TIE, (p, j, gap)
+
+
+# Batch-1 decode quantizes x to 8 bits (as llama.cpp does): a greedy token may differ from the
+# dequantized reference's only where the reference's top two logits are this close (logit
+# units). Measured: one divergence over the four formats' 8 prompts, q4_k's, at a gap of 0.021;
+# a real fault (a wrong scale, a nibble order) moves logits by whole units, as LOGIT_BOUNDS do.
+NEAR_TIE = 0.25
+
+
+def _reference_gap(ref, ids: list[int], want: int, got: int) -> float:
+    """transformers' logit of its own greedy token minus that of the token we chose."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return float(logits[want] - logits[got])
 
 
 # (largest |logit difference|, least mean cosine of the logit vectors) over 8 prompts' first
@@ -153,7 +181,7 @@ LOGIT_BOUNDS = {"q8_0": (2.0, 0.995), "q4_0": (20.0, 0.6), "q4_1": (2.5e-4, 0.99
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm):
+def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm, monkeypatch):
     """Prefill logits of the quantized model against the float model's (LOGIT_BOUNDS:
     measured, with a margin); q8_0, q4_1 and q4_k also pick the float model's top token on
     every prompt."""
@@ -162,6 +190,9 @@ def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm):
     from kvserve import LLM
 
     _needs_kernels()
+    # the bounds are the weights' error alone: prefills on the dequantized copy (the
+    # integer kernel's 8-bit x is checked against float64 in test_qgemm)
+    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")
     llm = LLM(model=str(float_ckpt), quantization=fmt, max_model_len=256, max_num_seqs=8,
               seed=0)
     prompts = [llm.engine.tokenizer.encode(p) for p in PLAIN]

@@ -177,13 +177,25 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
+def _storage_key(p: torch.Tensor) -> int:
+    """What makes two parameters one allocation (a tied head and its table). Meta tensors and
+    opaque ones (oneDNN-packed weights, as MLA's absorbed projections are) have no storage
+    to share, so each counts once by identity."""
+    if p.device.type == "meta" or p.is_mkldnn:
+        return id(p)
+    try:
+        return p.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return id(p)
+
+
 def weight_bytes(model: CausalLM) -> WeightBytes:
     """What `model` holds: its parameters (each storage once) plus its QuantWeights (the
     layers' and the LM head's Q8_0 table)."""
     seen: set[int] = set()
     total = params = 0
     for p in model.parameters():
-        key = p.untyped_storage().data_ptr() if p.device.type != "meta" else id(p)
+        key = _storage_key(p)
         if key in seen:
             continue
         seen.add(key)
