@@ -266,7 +266,7 @@ def test_flags_and_the_start_up_line(tmp_path, caplog):
     tiny = make_model(tmp_path / "llama", arch="llama", size="tiny")
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(model=str(tiny), quantization="q8_0", max_model_len=64, max_num_seqs=2)
-    from kvserve.model.quantize_at_load import weight_bytes
+    from kvserve.model.weight_bytes import weight_bytes
 
     line = weight_bytes(llm.engine.model).line()
     assert line.startswith("weights ") and "q8_0 blocks" in line

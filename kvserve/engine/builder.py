@@ -275,7 +275,7 @@ def _log_capacity(config: EngineConfig, kv: KVCacheManager, model_config: ModelC
     (quantized blocks and float tensors: `weight_bytes`, the count `kvserve plan
     --quantization` predicts), the KV pool's bytes, tokens and requests, and what MLA's
     latent cache saves."""
-    from kvserve.model.quantize_at_load import weight_bytes
+    from kvserve.model.weight_bytes import weight_bytes
 
     logger.info("%s; KV pool %.1f MB", weight_bytes(model).line(),
                 kv.num_blocks * kv_spec.page_bytes(groups) / 1e6)

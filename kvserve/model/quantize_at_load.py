@@ -1,8 +1,7 @@
 """Quantize a float checkpoint's projections at load (issue 31: `quantization="q8_0" | "q4_0"
 | "q4_1" | "q4_k"`, vLLM's --quantization) into ggml's block layouts, kept as the same
 `QuantWeight`s a GGUF file's blocks become, so `selection.bind_quantized` runs them on the
-same kernels; and the weight bytes a model holds (`weight_bytes`), the one count the
-engine's start-up line and `kvserve plan` (`planned_weight_bytes`) both make.
+same kernels (what a model then holds: kvserve/model/weight_bytes.py).
 
 What is quantized: every DecoderLayer's qkv, o, gate_up and down projections
 (`PROJECTION_ATTRS`); the embedding, the norms, the biases and the LM head stay float32 (the
@@ -21,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -151,135 +149,3 @@ def quantize_model(model: CausalLM, quantization: str, progress: bool = True) ->
     logger.info("quantization %s: %s projections quantized at load in %.1f s",
                 quantization, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
                 time.perf_counter() - t0)
-
-
-# -- weight bytes ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WeightBytes:
-    total: int  # bytes of every weight the model holds: blocks and float tensors
-    quantized: int  # of which block-quantized
-    quantized_params: int  # values held in blocks
-    params: int  # every weight value
-    types: tuple[str, ...]  # the block formats held
-
-    def line(self) -> str:
-        """"weights 98.2 MB (q4_1 projections, 82% of params)" (the start-up line)."""
-        if not self.quantized:
-            return f"weights {_mb(self.total)} (float)"
-        share = 100 * self.quantized_params / max(1, self.params)
-        kinds = "/".join(t.lower() for t in self.types)
-        return (f"weights {_mb(self.total)} ({kinds} blocks {_mb(self.quantized)}, {share:.0f}% "
-                f"of params in quantized projections; float tensors "
-                f"{_mb(self.total - self.quantized)})")
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
-
-
-def _storage_key(p: torch.Tensor) -> int:
-    """What makes two parameters one allocation (a tied head and its table). Meta tensors and
-    opaque ones (oneDNN-packed weights, as MLA's absorbed projections are) have no storage
-    to share, so each counts once by identity."""
-    if p.device.type == "meta" or p.is_mkldnn:
-        return id(p)
-    try:
-        return p.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return id(p)
-
-
-def weight_bytes(model: CausalLM) -> WeightBytes:
-    """What `model` holds: its parameters (each storage once) plus its QuantWeights (the
-    layers' and the LM head's Q8_0 table)."""
-    seen: set[int] = set()
-    total = params = 0
-    for p in model.parameters():
-        key = _storage_key(p)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += p.numel() * p.element_size()
-        params += p.numel()
-    quantized = qparams = 0
-    types = set()
-    blocks = [w for layer in model.layers for w in (getattr(layer, "quant_weights", None)
-                                                     or {}).values()]
-    head = getattr(model, "quant_head", None)
-    for w in blocks + ([head] if head is not None else []):
-        quantized += w.nbytes
-        types.add(w.type_name)
-    for w in blocks:  # the head's copy is of a table counted among the parameters
-        qparams += w.n * w.k
-    return WeightBytes(total + quantized, quantized, qparams, params + qparams,
-                       tuple(sorted(types)))
-
-
-def planned_weight_bytes(config, quantization: str | None,
-                         gguf_types: dict[tuple[int, str], str] | None = None,
-                         head_q8_0: bool = False) -> WeightBytes:
-    """The WeightBytes the engine will hold for `config` in float32 with `quantization` (an
-    AT_LOAD name, or "gguf" with `gguf_types`: (layer, projection) -> the file's block type
-    for the projections the loader keeps, and `head_q8_0` for a Q8_0 head table it copies):
-    the model built on the meta device (no memory), its projections counted as `weight_bytes`
-    counts the blocks. The planner's figure (kvserve plan --quantization)."""
-    from kvserve.models import registry
-
-    model = registry.get(config.architecture).family.model()(config, torch.float32, "meta")
-    total = params = quantized = qparams = 0
-    types = set()
-    for p in model.parameters():
-        total += p.numel() * 4
-        params += p.numel()
-    if quantization in quant_formats.AT_LOAD or quantization == "gguf":
-        for i, layer in enumerate(model.layers):
-            if not isinstance(layer, DecoderLayer):
-                if quantization != "gguf":
-                    raise ValueError(f"quantization={quantization!r}: {config.architecture}'s "
-                                     "MLA / MoE layers have no quantized methods")
-                continue
-            for attr in PROJECTION_ATTRS:
-                p = getattr(layer, attr)
-                n, k = p.shape
-                type_name = (gguf_types or {}).get((i, attr)) if quantization == "gguf" \
-                    else quant_formats.projection_type(quantization, k)
-                if type_name is None:
-                    continue
-                nbytes = quant_formats.block_bytes(type_name, n, k)
-                total += nbytes - n * k * 4
-                quantized += nbytes
-                qparams += n * k
-                types.add(type_name)
-    if head_q8_0:
-        nbytes = quant_formats.block_bytes("Q8_0", config.vocab_size, config.hidden_size)
-        total += nbytes
-        quantized += nbytes
-        types.add("Q8_0")
-    return WeightBytes(total, quantized, qparams, params, tuple(sorted(types)))
-
-
-def gguf_kept_types(checkpoint) -> tuple[dict[tuple[int, str], str], bool]:
-    """For a GGUF file: (layer, projection) -> block type for each projection the loader
-    keeps in its block format (every part of it one type the kernels run, k whole blocks:
-    loader._quantized_groups' rule), and whether its head table is Q8_0 (a copy the loader
-    keeps for the LM head)."""
-    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-             "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-    types: dict[str, str] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for t in checkpoint.tensors():
-        types[t.name], shapes[t.name] = t.info.type_name, t.shape
-    kept = {}
-    layers = {int(name.split(".")[2]) for name in types if name.startswith("model.layers.")}
-    for i in layers:
-        for attr, names in parts.items():
-            prefix = "mlp" if attr in ("gate_up_proj", "down_proj") else "self_attn"
-            found = [types.get(f"model.layers.{i}.{prefix}.{nm}.weight") for nm in names]
-            if None in found or len(set(found)) != 1 or found[0] not in qgemv.TYPES:
-                continue
-            k = shapes[f"model.layers.{i}.{prefix}.{names[0]}.weight"][1]
-            if k % quant_formats.BLOCKS[found[0]][0] == 0:
-                kept[(i, attr)] = found[0]
-    head = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
-    head_q8_0 = types.get(head) == "Q8_0" and shapes[head][1] % 32 == 0
-    return kept, head_q8_0

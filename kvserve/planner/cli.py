@@ -7,6 +7,7 @@ import argparse
 from kvserve.cli_flags import add_report_args, print_report
 from kvserve.planner import presets
 from kvserve.planner.units import parse_bytes, parse_tokens
+from kvserve.quant_formats import QUANTIZATIONS
 
 EPILOG = """examples:
   kvserve plan llama-2-7b --kv-cache-dtype fp16 --max-model-len 4096
@@ -39,6 +40,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="auto, fp32, fp16, bf16, fp8, int8, awq, gptq (int4)")
     p.add_argument("--group-size", type=int, default=None,
                    help="int4 quantization group size (default: the checkpoint's, else 128)")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="the engine's weight quantization, as `kvserve serve --quantization` "
+                        "(gguf keeps a GGUF file's blocks; q8_0/q4_0/q4_1/q4_k quantize a "
+                        "float checkpoint at load): the weight figure is then the engine's own "
+                        "count of what it will hold (float32 elsewhere); a checkpoint "
+                        "directory or a GGUF file only")
     p.add_argument("--weight-memory", default=None,
                    help="weights per GPU as a size, instead of computing them (e.g. 4.1GB)")
     p.add_argument("--reserve", default="2GB",
@@ -76,13 +83,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("give a model: a preset name (--list-presets), a config.json or a "
                          "checkpoint directory")
     spec = ModelSpec.load(args.model)
+    weights = parse_bytes(args.weight_memory) if args.weight_memory else None
+    if args.quantization is not None:
+        if weights is not None:
+            raise ValueError("give --quantization (the engine's count) or --weight-memory, "
+                             "not both")
+        from kvserve.model.weight_bytes import planned_for_checkpoint
+
+        weights = planned_for_checkpoint(args.model, args.quantization).total
     plan = make_plan(
         spec, kv_dtype=args.kv_cache_dtype,
         context_len=parse_tokens(args.context_len) if args.context_len else None,
         gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
         gpu_name=args.gpu, gpu_memory_utilization=args.gpu_memory_utilization,
         weight_format=args.weight_format,
-        weights=parse_bytes(args.weight_memory) if args.weight_memory else None,
+        weights=weights, quantization=args.quantization,
         group_size=args.group_size, reserve=parse_bytes(args.reserve),
         block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
         concurrency=args.concurrency, max_num_seqs=args.max_num_seqs, lengths=args.lengths,

@@ -269,8 +269,11 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
               tensor_parallel_size: int = 1, concurrency: int | None = None,
               max_num_seqs: int = 256, lengths: str | None = None,
               kv_group_size: int | None = None, kv_cache_memory: int | None = None,
-              num_gpu_blocks: int | None = None, gpu_name: str | None = None) -> dict:
-    """Everything `kvserve plan` prints, as a dict with stable keys (the --json output)."""
+              num_gpu_blocks: int | None = None, gpu_name: str | None = None,
+              quantization: str | None = None) -> dict:
+    """Everything `kvserve plan` prints, as a dict with stable keys (the --json output).
+    `quantization` names the engine quantization `weights` was counted for (kvserve plan
+    --quantization: the engine's own count, not a size the user gave)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if block_size <= 0:
@@ -374,7 +377,9 @@ def make_plan(spec: ModelSpec, *, kv_dtype: str = "auto", context_len: int | Non
                        gpu_memory_utilization=gpu_memory_utilization, usable_bytes=int(usable),
                        weight_format=fmt, weight_group_size=w_group if fmt in
                        ("awq", "gptq", "int4") else None,
-                       weight_bytes=int(w_bytes), weights_given=weights is not None,
+                       weight_bytes=int(w_bytes),
+                       weights_given=weights is not None and quantization is None,
+                       quantization=quantization,
                        reserve_bytes=int(reserve), kv_pool_bytes=int(max(0, pool)),
                        tensor_parallel_size=tp),
         "capacity": dict(num_blocks=blocks, kv_cache_tokens=tokens,

@@ -48,6 +48,8 @@ def format_plan(plan: dict) -> str:
                f"{mem['gpu_memory_utilization']}")
     wf = mem["weight_format"] + (f", group {mem['weight_group_size']}"
                                  if mem["weight_group_size"] else "")
+    if mem.get("quantization"):
+        wf = f"quantization {mem['quantization']}, the engine's count"
     rows = [("usable", fmt_bytes(mem["usable_bytes"])),
             ("- weights (given)" if mem["weights_given"] else f"- weights ({wf})",
              fmt_bytes(mem["weight_bytes"])),
