@@ -155,8 +155,10 @@ def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, t
 # Batch-1 decode quantizes x to 8 bits (as llama.cpp does): a greedy token may differ from the
 # dequantized reference's only where the reference's top two logits are this close (logit
 # units). Measured: one divergence over the four formats' 8 prompts, q4_k's, at a gap of 0.021;
-# a real fault (a wrong scale, a nibble order) moves logits by whole units, as LOGIT_BOUNDS do.
-NEAR_TIE = 0.25
+# with the C++ RoPE on the quantized layers (bit-level changes of x, which move its 8-bit
+# rounding) q4_0's at 0.307 (the coarsest model here: cosine 0.77 to the float logits, see
+# LOGIT_BOUNDS). A real fault (a wrong scale, a nibble order) moves logits by whole units.
+NEAR_TIE = 0.5
 
 
 def _reference_gap(ref, ids: list[int], want: int, got: int) -> float:

@@ -38,6 +38,8 @@ from kvserve.layers.fast_decode import FastDecode
 from kvserve.layers.gemm_select import GemmPlan
 from kvserve.layers.linear import Dense, DenseGated
 from kvserve.layers.norm import rms_norm
+from kvserve.layers.rotary import apply_rope
+from kvserve.layers.quant_decode import QuantDecode, cpp_rope
 from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantizedEmbedding, QuantizedLinear,
                                         quantized_methods)
 from kvserve.model.decoder import CausalLM, DecoderLayer
@@ -388,8 +390,8 @@ def bind_quantized(model: CausalLM) -> None:
     on Q8_0, the integer kernel on the other types (no float-x path for them yet; a
     projection-sized error, bounded by tests/test_quant_kquants.py). Installs a plan of
     source "quantized" in place of the measured one: the GEMM plan times float kernels, which
-    these layers no longer have weights for. No one-call decode step (FastDecode reads
-    float weights): the layer-by-layer path runs."""
+    these layers no longer have weights for. The one-call decode step is QuantDecode's (where
+    every projection is blocks; FastDecode reads float weights)."""
     has_gemv = gemv_available(model.dtype, model.embed_tokens.device)
     for layer in model.layers:
         quant = getattr(layer, "quant_weights", None)
@@ -397,7 +399,8 @@ def bind_quantized(model: CausalLM) -> None:
             continue
         norm = gemv.load().rms_norm if has_gemv and layer.qk_norm is None else rms_norm
         weights = {a: quant.get(a, getattr(layer, a)) for a in PROJECTION_ATTRS}
-        layer.methods = [quantized_methods(layer, weights, norm)] * len(BUCKETS)
+        rope = cpp_rope if has_gemv else apply_rope
+        layer.methods = [quantized_methods(layer, weights, norm, rope)] * len(BUCKETS)
         layer.mlp_chunk_rows = mlp_chunk_rows(layer.intermediate_size, 4)
     head = model.lm_head if model.lm_head is not None else model.embed_tokens
     model.head_methods = [Dense(head)] * len(BUCKETS)
@@ -421,7 +424,9 @@ def bind_quantized(model: CausalLM) -> None:
         head_kernels[0] = "gemv"
     if has_gemv:
         model.norm_fn = gemv.load().rms_norm
-    model.decode_step = None
+    # the one-call step where every layer's projections are blocks (its norm and RoPE are the
+    # C++ ones the layers bind above, so only with the GEMV's library)
+    model.decode_step = QuantDecode.build(model) if has_gemv else None
     model.gemm_plan = GemmPlan({**{p: ["quant"] * len(BUCKETS) for p in _PROJS},
                                 "head": head_kernels}, "quantized")
     model.packed = False

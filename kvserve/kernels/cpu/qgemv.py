@@ -208,6 +208,24 @@ class BoundQGemv:
             raise ValueError("qgemv: the kernel refused its arguments")
         return out
 
+    def args_address(self, x: torch.Tensor | None, out: torch.Tensor | None,
+                     threads: int) -> int:
+        """The argument array with x and out (fixed float32 buffers, unit stride; None: the
+        caller fills that one in) and the thread count, for kvserve_qdecode_layers, which
+        fills in the rows itself."""
+        a = self._args
+        if x is not None:
+            a[0], a[1] = x.data_ptr(), x.stride(0)
+        if out is not None:
+            a[8], a[9] = out.data_ptr(), out.stride(0)
+        a[11] = threads
+        return self._ptr
+
+    @property
+    def function_address(self) -> int:
+        """kvserve_qgemv_packed's C address (what kvserve_qdecode_layers calls)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
 
 @functools.lru_cache(maxsize=1)
 def load() -> QGemv | None:

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "rms.h"
+#include "rope.h"
 
 namespace {
 
@@ -114,27 +115,6 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 inline float gelu_tanh(float g) {
   const float c = 0.7978845608028654f;  // sqrt(2 / pi)
   return 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g)));
-}
-
-// layers.rotary.apply_rope in place: each head of head_dim in y[r, 0:cols) rotated by cs[r]
-// (cos | sin halves).
-void rope_rows(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
-               const float* cs, int64_t cs_stride) {
-  const int64_t half = head_dim / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict cos = cs + r * cs_stride;
-    const float* __restrict sin = cos + half;
-    for (int64_t h0 = 0; h0 + head_dim <= cols; h0 += head_dim) {
-      float* __restrict a = y + r * y_stride + h0;
-      float* __restrict b = a + half;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        const float x1 = a[j], x2 = b[j];
-        a[j] = x1 * cos[j] - x2 * sin[j];
-        b[j] = x2 * cos[j] + x1 * sin[j];
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -1,0 +1,159 @@
+"""The one-call decode step on quantized weights: a decode step of up to 4 rows through every
+decoder layer in one C++ call (csrc/qdecode.cpp), installed by `selection.bind_quantized` as
+`CausalLM.decode_step` where every layer's four projections are blocks, as FastDecode is for
+the float GEMV.
+
+Why: at batch 1 the quantized layer-by-layer path makes ~120 kernel calls a step, and the
+Python between them cost ~3 ms of an 11 ms step on SmolLM2 (AVX-512 EPYC), where llama.cpp's
+whole step is 6.8 ms. Here Python runs once per step: it hands over each layer's prepared
+argument arrays and the attention backend's kernel arguments.
+
+It computes what the layer-by-layer path computes, bit for bit: the same kernels (qgemv's, the
+C++ RMSNorm and RoPE the layer path binds, the paged decode kernel) in the same order on the
+same rows (tests/test_quant_decode.py). Where a step is not one it serves (more rows than the
+integer kernel's decode limit, an attention backend without kernel arguments: a quantized KV
+cache, prefill rows, H2O) `run` returns None and the forward takes the layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from kvserve.attention.base import BoundAttention
+from kvserve.kernels.cpu import gemv, qdecode, qgemv
+from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
+from kvserve.layers.quant_linear import PROJECTION_ATTRS
+from kvserve.model.decoder import CausalLM, DecoderLayer
+
+_LAYER_FIELDS = 7  # norm1, qkv args, paged args, o args, norm2, gate_up args, down args
+
+
+def cpp_rope(qk: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """layers.rotary.apply_rope's rotation of qk [T, heads, D] (heads and D contiguous) on
+    gemv's C++ RoPE, in place: the rotation the one-call step makes, so the quantized layer
+    path binds it too (`selection.bind_quantized`) and both give the same bits."""
+    t, heads, d = qk.shape
+    gemv.load().rope_(qk.view(t, heads * d), cos_sin, heads * d, d)
+    return qk
+
+
+def _servable(model: CausalLM) -> bool:
+    """Every layer a DecoderLayer with its four projections as blocks, pre-norms and no
+    other norm around them (no q/k norm, no Gemma output norms), one eps and one RoPE."""
+    layers = model.layers
+    if not layers or len(set(model._rope_of_layer)) != 1:
+        return False
+    for layer in layers:
+        quant = getattr(layer, "quant_weights", None) or {}
+        if not isinstance(layer, DecoderLayer) or set(quant) != set(PROJECTION_ATTRS) \
+                or layer.qk_norm is not None or layer.attn_out_norm is not None \
+                or layer.mlp_out_norm is not None or layer.input_layernorm is None \
+                or layer.post_attention_layernorm is None or layer.eps != layers[0].eps \
+                or layer.input_layernorm.dtype != torch.float32:
+            return False
+    return True
+
+
+class QuantDecode:
+    """Fixed scratch for DECODE_ROWS rows (the normed x, qkv, attention output, the MLP's
+    activation), each layer's own bound qgemv ops (argument arrays of their own: the layer
+    path's ops keep theirs) and its argument array for the C++ loop."""
+
+    @classmethod
+    def build(cls, model: CausalLM) -> "QuantDecode | None":
+        kernel, q = qdecode.load(), qgemv.load()
+        if kernel is None or q is None or not _servable(model):
+            return None
+        return cls(model, kernel, q)
+
+    def __init__(self, model: CausalLM, kernel: qdecode.QDecode, q: qgemv.QGemv) -> None:
+        first = model.layers[0]
+        rows = DECODE_ROWS
+        self._h, self._hkv, self._d = first.num_heads, first.num_kv_heads, first.head_dim
+        self._hidden = first.input_layernorm.shape[0]
+        self._x = torch.empty(rows, self._hidden, dtype=torch.float32)
+        self._qkv = torch.empty(rows, (self._h + 2 * self._hkv) * self._d, dtype=torch.float32)
+        self._out = torch.empty(rows, self._h * self._d, dtype=torch.float32)
+        self._act = torch.empty(rows, first.intermediate_size, dtype=torch.float32)
+        self._fn = kernel.decode_layers
+        # the rows the layer path runs on the integer kernel (its methods read the same
+        # override when they are built): beyond them it is F.linear on dequantized weights
+        self._max_rows = int(min(DECODE_ROWS, env_rows() if env_rows() is not None else rows))
+        self._ops: list[tuple] = []
+        self._layer_args = []
+        for layer in model.layers:
+            w = layer.quant_weights
+            gated = qgemv.MODE_GELU_MUL if layer.gelu else qgemv.MODE_SILU_MUL
+            ops = (q.bind(w["qkv_proj"].data, w["qkv_proj"].type_name, w["qkv_proj"].k,
+                          layer.qkv_bias, qgemv.MODE_STORE),
+                   q.bind(w["o_proj"].data, w["o_proj"].type_name, w["o_proj"].k,
+                          layer.o_bias, qgemv.MODE_ADD),
+                   q.bind(w["gate_up_proj"].data, w["gate_up_proj"].type_name,
+                          w["gate_up_proj"].k, layer.gate_up_bias, gated),
+                   q.bind(w["down_proj"].data, w["down_proj"].type_name, w["down_proj"].k,
+                          layer.down_bias, qgemv.MODE_ADD))
+            self._ops.append((ops, layer.input_layernorm, layer.post_attention_layernorm))
+            self._layer_args.append((ctypes.c_int64 * _LAYER_FIELDS)())
+        self._layers = (ctypes.c_void_p * len(self._layer_args))(
+            *[ctypes.addressof(a) for a in self._layer_args])
+        self._qgemv_fn = self._ops[0][0][0].function_address
+        self._eps_bits = struct.unpack("<i", struct.pack("<f", first.eps))[0]
+        self._rope_cols = (self._h + self._hkv) * self._d
+        self._threads = -1  # the argument arrays are filled for this many threads
+
+    def _fill(self, threads: int) -> None:
+        """Every layer's argument array (pointers that do not change from step to step)."""
+        for args, ((qkv, o, gu, down), norm1, norm2) in zip(self._layer_args, self._ops):
+            args[0] = norm1.data_ptr()
+            args[1] = qkv.args_address(None, self._qkv, threads)
+            args[3] = o.args_address(self._out, None, threads)
+            args[4] = norm2.data_ptr()
+            args[5] = gu.args_address(None, self._act, threads)
+            args[6] = down.args_address(self._act, None, threads)
+        self._threads = threads
+
+    def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object
+            ) -> torch.Tensor | None:
+        """hidden [rows, hidden] (the residual stream, updated in place) through every layer;
+        None (nothing run) where the step is not one this path serves."""
+        rows = hidden.shape[0]
+        if not isinstance(attn, BoundAttention) or rows > self._max_rows or rows == 0 \
+                or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
+                or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1 \
+                or cos_sin.shape[1] != self._d:
+            return None
+        h, hkv, d = self._h, self._hkv, self._d
+        qkv = self._qkv[:rows]
+        q = qkv[:, : h * d].view(rows, h, d)
+        k = qkv[:, h * d: (h + hkv) * d].view(rows, hkv, d)
+        v = qkv[:, (h + hkv) * d:].view(rows, hkv, d)
+        out = self._out[:rows].view(rows, h, d)
+        paged, functions = [], set()
+        for i in range(len(self._layer_args)):
+            a = attn.kernel_args(i, q, k, v, out)
+            if a is None:
+                return None
+            functions.add(a[0])
+            paged.append(a[1])
+        if len(functions) != 1:
+            return None
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            self._fill(threads)
+        for args, a in zip(self._layer_args, paged):
+            args[2] = ctypes.addressof(a)
+        top = (ctypes.c_int64 * 14)(
+            len(self._layer_args), rows, hidden.data_ptr(), hidden.stride(0), self._hidden,
+            cos_sin.data_ptr(), cos_sin.stride(0), ctypes.addressof(self._layers),
+            functions.pop(), self._qgemv_fn, self._eps_bits, self._x.data_ptr(),
+            self._rope_cols, d)
+        rc = self._fn(ctypes.addressof(top))
+        if rc != 0:
+            layer, stage = divmod(rc - 1, 4)
+            raise RuntimeError(f"kvserve_qdecode_layers failed at layer {layer} ("
+                               f"{('qkv', 'attention', 'o', 'MLP')[stage]}): a kernel refused "
+                               "its arguments")
+        return hidden
