@@ -19,6 +19,12 @@ requantized to F32 once, then F32 -> each type; kept under the benchmark cache).
 llama-cpp-python needs no build of its own: its sdist's Python package runs on the libllama.so
 of the llama.cpp build (LLAMA_CPP_LIB_PATH).
 
+GGML_NATIVE=ON builds for the build machine's CPU. On a VM whose CPU reports AMX (Sapphire
+Rapids), that build died with SIGILL in llama-bench and a segfault in llama-cpp-python.
+Build there with -DGGML_NATIVE=OFF, AVX/AVX2/FMA/F16C/AVX512/AVX512_VNNI/AVX512_VBMI/
+AVX512_BF16 ON and GGML_AMX_TILE/INT8/BF16 OFF. On AMD EPYC (AVX-512, no AMX) the native
+build runs.
+
 Set-up, once (nice the build on a shared machine; minutes):
     pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llsrc
     tar xzf /tmp/llsrc/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsrc

@@ -140,14 +140,27 @@ def test_rows_beyond_the_integer_kernel_limit_take_the_layer_path(checkpoints, m
 
 
 def test_models_it_cannot_serve_get_no_step(tmp_path):
-    """Qwen3's q/k norms sit between the projection and RoPE, and a GGUF whose fused qkv
-    mixes two block types keeps it dense: no one-call step is built."""
-    from gguf_files import requantize_mixed, smollm2_path
-    from test_quant_kquants import _q4_k_m_like
-
+    """Qwen3's q/k norms sit between the projection and RoPE: no one-call step is built."""
     qwen3 = make_hf_checkpoint("qwen3", tmp_path / "qwen3")
     llm = LLM(model=str(qwen3), dtype="float32", quantization="q8_0", max_model_len=128)
     assert llm.engine.runner.model.decode_step is None
+
+
+def test_stacked_qkv_of_a_q4_k_m_like_file(tmp_path):
+    """A GGUF whose fused qkv mixes two block types (Q4_1 q/k, Q8_0 v: a kernel call per
+    part, each into its columns): the one-call step serves it, bit for bit the layer
+    path's."""
+    from gguf_files import requantize_mixed, smollm2_path
+    from test_quant_kquants import _q4_k_m_like
+
+    from kvserve.layers.quant_linear import StackedQuantWeight
+
     mixed = requantize_mixed(smollm2_path(), tmp_path / "mix.gguf", _q4_k_m_like)
-    llm = LLM(model=str(mixed), quantization="gguf", max_model_len=128)
-    assert llm.engine.runner.model.decode_step is None
+    prompts = random_prompts([3, 17, 40, 70], 49152, seed=9)
+    fast, fast_seen = _engine(mixed, "gguf", block_size=16)
+    assert isinstance(fast.engine.model.layers[0].quant_weights["qkv_proj"], StackedQuantWeight)
+    slow, slow_seen = _engine(mixed, "gguf", fast=False, block_size=16)
+    assert _generate(fast, prompts) == _generate(slow, prompts)
+    assert set(fast_seen["rows"]) == {1, 2, 3, 4}
+    for a, b in zip(fast_seen["logits"], slow_seen["logits"]):
+        assert torch.equal(a, b)

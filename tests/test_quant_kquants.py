@@ -201,7 +201,7 @@ def _q4_k_m_like(name: str, shape: tuple[int, ...]) -> str:
 
 def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
     """SmolLM2 re-encoded with the mix above: the loader keeps ffn_down in Q4_K / Q6_K, the
-    mixed-type qkv dense (dequantized), gate_up and o in Q4_1, and the Q8_0 table quantized
+    mixed-type qkv as its two parts' blocks, gate_up and o in Q4_1, and the Q8_0 table quantized
     (lookups and the tied head on its blocks, no float table). A prefill's logits are the
     dequantized model's to float rounding (FLOAT_LOGITS: above the first row bucket the
     projections run F.linear on the kernel's dequantized blocks, the head with x in float
@@ -222,9 +222,10 @@ def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
     model = quant.engine.model
     for i, layer in enumerate(model.layers):
         types = {a: w.type_name for a, w in layer.quant_weights.items()}
-        assert types == {"o_proj": "Q4_1", "gate_up_proj": "Q4_1",
+        assert types == {"qkv_proj": "Q4_1+Q8_0", "o_proj": "Q4_1", "gate_up_proj": "Q4_1",
                          "down_proj": "Q6_K" if i % 3 == 0 else "Q4_K"}, (i, types)
-        assert isinstance(layer.qkv_proj, torch.Tensor)  # q/k Q4_1 + v Q8_0: kept dense
+        qkv = layer.quant_weights["qkv_proj"]  # q/k Q4_1 + v Q8_0: one part per type
+        assert [p.n for p in qkv.parts] == [layer.qk_size, layer.num_kv_heads * layer.head_dim]
     assert model.quant_embed is model.quant_head and model.quant_embed.type_name == "Q8_0"
     assert model.embed_tokens.numel() == 0  # no float table
     assert model.gemm_plan.kernels["head"] == ["quant-fx"] * len(model.gemm_plan.kernels["head"])

@@ -25,10 +25,11 @@ import torch
 from kvserve.attention.base import BoundAttention
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
 from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
-from kvserve.layers.quant_linear import PROJECTION_ATTRS
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedQuantWeight
 from kvserve.model.decoder import CausalLM, DecoderLayer
 
-_LAYER_FIELDS = 7  # norm1, qkv args, paged args, o args, norm2, gate_up args, down args
+# norm1, qkv args list, its length, paged args, o args, norm2, gate_up args, down args
+_LAYER_FIELDS = 8
 
 
 def cpp_rope(qk: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,8 @@ def _servable(model: CausalLM) -> bool:
     for layer in layers:
         quant = getattr(layer, "quant_weights", None) or {}
         if not isinstance(layer, DecoderLayer) or set(quant) != set(PROJECTION_ATTRS) \
+                or not all(isinstance(quant[a], QuantWeight)
+                           for a in ("o_proj", "gate_up_proj", "down_proj")) \
                 or layer.qk_norm is not None or layer.attn_out_norm is not None \
                 or layer.mlp_out_norm is not None or layer.input_layernorm is None \
                 or layer.post_attention_layernorm is None or layer.eps != layers[0].eps \
@@ -87,8 +90,15 @@ class QuantDecode:
         for layer in model.layers:
             w = layer.quant_weights
             gated = qgemv.MODE_GELU_MUL if layer.gelu else qgemv.MODE_SILU_MUL
-            ops = (q.bind(w["qkv_proj"].data, w["qkv_proj"].type_name, w["qkv_proj"].k,
-                          layer.qkv_bias, qgemv.MODE_STORE),
+            qkv = w["qkv_proj"]
+            parts = qkv.parts if isinstance(qkv, StackedQuantWeight) else (qkv,)
+            qkv_ops, row = [], 0  # (op, first column): a stacked qkv's parts
+            for part in parts:
+                bias = None if layer.qkv_bias is None else layer.qkv_bias[row: row + part.n]
+                qkv_ops.append((q.bind(part.data, part.type_name, part.k, bias,
+                                       qgemv.MODE_STORE), row, row + part.n))
+                row += part.n
+            ops = (qkv_ops,
                    q.bind(w["o_proj"].data, w["o_proj"].type_name, w["o_proj"].k,
                           layer.o_bias, qgemv.MODE_ADD),
                    q.bind(w["gate_up_proj"].data, w["gate_up_proj"].type_name,
@@ -97,22 +107,26 @@ class QuantDecode:
                           layer.down_bias, qgemv.MODE_ADD))
             self._ops.append((ops, layer.input_layernorm, layer.post_attention_layernorm))
             self._layer_args.append((ctypes.c_int64 * _LAYER_FIELDS)())
+        self._qkv_lists = [(ctypes.c_void_p * len(ops[0]))() for ops, _, _ in self._ops]
         self._layers = (ctypes.c_void_p * len(self._layer_args))(
             *[ctypes.addressof(a) for a in self._layer_args])
-        self._qgemv_fn = self._ops[0][0][0].function_address
+        self._qgemv_fn = self._ops[0][0][1].function_address
         self._eps_bits = struct.unpack("<i", struct.pack("<f", first.eps))[0]
         self._rope_cols = (self._h + self._hkv) * self._d
         self._threads = -1  # the argument arrays are filled for this many threads
 
     def _fill(self, threads: int) -> None:
         """Every layer's argument array (pointers that do not change from step to step)."""
-        for args, ((qkv, o, gu, down), norm1, norm2) in zip(self._layer_args, self._ops):
+        for args, qkv_list, ((qkv, o, gu, down), norm1, norm2) in zip(
+                self._layer_args, self._qkv_lists, self._ops):
+            for i, (op, c0, c1) in enumerate(qkv):
+                qkv_list[i] = op.args_address(None, self._qkv[:, c0:c1], threads)
             args[0] = norm1.data_ptr()
-            args[1] = qkv.args_address(None, self._qkv, threads)
-            args[3] = o.args_address(self._out, None, threads)
-            args[4] = norm2.data_ptr()
-            args[5] = gu.args_address(None, self._act, threads)
-            args[6] = down.args_address(self._act, None, threads)
+            args[1], args[2] = ctypes.addressof(qkv_list), len(qkv)
+            args[4] = o.args_address(self._out, None, threads)
+            args[5] = norm2.data_ptr()
+            args[6] = gu.args_address(None, self._act, threads)
+            args[7] = down.args_address(self._act, None, threads)
         self._threads = threads
 
     def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object
@@ -144,7 +158,7 @@ class QuantDecode:
         if threads != self._threads:
             self._fill(threads)
         for args, a in zip(self._layer_args, paged):
-            args[2] = ctypes.addressof(a)
+            args[3] = ctypes.addressof(a)
         top = (ctypes.c_int64 * 14)(
             len(self._layer_args), rows, hidden.data_ptr(), hidden.stride(0), self._hidden,
             cos_sin.data_ptr(), cos_sin.stride(0), ctypes.addressof(self._layers),

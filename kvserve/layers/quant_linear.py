@@ -73,10 +73,90 @@ class QuantWeight:
         return qgemv.load().dequantize(self.data, self.type_name, self.k, out)
 
 
+@dataclass(frozen=True)
+class StackedQuantWeight:
+    """A fused [n, k] weight whose row ranges are blocks of different types (`parts`, top to
+    bottom): llama.cpp's Q4_K_M files give attn_v another type than attn_q / attn_k, so a
+    fused qkv is q and k in one type and v in another. Each part runs its own kernel call
+    into its columns of the output (`bind_weight`); the loader used to keep such a
+    projection dense, in float32 (SmolLM2's Q4_K_M: 25 MB more than the file)."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len({p.k for p in self.parts}) != 1:
+            raise ValueError("a stacked weight is two or more parts of one width")
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(p.type_name for p in self.parts)
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(p.type_name for p in self.parts)
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = torch.empty(self.n * self.k, dtype=torch.float32) if out is None else out
+        full, row = flat[: self.n * self.k].view(self.n, self.k), 0
+        for p in self.parts:
+            p.dequantize(full[row: row + p.n])
+            row += p.n
+        return full
+
+
+class StackedBound:
+    """A StackedQuantWeight's op (MODE_STORE or MODE_ADD): one bound kernel per part, each
+    writing its columns of the output (a column slice: unit stride along n, the full row
+    stride), as BoundQGemv's call."""
+
+    def __init__(self, weight: StackedQuantWeight, bias: torch.Tensor | None, mode: int,
+                 float_x: bool) -> None:
+        kernel, self.n, self.k = qgemv.load(), weight.n, weight.k
+        self.parts, row = [], 0
+        for p in weight.parts:
+            b = None if bias is None else bias[row: row + p.n]
+            self.parts.append((kernel.bind(p.data, p.type_name, p.k, b, mode, float_x),
+                               row, row + p.n))
+            row += p.n
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        for op, c0, c1 in self.parts:
+            op(x, out[:, c0:c1])
+        return out
+
+
+def bind_weight(weight: "QuantWeight | StackedQuantWeight", bias: torch.Tensor | None,
+                mode: int, float_x: bool = False):
+    """The op `mode` on a weight (qgemv.BoundQGemv, or StackedBound for a stacked one)."""
+    if isinstance(weight, StackedQuantWeight):
+        if mode not in (qgemv.MODE_STORE, qgemv.MODE_ADD):
+            raise ValueError("a stacked weight runs the plain and the residual modes only")
+        return StackedBound(weight, bias, mode, float_x)
+    return qgemv.load().bind(weight.data, weight.type_name, weight.k, bias, mode, float_x)
+
+
 _scratch: list[torch.Tensor] = [torch.empty(0)]
 
 
-def dequantized(w: QuantWeight) -> torch.Tensor:
+def dequantized(w: "QuantWeight | StackedQuantWeight") -> torch.Tensor:
     """w as float32 [n, k] in the shared scratch buffer (valid until the next call)."""
     if _scratch[0].numel() < w.n * w.k:
         _scratch[0] = torch.empty(w.n * w.k, dtype=torch.float32)
@@ -90,8 +170,9 @@ class QuantizedLinear(LinearMethod):
 
     __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add", "_pending")
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
-                 int_rows: float | None = INT_ROWS, float_x: bool = False) -> None:
+    def __init__(self, weight: "QuantWeight | StackedQuantWeight",
+                 bias: torch.Tensor | None = None, int_rows: float | None = INT_ROWS,
+                 float_x: bool = False) -> None:
         if float_x and weight.type_name != "Q8_0":
             raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
         self.weight, self.bias, self.float_x = weight, bias, float_x
@@ -99,9 +180,8 @@ class QuantizedLinear(LinearMethod):
             int_rows = env_rows()
         self._pending = int_rows is None
         self.int_rows = DECODE_ROWS if int_rows is None else int_rows
-        kernel, w = qgemv.load(), weight
-        self._store = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_STORE, float_x)
-        self._add = kernel.bind(w.data, w.type_name, w.k, bias, qgemv.MODE_ADD, float_x)
+        self._store = bind_weight(weight, bias, qgemv.MODE_STORE, float_x)
+        self._add = bind_weight(weight, bias, qgemv.MODE_ADD, float_x)
 
     def _measure(self) -> None:
         w = self.weight
@@ -186,8 +266,8 @@ def quantized_methods(layer, weights: dict[str, QuantWeight | torch.Tensor],
 
     def linear(name: str, bias: torch.Tensor | None) -> LinearMethod:
         w = weights[name]
-        return QuantizedLinear(w, bias, int_rows) if isinstance(w, QuantWeight) \
-            else Dense(w, bias)
+        quantized = isinstance(w, (QuantWeight, StackedQuantWeight))
+        return QuantizedLinear(w, bias, int_rows) if quantized else Dense(w, bias)
 
     eps = layer.eps
     qkv = normed(norm, layer.input_layernorm, eps, linear("qkv_proj", layer.qkv_bias).apply)

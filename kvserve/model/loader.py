@@ -29,7 +29,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import selection
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedQuantWeight
 from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
@@ -332,16 +332,16 @@ def _owners(model: CausalLM) -> list[tuple[int, int, object, str, torch.Tensor]]
 
 
 def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str], tuple]:
-    """The projections whose checkpoint tensors are all of one block type the kernels run
+    """The projections whose checkpoint tensors are each of a block type the kernels run
     (for the K-quants: with k a multiple of 256), copied plainly into whole rows of the
     parameter and covering all of it:
-    (id(layer), attribute) -> (layer, attribute, parameter, type, [(tensor, first row)]).
+    (id(layer), attribute) -> (layer, attribute, parameter, [(tensor, first row)]).
 
-    A fused projection whose parts differ in type stays dense (dequantized, logged with the
-    rest): llama.cpp's Q4_K_M mixes types inside one layer (attn_v often Q6_K beside Q4_K
-    q/k, and where a row is not a multiple of 256, as SmolLM2's 576, its quantizer falls
-    back to Q5_0 / Q8_0 per tensor), and one weight of one type per kernel call keeps the
-    kernel simple; keeping the parts as separate kernels is for a later slice."""
+    The parts of a fused projection may differ in type where it runs the plain or the
+    residual mode (qkv: llama.cpp's Q4_K_M gives attn_v another type than attn_q/attn_k, and
+    where a row is not a multiple of 256, as SmolLM2's 576, its quantizer falls back to
+    Q5_0 / Q8_0 per tensor): kept as a StackedQuantWeight, a kernel call per type. The gated
+    gate | up needs one type (one kernel computes both halves) and stays dense otherwise."""
     owners = _owners(model)
     groups: dict[tuple[int, str], list] = {}
     for tensor, target in work:
@@ -359,12 +359,35 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
     kept = {}
     for key, (layer, attr, p, parts) in groups.items():
         types = {t.info.type_name for t, _, _ in parts}
-        if len(types) != 1 or not qgemv.fits(next(iter(types)), p.shape[1]) \
+        if (len(types) != 1 and attr == "gate_up_proj") \
+                or not all(qgemv.fits(t, p.shape[1]) for t in types) \
                 or any(tg.transform is not None or tg.offset for _, tg, _ in parts) \
                 or sum(tg.dest.shape[0] for _, tg, _ in parts) != p.shape[0]:
             continue
-        kept[key] = (layer, attr, p, types.pop(), [(t, row) for t, _, row in parts])
+        kept[key] = (layer, attr, p, sorted(((t, row) for t, _, row in parts),
+                                            key=lambda part: part[1]))
     return kept
+
+
+def _stacked(parts: list[tuple], k: int) -> QuantWeight | StackedQuantWeight:
+    """One projection's checkpoint tensors (in row order) as its blocks: consecutive parts
+    of one type in one QuantWeight, a StackedQuantWeight where the type changes."""
+    runs: list[list] = []
+    for tensor, _ in parts:
+        if runs and runs[-1][0] == tensor.info.type_name:
+            runs[-1][1].append(tensor)
+        else:
+            runs.append([tensor.info.type_name, [tensor]])
+    weights = []
+    for type_name, ts in runs:  # each tensor copied once, into its rows (no second copy)
+        data = torch.empty((sum(t.shape[0] for t in ts), qgemv.row_bytes(type_name, k)),
+                           dtype=torch.uint8)
+        row = 0
+        for t in ts:
+            data[row: row + t.shape[0]].copy_(torch.from_numpy(t.raw_rows()))
+            row += t.shape[0]
+        weights.append(QuantWeight(data, type_name, k))
+    return weights[0] if len(weights) == 1 else StackedQuantWeight(tuple(weights))
 
 
 def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> list[tuple]:
@@ -375,17 +398,13 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
     `model.quant_head` (beside its float copy). Returns the rest of `work`, to dequantize."""
     groups = _quantized_groups(model, work)
     taken = set()
-    for layer, attr, p, type_name, parts in groups.values():
-        data = torch.empty((p.shape[0], qgemv.row_bytes(type_name, p.shape[1])),
-                           dtype=torch.uint8)
-        for tensor, row in parts:
-            rows = tensor.raw_rows()
-            data[row: row + rows.shape[0]].copy_(torch.from_numpy(rows))
-            loaded.add(tensor.name)
-            taken.add(id(tensor))
+    for layer, attr, p, parts in groups.values():
         if getattr(layer, "quant_weights", None) is None:
             layer.quant_weights = {}
-        layer.quant_weights[attr] = QuantWeight(data, type_name, p.shape[1])
+        layer.quant_weights[attr] = _stacked(parts, p.shape[1])
+        for tensor, _ in parts:
+            loaded.add(tensor.name)
+            taken.add(id(tensor))
         setattr(layer, attr, None)
     for tensor, _ in work:
         if tensor.name != "model.embed_tokens.weight" or not _runs(tensor):
@@ -406,7 +425,8 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
     table = getattr(model, "quant_embed", None)
     logger.info("quantization gguf: %d projections kept in their block format (%s), the "
                 "embedding table %s; dequantized at load: %d tensors (%s)", len(groups),
-                ", ".join(sorted({g[3] for g in groups.values()})) or "none",
+                ", ".join(sorted({t.info.type_name for g in groups.values() for t, _ in g[3]}))
+                or "none",
                 f"too ({table.type_name})" if table is not None else "not", len(rest),
                 ", ".join(kinds) or "none")
     return rest

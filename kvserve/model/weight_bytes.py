@@ -73,16 +73,19 @@ def weight_bytes(model: CausalLM) -> WeightBytes:
     unique = {id(w): w for w in values + ([head] if head is not None else [])}
     quantized = sum(w.nbytes for w in unique.values())
     qparams = sum(w.n * w.k for w in values)
+    types = {t for w in unique.values() for t in getattr(w, "type_names", (w.type_name,))}
     return WeightBytes(total + quantized, quantized, qparams, params + qparams,
-                       tuple(sorted({w.type_name for w in unique.values()})))
+                       tuple(sorted(types)))
 
 
 @dataclass(frozen=True)
 class GGUFKept:
     """What the loader keeps in block format from a GGUF file (loader._keep_quantized's
-    rules): projection -> (type, bytes in the file) per (layer, attribute); the embedding
-    table's (type, bytes) where the kernels run it; an untied head's Q8_0 copy's bytes."""
-    projections: dict[tuple[int, str], tuple[str, int]] = field(default_factory=dict)
+    rules): projection -> (its parts' types, bytes in the file) per (layer, attribute); the
+    embedding table's (type, bytes) where the kernels run it; an untied head's Q8_0 copy's
+    bytes."""
+    projections: dict[tuple[int, str], tuple[tuple[str, ...], int]] = \
+        field(default_factory=dict)
     embed: tuple[str, int] | None = None
     head_copy: int = 0
 
@@ -105,11 +108,13 @@ def gguf_kept(checkpoint) -> GGUFKept:
             parts = [info.get(f"{prefix}.{nm}.weight") for nm in names]
             if None in parts:
                 parts = [info.get(f"{prefix}.{attr}.weight")]
-            if None in parts or len({t.type_name for t in parts}) != 1:
+            if None in parts:
                 continue
-            type_name, k = parts[0].type_name, parts[0].shape[1]
-            if qgemv.fits(type_name, k):
-                projections[(i, attr)] = (type_name, sum(t.nbytes for t in parts))
+            types, k = tuple(t.type_name for t in parts), parts[0].shape[1]
+            # mixed types: kept as parts (StackedQuantWeight), but not the gated gate | up
+            if (len(set(types)) == 1 or attr != "gate_up_proj") \
+                    and all(qgemv.fits(t, k) for t in types):
+                projections[(i, attr)] = (types, sum(t.nbytes for t in parts))
     table = info.get("model.embed_tokens.weight")
     embed = (table.type_name, table.nbytes) if table is not None and len(table.shape) == 2 \
         and qgemv.fits(table.type_name, table.shape[1]) else None
@@ -142,12 +147,12 @@ def planned_weight_bytes(config, quantization: str | None,
     quantized = qparams = 0
     types: set[str] = set()
 
-    def keep(numel: int, type_name: str, nbytes: int) -> None:
+    def keep(numel: int, type_names: tuple[str, ...], nbytes: int) -> None:
         nonlocal total, quantized, qparams
         total += nbytes - numel * 4
         quantized += nbytes
         qparams += numel
-        types.add(type_name)
+        types.update(type_names)
 
     if quantization in quant_formats.AT_LOAD or gguf:
         for i, layer in enumerate(model.layers):
@@ -162,12 +167,12 @@ def planned_weight_bytes(config, quantization: str | None,
                     found = kept.projections.get((i, attr))
                 else:
                     type_name = quant_formats.projection_type(quantization, k)
-                    found = (type_name, quant_formats.block_bytes(type_name, n, k)) \
+                    found = ((type_name,), quant_formats.block_bytes(type_name, n, k)) \
                         if type_name else None
                 if found is not None:
                     keep(n * k, *found)
     if gguf and kept.embed is not None:
-        keep(math.prod(model.embed_tokens.shape), *kept.embed)
+        keep(math.prod(model.embed_tokens.shape), (kept.embed[0],), kept.embed[1])
     if gguf and kept.head_copy and model.lm_head is not None:
         total += kept.head_copy
         quantized += kept.head_copy

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qdecode.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class QDecode:

@@ -19,13 +19,14 @@
 
 extern "C" {
 
-int kvserve_qdecode_abi_version() { return 1; }
+int kvserve_qdecode_abi_version() { return 2; }
 
 // a: n_layers, rows, h (the residual stream, updated in place), h_stride, hidden, cos_sin,
-// cs_stride, layers (int64* per layer: norm1 weight, qkv args, paged args, o args, norm2
-// weight, gate_up args, down args; the qgemv argument arrays as BoundQGemv lays them out,
-// their x and out buffers fixed but for o and down, whose out is h), paged_fn, qgemv_fn,
-// eps bits, x (scratch [rows, hidden]), rope_cols, head_dim.
+// cs_stride, layers (int64* per layer: norm1 weight, qkv args list, its length, paged args,
+// o args, norm2 weight, gate_up args, down args; the qgemv argument arrays as BoundQGemv
+// lays them out, their x and out buffers fixed but for o and down, whose out is h; qkv is
+// one array per part of a stacked weight, each writing its columns, the first at column 0),
+// paged_fn, qgemv_fn, eps bits, x (scratch [rows, hidden]), rope_cols, head_dim.
 // Returns 0, or 1 + 4 * layer + the failing stage (0 qkv, 1 attention, 2 o, 3 MLP).
 int kvserve_qdecode_layers(const int64_t* a) {
   using fn_t = int (*)(const void*);
@@ -43,21 +44,23 @@ int kvserve_qdecode_layers(const int64_t* a) {
   const int64_t rope_cols = a[12], head_dim = a[13];
   for (int64_t l = 0; l < n_layers; ++l) {
     const int64_t* L = layers[l];
-    int64_t* qkv = reinterpret_cast<int64_t*>(L[1]);
-    int64_t* o = reinterpret_cast<int64_t*>(L[3]);
-    int64_t* gu = reinterpret_cast<int64_t*>(L[5]);
-    int64_t* down = reinterpret_cast<int64_t*>(L[6]);
+    int64_t* const* qkv = reinterpret_cast<int64_t* const*>(L[1]);
+    int64_t* o = reinterpret_cast<int64_t*>(L[4]);
+    int64_t* gu = reinterpret_cast<int64_t*>(L[6]);
+    int64_t* down = reinterpret_cast<int64_t*>(L[7]);
     const int err = static_cast<int>(1 + 4 * l);
     rms_norm_rows(h, h_stride, rows, hidden, reinterpret_cast<const float*>(L[0]), eps, x,
                   hidden);
-    qkv[0] = a[11], qkv[1] = hidden, qkv[2] = rows;
-    if (qgemv(qkv) != 0) return err;
-    rope_rows(reinterpret_cast<float*>(qkv[8]), qkv[9], rows, rope_cols, head_dim, cos_sin,
-              cs_stride);
-    if (paged(reinterpret_cast<const void*>(L[2])) != 0) return err + 1;
+    for (int64_t p = 0; p < L[2]; ++p) {
+      qkv[p][0] = a[11], qkv[p][1] = hidden, qkv[p][2] = rows;
+      if (qgemv(qkv[p]) != 0) return err;
+    }
+    rope_rows(reinterpret_cast<float*>(qkv[0][8]), qkv[0][9], rows, rope_cols, head_dim,
+              cos_sin, cs_stride);
+    if (paged(reinterpret_cast<const void*>(L[3])) != 0) return err + 1;
     o[2] = rows, o[8] = a[2], o[9] = h_stride;
     if (qgemv(o) != 0) return err + 2;
-    rms_norm_rows(h, h_stride, rows, hidden, reinterpret_cast<const float*>(L[4]), eps, x,
+    rms_norm_rows(h, h_stride, rows, hidden, reinterpret_cast<const float*>(L[5]), eps, x,
                   hidden);
     gu[0] = a[11], gu[1] = hidden, gu[2] = rows;
     down[2] = rows, down[8] = a[2], down[9] = h_stride;
