@@ -61,6 +61,35 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_hf_checkpoint(arch, root / arch) for arch in HF_ARCHS}
 
 
+DECODE_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
+                     eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def decode_checkpoints(tmp_path_factory) -> dict:
+    """The one-call decode tests' models (test_cpu_decode, test_quant_decode): llama (biases,
+    untied head) and qwen2 (tied) as `make_hf_checkpoint` makes them; Mistral with a window
+    of 8; a Qwen2 hybrid (a sliding and a full layer: two KV groups, two tables)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("cpu_decode")
+    return {
+        "llama": make_hf_checkpoint("llama", root / "llama"),
+        "qwen2": make_hf_checkpoint("qwen2", root / "qwen2"),
+        "mistral_window": save_random_checkpoint(
+            transformers.MistralConfig(**DECODE_COMMON, tie_word_embeddings=False,
+                                       rope_theta=1e4, sliding_window=8),
+            root / "mistral_window"),
+        "qwen2_hybrid": save_random_checkpoint(
+            transformers.Qwen2Config(**DECODE_COMMON, tie_word_embeddings=True, rope_theta=1e6,
+                                     use_sliding_window=True, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"]),
+            root / "qwen2_hybrid"),
+    }
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from kvserve.model.make_model import make_model

@@ -123,3 +123,43 @@ def first_token_logits(llm, batches: list[list[list[int]]]
     finally:
         runner.forward = original
     return captured
+
+
+def record_decode_steps(llm, fast: bool = True) -> dict:
+    """On `llm`'s model (which must have a one-call `decode_step`): record the rows of each
+    step the one-call path ran ("rows"), the steps it left to the layer path ("left") and
+    every logits tensor ("logits"); `fast=False`: the path taken away, logits still kept."""
+    model = llm.engine.runner.model
+    assert model.decode_step is not None, "the one-call decode was not set up"
+    seen = {"rows": [], "left": 0, "logits": []}
+    if fast:
+        inner = model.decode_step.run
+
+        def counted(hidden, *args):
+            result = inner(hidden, *args)
+            if result is None:
+                seen["left"] += 1
+            else:
+                seen["rows"].append(hidden.shape[0])
+            return result
+
+        model.decode_step.run = counted
+    else:
+        model.decode_step = None
+    logits = model.compute_logits
+
+    def recorded(hidden):
+        out = logits(hidden)
+        seen["logits"].append(out.clone())
+        return out
+
+    model.compute_logits = recorded
+    return seen
+
+
+def greedy_ids(llm, prompts: list[list[int]], max_tokens) -> list[list[int]]:
+    """Greedy token ids of each prompt (ids), with its own max_tokens, ignoring EOS."""
+    outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True)
+                             for t in max_tokens])
+    return [o.outputs[0].token_ids for o in outs]

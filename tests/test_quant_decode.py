@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from conftest import make_hf_checkpoint
-from helpers import generate_checked, random_prompts, save_random_checkpoint
+from helpers import greedy_ids, random_prompts, record_decode_steps
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.attention import cpu_paged
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
 
@@ -24,26 +23,6 @@ pytestmark = pytest.mark.skipif(
     or cpu_paged.load_kernel() is None, reason="the C++ kernels could not be built")
 
 MAX_TOKENS = (5, 9, 13, 17)  # one per prompt: steps with 4, 3, 2, then 1 running sequence
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-              rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("quant_decode")
-    return {
-        "llama": make_hf_checkpoint("llama", root / "llama"),  # biases, untied head
-        "qwen2": make_hf_checkpoint("qwen2", root / "qwen2"),  # tied
-        "mistral_window": save_random_checkpoint(
-            transformers.MistralConfig(**COMMON, tie_word_embeddings=False, rope_theta=1e4,
-                                       sliding_window=8), root / "mistral_window"),
-        "qwen2_hybrid": save_random_checkpoint(
-            transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6,
-                                     use_sliding_window=True, sliding_window=8,
-                                     layer_types=["sliding_attention", "full_attention"]),
-            root / "qwen2_hybrid"),
-    }
 
 
 def _engine(path, quantization: str, fast: bool = True, **kwargs) -> tuple[LLM, dict]:
@@ -51,48 +30,20 @@ def _engine(path, quantization: str, fast: bool = True, **kwargs) -> tuple[LLM, 
     left, and every logits tensor; `fast=False`: the path taken away."""
     llm = LLM(model=str(path), dtype="float32", quantization=quantization, max_model_len=256,
               **kwargs)
-    model = llm.engine.runner.model
-    assert model.decode_step is not None, "the one-call quantized decode was not set up"
-    seen = {"rows": [], "left": 0, "logits": []}
-    if fast:
-        inner = model.decode_step.run
-
-        def counted(hidden, *args):
-            result = inner(hidden, *args)
-            if result is None:
-                seen["left"] += 1
-            else:
-                seen["rows"].append(hidden.shape[0])
-            return result
-
-        model.decode_step.run = counted
-    else:
-        model.decode_step = None
-    logits = model.compute_logits
-
-    def recorded(hidden):
-        out = logits(hidden)
-        seen["logits"].append(out.clone())
-        return out
-
-    model.compute_logits = recorded
-    return llm, seen
+    return llm, record_decode_steps(llm, fast)
 
 
 def _generate(llm, prompts, max_tokens=MAX_TOKENS) -> list[list[int]]:
-    outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts],
-                            [SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True)
-                             for t in max_tokens])
-    return [o.outputs[0].token_ids for o in outs]
+    return greedy_ids(llm, prompts, max_tokens)
 
 
 @pytest.mark.parametrize("name,quantization,block_size", [
     ("llama", "q8_0", 16), ("qwen2", "q4_0", 7), ("llama", "q4_k", 7),
     ("mistral_window", "q4_1", 7), ("qwen2_hybrid", "q8_0", 16)])
-def test_equals_the_layer_path_bit_for_bit(name, quantization, block_size, checkpoints):
+def test_equals_the_layer_path_bit_for_bit(name, quantization, block_size, decode_checkpoints):
     prompts = random_prompts([3, 17, 40, 70], 512, seed=6)
-    fast, fast_seen = _engine(checkpoints[name], quantization, block_size=block_size)
-    slow, slow_seen = _engine(checkpoints[name], quantization, fast=False,
+    fast, fast_seen = _engine(decode_checkpoints[name], quantization, block_size=block_size)
+    slow, slow_seen = _engine(decode_checkpoints[name], quantization, fast=False,
                               block_size=block_size)
     assert _generate(fast, prompts) == _generate(slow, prompts)
     assert set(fast_seen["rows"]) == {1, 2, 3, 4}
@@ -113,28 +64,28 @@ def test_default_gguf_model_runs_it():
     dict(kv_cache_dtype="int8"),
     dict(bounded_kv_policy="h2o", bounded_kv_budget=24, bounded_kv_observation_window=4),
     dict(max_num_batched_tokens=4)], ids=["int8", "h2o", "chunked-prefill"])
-def test_steps_it_must_not_serve_take_the_layer_path(kwargs, checkpoints):
+def test_steps_it_must_not_serve_take_the_layer_path(kwargs, decode_checkpoints):
     """A quantized cache (stored through its codec), H2O (decodes record attention weights)
     and steps that hold prefill rows: declined, and the tokens equal the engine's without
     the path."""
     prompts = random_prompts([3, 17, 40, 70], 512, seed=7)
-    fast, seen = _engine(checkpoints["llama"], "q8_0", block_size=8, **kwargs)
-    slow, _ = _engine(checkpoints["llama"], "q8_0", fast=False, block_size=8, **kwargs)
+    fast, seen = _engine(decode_checkpoints["llama"], "q8_0", block_size=8, **kwargs)
+    slow, _ = _engine(decode_checkpoints["llama"], "q8_0", fast=False, block_size=8, **kwargs)
     assert _generate(fast, prompts) == _generate(slow, prompts)
     assert seen["left"] > 0
     if "max_num_batched_tokens" not in kwargs:
         assert seen["rows"] == []
 
 
-def test_rows_beyond_the_integer_kernel_limit_take_the_layer_path(checkpoints, monkeypatch):
+def test_rows_beyond_the_integer_kernel_limit_take_the_layer_path(decode_checkpoints, monkeypatch):
     """KVSERVE_QGEMM_ROWS=2: the layer path runs 3 and 4 rows on dequantized weights, so the
     one-call step (the integer kernel) serves 1 and 2 only."""
     from kvserve.layers import qgemm_select
 
     monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "2")
     prompts = random_prompts([3, 17, 40, 70], 512, seed=8)
-    fast, seen = _engine(checkpoints["qwen2"], "q8_0", block_size=16)
-    slow, _ = _engine(checkpoints["qwen2"], "q8_0", fast=False, block_size=16)
+    fast, seen = _engine(decode_checkpoints["qwen2"], "q8_0", block_size=16)
+    slow, _ = _engine(decode_checkpoints["qwen2"], "q8_0", fast=False, block_size=16)
     assert _generate(fast, prompts) == _generate(slow, prompts)
     assert set(seen["rows"]) == {1, 2}
 

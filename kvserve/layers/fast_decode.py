@@ -30,6 +30,28 @@ from kvserve.kernels.cpu import gemv
 from kvserve.layers.buckets import BUCKETS
 
 
+def paged_kernel_args(attn: BoundAttention, n_layers: int, qkv: torch.Tensor,
+                      out: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+                      ) -> tuple[int, list] | None:
+    """(the paged kernel's C entry point, each layer's prepared arguments) for a one-call
+    step whose q/k/v are the columns of the fixed `qkv` rows and whose attention output is
+    `out` [rows, heads * head_dim]; None where a layer has none or the layers' kernels
+    differ (one kernel runs every layer's arguments)."""
+    rows, d = qkv.shape[0], head_dim
+    q = qkv[:, : heads * d].view(rows, heads, d)
+    k = qkv[:, heads * d: (heads + kv_heads) * d].view(rows, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+    o = out.view(rows, heads, d)
+    args, functions = [], set()
+    for i in range(n_layers):
+        a = attn.kernel_args(i, q, k, v, o)
+        if a is None:
+            return None
+        functions.add(a[0])
+        args.append(a[1])
+    return (functions.pop(), args) if len(functions) == 1 else None
+
+
 class FastDecode:
     """Fixed scratch (qkv rows and attention output for MAX_ROWS rows) shared by the layers,
     and the layers' bound GEMV ops (`selection.bind_layer`'s)."""
@@ -57,21 +79,11 @@ class FastDecode:
                 or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
                 or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1:
             return None
-        h, hkv, d = self._heads, self._kv_heads, self._d
-        qkv = self._qkv[:rows]
-        q = qkv[:, : h * d].view(rows, h, d)
-        k = qkv[:, h * d: (h + hkv) * d].view(rows, hkv, d)
-        v = qkv[:, (h + hkv) * d:].view(rows, hkv, d)
-        out = self._out[:rows].view(rows, h, d)
-        kernel_args, functions = [], set()
-        for i in range(len(self._ops)):
-            a = attn.kernel_args(i, q, k, v, out)
-            if a is None:
-                return None
-            functions.add(a[0])
-            kernel_args.append(a[1])
-        if len(functions) != 1:  # one kernel runs every layer's arguments
+        found = paged_kernel_args(attn, len(self._ops), self._qkv[:rows], self._out[:rows],
+                                  self._heads, self._kv_heads, self._d)
+        if found is None:
             return None
+        function, kernel_args = found
         # Every step: the MLP block's argument array is shared with the layer path, whose
         # calls leave their own o pointer in it.
         threads = torch.get_num_threads()
@@ -83,7 +95,7 @@ class FastDecode:
         args = (ctypes.c_int64 * 10)(
             len(self._ops), rows, hidden.data_ptr(), hidden.stride(0), cos_sin.data_ptr(),
             cos_sin.stride(0), ctypes.addressof(self._qkv_args), ctypes.addressof(paged),
-            ctypes.addressof(self._mlp_args), functions.pop())
+            ctypes.addressof(self._mlp_args), function)
         rc = self._fn(ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"kvserve_decode_layers failed ({rc}): a kernel refused its "

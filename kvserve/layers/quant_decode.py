@@ -24,6 +24,7 @@ import torch
 
 from kvserve.attention.base import BoundAttention
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
+from kvserve.layers.fast_decode import paged_kernel_args
 from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
 from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedQuantWeight
 from kvserve.model.decoder import CausalLM, DecoderLayer
@@ -139,21 +140,11 @@ class QuantDecode:
                 or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1 \
                 or cos_sin.shape[1] != self._d:
             return None
-        h, hkv, d = self._h, self._hkv, self._d
-        qkv = self._qkv[:rows]
-        q = qkv[:, : h * d].view(rows, h, d)
-        k = qkv[:, h * d: (h + hkv) * d].view(rows, hkv, d)
-        v = qkv[:, (h + hkv) * d:].view(rows, hkv, d)
-        out = self._out[:rows].view(rows, h, d)
-        paged, functions = [], set()
-        for i in range(len(self._layer_args)):
-            a = attn.kernel_args(i, q, k, v, out)
-            if a is None:
-                return None
-            functions.add(a[0])
-            paged.append(a[1])
-        if len(functions) != 1:
+        found = paged_kernel_args(attn, len(self._layer_args), self._qkv[:rows],
+                                  self._out[:rows], self._h, self._hkv, self._d)
+        if found is None:
             return None
+        function, paged = found
         threads = torch.get_num_threads()
         if threads != self._threads:
             self._fill(threads)
@@ -162,8 +153,8 @@ class QuantDecode:
         top = (ctypes.c_int64 * 14)(
             len(self._layer_args), rows, hidden.data_ptr(), hidden.stride(0), self._hidden,
             cos_sin.data_ptr(), cos_sin.stride(0), ctypes.addressof(self._layers),
-            functions.pop(), self._qgemv_fn, self._eps_bits, self._x.data_ptr(),
-            self._rope_cols, d)
+            function, self._qgemv_fn, self._eps_bits, self._x.data_ptr(),
+            self._rope_cols, self._d)
         rc = self._fn(ctypes.addressof(top))
         if rc != 0:
             layer, stage = divmod(rc - 1, 4)
