@@ -26,7 +26,7 @@ from kvserve.attention.base import BoundAttention
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
 from kvserve.layers.fast_decode import paged_kernel_args
 from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedQuantWeight
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedBound, bind_weight
 from kvserve.model.decoder import CausalLM, DecoderLayer
 
 # norm1, qkv args list, its length, paged args, o args, norm2, gate_up args, down args
@@ -71,9 +71,9 @@ class QuantDecode:
         kernel, q = qdecode.load(), qgemv.load()
         if kernel is None or q is None or not _servable(model):
             return None
-        return cls(model, kernel, q)
+        return cls(model, kernel)
 
-    def __init__(self, model: CausalLM, kernel: qdecode.QDecode, q: qgemv.QGemv) -> None:
+    def __init__(self, model: CausalLM, kernel: qdecode.QDecode) -> None:
         first = model.layers[0]
         rows = DECODE_ROWS
         self._h, self._hkv, self._d = first.num_heads, first.num_kv_heads, first.head_dim
@@ -85,27 +85,19 @@ class QuantDecode:
         self._fn = kernel.decode_layers
         # the rows the layer path runs on the integer kernel (its methods read the same
         # override when they are built): beyond them it is F.linear on dequantized weights
-        self._max_rows = int(min(DECODE_ROWS, env_rows() if env_rows() is not None else rows))
+        forced = env_rows()
+        self._max_rows = int(min(DECODE_ROWS, forced if forced is not None else DECODE_ROWS))
         self._ops: list[tuple] = []
         self._layer_args = []
         for layer in model.layers:
             w = layer.quant_weights
             gated = qgemv.MODE_GELU_MUL if layer.gelu else qgemv.MODE_SILU_MUL
-            qkv = w["qkv_proj"]
-            parts = qkv.parts if isinstance(qkv, StackedQuantWeight) else (qkv,)
-            qkv_ops, row = [], 0  # (op, first column): a stacked qkv's parts
-            for part in parts:
-                bias = None if layer.qkv_bias is None else layer.qkv_bias[row: row + part.n]
-                qkv_ops.append((q.bind(part.data, part.type_name, part.k, bias,
-                                       qgemv.MODE_STORE), row, row + part.n))
-                row += part.n
-            ops = (qkv_ops,
-                   q.bind(w["o_proj"].data, w["o_proj"].type_name, w["o_proj"].k,
-                          layer.o_bias, qgemv.MODE_ADD),
-                   q.bind(w["gate_up_proj"].data, w["gate_up_proj"].type_name,
-                          w["gate_up_proj"].k, layer.gate_up_bias, gated),
-                   q.bind(w["down_proj"].data, w["down_proj"].type_name, w["down_proj"].k,
-                          layer.down_bias, qgemv.MODE_ADD))
+            qkv = bind_weight(w["qkv_proj"], layer.qkv_bias, qgemv.MODE_STORE)
+            # (op, first column, end): a stacked qkv's parts, each into its columns
+            qkv_ops = qkv.parts if isinstance(qkv, StackedBound) else [(qkv, 0, qkv.n)]
+            ops = (qkv_ops, bind_weight(w["o_proj"], layer.o_bias, qgemv.MODE_ADD),
+                   bind_weight(w["gate_up_proj"], layer.gate_up_bias, gated),
+                   bind_weight(w["down_proj"], layer.down_bias, qgemv.MODE_ADD))
             self._ops.append((ops, layer.input_layernorm, layer.post_attention_layernorm))
             self._layer_args.append((ctypes.c_int64 * _LAYER_FIELDS)())
         self._qkv_lists = [(ctypes.c_void_p * len(ops[0]))() for ops, _, _ in self._ops]

@@ -143,6 +143,15 @@ class StackedBound:
         return out
 
 
+def kept_as_blocks(attr: str, type_names: tuple[str, ...] | set[str], k: int) -> bool:
+    """Whether a loader keeps projection `attr` (a PROJECTION_ATTRS name) in block format when
+    its checkpoint parts have these types and width k: every type one the kernels run at k;
+    parts of different types only outside the gated gate | up (one kernel computes both
+    halves), as a StackedQuantWeight. The loader's rule and the planner's."""
+    return all(qgemv.fits(t, k) for t in type_names) \
+        and (len(set(type_names)) == 1 or attr != "gate_up_proj")
+
+
 def bind_weight(weight: "QuantWeight | StackedQuantWeight", bias: torch.Tensor | None,
                 mode: int, float_x: bool = False):
     """The op `mode` on a weight (qgemv.BoundQGemv, or StackedBound for a stacked one)."""

@@ -29,7 +29,8 @@ from kvserve.model.config import ModelConfig
 from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import selection
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedQuantWeight
+from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantWeight, StackedQuantWeight,
+                                         kept_as_blocks)
 from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
@@ -359,8 +360,7 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
     kept = {}
     for key, (layer, attr, p, parts) in groups.items():
         types = {t.info.type_name for t, _, _ in parts}
-        if (len(types) != 1 and attr == "gate_up_proj") \
-                or not all(qgemv.fits(t, p.shape[1]) for t in types) \
+        if not kept_as_blocks(attr, types, p.shape[1]) \
                 or any(tg.transform is not None or tg.offset for _, tg, _ in parts) \
                 or sum(tg.dest.shape[0] for _, tg, _ in parts) != p.shape[0]:
             continue

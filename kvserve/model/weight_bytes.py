@@ -14,7 +14,7 @@ import torch
 
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
-from kvserve.layers.quant_linear import PROJECTION_ATTRS
+from kvserve.layers.quant_linear import PROJECTION_ATTRS, kept_as_blocks
 from kvserve.model.decoder import CausalLM, DecoderLayer
 
 
@@ -110,10 +110,8 @@ def gguf_kept(checkpoint) -> GGUFKept:
                 parts = [info.get(f"{prefix}.{attr}.weight")]
             if None in parts:
                 continue
-            types, k = tuple(t.type_name for t in parts), parts[0].shape[1]
-            # mixed types: kept as parts (StackedQuantWeight), but not the gated gate | up
-            if (len(set(types)) == 1 or attr != "gate_up_proj") \
-                    and all(qgemv.fits(t, k) for t in types):
+            types = tuple(t.type_name for t in parts)
+            if kept_as_blocks(attr, types, parts[0].shape[1]):
                 projections[(i, attr)] = (types, sum(t.nbytes for t in parts))
     table = info.get("model.embed_tokens.weight")
     embed = (table.type_name, table.nbytes) if table is not None and len(table.shape) == 2 \
