@@ -44,6 +44,9 @@ class Request:
     parent_id: str | None = None
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     priority: int = 0  # higher keeps its cached prefix longer under the "priority" policy
+    # Whose cached blocks this request's are, for tenant quotas (kv/seq.py's tenant_of): the
+    # server's API-key tenant; None: the cache salt.
+    tenant: str | None = None
 
     # A bounded KV cache (kvserve.kv.bounded; lossy, opt-in), or None: the full cache.
     bounded_kv: BoundedKV | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.kv.retention import Retention, kv_retention_range
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.validation import check_utf8, shorten
 
@@ -55,6 +56,10 @@ class SamplingParams:
     # kvserve's per-request cache report (kvserve/kv/report.py): cached tokens by source and
     # why the first uncached prompt token missed, in RequestOutput.kv_cache_report.
     kv_cache_report: bool = False
+    # How long and how stubbornly this request's prompt blocks stay cached (kv/retention.py):
+    # TensorRT-LLM's retention as a dict ({"priority": 0..100, "ttl": "10m", "num_tokens": n})
+    # or a Retention (the server's, from cache_control breakpoints); None: the policy alone.
+    kv_retention: Retention | dict | None = None
     # filled by the engine, not the user
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -68,6 +73,10 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.kv_retention, dict):
+            self.kv_retention = Retention((kv_retention_range(self.kv_retention),))
+        _require(self.kv_retention is None or isinstance(self.kv_retention, Retention),
+                 f"kv_retention must be an object, got {shorten(self.kv_retention)}")
         self._validate()
 
     def _validate(self) -> None:

@@ -10,7 +10,7 @@ for top-down by the manager, and `release` returns the blocks that turned idle.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 
@@ -39,6 +39,16 @@ class BlockPool:
         # `released`: the worker drops per-block state it keeps beside their KV).
         self._released: list[int] = []
         self.track_released = track_released
+        # Tenant quotas (`track_tenants`): each cached block's tenant, and idle cached blocks
+        # per tenant, kept where the idle count itself is; None: off, and free.
+        self.tenant_of: list[str] | None = None
+        self.idle_by_tenant: Counter[str] = Counter()
+
+    def track_tenants(self) -> None:
+        if self.tenant_of is None:
+            if any(self.cached):
+                raise ValueError("tenant quotas must be set before anything is cached")
+            self.tenant_of = [""] * self.num_blocks
 
     @property
     def num_free(self) -> int:
@@ -72,6 +82,8 @@ class BlockPool:
                 if not self.cached[b]:
                     raise ValueError(f"block {b} is free and cannot be shared")
                 self.num_cached_idle -= 1
+                if self.tenant_of is not None:
+                    self.idle_by_tenant[self.tenant_of[b]] -= 1
             self.ref_counts[b] = count + 1
 
     def release(self, blocks: Iterable[int]) -> list[int]:
@@ -93,6 +105,8 @@ class BlockPool:
                 self._released.append(b)
             if self.cached[b]:
                 self.num_cached_idle += 1
+                if self.tenant_of is not None:
+                    self.idle_by_tenant[self.tenant_of[b]] += 1
                 idle.append(b)
             else:
                 self._free.append(b)
@@ -102,11 +116,13 @@ class BlockPool:
         released, self._released = self._released, []
         return released
 
-    def mark_cached(self, block: int) -> None:
-        """The prefix index names a held block."""
+    def mark_cached(self, block: int, tenant: str = "") -> None:
+        """The prefix index names a held block (of `tenant`, for quotas)."""
         if self.ref_counts[block] <= 0 or self.cached[block]:
             raise ValueError(f"block {block} cannot be cached (free or cached already)")
         self.cached[block] = True
+        if self.tenant_of is not None:
+            self.tenant_of[block] = tenant
 
     def uncache(self, block: int) -> None:
         """The prefix index forgets a block: an idle one goes to the free list."""
@@ -115,6 +131,8 @@ class BlockPool:
         self.cached[block] = False
         if self.ref_counts[block] == 0:
             self.num_cached_idle -= 1
+            if self.tenant_of is not None:
+                self.idle_by_tenant[self.tenant_of[block]] -= 1
             self._free.append(block)
 
     def check_invariants(self, holders: Iterable[Iterable[int]] = ()) -> None:
@@ -132,3 +150,7 @@ class BlockPool:
             "free list disagrees with ref counts"
         assert self.num_cached_idle == sum(1 for b in unheld if self.cached[b]), \
             "idle cached count is off"
+        if self.tenant_of is not None:
+            per = Counter(self.tenant_of[b] for b in unheld if self.cached[b])
+            assert {t: c for t, c in self.idle_by_tenant.items() if c} == per, \
+                "idle cached blocks per tenant are off"

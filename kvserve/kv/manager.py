@@ -44,9 +44,11 @@ from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
+from kvserve.kv.invariants import check_manager
+from kvserve.kv.pins import Pins
 from kvserve.kv.plan import ChunkLoad, StepPlan
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
-from kvserve.kv.seq import CachedSeq, kv_length, matchable_tokens
+from kvserve.kv.seq import CachedSeq, matchable_tokens, tenant_of
 from kvserve.kv.spec import first_needed_block
 from kvserve.kv.tiers.link import NoTiers, TieredMatch, Tiers
 
@@ -124,6 +126,15 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens served from cache
         self.hit_tokens: Counter[str] = Counter()  # by source: device, host, disk, remote
+        self.pins = Pins(self)  # prefixes held on the device until unpinned (kv/pins.py)
+
+    def set_tenant_quota(self, fraction: float) -> None:
+        """Bound each tenant's idle cached blocks to `fraction` of the pool (kv/prefix_index)."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_tenant_quota must be in (0, 1], got {fraction}")
+        for g in self.groups:
+            if isinstance(g.index, PrefixIndex):
+                g.index.set_tenant_quota(int(fraction * self.num_blocks))
 
     # -- sizes ------------------------------------------------------------------------------
     @property
@@ -367,10 +378,10 @@ class KVCacheManager:
         first = len(table)
         table.extend(blocks)
         hashes = self.block_hashes(seq, first + len(blocks))
-        bs = self.block_size
+        bs, tenant = self.block_size, tenant_of(seq)
         for i in range(first, first + len(blocks)):
             node = g.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                  table[i], seq.priority)
+                                  table[i], seq.priority, tenant)
             assert node.block == table[i], "a loaded chunk is on the device already"
         self.tiers.consumed(match.chunks)
         return node
@@ -520,7 +531,7 @@ class KVCacheManager:
         cursor = g.cursors.get(seq.request_id)
         if cursor is None:
             return
-        if cursor.generation != g.index.generation:  # the cache was reset under it
+        if cursor.generation != g.index.generation or cursor.node.dropped:  # reset or dropped
             del g.cursors[seq.request_id]
             return
         full = seq.num_computed_tokens // self.block_size
@@ -528,12 +539,12 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(seq, full)
         table = g.tables[seq.request_id]
-        bs = self.block_size
+        bs, tenant = self.block_size, tenant_of(seq)
         node = cursor.node
         for i in range(cursor.num_blocks, full):
             assert table[i] != NULL_BLOCK, "a block is released before it is published"
             node = g.index.insert(node, seq.token_ids[i * bs:(i + 1) * bs], hashes[i],
-                                  table[i], seq.priority)
+                                  table[i], seq.priority, tenant)
             if node.block != table[i]:
                 # The index holds this content already (computed twice at once, or a
                 # copy-on-write block that ended up equal to its source): switch to the cached
@@ -565,6 +576,7 @@ class KVCacheManager:
         return plan
 
     def reset_prefix_cache(self) -> None:
+        self.pins.clear()
         for g in self.groups:
             g.index.reset()
 
@@ -577,23 +589,5 @@ class KVCacheManager:
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self, seqs: Sequence[CachedSeq]) -> None:
         """Tables belong to live sequences, cover their computed tokens (every block a query can
-        still read is held: a released one is never read), and match the pool."""
-        live = {s.request_id: s for s in seqs}
-        holders: list[list[int]] = [[s] for s in self._copy_sources]
-        for i, g in enumerate(self.groups):
-            assert set(g.tables) <= set(live), "a block table outlived its request"
-            assert set(g.tables) == set(self.block_tables), "groups disagree on who holds blocks"
-            for rid, table in g.tables.items():
-                computed = kv_length(live[rid])
-                need = self.blocks_for_tokens(computed)
-                assert len(table) >= need, f"request {rid} holds {len(table)} blocks, needs {need}"
-                first = self.first_held_block(computed, group=i)
-                assert NULL_BLOCK not in table[first:], \
-                    f"request {rid} released a block inside its window (from block {first})"
-                assert g.window is not None or NULL_BLOCK not in table, "released without a window"
-            holders += [[b for b in t if b != NULL_BLOCK] for t in g.tables.values()]
-        self.pool.check_invariants(holders)
-        for g in self.groups:
-            g.index.check_invariants()
-        assert sum(self.pool.cached) == sum(g.index.num_cached_blocks for g in self.groups), \
-            "cached flags disagree with the indexes"
+        still read is held: a released one is never read), and match the pool (kv/invariants)."""
+        check_manager(self, seqs)

@@ -23,6 +23,12 @@ position d * block_size can see, those from `first_visible(d * block_size) // bl
 (vLLM's rule for sliding-window groups), so long shared prefixes stay reusable without keeping
 the windowed layers' whole history. A hollow node that loses its last child is removed.
 
+Retention and quotas (kv/retention.py, issue 33): idle blocks are ordered by retention priority
+before the policy's key (every block has the default unless a request asked otherwise), and TTLs
+are re-keyed when the index next evicts. With tenant quotas on, each tenant's idle leaves are also
+kept in a heap of their own, and a tenant whose idle cached blocks exceed the quota gives its own
+blocks first. An audit that finds a block's KV wrong `drop`s it with everything below it.
+
 `NoPrefixCache` is the same interface with nothing behind it (prefix caching off).
 """
 
@@ -39,6 +45,7 @@ from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy, make_eviction_policy
 from kvserve.kv.evicted import EvictionRecord
+from kvserve.kv.retention import DEFAULT_PRIORITY
 from kvserve.kv.spec import first_needed_block
 
 
@@ -55,6 +62,11 @@ class Node:
     hit_count: int = 0
     priority: int = 0
     version: int = 0  # bumped on every heap push; older heap entries are stale
+    retention: int = DEFAULT_PRIORITY  # kv/retention.py: lower goes first, before the policy
+    retain_until: float = 0.0  # the index clock's time `retention` lasts until (0: no TTL)
+    after: int = DEFAULT_PRIORITY  # the retention once `retain_until` has passed
+    tenant: str = ""  # whose block it is, for tenant quotas (the inserting request's)
+    dropped: bool = False  # taken out of the tree by `drop`: nothing may publish under it
 
 
 @dataclass
@@ -98,9 +110,14 @@ class PrefixIndex:
         self.policy = make_eviction_policy(policy) if isinstance(policy, str) else policy
         self._roots: dict[bytes, Node] = {}
         self._node_of_block: dict[int, Node] = {}
-        # (policy key, depth, push order, version, node): ties go to the shallower node (in a
-        # windowed cache, the one furthest before the windows), then to the older push.
-        self._heap: list[tuple[tuple[int, ...], int, int, int, Node]] = []
+        # (retention, policy key, depth, push order, version, node): ties go to the shallower
+        # node (in a windowed cache, the one furthest before the windows), then the older push.
+        self._heap: list[tuple[int, tuple[int, ...], int, int, int, Node]] = []
+        self.clock = time.monotonic  # retention TTLs' clock (the simulator sets its own)
+        self._ttl_heap: list[tuple[float, int, Node]] = []
+        # Tenant quotas (`set_tenant_quota`): idle leaves per tenant too; None: off.
+        self.quota_blocks: int | None = None
+        self._tenant_heaps: dict[str, list] | None = None
         self._pushes = itertools.count()
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
@@ -190,9 +207,44 @@ class PrefixIndex:
             node.hit_count += 1
             node.priority = max(node.priority, priority)
 
+    def retain(self, node: Node, priority: int, until: float | None, after: int) -> None:
+        """Give a node a retention priority until `until` (None: while cached), then `after`;
+        a weaker one than the node has (lower, or as high but shorter) changes nothing."""
+        cur_until = node.retain_until or float("inf")
+        new_until = until if until is not None else float("inf")
+        unset = node.retention == DEFAULT_PRIORITY and not node.retain_until
+        if not unset and (priority, new_until) <= (node.retention, cur_until):
+            return
+        node.retention, node.after = priority, after
+        node.retain_until = until if until is not None else 0.0
+        if until is not None:
+            heapq.heappush(self._ttl_heap, (until, next(self._pushes), node))
+        if node.block != NULL_BLOCK and self._evictable(node, node.version):
+            self._push(node)  # idle in the heap under its old key
+
+    def _expire(self) -> None:
+        """Retentions whose TTL has passed fall back to their `after` priority."""
+        heap = self._ttl_heap
+        if not heap:
+            return
+        now = self.clock()
+        while heap and heap[0][0] <= now:
+            until, _, node = heapq.heappop(heap)
+            if node.retain_until != until or node.dropped:
+                continue  # refreshed or strengthened since, or gone
+            node.retention, node.retain_until = node.after, 0.0
+            if node.block != NULL_BLOCK and self._evictable(node, node.version):
+                self._push(node)
+
+    def set_tenant_quota(self, blocks: int) -> None:
+        """Bound each tenant's idle cached blocks: past `blocks`, its own go first."""
+        self.quota_blocks = blocks
+        self._tenant_heaps = {}
+        self.pool.track_tenants()
+
     # -- insertion --------------------------------------------------------------------------
     def insert(self, parent: Node, tokens: Sequence[int], block_hash: int, block: int,
-               priority: int = 0) -> Node:
+               priority: int = 0, tenant: str = "") -> Node:
         """Add one full block under `parent`; if the same content is cached already, the
         existing node is returned (and its block is the one to use from now on)."""
         existing = parent.children.get(block_hash)
@@ -200,15 +252,15 @@ class PrefixIndex:
             if existing.block == NULL_BLOCK:  # hollow: this block fills it again
                 existing.block = block
                 self._node_of_block[block] = existing
-                self.pool.mark_cached(block)
+                self.pool.mark_cached(block, existing.tenant)
                 self.events.record(BLOCK_STORED, block_hash, parent.block_hash)
             self.touch([existing], priority)
             return existing
-        node = Node(tuple(tokens), block_hash, block, parent, parent.depth + 1)
+        node = Node(tuple(tokens), block_hash, block, parent, parent.depth + 1, tenant=tenant)
         parent.children[block_hash] = node
         parent.by_first_token.setdefault(node.tokens[0], []).append(node)
         self._node_of_block[block] = node
-        self.pool.mark_cached(block)
+        self.pool.mark_cached(block, tenant)
         self.touch([node], priority)
         self.events.record(BLOCK_STORED, block_hash, parent.block_hash)
         return node
@@ -220,13 +272,32 @@ class PrefixIndex:
 
     def _push(self, node: Node) -> None:
         node.version += 1
-        heapq.heappush(self._heap, (self.policy.key(node), node.depth, next(self._pushes),
-                                    node.version, node))
+        entry = (node.retention, self.policy.key(node), node.depth, next(self._pushes),
+                 node.version, node)
+        heapq.heappush(self._heap, entry)
+        if self._tenant_heaps is not None:
+            heapq.heappush(self._tenant_heaps.setdefault(node.tenant, []), entry)
         if len(self._heap) > 2 * len(self._node_of_block) + 1024:
             # Stale entries pile up when blocks go idle and busy again without evictions; drop
             # them now and then (O(n) every ~n pushes: O(1) amortised).
-            self._heap = [e for e in self._heap if self._evictable(e[4], e[3])]
-            heapq.heapify(self._heap)
+            self._heap = self._live(self._heap)
+            if self._tenant_heaps is not None:
+                self._tenant_heaps = {t: self._live(h) for t, h in self._tenant_heaps.items()}
+
+    def _live(self, heap: list) -> list:
+        live = [e for e in heap if self._evictable(e[5], e[4])]
+        heapq.heapify(live)
+        return live
+
+    def _next_heap(self) -> list:
+        """The heap to evict from: the most-over-quota tenant's, or the common one."""
+        tenants = self._tenant_heaps
+        if tenants is not None:
+            idle, quota = self.pool.idle_by_tenant, self.quota_blocks
+            over = [(idle[t] - quota, t) for t, h in tenants.items() if h and idle[t] > quota]
+            if over:
+                return tenants[max(over)[1]]
+        return self._heap
 
     def mark_idle(self, blocks: Sequence[int]) -> None:
         """These cached blocks lost their last holder: the leaves among them (any of them, in a
@@ -251,8 +322,12 @@ class PrefixIndex:
         # one stamp per call (time, policy, pool usage before it): the record costs a dict set
         # per evicted block
         stamp = (time.time(), self.policy.name, self.pool.usage) if record is not None else None
-        while len(evicted) < n and self._heap:
-            *_, version, node = heapq.heappop(self._heap)
+        self._expire()
+        while len(evicted) < n:
+            heap = self._next_heap()
+            if not heap:
+                break
+            *_, version, node = heapq.heappop(heap)
             if not self._evictable(node, version):
                 continue
             evicted.append(node)
@@ -272,6 +347,24 @@ class PrefixIndex:
                 self._push(parent)
         self.num_evicted_blocks += len(evicted)
         return evicted
+
+    def drop(self, node: Node) -> list[Node]:
+        """Take a node and everything below it out of the index, held or not (an audit found
+        its KV wrong; what follows it was computed on top of it). Holders keep their blocks,
+        which go to the free list, not the cache, when let go; returns the dropped nodes."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # children first: `_remove` takes leaves
+            n.dropped = True
+            self._remove(n)
+        parent = node.parent
+        if (parent is not None and parent.block >= 0 and not parent.children
+                and self.pool.ref_counts[parent.block] == 0):
+            self._push(parent)
+        return order
 
     def _hollow(self, node: Node) -> None:
         """Evict an interior node's block but keep the node (windowed caches). No event: a
@@ -306,6 +399,9 @@ class PrefixIndex:
         self._node_of_block.clear()
         self._roots.clear()
         self._heap.clear()
+        self._ttl_heap.clear()
+        if self._tenant_heaps is not None:
+            self._tenant_heaps.clear()
         self.generation += 1
         self.events.record(ALL_BLOCKS_CLEARED, 0, 0)
 
@@ -358,7 +454,7 @@ class NoPrefixCache:
         pass
 
     def insert(self, parent: Node, tokens: Sequence[int], block_hash: int, block: int,
-               priority: int = 0) -> Node:
+               priority: int = 0, tenant: str = "") -> Node:
         return Node((), block_hash, block, parent)  # not kept: the block stays the request's
 
     def mark_idle(self, blocks: Sequence[int]) -> None:

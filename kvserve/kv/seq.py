@@ -26,6 +26,12 @@ class CachedSeq(Protocol):
     num_dropped_tokens: int
 
 
+def tenant_of(seq: CachedSeq) -> str:
+    """Whose cached blocks a sequence's are, for tenant quotas: its `tenant` (the server sets
+    it from the API key under `--kv-tenant-by api_key`), else its cache salt."""
+    return getattr(seq, "tenant", None) or seq.cache_salt or ""
+
+
 def matchable_tokens(seq: CachedSeq) -> int:
     """How much of a sequence the cache may serve: all but its last token, whose logits are
     needed, so at least one token is always computed; nothing for a sequence that needs the

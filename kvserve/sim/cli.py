@@ -65,6 +65,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "to a power of two)")
     p.add_argument("--alloc-block-sizes", default="16,32,64")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-tenant-quota", type=float, default=None, metavar="FRACTION",
+                   help="bound each tenant's idle cached blocks as the server's flag does "
+                   "(tenants: a record's tenant, else its cache_salt)")
+    p.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                   help="most of the pool that records with pin: true may pin")
     add_report_args(p, "the results",
                     "hit rate vs capacity per policy; hit rate and imbalance vs replicas")
 
@@ -110,7 +115,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          decode_ms_per_token=args.decode_ms_per_token,
                          prefill_tokens_per_s=args.prefill_tokens_per_s,
                          balance_factor=args.balance_factor, balance_slack=args.balance_slack,
-                         hash_key_tokens=args.hash_key_tokens, seed=args.seed)
+                         hash_key_tokens=args.hash_key_tokens, seed=args.seed,
+                         tenant_quota=args.kv_tenant_quota,
+                         max_pinned_fraction=args.max_pinned_fraction)
 
     runs = []
     for cap in capacities:

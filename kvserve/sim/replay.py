@@ -20,6 +20,13 @@ The lifetime of a request, per replica (each replica is one `KVCacheManager`):
    unique ones), their full blocks are cached like the engine caches decoded blocks, and
    `kv.free` releases everything: cached blocks stay in the index, idle, until evicted.
 
+Cache control runs on the engine's own code too: a record's `kv_retention`/`cache_control` goes
+through kv/retention.py's `retain_sequence` after admission and after publishing (the index's
+clock is the replay's: the arrival time, or the request's position without timestamps), `pin`
+pins the prompt once computed (kv/pins.py, bounded by `max_pinned_fraction`), and
+`tenant_quota` bounds each tenant's idle blocks (by `tenant`, else the salt) as
+`--kv-tenant-quota` does.
+
 `lifetime="immediate"` skips the clock: each request is admitted, computed and released before
 the next one arrives (a pure cache model, and what the engine does for requests sent one after
 another). Hits and queries are the manager's own counters (vLLM's prefix_cache_hits and
@@ -39,6 +46,9 @@ from dataclasses import dataclass, field
 from kvserve.kv.eviction import Belady, FutureUses, make_eviction_policy
 from kvserve.kv.hashing import block_hash, chain_hashes, extra_keys
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pins import PinLimitError
+from kvserve.kv.retention import (Retention, cache_control_range, kv_retention_range,
+                                  retain_sequence)
 from kvserve.kv.seq import matchable_tokens
 from kvserve.router.policies import ALL_POLICIES, make_policy
 from kvserve.sim.trace import Trace, TraceRequest
@@ -56,6 +66,9 @@ class SimSeq:
     block_hashes: list[int] = field(default_factory=list)
     skip_reading_prefix_cache: bool = False
     num_dropped_tokens: int = 0  # the simulator bounds no cache
+    tenant: str | None = None
+    retention: Retention | None = None
+    pin: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +90,8 @@ class SimConfig:
     spread: bool = False  # cache_aware: new prefixes to the emptiest of the least loaded
     hash_key_tokens: int = 256  # consistent_hash: the prefix that picks the replica
     seed: int = 0
+    tenant_quota: float | None = None  # --kv-tenant-quota
+    max_pinned_fraction: float = 0.5  # --max-pinned-fraction
 
     def __post_init__(self) -> None:
         make_eviction_policy(self.policy, online_only=False)  # a clear error for a bad name
@@ -147,6 +162,12 @@ class Replica:
             self.belady = policy
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  enable_prefix_caching=True, eviction_policy=policy)
+        self.now = 0.0  # the replay's clock, which retention TTLs read
+        self.kv.index.clock = lambda: self.now
+        self.kv.pins.set_max_fraction(config.max_pinned_fraction)
+        if config.tenant_quota is not None:
+            self.kv.set_tenant_quota(config.tenant_quota)
+        self.pins_refused = 0
         self.immediate = config.lifetime == "immediate"
         self._running: list[tuple[float, int, SimSeq, TraceRequest, int]] = []
         self._seq = itertools.count()
@@ -189,6 +210,8 @@ class Replica:
         self.routed += 1
         if self.belady is not None:
             self.belady.now = pos
+        self.now = arrival if arrival > float("-inf") else \
+            (rec.timestamp if rec.timestamp is not None else float(pos))
         out = rec.output_length
         total_blocks = kv.blocks_for_tokens(req.num_tokens + max(out - 1, 0))
         if total_blocks > kv.num_blocks:
@@ -216,8 +239,14 @@ class Replica:
             start = max(start, finish)
             self._finish(r, rr, p, pos)
         kv.end_step()  # no KV memory to move: the plan (copies of partial hits) is dropped
+        if req.retention is not None:  # a hit refreshes a TTL, as in the engine's scheduler
+            retain_sequence(kv, req, req.retention, req.num_tokens)
         req.num_computed_tokens = req.num_tokens
         kv.cache_full_blocks(req)
+        if req.retention is not None:
+            retain_sequence(kv, req, req.retention, req.num_tokens)
+        if req.pin:
+            self._pin(req)
         if out > 1:
             ok = kv.allocate_slots(req, out - 1)
             assert ok, "admission reserved the room"
@@ -236,6 +265,13 @@ class Replica:
                 out * self.config.decode_ms_per_token / 1000.0
             heapq.heappush(self._running, (start + duration, next(self._seq), req, rec, pos))
         return True
+
+    def _pin(self, req: SimSeq) -> None:
+        probe = SimSeq(f"pin-{req.request_id}", req.token_ids + [0], req.cache_salt)
+        try:
+            self.kv.pins.pin(probe, req.num_tokens)
+        except PinLimitError:
+            self.pins_refused += 1
 
     def _finish(self, req: SimSeq, rec: TraceRequest, pos: int, now: int) -> None:
         if self.belady is not None:
@@ -258,6 +294,7 @@ class Replica:
                     if kv.prefix_cache_queries else 0.0,
                     prefill_tokens_computed=self.prefill_computed,
                     evicted_blocks=kv.index.num_evicted_blocks,
+                    pinned_blocks=kv.pins.num_pinned_blocks, pins_refused=self.pins_refused,
                     peak_usage=self.peak_held / kv.num_blocks,
                     cached_blocks=kv.index.num_cached_blocks)
 
@@ -297,6 +334,8 @@ def replay(trace: Trace, config: SimConfig,
     for pos, rec in enumerate(trace.requests):
         tokens = trace.prompt_tokens(rec)
         req = SimSeq(str(pos), list(tokens), rec.cache_salt, rec.priority)
+        if rec.control is not None:
+            apply_control(req, rec.control, pos)
         req.block_hashes = precomputed[pos] if precomputed is not None else hasher(rec, tokens)
         arrival = rec.timestamp if timed else float("-inf")
         if router is None:
@@ -313,6 +352,21 @@ def replay(trace: Trace, config: SimConfig,
         r.drain(len(trace.requests))
     elapsed = time.perf_counter() - t0
     return summarize(trace, config, replicas, elapsed)
+
+
+def apply_control(req: SimSeq, control: dict, pos: int) -> None:
+    """A record's cache-control fields onto its SimSeq, read as the server reads them."""
+    ranges = []
+    try:
+        if control.get("kv_retention") is not None:
+            ranges.append(kv_retention_range(control["kv_retention"]))
+        if control.get("cache_control") is not None:
+            ranges.append(cache_control_range(control["cache_control"], None))
+    except ValueError as exc:
+        raise ValueError(f"trace request {pos}: {exc}") from None
+    req.retention = Retention(tuple(ranges)) if ranges else None
+    req.tenant = control.get("tenant")
+    req.pin = bool(control.get("pin"))
 
 
 def summarize(trace: Trace, config: SimConfig, replicas: list[Replica], elapsed: float) -> dict:

@@ -11,7 +11,10 @@ One JSON object per line, in either of two shapes (a file may mix them):
   and equal ids mean equal blocks (and, since the ids are assigned by prefix, equal prefixes).
 
 Optional on either: `timestamp` (milliseconds by default, see `time_unit`), `cache_salt`,
-`priority`. A first line `{"meta": {"block_size": 512}}` sets the hash-id block size.
+`priority`, and cache control as the server takes it (kv/retention.py): `kv_retention`
+(TensorRT-LLM's {"priority", "ttl", "num_tokens"}), `cache_control` (Anthropic's breakpoint, for
+the whole prompt), `tenant` (for tenant quotas; default the salt) and `pin: true` (the prompt is
+pinned once computed, as POST /v1/cache/pin would). A first line `{"meta": {"block_size": 512}}` sets the hash-id block size.
 
 Hash ids become tokens deterministically: block i of a request whose hash id is h is the token h
 repeated (the last block cut to `input_length`). The same hash id gives the same tokens, different
@@ -43,6 +46,10 @@ class TraceRequest:
     output_token_ids: list[int] | None = None
     cache_salt: str | None = None
     priority: int = 0
+    control: dict | None = None  # kv_retention, cache_control, tenant, pin (as in the record)
+
+
+_CONTROL_FIELDS = ("kv_retention", "cache_control", "tenant", "pin")
 
 
 @dataclass
@@ -128,12 +135,14 @@ def parse_record(d: dict, line: int, block_size: int, time_scale: float,
         ts = float(ts) * time_scale
     salt = d.get("cache_salt")
     priority = int(d.get("priority") or 0)
+    control = {k: d[k] for k in _CONTROL_FIELDS if d.get(k) is not None} or None
     tokens = d.get("token_ids", d.get("prompt_token_ids"))
     if tokens is not None:
         tokens = _int_list(tokens, "token_ids", line)
         if not tokens:
             raise ValueError(f"line {line}: token_ids is empty")
-        return TraceRequest(len(tokens), out_len, ts, tokens, None, out_ids, salt, priority)
+        return TraceRequest(len(tokens), out_len, ts, tokens, None, out_ids, salt, priority,
+                            control)
     hashes = d.get("hash_ids")
     if hashes is None:
         raise ValueError(f"line {line}: a record needs token_ids or hash_ids")
@@ -149,7 +158,7 @@ def parse_record(d: dict, line: int, block_size: int, time_scale: float,
     if any(not 0 <= h < _MAX_TOKEN for h in hashes):
         hashes = [h if 0 <= h < _MAX_TOKEN else
                   renumber.setdefault(h, _MAX_TOKEN + len(renumber)) for h in hashes]
-    return TraceRequest(n, out_len, ts, None, hashes, out_ids, salt, priority)
+    return TraceRequest(n, out_len, ts, None, hashes, out_ids, salt, priority, control)
 
 
 def load_trace(path: str | Path, block_size: int | None = None, time_unit: str = "ms",
@@ -198,6 +207,7 @@ def write_trace(trace: Trace, path: str | Path, time_unit: str = "ms") -> None:
                 d["cache_salt"] = r.cache_salt
             if r.priority:
                 d["priority"] = r.priority
+            d.update(r.control or {})
             f.write(json.dumps(d, separators=(",", ":")) + "\n")
 
 
