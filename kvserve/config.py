@@ -72,6 +72,16 @@ class EngineConfig:
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
     eviction_policy: str = _arg("lru", "which idle cached blocks are evicted first",
                                 choices=ONLINE_POLICIES)
+    max_pinned_fraction: float = _arg(0.5, "most of the KV pool that pinned prefixes "
+                                      "(POST /v1/cache/pin) may hold (kvserve/kv/pins.py)")
+    kv_tenant_quota: float | None = _arg(None, "bound each tenant's idle cached blocks to this "
+                                         "fraction of the pool: a tenant over it evicts its own "
+                                         "blocks first (tenants by cache_salt, or by API key "
+                                         "with the server's --kv-tenant-by api_key); default "
+                                         "off", metavar="FRACTION")
+    kv_audit_rate: float = _arg(0.0, "fraction of prefix-cache hits recomputed off the hot "
+                                "path and compared with the cached KV; a mismatch drops the "
+                                "block (kvserve/engine/audit.py); default off", metavar="R")
     scheduling_policy: str = _arg("fcfs", "lpm: waiting requests with the longest cached "
                                   "prefix first", choices=SCHEDULING_POLICIES)
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
@@ -123,6 +133,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
         make_eviction_policy(self.eviction_policy)  # the registry names the valid ones
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], "
+                             f"got {self.max_pinned_fraction}")
+        if self.kv_tenant_quota is not None and not 0.0 < self.kv_tenant_quota <= 1.0:
+            raise ValueError(f"kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
+        if not 0.0 <= self.kv_audit_rate <= 1.0:
+            raise ValueError(f"kv_audit_rate must be in [0, 1], got {self.kv_audit_rate}")
         if not isinstance(self.kv_cache_dtype, str):
             raise TypeError(f"kv_cache_dtype must be a string, got {self.kv_cache_dtype!r}")
         resolve_kv_dtype(self.kv_cache_dtype)  # ValueError listing the valid names

@@ -459,3 +459,19 @@ def holdback(text: str, stops: Sequence[str]) -> int:
                 longest = k
                 break
     return longest
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes byte b as one printable character: b itself for the printable
+    Latin-1 bytes, 256 + k for the k-th of the others (the GPT-2 scheme). Inverse map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: b for b in printable}
+    k = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + k
+            k += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+BYTE_DECODER = byte_level_alphabet()  # byte-level BPE character -> byte

@@ -393,7 +393,8 @@ def case_response_format(ep, ctx) -> None:
 
 
 def case_structured_outputs(ep, ctx) -> None:
-    for text in ep.texts(n=3, temperature=1.0, structured_outputs={
+    # 16 tokens: at temperature 1 the grammar may spell "kernel cache" a character a token
+    for text in ep.texts(n=3, temperature=1.0, max_tokens=16, structured_outputs={
             "choice": ["kernel cache", "block"]}):
         assert text in ("kernel cache", "block")
     ep.refused("structured_outputs", structured_outputs={"regex": "(unclosed"})
@@ -695,6 +696,100 @@ def case_explain_prompt_logprobs(ep, ctx) -> None:
     assert report["first_miss"]["reason"] == "prompt_logprobs" and report["cached_tokens"] == 0
 
 
+# retention (their effect under pressure: tests/test_cache_control_server.py)
+def case_kv_retention(ep, ctx) -> None:
+    ep.ok(max_tokens=1, kv_retention={"priority": 90, "ttl": "10m", "num_tokens": 8})
+    ep.refused("kv_retention", kv_retention={"priority": 101})
+    ep.refused("kv_retention", kv_retention={"ttl": "soon"})
+
+
+def case_cache_control(ep, ctx) -> None:
+    ep.ok(max_tokens=1, cache_control={"type": "ephemeral", "ttl": "1h"})
+    ep.refused("cache_control", cache_control={"type": "ephemeral", "ttl": "2h"})
+    ep.refused("cache_control", cache_control={"type": "persistent"})
+
+
+def case_message_cache_control(ep, ctx) -> None:
+    marked = [{"role": "user", "content": PROMPT, "cache_control": {"type": "ephemeral"}}]
+    assert ep.texts(messages=marked) == ep.texts()
+    r = ep.post(messages=[dict(marked[0], cache_control={"type": "ephemeral", "ttl": 5})])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].cache_control"
+
+
+def case_part_cache_control(ep, ctx) -> None:
+    part = {"type": "text", "text": PROMPT, "cache_control": {"type": "ephemeral"}}
+    assert ep.texts(messages=[{"role": "user", "content": [part]}]) == ep.texts()
+    r = ep.post(messages=[{"role": "user", "content": [dict(part, cache_control={"type": "x"})]}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].cache_control"
+
+
+def _pin(ctx, **body) -> httpx.Response:
+    return httpx.post(ctx["server"].url + "/v1/cache/pin", json=body, timeout=120)
+
+
+def _pinned(ctx, **body) -> dict:
+    """Pin, check it is listed, unpin (pins hold pool blocks: none outlives its case)."""
+    r = _pin(ctx, **body)
+    assert r.status_code == 200, r.text[:500]
+    pin = r.json()
+    url = ctx["server"].url
+    assert pin["id"] in [p["id"] for p in httpx.get(url + "/v1/cache/pins").json()["data"]]
+    assert httpx.delete(f"{url}/v1/cache/pin/{pin['id']}").status_code == 200
+    return pin
+
+
+def case_pin_model(ep, ctx) -> None:
+    _pinned(ctx, model=MODEL, prompt=_unique_prompt(random.randrange(10**9)))
+    assert _pin(ctx, model="no-such-model", prompt=PROMPT).status_code == 404
+
+
+def case_pin_prompt(ep, ctx) -> None:
+    text = _unique_prompt(random.randrange(10**9))
+    ids = ctx["tokenizer"].encode(text)
+    pin = _pinned(ctx, prompt=ids)
+    assert pin["num_tokens"] == len(ids) // 16 * 16 and pin["num_blocks"] == len(ids) // 16
+    assert _pin(ctx, prompt=[1, 2]).status_code == 400  # under one block
+
+
+def _long_msgs() -> list[dict]:
+    return [{"role": "system", "content": _unique_prompt(random.randrange(10**9))}]
+
+
+def case_pin_messages(ep, ctx) -> None:
+    assert _pinned(ctx, messages=_long_msgs())["num_tokens"] > 0
+
+
+def case_pin_add_generation_prompt(ep, ctx) -> None:
+    msgs = _long_msgs()
+    plain, prompted = _pinned(ctx, messages=msgs), _pinned(ctx, messages=msgs,
+                                                          add_generation_prompt=True)
+    assert plain["num_tokens"] <= prompted["num_tokens"]
+    assert _pin(ctx, messages=msgs, add_generation_prompt="yes").status_code == 400
+
+
+def case_pin_chat_template_kwargs(ep, ctx) -> None:
+    msgs = _long_msgs()
+    marker = " ".join(["kernel cache block"] * 12)
+    assert _pinned(ctx, messages=msgs, chat_template_kwargs={"kvserve_marker": marker})[
+        "num_tokens"] > _pinned(ctx, messages=msgs)["num_tokens"]
+
+
+def case_pin_tools(ep, ctx) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    msgs = _long_msgs()
+    assert _pinned(ctx, messages=msgs, tools=tools)["num_tokens"] >= \
+        _pinned(ctx, messages=msgs)["num_tokens"]
+
+
+def case_pin_cache_salt(ep, ctx) -> None:
+    text = _unique_prompt(random.randrange(10**9))
+    r = _pin(ctx, prompt=text, cache_salt="tenant-pin")
+    assert r.status_code == 200, r.text
+    assert _explained(ctx, prompt=text, cache_salt="tenant-pin")["cached_tokens"] > 0
+    assert _explained(ctx, prompt=text)["cached_tokens"] == 0
+    assert httpx.delete(f"{ctx['server'].url}/v1/cache/pin/{r.json()['id']}").status_code == 200
+
+
 # vLLM's names before 0.12 (which removed them): refused with the replacement named
 PART_B_REFUSED = {"guided_json": {"type": "object"}, "guided_regex": "a+",
                   "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
@@ -712,7 +807,8 @@ SHARED = {"model": case_model, "n": case_n, "temperature": case_temperature,
           "priority": case_priority, "prompt_logprobs": case_prompt_logprobs,
           "response_format": case_response_format, "max_tokens": case_max_tokens,
           "structured_outputs": case_structured_outputs,
-          "logprobs": case_logprobs, "kv_cache_report": case_kv_cache_report}
+          "logprobs": case_logprobs, "kv_cache_report": case_kv_cache_report,
+          "kv_retention": case_kv_retention, "cache_control": case_cache_control}
 CASES: dict[tuple[str, str], Callable] = {}
 for _name in ("CompletionRequest", "ChatCompletionRequest"):
     CASES.update({(_name, f): c for f, c in SHARED.items()})
@@ -732,7 +828,9 @@ CASES.update({("ChatCompletionRequest", f): c for f, c in {
 CASES.update({("ChatMessage", "role"): case_role, ("ChatMessage", "content"): case_content,
               ("ChatMessage", "name"): case_name, ("ChatMessage", "tool_calls"): case_tool_calls,
               ("ChatMessage", "tool_call_id"): case_tool_call_id,
+              ("ChatMessage", "cache_control"): case_message_cache_control,
               ("TextPart", "type"): case_part_type, ("TextPart", "text"): case_part_text,
+              ("TextPart", "cache_control"): case_part_cache_control,
               ("StreamOptions", "include_usage"): case_include_usage,
               ("StreamOptions", "continuous_usage_stats"): case_continuous_usage_stats})
 CASES.update({("CacheExplainRequest", f): c for f, c in {
@@ -742,6 +840,11 @@ CASES.update({("CacheExplainRequest", f): c for f, c in {
     "chat_template_kwargs": case_explain_chat_template_kwargs, "tools": case_explain_tools,
     "cache_salt": case_explain_cache_salt,
     "prompt_logprobs": case_explain_prompt_logprobs}.items()})
+CASES.update({("CachePinRequest", f): c for f, c in {
+    "model": case_pin_model, "prompt": case_pin_prompt, "messages": case_pin_messages,
+    "add_generation_prompt": case_pin_add_generation_prompt,
+    "chat_template_kwargs": case_pin_chat_template_kwargs, "tools": case_pin_tools,
+    "cache_salt": case_pin_cache_salt}.items()})
 # which endpoint a nested model's case runs on
 _NESTED_ENDPOINT = {"ChatMessage": "chat", "TextPart": "chat", "StreamOptions": "both"}
 

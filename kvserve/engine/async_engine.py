@@ -131,6 +131,7 @@ class _Add:
     cache_salt: str | None
     priority: int
     arrival_time: float
+    tenant: str | None = None
 
 
 @dataclass
@@ -287,7 +288,8 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | None = None, *, stream: bool = False,
                           cache_salt: str | None = None, priority: int = 0,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          tenant: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises what
         `LLMEngine.add_request` raises (ValueError/TypeError for bad input),
         EngineQueueFullError when too many requests wait, EngineDeadError."""
@@ -297,7 +299,8 @@ class AsyncLLMEngine:
         rs = RequestStream(request_id)
         self._commands.append(_Add(request_id, prompt, params or SamplingParams(), rs, future,
                                    stream, cache_salt, priority,
-                                   time.time() if arrival_time is None else arrival_time))
+                                   time.time() if arrival_time is None else arrival_time,
+                                   tenant))
         self._wakeup.set()
         if not self._thread.is_alive() and not future.done():  # it stopped meanwhile
             future.set_exception(EngineDeadError("the engine loop is not running"))
@@ -426,7 +429,8 @@ class AsyncLLMEngine:
                 try:
                     engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
                                        arrival_time=cmd.arrival_time, stream=cmd.streaming,
-                                       cache_salt=cmd.cache_salt, priority=cmd.priority)
+                                       cache_salt=cmd.cache_salt, priority=cmd.priority,
+                                       tenant=cmd.tenant)
                 except Exception as exc:  # ValueError/TypeError: the caller's fault; else ours
                     self._pending.append((cmd.future, exc))
                     continue

@@ -20,6 +20,12 @@ class Executor(Protocol):
         """Run the step's plan and forward; raises what the worker raised (StepFailed once
         the plan's saves were read)."""
 
+    def compare_kv_blocks(self, pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        """Per (recomputed, cached) pair of block ids, how far apart their KV is (a KV audit,
+        engine/audit.py): (largest, mean) difference over the recomputed block's magnitude,
+        the worst of every layer; inf for non-finite KV. Called between steps; an executor
+        over several ranks (each holding some heads) returns the worst of its ranks."""
+
     def shutdown(self) -> None: ...
 
 
@@ -31,6 +37,9 @@ class InProcessExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
+
+    def compare_kv_blocks(self, pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        return self.worker.compare_kv_blocks(pairs)
 
     def shutdown(self) -> None:
         pass

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.audit import AUDIT_ID_PREFIX, Auditor
 from kvserve.engine.builder import build_engine
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import OutputProcessor
@@ -46,6 +47,11 @@ class LLMEngine:
         self.tensors, self.backend, self.tiers = parts.tensors, parts.backend, parts.tiers
         self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
         self.scheduler = Scheduler(config, self.kv)
+        # Hit audits (engine/audit.py; None: off, the default); stats() has their counters.
+        self.audit = Auditor(config, self.kv, self.executor,
+                             self.kv_spec.layer_specs()[0].storage.dtype) \
+            if config.kv_audit_rate > 0 else None
+        self.scheduler.audit = self.audit
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
             self.tensors.quantized or self.tensors.dtype != self.dtype, self.backend)
@@ -84,13 +90,15 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     stream: bool = False, cache_salt: str | None = None,
-                    priority: int = 0, bounded_kv: BoundedKVConfig | None = None) -> str:
+                    priority: int = 0, bounded_kv: BoundedKVConfig | None = None,
+                    tenant: str | None = None) -> str:
         """Validate and queue a request (n samples); returns its id. Raises ValueError if bad
         (engine/input_processor.py: nothing is queued or held then).
 
         A streaming request reports an output after every step that gave it a token; the others
         report once, when they finish. `bounded_kv` gives this request a bounded KV cache
-        (lossy; kvserve.kv.bounded) in place of the engine's setting.
+        (lossy; kvserve.kv.bounded) in place of the engine's setting; `tenant` names whose
+        cached blocks its are under tenant quotas (default: its cache salt).
         """
         rid = str(self._next_id) if request_id is None else request_id
         children, grammar = self.inputs.make_requests(prompt, params, rid, arrival_time,
@@ -99,7 +107,12 @@ class LLMEngine:
             self._next_id += 1
         elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        elif self.audit is not None and request_id.startswith(AUDIT_ID_PREFIX):
+            raise ValueError(f"request ids starting with {AUDIT_ID_PREFIX!r} are the engine's "
+                             "own (KV audits)")
         self._groups[rid] = children
+        for child in children:
+            child.tenant = tenant
         if stream:
             self._streaming.add(rid)
         for child in children:
@@ -137,11 +150,49 @@ class LLMEngine:
         report = build_report(self.kv, probe, match, probe.skip_reason)
         return report.to_dict(self.tokenizer.decode)
 
+    def _pin_probe(self, prompt: PromptType, cache_salt: str | None):
+        [probe], _ = self.inputs.make_requests(prompt, SamplingParams(max_tokens=1), "pin",
+                                               None, cache_salt, 0, None)
+        num_tokens = len(probe.prompt_token_ids)
+        probe.token_ids.append(0)  # so that every full block of the prompt is matchable
+        return probe, num_tokens
+
+    def pin_room(self, prompt: PromptType, cache_salt: str | None = None) -> int:
+        """The blocks a pin of `prompt` takes; raises PinLimitError past
+        --max-pinned-fraction and ValueError for a prompt under one block."""
+        _, num_tokens = self._pin_probe(prompt, cache_salt)
+        num_blocks = num_tokens // self.kv.block_size
+        if num_blocks == 0:
+            raise ValueError(f"the prompt ({num_tokens} tokens) is shorter than one KV block "
+                             f"({self.kv.block_size} tokens): there is nothing to pin")
+        self.kv.pins.check_room(num_blocks * self.kv.num_groups)
+        return num_blocks
+
+    def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> dict | None:
+        """Pin the prompt's cached blocks (kv/pins.py): the pin, or None when the device does
+        not hold them all (run the prompt first)."""
+        probe, num_tokens = self._pin_probe(prompt, cache_salt)
+        pin = self.kv.pins.pin(probe, num_tokens)
+        return None if pin is None else pin.as_dict()
+
+    def unpin(self, pin_id: str) -> dict | None:
+        pin = self.kv.pins.unpin(pin_id)
+        return None if pin is None else pin.as_dict()
+
+    def list_pins(self) -> dict:
+        pins = self.kv.pins
+        return {"object": "list", "data": [p.as_dict() for p in pins.list()],
+                "num_pinned_blocks": pins.num_pinned_blocks, "limit_blocks": pins.limit_blocks,
+                "max_pinned_fraction": pins.max_fraction}
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
         # A request still waiting for its grammar is in no queue, but add_request started its
         # tier prefetch: the scheduler's finish (then kv.free) forgets that too.
         self.inputs.compiling.pop(request_id, None)
+        audit = self.audit.abort(request_id) if self.audit is not None else None
+        if audit is not None:  # the running audit (what a failed step ran is aborted)
+            self.scheduler.finish(audit, RequestStatus.FINISHED_ABORTED)
         for child in self._groups.pop(request_id, ()):
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)

@@ -57,6 +57,13 @@ class ModelRunner:
         self.sampling.sample(step, out)
         return out
 
+    @torch.inference_mode()
+    def compare_kv_blocks(self, pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        """For each (recomputed, cached) pair of block ids, how far apart their KV is: the
+        largest and the mean difference relative to the recomputed block's magnitude (a KV
+        audit's measurement, kv/tensors.py's `block_differences`; the engine judges it)."""
+        return self.tensors.block_differences(pairs)
+
     def apply_plan(self, plan: StepPlan) -> list[tuple[int, torch.Tensor]]:
         """Saves, then loads, then copies, then compactions (kv/plan.py says why this order),
         then the released blocks' state; returns the saves' chunks as read.

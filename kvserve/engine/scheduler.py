@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.audit import Auditor
 from kvserve.engine.bounded_kv import BoundedCaches
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.step import SeqSampling, SeqStep, StepInput, StepOutput
@@ -36,6 +37,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.kv.report import build_report
+from kvserve.kv.retention import retain_sequence
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.grammar import bitmask_words
@@ -101,6 +103,7 @@ class Scheduler:
         self.missed_tokens: Counter[str] = Counter()
         self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
+        self.audit: Auditor | None = None  # hit audits (engine/audit.py), set by the engine
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,6 +118,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted = 0
+        if self.audit is not None:
+            self.audit.give_way(self)  # a running audit yields to waiting requests
 
         i = 0
         allocate = self.kv.allocate_slots
@@ -136,6 +141,8 @@ class Scheduler:
 
         if not preempted:
             self._admit(chosen, budget)
+            if self.audit is not None:
+                self.audit.schedule(self, chosen)  # with what the step has left
 
         now = time.time()
         prefills: list[tuple[Request, int]] = []
@@ -211,6 +218,12 @@ class Scheduler:
             request.num_computed_tokens = computed
             if n > 1 or computed % bs == 0:  # one token completes a block only at its end
                 publish(request)
+                if request.sampling_params.kv_retention is not None:
+                    self._retain(request)
+
+    def _retain(self, request: Request) -> None:
+        retain_sequence(self.kv, request, request.sampling_params.kv_retention,
+                        len(request.prompt_token_ids))
 
     def update_from_output(self, batch: ScheduledBatch, out: StepOutput) -> StepUpdate:
         """After the forward: computed tokens advance (`update`), prompt logprobs are recorded,
@@ -225,6 +238,9 @@ class Scheduler:
         for request in batch.requests:
             if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens \
                     and not request.finished:  # a prefill-only request whose prompt is done
+                if self.audit is not None and self.audit.complete(request):
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # compared: freed
+                    continue
                 parent = request.parent_id or request.request_id
                 if parent not in failed:
                     request.first_token_time = request.last_token_time = now
@@ -330,11 +346,15 @@ class Scheduler:
             if admission is None:
                 break
             request.num_computed_tokens = admission.num_computed_tokens
+            if request.sampling_params.kv_retention is not None:
+                self._retain(request)
             if request.num_preemptions == 0:  # a resumed request hitting its own blocks is no news
                 request.num_cached_tokens = admission.num_computed_tokens
                 if report is not None:
                     request.cache_report = report
                     self.missed_tokens[report.reason] += report.missed_tokens
+            if self.audit is not None:
+                self.audit.sample(request, match)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -356,7 +376,11 @@ class Scheduler:
         self.waiting = deque(ranked)
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks and send it back to the front of the queue."""
+        """Free a running request's blocks and send it back to the front of the queue (an
+        audit is given up instead: it must never wait ahead of user requests)."""
+        if self.audit is not None and self.audit.abandon(request):
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            return
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -392,7 +416,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_evicted_blocks=kv.num_evicted_blocks,
             hit_tokens={source: kv.hit_tokens[source] for source in SOURCES},
-            missed_tokens=dict(self.missed_tokens))
+            missed_tokens=dict(self.missed_tokens),
+            num_pins=len(kv.pins), num_pinned_blocks=kv.pins.num_pinned_blocks,
+            idle_blocks_by_tenant={t: c for t, c in kv.pool.idle_by_tenant.items() if c},
+            audits=self.audit.stats() if self.audit is not None else {})
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks (and, with the next step,

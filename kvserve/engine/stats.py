@@ -26,3 +26,10 @@ class EngineStats:
     # Prompt tokens not served from the cache, by the cache report's reason (kv/report.py):
     # counted for the requests that asked for a report (the reason is decided only for them).
     missed_tokens: dict[str, int] = field(default_factory=dict)
+    num_pins: int = 0  # prefixes pinned (kv/pins.py)
+    num_pinned_blocks: int = 0
+    # Idle cached blocks per tenant, with tenant quotas on (kv/block_pool.py); else empty.
+    idle_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
+    # Hit audits (engine/audit.py): audited_hits, audited_blocks, mismatches, dropped_blocks,
+    # skipped; empty when audits are off.
+    audits: dict[str, int] = field(default_factory=dict)

@@ -278,6 +278,47 @@ class KVTensorPool:
             for j, t in enumerate(tensors):
                 t.index_copy_(0, idx, data[layer, j])
 
+    def block_differences(self, pairs: list[tuple[int, int]], chunk: int = 64
+                          ) -> list[tuple[float, float]]:
+        """How far the KV of each (reference, other) pair of blocks is apart (a KV audit,
+        kvserve/engine/audit.py): per pair, the largest absolute difference over the
+        reference's largest magnitude and the mean one over its mean magnitude, each the worst
+        of every layer and stored tensor (so one layer's scale cannot hide another's error);
+        inf where either block holds a non-finite value (garbage bytes decode to NaN). A
+        quantized format is compared dequantized, as attention reads it; under page groups a
+        block id is one page of every slot tensor, so the comparison is the same. `chunk`
+        pairs at a time, in fp32 temporaries (not the gather buffers, which stay as small as
+        attention needs them)."""
+        out: list[tuple[float, float]] = []
+        for at in range(0, len(pairs), chunk):
+            part = pairs[at:at + chunk]
+            n = len(part)
+            idx = self._index([a for a, _ in part] + [b for _, b in part])
+            worst = torch.zeros(2, n, device=self.device)
+            for both in self._dequantized(idx):
+                both = both.float().flatten(1)
+                ref, other = both[:n], both[n:]
+                diff = (ref - other).abs()
+                scale = ref.abs()
+                ratios = torch.stack([diff.amax(1) / scale.amax(1).clamp_min(1e-12),
+                                      diff.mean(1) / scale.mean(1).clamp_min(1e-12)])
+                finite = torch.isfinite(both).all(1)
+                ratios[:, ~(finite[:n] & finite[n:])] = float("inf")
+                worst = torch.maximum(worst, ratios)
+            out.extend(zip(*worst.cpu().tolist()))
+        return out
+
+    def _dequantized(self, idx: torch.Tensor):
+        """Each stored tensor of the blocks `idx` in turn, as attention reads it."""
+        if not self.quantized:
+            for tensors in self.storage():
+                yield from (t.index_select(0, idx) for t in tensors)
+            return
+        for layer, codec in enumerate(self.codecs):
+            shape = (idx.shape[0], self.block_size, codec.heads, codec.head_dim)
+            yield from codec.load(layer, self.layers[layer], idx, torch.float32, None, tuple(
+                torch.empty(shape, dtype=torch.float32, device=self.device) for _ in "kv"))
+
     def compact_tokens(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int]
                        ) -> None:
         """Copy the kept tokens of a sequence, every layer, from its blocks `src_table` into

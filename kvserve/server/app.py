@@ -31,7 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from kvserve.server.protocol import (APIError, CacheExplainRequest, ChatCompletionRequest,
+from kvserve.server import serving_pins
+from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequest,
+                                     ChatCompletionRequest,
                                      CompletionRequest,
                                      error_body)
 from kvserve.server.serving_chat import OpenAIServingChat
@@ -275,7 +277,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, *,
               api_key_protect_all: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              request_log: str | None = None) -> FastAPI:
+              request_log: str | None = None, kv_tenant_by: str = "cache_salt") -> FastAPI:
     served_model_names = list(served_model_names)
     if metrics is None:
         metrics = PrometheusStatLogger(served_model_names[0])
@@ -287,6 +289,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         kv_events = KVEventPublisher()
         engine.stat_loggers.append(kv_events)
     serving = OpenAIServingChat(engine, served_model_names)
+    serving.tenant_by = kv_tenant_by
     if request_log is not None:
         from kvserve.server.request_log import RequestLog
 
@@ -403,6 +406,18 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     @app.post("/v1/cache/explain", responses=_ERROR_RESPONSES)
     async def explain_cache(body: CacheExplainRequest) -> dict[str, Any]:
         return await serving.explain_cache(body)
+
+    @app.post("/v1/cache/pin", responses=_ERROR_RESPONSES)
+    async def pin_cache(body: CachePinRequest) -> dict[str, Any]:
+        return await serving_pins.create_pin(serving, body)
+
+    @app.delete("/v1/cache/pin/{pin_id}", responses=_ERROR_RESPONSES)
+    async def unpin_cache(pin_id: str) -> dict[str, Any]:
+        return await serving_pins.delete_pin(serving, pin_id)
+
+    @app.get("/v1/cache/pins")
+    async def list_cache_pins() -> dict[str, Any]:
+        return await serving_pins.list_pins(serving)
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest,

@@ -36,6 +36,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="append one JSON line per finished request (time, cache_salt, the "
                         "prompt or chat messages, prompt and cached tokens) after a header with "
                         "the KV pool's size: what `kvserve diagnose` reads")
+    parser.add_argument("--kv-tenant-by", choices=["cache_salt", "api_key"], default="cache_salt",
+                        help="who a cached block belongs to under --kv-tenant-quota: the "
+                        "request's cache_salt, or its API key (the bearer token, as a digest)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic throughput/cache log line")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -71,7 +71,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                     api_key_protect_all=args.api_key_protect_all,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    request_log=getattr(args, "request_log", None))
+                    request_log=getattr(args, "request_log", None),
+                    kv_tenant_by=getattr(args, "kv_tenant_by", "cache_salt"))
     from kvserve.server import debug_memory
 
     if debug_memory.enabled():  # opt-in diagnostics: GET /debug/memory (docs/soak.md)

@@ -21,6 +21,7 @@ Latency figures per request:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -136,8 +137,21 @@ class PrometheusStatLogger:
                                        registry=r, multiprocess_mode="mostrecent")
         self.kv_cache_size_tokens = gauge("kvserve:kv_cache_size_tokens",
                                           "Tokens the KV pool holds (blocks x block size).")
+        # Cache control (issue 33): pins, and idle cached blocks per tenant under quotas,
+        # labelled by a digest of the tenant (a cache salt is meant to be secret).
+        self.num_pins = gauge("kvserve:kv_pins", "Prefixes pinned on the device (/v1/cache/pin).")
+        self.pinned_blocks = gauge("kvserve:kv_pinned_blocks",
+                                   "KV blocks held by pins (a block pinned twice counts once).")
+        self.tenant_idle_blocks = Gauge("kvserve:kv_tenant_idle_cached_blocks",
+                                        "Idle cached KV blocks per tenant (--kv-tenant-quota).",
+                                        labels + ["tenant"], registry=r,
+                                        multiprocess_mode="mostrecent")
+        self.audits = counter("kvserve:kv_audits", "Prefix-cache hit audits (--kv-audit-rate), "
+                              "by event: audited_hits, audited_blocks, mismatches, "
+                              "dropped_blocks, skipped.", ["event"])
         self._label = {"model_name": model_name}
-        labelled = {"cache_config_info", "request_success", "hits_by_source", "missed_by_reason",
+        labelled = {"audits", "cache_config_info", "request_success", "hits_by_source", "missed_by_reason",
+                    "tenant_idle_blocks",
                     "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
                     "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
@@ -178,6 +192,11 @@ class PrometheusStatLogger:
         if p >= self._last_preemptions:
             self.m("num_preemptions").inc(p - self._last_preemptions)
         self._last_preemptions = p
+        self.m("num_pins").set(stats.num_pins)
+        self.m("pinned_blocks").set(stats.num_pinned_blocks)
+        for tenant, count in stats.idle_blocks_by_tenant.items():
+            self.tenant_idle_blocks.labels(**self._label, tenant=tenant_label(tenant)).set(count)
+        self._grow(self.audits, stats.audits, event=None)
         self._tier_metrics(engine, stats)
 
     def _grow(self, metric: Counter, values: dict, **labels_of) -> None:
@@ -266,3 +285,8 @@ class PrometheusStatLogger:
                     self.request_success.labels(model_name=self._label["model_name"],
                                                 finished_reason=c.finish_reason or "abort").inc()
                 self._requests.pop(out.request_id, None)
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant's metric label: a digest, not the salt or API key itself."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:12] if tenant else "default"

@@ -98,6 +98,10 @@ class _SamplingFields(_Strict):
     prompt_logprobs: Optional[NumLogprobs] = None
     # kvserve's cache report (kvserve/kv/report.py): a top-level `kv_cache_report` object
     kv_cache_report: Optional[bool] = False
+    # Retention (kvserve/server/cache_control.py): TensorRT-LLM's {"priority", "ttl",
+    # "num_tokens"}, and Anthropic's {"type": "ephemeral", "ttl": "5m" | "1h"} for the prompt
+    kv_retention: Optional[dict[str, Any]] = None
+    cache_control: Optional[dict[str, Any]] = None
     # Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
     # structured_outputs {json, regex, choice, grammar, json_object, ...}; at most one of them.
     response_format: Optional[dict[str, Any]] = None
@@ -127,6 +131,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: Optional[dict[str, Any]] = None  # a breakpoint at its message's end
 
 
 class ChatMessage(_Strict):
@@ -135,6 +140,8 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    # Anthropic's breakpoint: the prompt up to this message's end is kept for the TTL
+    cache_control: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -173,6 +180,27 @@ class CacheExplainRequest(_Strict):
     tools: Optional[list[dict[str, Any]]] = None
     cache_salt: Optional[str] = None
     prompt_logprobs: Optional[NumLogprobs] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class CachePinRequest(_Strict):
+    """POST /v1/cache/pin: a prompt or chat messages whose KV stays on the device until
+    DELETE /v1/cache/pin/{id}. Messages are rendered without a generation prompt by default:
+    what later requests share is the conversation so far."""
+
+    model: Optional[str] = None
+    prompt: Optional[Union[Annotated[str, Field(min_length=1)],
+                           Annotated[list[TokenId], Field(min_length=1)]]] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_generation_prompt: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    cache_salt: Optional[str] = None
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -23,14 +23,16 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineQueueFullError,
                                          EngineStepError, RequestStream)
+from kvserve.kv.retention import Retention
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
+from kvserve.server.cache_control import api_key_tenant, request_retention
 from kvserve.server.streaming import event_stream, reports_field, sse
 from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.tokenizer import holdback
+from kvserve.tokenizer import BYTE_DECODER, holdback
 from kvserve.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
@@ -57,22 +59,6 @@ def engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE writes byte b as one printable character: b itself for the printable
-    Latin-1 bytes, 256 + k for the k-th of the others (the GPT-2 scheme). Inverse map."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {b: b for b in printable}
-    k = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + k
-            k += 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-_BYTE_DECODER = _byte_level_alphabet()
-
-
 def finite_logprob(value: float) -> float:
     return value if value == value and value > MIN_LOGPROB else MIN_LOGPROB
 
@@ -85,6 +71,7 @@ class Prepared:
     params: SamplingParams
     stop_list: list[str]
     engine_ids: list[str] = field(default_factory=list)
+    tenant: str | None = None  # for tenant quotas (--kv-tenant-by api_key): the API key
 
 
 @dataclass
@@ -103,6 +90,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, tuple[str, bytes, int]] = {}
         self.request_log = None  # a kvserve.server.request_log.RequestLog (--request-log)
+        self.tenant_by = "cache_salt"  # or "api_key" (--kv-tenant-by): whose blocks are whose
 
     # -- shared -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -132,8 +120,8 @@ class OpenAIServing:
             raw, length = text.encode(), len(text)
             if "\ufffd" in text:
                 piece = self.tokenizer.id_to_token(token_id)
-                if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
-                    raw = bytes(_BYTE_DECODER[ch] for ch in piece)  # byte-level BPE
+                if piece is not None and all(ch in BYTE_DECODER for ch in piece):
+                    raw = bytes(BYTE_DECODER[ch] for ch in piece)  # byte-level BPE
                     text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             info = (text, raw, length)
             if len(self._token_strs) < 1_000_000:
@@ -194,14 +182,16 @@ class OpenAIServing:
     @staticmethod
     def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None,
-                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured: StructuredOutputsParams | None = None,
+                         retention: Retention | None = None) -> SamplingParams:
         kw: dict[str, Any] = dict(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req.logit_bias),
-            structured_outputs=structured, kv_cache_report=req.kv_cache_report)
+            structured_outputs=structured, kv_cache_report=req.kv_cache_report,
+            kv_retention=retention)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -219,7 +209,7 @@ class OpenAIServing:
         prep.engine_ids = [f"{base_id}-{i}" for i in range(len(prep.prompts))]
         adds = [self.engine.add_request(rid, prompt, prep.params, stream=streaming,
                                         cache_salt=req.cache_salt, priority=req.priority,
-                                        arrival_time=arrival)
+                                        arrival_time=arrival, tenant=prep.tenant)
                 for rid, prompt in zip(prep.engine_ids, prep.prompts)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
@@ -363,8 +353,9 @@ class OpenAIServing:
         prompt_lps = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None),
                          default=None)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
-                                       structured)
-        prep = Prepared(prompts, params, params.stop_list)
+                                       structured, request_retention(req))
+        prep = Prepared(prompts, params, params.stop_list,
+                        tenant=api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None)
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:

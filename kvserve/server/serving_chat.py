@@ -24,9 +24,11 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.cache_control import (api_key_tenant, chat_message_ends, message_control,
+                                          request_retention)
 from kvserve.server.chat_prompt import render_chat
-from kvserve.server.protocol import APIError, CacheExplainRequest, ChatCompletionRequest, \
-    StreamOptions
+from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinRequest, \
+    ChatCompletionRequest, StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
 from kvserve.server.streaming import event_stream, reports_field, sse
@@ -58,9 +60,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        ids = prompt["prompt_token_ids"]
+        retention = await off_loop(text_size([m.content for m in req.messages]),
+                                   request_retention, req, lambda: self._message_ends(req, ids))
         params = self._sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
-                                       structured)
-        prep = Prepared([prompt], params, params.stop_list)
+                                       structured, retention)
+        prep = Prepared([prompt], params, params.stop_list,
+                        tenant=api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None)
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
@@ -99,22 +105,36 @@ class OpenAIServingChat(OpenAIServing):
         rendered and tokenized as the real one is, read on the engine's thread between steps
         without running anything."""
         self.check_model(req.model)
-        if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages,
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         chat_template_kwargs=req.chat_template_kwargs,
-                                         tools=req.tools)
-            prompt = await off_loop(text_size([m.content for m in req.messages]),
-                                    self._chat_prompt, chat)
-        else:
-            [prompt] = await off_loop(text_size(req.prompt), self._completion_prompts,
-                                      req.prompt)
+        prompt = await self.cache_prompt(req)
         try:
             return await self.engine.call(lambda e: e.explain_cache(
                 {"prompt_token_ids": prompt["prompt_token_ids"]}, req.cache_salt,
                 req.prompt_logprobs))
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
+
+    async def cache_prompt(self, req: CacheExplainRequest | CachePinRequest) -> dict[str, Any]:
+        """The prompt of a /v1/cache request (a prompt, or messages rendered as a chat request
+        renders them), tokenized."""
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         chat_template_kwargs=req.chat_template_kwargs,
+                                         tools=req.tools)
+            return await off_loop(text_size([m.content for m in req.messages]),
+                                  self._chat_prompt, chat)
+        [prompt] = await off_loop(text_size(req.prompt), self._completion_prompts, req.prompt)
+        return prompt
+
+    def _message_ends(self, req: ChatCompletionRequest, ids: list[int]) -> list[int | None]:
+        """Where each message with a breakpoint ends in the prompt (server/cache_control.py)."""
+        def render_ids(n: int) -> list[int]:
+            cut = req.model_copy(update={"messages": req.messages[:n],
+                                         "add_generation_prompt": False})
+            return self._chat_prompt(cut)["prompt_token_ids"]
+
+        marked = [i for i, m in enumerate(req.messages) if message_control(m) is not None]
+        return chat_message_ends(render_ids, ids, len(req.messages), marked)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         try:

@@ -1,0 +1,56 @@
+"""POST /v1/cache/pin, DELETE /v1/cache/pin/{id}, GET /v1/cache/pins (kv/pins.py).
+
+A pin is made in two moves on the engine's thread: the prompt's blocks are pinned if the device
+holds them all; if not, the prompt is run first (a prefill, no token sampled) and pinned right
+after. Between the two an eviction could take a block again (the engine steps other requests in
+between), so the pair is tried a few times before the server answers 503. Room is checked
+before any prefill is spent: a pin past --max-pinned-fraction is a 400 naming the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.kv.pins import PinLimitError
+from kvserve.sampling import SamplingParams
+from kvserve.server.protocol import APIError, CachePinRequest
+
+PIN_ATTEMPTS = 3
+
+
+async def create_pin(serving: Any, req: CachePinRequest) -> dict[str, Any]:
+    serving.check_model(req.model)
+    if not serving.engine.config.enable_prefix_caching:
+        raise APIError(400, "pinning needs prefix caching (the server runs with "
+                       "--no-enable-prefix-caching)")
+    prompt = {"prompt_token_ids": (await serving.cache_prompt(req))["prompt_token_ids"]}
+    salt = req.cache_salt
+    try:
+        await serving.engine.call(lambda e: e.pin_room(prompt, salt))
+    except PinLimitError as exc:
+        raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    for _ in range(PIN_ATTEMPTS):
+        try:
+            pin = await serving.engine.call(lambda e: e.pin_prefix(prompt, salt))
+        except PinLimitError as exc:  # another pin took the room meanwhile
+            raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
+        if pin is not None:
+            return pin
+        async for _out in serving.engine.generate(prompt, SamplingParams(max_tokens=1),
+                                                  stream=False, cache_salt=salt):
+            pass
+    raise APIError(503, "the prompt's blocks were evicted before they could be pinned "
+                   f"({PIN_ATTEMPTS} tries); the pool is under pressure, retry later")
+
+
+async def delete_pin(serving: Any, pin_id: str) -> dict[str, Any]:
+    pin = await serving.engine.call(lambda e: e.unpin(pin_id))
+    if pin is None:
+        raise APIError(404, f"no pin {pin_id!r}", param="pin_id")
+    return {**pin, "deleted": True}
+
+
+async def list_pins(serving: Any) -> dict[str, Any]:
+    return await serving.engine.call(lambda e: e.list_pins())
