@@ -388,13 +388,17 @@ def worker_kvserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from kvserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    control = {"kv_tenant_quota": 0.5} if args.kv_control else {}
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads,
               max_num_seqs=max(args.num_prompts, 2),
-              max_model_len=args.prompt_len + args.max_tokens, block_size=16)
+              max_model_len=args.prompt_len + args.max_tokens, block_size=16, **control)
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:2]], warm, use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                            kv_cache_report=args.kv_cache_report,
+                            kv_retention={"priority": 60, "ttl": "10m"} if args.kv_control
+                            else None)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     prof = _maybe_profiler(args)
     start_wall = time.time()
@@ -732,6 +736,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=9, help=argparse.SUPPRESS)
     p.add_argument("--read-bytes", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--max-batched-tokens", type=int, default=8192, help=argparse.SUPPRESS)
+    # bench_cache_control.py: every request with a cache report / a retention under quotas
+    p.add_argument("--kv-cache-report", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kv-control", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile", metavar="FILE",
                    help="worker only: torch-profile the timed generate, write the top ops here")
     p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
