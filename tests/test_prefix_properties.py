@@ -22,6 +22,11 @@ over one pool, each with its own table and index. The model then tracks every gr
 (block ids never repeat across groups), checks each group's readable positions, each group's part
 of a hit, and that a hit is valid in every group at once.
 
+Cache control (issue 33) runs in the same machine: tenant quotas (the salts are the tenants),
+pins (held like a request's blocks; unpinned at random), retention priorities with TTLs on a
+clock the machine advances, and audit drops of random nodes. None of them may change what a
+request reads, leak a block, or leave an idle block the pool counts as available unevictable.
+
 Then unit tests for the eviction policies (lru / lfu / priority), leaf-first eviction, and the
 cost of eviction with many idle leaves.
 """
@@ -40,7 +45,9 @@ import kvserve.kv.prefix_index as prefix_index_module
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.hashing import chain_hashes
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pins import PinLimitError
 from kvserve.kv.prefix_index import PrefixIndex
+from kvserve.kv.retention import Retention, RetentionRange, retain_sequence
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 
@@ -111,8 +118,9 @@ def _idle_evictable(index: PrefixIndex, refs: list[int]) -> int:
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 3, 4]),
                 policy=st.sampled_from(["lru", "lfu", "priority"]),
-                window=st.sampled_from([None, None, 1, 2, 3, 5, 8]), hybrid=st.booleans())
-    def setup(self, num_blocks, block_size, policy, window, hybrid):
+                window=st.sampled_from([None, None, 1, 2, 3, 5, 8]), hybrid=st.booleans(),
+                quota=st.sampled_from([None, None, 0.3]))
+    def setup(self, num_blocks, block_size, policy, window, hybrid, quota):
         if hybrid and window is not None:  # a full group and two windowed ones
             self.windows = (None, window, window)
             self.kv = KVCacheManager(num_blocks * 2, block_size, True, policy,
@@ -120,6 +128,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         else:
             self.windows = (window,)
             self.kv = KVCacheManager(num_blocks, block_size, True, policy, window=window)
+        if quota is not None:
+            self.kv.set_tenant_quota(quota)
+        self.now = 0.0
+        for g in self.kv.groups:
+            g.index.clock = lambda: self.now
+        self.pins: list[str] = []
         self.bs = block_size
         self.groups = range(self.kv.num_groups)
         self.live: dict[str, Request] = {}
@@ -350,6 +364,49 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert not any(self.kv.pool.ref_counts[node.block] == 0
                            for node in _tree_nodes(index) if node.block != NULL_BLOCK)
 
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def pin(self, data):
+        """Pin an earlier prefix if the device holds it whole (and the fraction allows)."""
+        tokens, salt = data.draw(st.sampled_from(self.history))
+        probe = _request("pin-probe", list(tokens) + [0], salt)
+        try:
+            pin = self.kv.pins.pin(probe, len(tokens))
+        except PinLimitError:
+            return
+        if pin is not None:
+            self.pins.append(pin.id)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        pin_id = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        assert self.kv.pins.unpin(pin_id) is not None
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), priority=st.integers(0, 100),
+          ttl=st.one_of(st.none(), st.floats(0.5, 5.0)), end=st.integers(0, 12))
+    def retain(self, data, priority, ttl, end):
+        """A live request's cached blocks get a retention (as the scheduler gives them)."""
+        req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        ret = Retention((RetentionRange(end or None, priority, ttl),))
+        retain_sequence(self.kv, req, ret, len(req.prompt_token_ids))
+
+    @rule(dt=st.floats(0.0, 3.0))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule(data=st.data(), group=st.integers(0, 2))
+    def drop(self, data, group):
+        """An audit's verdict on a random node: it and its subtree leave the index."""
+        index = self.kv.groups[group % len(self.groups)].index
+        nodes = [n for n in _tree_nodes(index)]
+        if not nodes:
+            return
+        node = data.draw(st.sampled_from(nodes))
+        for n in index.drop(node):
+            assert n.dropped
+
     @rule(data=st.data())
     def pressure(self, data):
         """Someone takes blocks: idle cached ones are evicted to make room, held ones never.
@@ -403,6 +460,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         for req in list(self.live.values()):
             self.kv.free(req)
+        for pin_id in self.pins:
+            self.kv.pins.unpin(pin_id)
         self.kv.check_invariants([])
         assert not self.kv.block_tables
         for g in self.kv.groups:

@@ -218,8 +218,9 @@ class Scheduler:
             request.num_computed_tokens = computed
             if n > 1 or computed % bs == 0:  # one token completes a block only at its end
                 publish(request)
-                if request.sampling_params.kv_retention is not None:
-                    self._retain(request)
+                if request.sampling_params.kv_retention is not None \
+                        and computed - n < len(request.prompt_token_ids):
+                    self._retain(request)  # a retention covers prompt blocks only
 
     def _retain(self, request: Request) -> None:
         retain_sequence(self.kv, request, request.sampling_params.kv_retention,
