@@ -428,6 +428,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if really:  # resets are rare in real life, and they make every later match empty
             return
         self.kv.reset_prefix_cache()
+        assert len(self.kv.pins) == 0, "a reset lets go of every pin"
+        self.pins.clear()
         assert all(g.index.num_cached_blocks == 0 for g in self.kv.groups)
         assert self.kv.pool.num_cached_idle == 0
         for req in self.live.values():

@@ -337,14 +337,7 @@ class PrefixIndex:
                 self._hollow(node)
                 continue
             self._remove(node)
-            parent = node.parent
-            while parent is not None and parent.parent is not None \
-                    and parent.block == NULL_BLOCK and not parent.children:
-                self._remove(parent)  # a hollow node leads nowhere any more
-                parent = parent.parent
-            if (parent is not None and parent.block >= 0 and not parent.children
-                    and self.pool.ref_counts[parent.block] == 0):
-                self._push(parent)
+            self._prune_above(node)
         self.num_evicted_blocks += len(evicted)
         return evicted
 
@@ -360,11 +353,20 @@ class PrefixIndex:
         for n in reversed(order):  # children first: `_remove` takes leaves
             n.dropped = True
             self._remove(n)
+        self._prune_above(node)
+        return order
+
+    def _prune_above(self, node: Node) -> None:
+        """After `node` left the tree: hollow ancestors that lead nowhere now go too, and the
+        first cached one, if it became an idle leaf, becomes evictable."""
         parent = node.parent
+        while parent is not None and parent.parent is not None \
+                and parent.block == NULL_BLOCK and not parent.children:
+            self._remove(parent)  # a hollow node leads nowhere any more
+            parent = parent.parent
         if (parent is not None and parent.block >= 0 and not parent.children
                 and self.pool.ref_counts[parent.block] == 0):
             self._push(parent)
-        return order
 
     def _hollow(self, node: Node) -> None:
         """Evict an interior node's block but keep the node (windowed caches). No event: a
