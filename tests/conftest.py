@@ -55,6 +55,17 @@ def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
     return save_random_checkpoint(_hf_config(arch), out, seed)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is as fast as two, and does not stall when the machine
+    is busy (two threads spinning at each GEMM's barrier on two shared cores can be 50x
+    slower). A module asks for it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")

@@ -22,7 +22,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 from differential import (TIER_COMBOS, DrawChooser, RunResult, Tiers, Workload, compare,
                           make_llm, make_workload, run)
 from hypothesis import HealthCheck, given, seed, settings
@@ -73,13 +72,7 @@ def _no_source_constants(monkeypatch):
                             lambda self, *args, **kwargs: None)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is as fast and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def run_with_tiers(model_dir: Path, w: Workload, combo: str, redis_server) -> RunResult:

@@ -37,13 +37,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 VOCAB = 512  # the conftest checkpoints'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is as fast, and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -240,17 +234,24 @@ def test_a_tight_pool_that_preempts(llama):
     assert plain.engine.stats().num_preemptions > 0, audited.engine.audit.stats()
 
 
-def test_a_preempted_audit_is_given_up(llama):
-    """An audit running over several steps (chunked) that the pool must preempt is finished,
-    not requeued: its blocks are freed and it counts as skipped."""
+def _chunked_audit(llama, seed: int):
+    """An engine whose step budget is one block, with an audit started on a 3-block hit: the
+    hit computes its 5 new tokens, the audit the other 11 of the step (then 2 more steps)."""
     llm = make_llm(llama, kv_audit_rate=1.0, max_num_batched_tokens=BS)
     engine = llm.engine
-    rng = random.Random(5)
+    rng = random.Random(seed)
     prefix = toks(rng, 3 * BS)
     generate(llm, [prefix + toks(rng, 3)])
     engine.add_request({"prompt_token_ids": prefix + toks(rng, 5)}, GREEDY)
-    engine.step()  # the hit computes its 5 new tokens; the audit starts on the other 11
+    engine.step()
     [audit] = [r for r in engine.scheduler.running if isinstance(r, AuditRequest)]
+    return engine, rng, audit
+
+
+def test_a_preempted_audit_is_given_up(llama):
+    """An audit running over several steps (chunked) that the pool must preempt is finished,
+    not requeued: its blocks are freed and it counts as skipped."""
+    engine, rng, audit = _chunked_audit(llama, 5)
     assert audit.num_computed_tokens == BS - 5 and audit.request_id.startswith(AUDIT_ID_PREFIX)
     engine.scheduler._preempt(audit)
     assert audit.finished and audit.request_id not in engine.kv.block_tables
@@ -266,14 +267,7 @@ def test_a_preempted_audit_is_given_up(llama):
 def test_a_chunked_audit_gives_way_to_waiting_requests(llama):
     """An audit computing its prefix over several steps is given up as soon as a request
     waits (which gets the step's budget), and tried once more when nothing waits."""
-    llm = make_llm(llama, kv_audit_rate=1.0, max_num_batched_tokens=BS)
-    engine = llm.engine
-    rng = random.Random(6)
-    prefix = toks(rng, 3 * BS)
-    generate(llm, [prefix + toks(rng, 3)])
-    engine.add_request({"prompt_token_ids": prefix + toks(rng, 5)}, GREEDY)
-    engine.step()
-    [audit] = [r for r in engine.scheduler.running if isinstance(r, AuditRequest)]
+    engine, rng, audit = _chunked_audit(llama, 6)
     [newcomer] = engine._groups[engine.add_request({"prompt_token_ids": toks(rng, 40)}, GREEDY)]
     engine.step()
     assert audit.finished and audit.request_id not in engine.kv.block_tables

@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from helpers import hf_greedy, kv_bytes_per_token
 from test_prefix_properties import check_index_evictable
 
@@ -31,15 +30,7 @@ BLOCK_SIZES = [1, 7, 16, 64]
 HF_VOCAB = 512  # the conftest checkpoints'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: one intra-op thread is as fast as two, and does not stall
-    when the machine is busy (two threads spinning at each GEMM's barrier on two shared cores
-    can be 50x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -167,46 +167,38 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: Optional[ServiceTier] = None
 
 
-class CacheExplainRequest(_Strict):
-    """POST /v1/cache/explain: a prompt (as /v1/completions takes one) or chat messages (as
-    /v1/chat/completions renders them), and what decides its cache lookup."""
+class _CachePrompt(_Strict):
+    """A /v1/cache request's prompt: a prompt (as /v1/completions takes one) or chat messages
+    (as /v1/chat/completions renders them), and the salt its blocks are cached under."""
 
     model: Optional[str] = None
     prompt: Optional[Union[Annotated[str, Field(min_length=1)],
                            Annotated[list[TokenId], Field(min_length=1)]]] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
-    add_generation_prompt: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     cache_salt: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class CacheExplainRequest(_CachePrompt):
+    """POST /v1/cache/explain: what decides a prompt's cache lookup, without running it."""
+
+    add_generation_prompt: Optional[bool] = True
     prompt_logprobs: Optional[NumLogprobs] = None
 
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
-        return self
 
+class CachePinRequest(_CachePrompt):
+    """POST /v1/cache/pin: a prompt whose KV stays on the device until DELETE
+    /v1/cache/pin/{id}. Messages are rendered without a generation prompt by default: what
+    later requests share is the conversation so far."""
 
-class CachePinRequest(_Strict):
-    """POST /v1/cache/pin: a prompt or chat messages whose KV stays on the device until
-    DELETE /v1/cache/pin/{id}. Messages are rendered without a generation prompt by default:
-    what later requests share is the conversation so far."""
-
-    model: Optional[str] = None
-    prompt: Optional[Union[Annotated[str, Field(min_length=1)],
-                           Annotated[list[TokenId], Field(min_length=1)]]] = None
-    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
     add_generation_prompt: Optional[bool] = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    cache_salt: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
-        return self
 
 
 # -- errors ---------------------------------------------------------------------------------
