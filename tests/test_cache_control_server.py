@@ -169,3 +169,41 @@ def test_tenant_quota_keeps_another_tenants_prefix(servers):
         burst(s, 500, count=16, headers=a)
         assert cached(s, hot) == (992 if stays else 0), name
     assert metric(servers["quota"], "kvserve:kv_tenant_idle_cached_blocks") > 0
+
+
+def test_message_breakpoint_keeps_the_conversation_up_to_it(servers):
+    """A breakpoint on the system message of a chat: after a burst, the conversation up to the
+    system message's end is still cached and the rest (the user's turn) is not; the same chat
+    without the breakpoint loses everything to the same burst."""
+    s = servers["plain"]
+    system = " ".join(f"rule {i}: answer in one sentence." for i in range(60))
+    user = " ".join(f"question part {i}" for i in range(40))
+
+    def chat(tag: str, control: bool) -> list[dict]:
+        sys_msg = {"role": "system", "content": f"{tag} {system}"}
+        if control:
+            sys_msg["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+        return [sys_msg, {"role": "user", "content": user}]
+
+    def explain(messages) -> dict:
+        r = httpx.post(f"{s.url}/v1/cache/explain", json={"messages": messages}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for tag, control in (("marked", True), ("plain", False)):
+        messages = chat(tag, control)
+        r = httpx.post(f"{s.url}/v1/chat/completions",
+                       json={"messages": messages, "max_tokens": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        full = explain(messages)
+        assert full["cached_tokens"] >= full["prompt_tokens"] - BS
+        system_only = explain(messages[:1])
+        burst(s, 600 if control else 700)
+        after = explain(messages)["cached_tokens"]
+        if control:
+            # the system message's blocks (its last partial block excepted) stayed; the user
+            # turn's went
+            assert system_only["prompt_tokens"] - 2 * BS <= after <= system_only["prompt_tokens"]
+            assert after < full["cached_tokens"] - BS
+        else:  # at most the template's opening, shared with the marked chat's first block
+            assert after < BS
