@@ -29,7 +29,7 @@ import torch
 from helpers import hf_greedy, kv_bytes_per_token
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_prefix_caching import _one_thread, generate, make_llm  # noqa: F401
+from test_prefix_caching import generate, make_llm
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
@@ -37,6 +37,8 @@ from kvserve.kv.tiers.chunk import ChunkIdentity, CorruptChunkError, decode, enc
 from kvserve.kv.tiers.config import TierConfig, load_tier_config
 from kvserve.kv.tiers.stats import TierStats
 from kvserve.kv.tiers.stores import DiskStore, HostStore
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 HF_VOCAB = 512
 NEW = 8
