@@ -14,10 +14,10 @@ and two prefix comparisons, with no per-character structure in Python.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.diagnose.render import Rendered
+from kvserve.kv.prefix_index import common_prefix
 
 
 @dataclass
@@ -33,19 +33,6 @@ class Divergence:
     def identical(self) -> bool:
         """The whole prompt was seen before (nothing to classify)."""
         return self.other >= 0 and self.token >= self.length_tokens
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix, by bisection on slice equality (C-speed compares
-    rather than a Python loop over characters)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class _Nearest:

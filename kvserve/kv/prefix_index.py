@@ -149,7 +149,7 @@ class PrefixIndex:
             return result  # the block after the hit is hollow or unreachable: no partial hit
         node = path[-1] if path else self._roots[extra]
         start = len(result.nodes) * bs
-        rest = tokens[start:start + bs]
+        rest = tuple(tokens[start:start + bs])  # common_prefix compares it with a tuple
         if rest:
             for child in node.by_first_token.get(rest[0], ()):
                 if child.block == NULL_BLOCK:
@@ -475,10 +475,17 @@ class NoPrefixCache:
 PrefixCache = PrefixIndex | NoPrefixCache
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix, by bisection on slice equality: C-speed compares,
+    not a Python loop (kvserve diagnose compares whole rendered prompts with it). Sequences
+    of two types (a node's token tuple, a prompt's list) are compared as tuples."""
+    if type(a) is not type(b):
+        a, b = tuple(a), tuple(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
