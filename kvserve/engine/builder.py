@@ -104,10 +104,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         window=_release_window(config, kv_spec, groups, tiers),
                         group_windows=None if groups is None
                         else [getattr(g.spec, "window", None) for g in groups],
-                        track_released=tensors.keeps_block_state)
-    kv.pins.set_max_fraction(config.max_pinned_fraction)
-    if config.kv_tenant_quota is not None:
-        kv.set_tenant_quota(config.kv_tenant_quota)
+                        track_released=tensors.keeps_block_state,
+                        max_pinned_fraction=config.max_pinned_fraction,
+                        tenant_quota=config.kv_tenant_quota)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
     _log_capacity(config, kv, model_config, kv_spec, model, groups)

@@ -150,8 +150,8 @@ class PrometheusStatLogger:
                               "by event: audited_hits, audited_blocks, mismatches, "
                               "dropped_blocks, skipped.", ["event"])
         self._label = {"model_name": model_name}
-        labelled = {"audits", "cache_config_info", "request_success", "hits_by_source", "missed_by_reason",
-                    "tenant_idle_blocks",
+        labelled = {"audits", "cache_config_info", "request_success", "hits_by_source",
+                    "missed_by_reason", "tenant_idle_blocks",
                     "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
                     "tier_load_latency", "tier_usage"}
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()

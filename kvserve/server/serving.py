@@ -92,6 +92,11 @@ class OpenAIServing:
         self.request_log = None  # a kvserve.server.request_log.RequestLog (--request-log)
         self.tenant_by = "cache_salt"  # or "api_key" (--kv-tenant-by): whose blocks are whose
 
+    def tenant_of(self, raw: Request) -> str | None:
+        """A request's tenant for quotas: its API key's under --kv-tenant-by api_key (None:
+        the engine takes the cache salt)."""
+        return api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None
+
     # -- shared -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -354,8 +359,7 @@ class OpenAIServing:
                          default=None)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
                                        structured, request_retention(req))
-        prep = Prepared(prompts, params, params.stop_list,
-                        tenant=api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None)
+        prep = Prepared(prompts, params, params.stop_list, tenant=self.tenant_of(raw))
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:

@@ -24,8 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.server.cache_control import (api_key_tenant, chat_message_ends, message_control,
-                                          request_retention)
+from kvserve.server.cache_control import chat_message_ends, message_control, request_retention
 from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinRequest, \
     ChatCompletionRequest, StreamOptions
@@ -65,8 +64,7 @@ class OpenAIServingChat(OpenAIServing):
                                    request_retention, req, lambda: self._message_ends(req, ids))
         params = self._sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                        structured, retention)
-        prep = Prepared([prompt], params, params.stop_list,
-                        tenant=api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None)
+        prep = Prepared([prompt], params, params.stop_list, tenant=self.tenant_of(raw))
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:

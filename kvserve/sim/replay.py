@@ -161,12 +161,11 @@ class Replica:
             policy.future = future
             self.belady = policy
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
-                                 enable_prefix_caching=True, eviction_policy=policy)
+                                 enable_prefix_caching=True, eviction_policy=policy,
+                                 max_pinned_fraction=config.max_pinned_fraction,
+                                 tenant_quota=config.tenant_quota)
         self.now = 0.0  # the replay's clock, which retention TTLs read
         self.kv.index.clock = lambda: self.now
-        self.kv.pins.set_max_fraction(config.max_pinned_fraction)
-        if config.tenant_quota is not None:
-            self.kv.set_tenant_quota(config.tenant_quota)
         self.pins_refused = 0
         self.immediate = config.lifetime == "immediate"
         self._running: list[tuple[float, int, SimSeq, TraceRequest, int]] = []
@@ -239,11 +238,9 @@ class Replica:
             start = max(start, finish)
             self._finish(r, rr, p, pos)
         kv.end_step()  # no KV memory to move: the plan (copies of partial hits) is dropped
-        if req.retention is not None:  # a hit refreshes a TTL, as in the engine's scheduler
-            retain_sequence(kv, req, req.retention, req.num_tokens)
         req.num_computed_tokens = req.num_tokens
         kv.cache_full_blocks(req)
-        if req.retention is not None:
+        if req.retention is not None:  # its whole path: the hit (a refresh) and the new blocks
             retain_sequence(kv, req, req.retention, req.num_tokens)
         if req.pin:
             self._pin(req)

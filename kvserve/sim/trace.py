@@ -14,7 +14,8 @@ Optional on either: `timestamp` (milliseconds by default, see `time_unit`), `cac
 `priority`, and cache control as the server takes it (kv/retention.py): `kv_retention`
 (TensorRT-LLM's {"priority", "ttl", "num_tokens"}), `cache_control` (Anthropic's breakpoint, for
 the whole prompt), `tenant` (for tenant quotas; default the salt) and `pin: true` (the prompt is
-pinned once computed, as POST /v1/cache/pin would). A first line `{"meta": {"block_size": 512}}` sets the hash-id block size.
+pinned once computed, as POST /v1/cache/pin would). A first line
+`{"meta": {"block_size": 512}}` sets the hash-id block size.
 
 Hash ids become tokens deterministically: block i of a request whose hash id is h is the token h
 repeated (the last block cut to `input_length`). The same hash id gives the same tokens, different
