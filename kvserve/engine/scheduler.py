@@ -419,7 +419,7 @@ class Scheduler:
             hit_tokens={source: kv.hit_tokens[source] for source in SOURCES},
             missed_tokens=dict(self.missed_tokens),
             num_pins=len(kv.pins), num_pinned_blocks=kv.pins.num_pinned_blocks,
-            idle_blocks_by_tenant={t: c for t, c in kv.pool.idle_by_tenant.items() if c},
+            idle_blocks_by_tenant=dict(kv.pool.idle_by_tenant),  # zeros too: gauges go back
             audits=self.audit.stats() if self.audit is not None else {})
 
     def finish(self, request: Request, status: RequestStatus) -> None:

@@ -28,7 +28,8 @@ class EngineStats:
     missed_tokens: dict[str, int] = field(default_factory=dict)
     num_pins: int = 0  # prefixes pinned (kv/pins.py)
     num_pinned_blocks: int = 0
-    # Idle cached blocks per tenant, with tenant quotas on (kv/block_pool.py); else empty.
+    # Idle cached blocks per tenant (0 for one that has none now), with tenant quotas on
+    # (kv/block_pool.py); else empty.
     idle_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
     # Hit audits (engine/audit.py): audited_hits, audited_blocks, mismatches, dropped_blocks,
     # skipped; empty when audits are off.
