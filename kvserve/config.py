@@ -19,6 +19,7 @@ from kvserve import features as F
 from kvserve.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
+from kvserve.kv.swap import PREEMPTION_MODES
 from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
 
 SUPPORTED_DTYPES = ("auto", *DTYPES)
@@ -82,6 +83,14 @@ class EngineConfig:
     kv_audit_rate: float = _arg(0.0, "fraction of prefix-cache hits recomputed off the hot "
                                 "path and compared with the cached KV; a mismatch drops the "
                                 "block (kvserve/engine/audit.py); default off", metavar="R")
+    preemption_mode: str = _arg("auto", "how a request is preempted when the KV pool runs "
+                                "out: recompute (free its blocks, compute its tokens again "
+                                "later), swap (copy its KV to host swap space and back), auto "
+                                "(per request, whichever the copy and prefill speeds measured "
+                                "at start-up make faster); kvserve/kv/swap.py",
+                                choices=PREEMPTION_MODES)
+    swap_space: float = _arg(4.0, "GiB of host memory for the KV of swapped-out requests "
+                             "(vLLM's name); a swap that does not fit recomputes", metavar="GIB")
     scheduling_policy: str = _arg("fcfs", "lpm: waiting requests with the longest cached "
                                   "prefix first", choices=SCHEDULING_POLICIES)
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
@@ -117,6 +126,13 @@ class EngineConfig:
                                "max_local_cpu_size, local_disk, max_local_disk_size, remote_url, "
                                "remote_serde, ...) or the same as a JSON string",
                                metavar="FILE_OR_JSON")
+    # None = no disaggregation; from Python also a dict or a KVTransferConfig.
+    kv_transfer_config: Any = _arg(None, "prefill/decode disaggregation (vLLM's flag): JSON "
+                                   "with kv_connector (kvserve: pull over TCP; redis: a shared "
+                                   "Redis tier), kv_role (kv_producer, kv_consumer, kv_both), "
+                                   "kv_ip, kv_port, kv_buffer_size, kv_connector_extra_config "
+                                   "(redis_url, chunk_size, transfer_timeout); "
+                                   "kvserve/kv/tiers/transfer.py", metavar="JSON")
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -140,6 +156,12 @@ class EngineConfig:
             raise ValueError(f"kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
         if not 0.0 <= self.kv_audit_rate <= 1.0:
             raise ValueError(f"kv_audit_rate must be in [0, 1], got {self.kv_audit_rate}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not isinstance(self.kv_cache_dtype, str):
             raise TypeError(f"kv_cache_dtype must be a string, got {self.kv_cache_dtype!r}")
         resolve_kv_dtype(self.kv_cache_dtype)  # ValueError listing the valid names
@@ -149,6 +171,12 @@ class EngineConfig:
         from kvserve.kv.tiers.config import load_tier_config
 
         self.kv_tier_config = load_tier_config(self.kv_tier_config)
+        from kvserve.kv.tiers.transfer import load_transfer_config
+
+        self.kv_transfer_config = load_transfer_config(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:  # a transfer runs through the tiers
+            self.kv_tier_config = self.kv_transfer_config.tier_config(self.kv_tier_config,
+                                                                      self.block_size)
         if self.kv_tier_config is not None and self.kv_tier_config.chunk_size % self.block_size:
             raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                              f"must be a multiple of block_size ({self.block_size})")
@@ -193,6 +221,8 @@ class EngineConfig:
             on.add(F.INT4)
         if self.bounded_kv_policy is not None:
             on.add(F.BOUNDED)
+        if self.preemption_mode == "swap":
+            on.add(F.SWAP)
         return on
 
     def check_features(self, extra: set[str] = frozenset(), **context: Any) -> None:

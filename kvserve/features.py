@@ -38,6 +38,7 @@ RELEASED_WINDOW = "released_window"  # blocks outside a sliding window are relea
 BOUNDED = "bounded"  # a bounded KV cache (kv/bounded.py), engine-wide or per request
 BOUNDED_BY_ATTENTION = "bounded_by_attention"  # SnapKV / H2O: select by attention weights
 NO_ATTENTION_WEIGHTS = "no_attention_weights"  # a backend that computes no attention weights
+SWAP = "swap"  # preemption_mode='swap' (kv/swap.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ CONFLICTS: tuple[Conflict, ...] = (
              "and int8 caches"),
     Conflict(INT4, HYBRID,
              "int4 (KIVI) KV caches keep every block (no per-group tables)"),
+    Conflict(SWAP, INT4,
+             "preemption_mode='swap' cannot carry int4 (KIVI) KV: its per-block residual rows "
+             "stay with the worker; use preemption_mode='recompute' or 'auto'"),
+    Conflict(SWAP, BOUNDED,
+             "preemption_mode='swap' does not work with a bounded KV cache (its blocks hold "
+             "compacted KV); use preemption_mode='recompute' or 'auto'"),
     Conflict(HYBRID, KV_TIERS,
              "per-group block tables (a hybrid layout) do not work with storage tiers yet (a "
              "tier chunk holds every layer of a block)"),

@@ -60,3 +60,6 @@ class RequestOutput:
     # With SamplingParams.kv_cache_report: cached tokens by source and why the first uncached
     # prompt token missed (kvserve/kv/report.py's CacheReport.to_dict); else None.
     kv_cache_report: dict | None = None
+    # A producer's answer to a `do_remote_decode` request (kv/tiers/transfer.py): what a
+    # consumer needs to pull this prompt's KV (vLLM's RequestOutput.kv_transfer_params).
+    kv_transfer_params: dict | None = None

@@ -60,6 +60,11 @@ class SamplingParams:
     # TensorRT-LLM's retention as a dict ({"priority": 0..100, "ttl": "10m", "num_tokens": n})
     # or a Retention (the server's, from cache_control breakpoints); None: the policy alone.
     kv_retention: Retention | dict | None = None
+    # Prefill/decode disaggregation (kv/tiers/transfer.py), vLLM's `kv_transfer_params`:
+    # {"do_remote_decode": true} asks a producer to keep the prompt's KV for a consumer (it
+    # answers with the params a consumer needs); a producer's answer, given to a consumer,
+    # makes it pull the prompt's KV before computing the rest.
+    kv_transfer_params: dict | None = None
     # filled by the engine, not the user
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -77,6 +82,8 @@ class SamplingParams:
             self.kv_retention = Retention((kv_retention_range(self.kv_retention),))
         _require(self.kv_retention is None or isinstance(self.kv_retention, Retention),
                  f"kv_retention must be an object, got {shorten(self.kv_retention)}")
+        _require(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict),
+                 f"kv_transfer_params must be an object, got {shorten(self.kv_transfer_params)}")
         self._validate()
 
     def _validate(self) -> None:

@@ -709,6 +709,17 @@ def case_cache_control(ep, ctx) -> None:
     ep.refused("cache_control", cache_control={"type": "persistent"})
 
 
+# disaggregation (honoured end to end: tests/test_disagg_e2e.py, tests/test_kv_transfer.py);
+# this server has no kv_transfer_config, so a transfer it cannot do is refused
+def case_kv_transfer_params(ep, ctx) -> None:
+    assert ep.texts(kv_transfer_params={}) == ep.texts()
+    ep.refused("kv_transfer_params", max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    ep.refused("kv_transfer_params", max_tokens=1, stream=True,
+               kv_transfer_params={"do_remote_decode": True})
+    ep.refused("kv_transfer_params", max_tokens=1, kv_transfer_params={
+        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1})
+
+
 def case_message_cache_control(ep, ctx) -> None:
     marked = [{"role": "user", "content": PROMPT, "cache_control": {"type": "ephemeral"}}]
     assert ep.texts(messages=marked) == ep.texts()
@@ -808,7 +819,8 @@ SHARED = {"model": case_model, "n": case_n, "temperature": case_temperature,
           "response_format": case_response_format, "max_tokens": case_max_tokens,
           "structured_outputs": case_structured_outputs,
           "logprobs": case_logprobs, "kv_cache_report": case_kv_cache_report,
-          "kv_retention": case_kv_retention, "cache_control": case_cache_control}
+          "kv_retention": case_kv_retention, "cache_control": case_cache_control,
+          "kv_transfer_params": case_kv_transfer_params}
 CASES: dict[tuple[str, str], Callable] = {}
 for _name in ("CompletionRequest", "ChatCompletionRequest"):
     CASES.update({(_name, f): c for f, c in SHARED.items()})

@@ -153,14 +153,17 @@ def _capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
 def _page_groups(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVGroup, ...] | None:
     """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
     size, windowed groups releasing what falls out of their window), unless disabled or
-    storage tiers are on (their chunks hold every layer of a block); None keeps one table
-    for every layer. (Bounded caches refuse windowed layers, so never meet this layout.)"""
+    storage tiers or swap preemption are on (their chunks hold every layer of a block); None
+    keeps one table for every layer. (Bounded caches refuse windowed layers, so never meet this
+    layout.)"""
     groups = kv_spec.page_groups()
     if groups is None or config.disable_hybrid_kv_cache_manager:
         return None
     tiers = config.kv_tier_config
-    if tiers is not None and tiers.enabled:
-        logger.warning("storage tiers are on: a hybrid model keeps every block of every layer")
+    if tiers is not None and tiers.enabled or config.preemption_mode == "swap":
+        logger.warning("%s: a hybrid model keeps every block of every layer",
+                       "preemption_mode='swap'" if config.preemption_mode == "swap"
+                       else "storage tiers are on")
         return None
     logger.info("hybrid KV cache: %d groups of %d layers, one block table each",
                 len(groups), len(groups[0].layers))
@@ -170,12 +173,15 @@ def _page_groups(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVGroup, .
 def _release_window(config: EngineConfig, kv_spec: KVCacheSpec,
                     groups: tuple[KVGroup, ...] | None, tiers: object | None) -> int | None:
     """The window outside which the manager releases blocks: a model whose every layer is
-    windowed, unless disabled or storage tiers are on (their chunks hold whole blocks)."""
+    windowed, unless disabled or storage tiers or swap preemption are on (their chunks hold
+    whole blocks)."""
     window = kv_spec.release_window
     if window is None or config.disable_hybrid_kv_cache_manager or groups is not None:
         return None
-    if tiers is not None:
-        logger.warning("storage tiers are on: blocks outside the sliding window are kept")
+    if tiers is not None or config.preemption_mode == "swap":
+        logger.warning("%s: blocks outside the sliding window are kept",
+                       "storage tiers are on" if tiers is not None
+                       else "preemption_mode='swap'")
         return None
     return window
 

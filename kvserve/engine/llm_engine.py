@@ -19,10 +19,12 @@ from kvserve.config import EngineConfig
 from kvserve.engine.audit import AUDIT_ID_PREFIX, Auditor
 from kvserve.engine.builder import build_engine
 from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from kvserve.engine.stats import EngineStats
+from kvserve.engine.swapping import build_swap_space
 from kvserve.kv.bounded import BoundedKV, BoundedKVConfig
 from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
@@ -52,6 +54,8 @@ class LLMEngine:
                              self.kv_spec.layer_specs()[0].storage.dtype) \
             if config.kv_audit_rate > 0 else None
         self.scheduler.audit = self.audit
+        self.scheduler.swap = build_swap_space(config, self.kv, self.tensors, self.runner)
+        self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
             self.tensors.quantized or self.tensors.dtype != self.dtype, self.backend)
@@ -80,6 +84,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Finish queued tier saves and stop the tier threads."""
         self.inputs.close()
+        self.transfer.close()
         if self.tiers is not None:
             self._run_plan(self.kv.end_step())  # anything still planned for the tiers
             self.kv.tiers.close()
@@ -101,6 +106,7 @@ class LLMEngine:
         cached blocks its are under tenant quotas (default: its cache salt).
         """
         rid = str(self._next_id) if request_id is None else request_id
+        peer = self.transfer.peer_for(params) if params is not None else None
         children, grammar = self.inputs.make_requests(prompt, params, rid, arrival_time,
                                                       cache_salt, priority, bounded_kv)
         if request_id is None:
@@ -117,7 +123,7 @@ class LLMEngine:
             self._streaming.add(rid)
         for child in children:
             self.outputs.track(child, stream)
-            self.kv.start_prefetch(child)
+            self.kv.start_prefetch(child, peer)
         if grammar is not None and not grammar.done():
             self.inputs.compiling[rid] = (grammar, children)  # joins the queue once compiled
         else:
@@ -293,15 +299,21 @@ class LLMEngine:
             out = self.executor.execute(step)
         except StepFailed as failed:
             self._store_saved(failed.saved)
+            self._store_swapped(failed.swapped)
             if failed.stage == "load":
                 self.kv.reset_prefix_cache()
             raise failed.__cause__ from None
         self._store_saved(out.saved)
+        self._store_swapped(out.swapped)
         return out
 
     def _run_plan(self, plan: StepPlan) -> None:
         if plan:
             self._execute(StepInput(plan=plan))
+
+    def _store_swapped(self, swapped: dict[str, torch.Tensor]) -> None:
+        if swapped:
+            self.scheduler.swap.fill(swapped)
 
     def _store_saved(self, saved: list[tuple[int, torch.Tensor]]) -> None:
         """Best-effort: a chunk that is not saved is recomputed later."""
@@ -332,7 +344,10 @@ class LLMEngine:
         if all(c.finished for c in children):
             del self._groups[parent_id]
             self._streaming.discard(parent_id)
-        return self.outputs.output(parent_id, children)
+        out = self.outputs.output(parent_id, children)
+        if out.finished and children[0].sampling_params.kv_transfer_params:
+            out.kv_transfer_params = self.transfer.answer(children[0].sampling_params)
+        return out
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -9,7 +9,7 @@ in the same LM-head call, and samples them (engine/step_sampler.py): what comes 
 and logprobs.
 
 It is also the one place where KV memory is moved: the step's plan (saves read out for the
-storage tiers, loads from them, copy-on-write copies, bounded-cache compactions, per-block state
+storage tiers and swap-outs for host swap space, loads from them, copy-on-write copies, bounded-cache compactions, per-block state
 of released blocks dropped) runs here, in that order, before the forward.
 """
 
@@ -46,14 +46,19 @@ class ModelRunner:
         """The step's plan, then its forward, then its sampling: a token for each row that
         samples, the logprobs of the prompt positions that want them."""
         self.sampling.begin(step)
-        saved = self.apply_plan(step.plan)
+        swapped = self.read_swap_outs(step.plan)
+        try:
+            saved = self.apply_plan(step.plan)
+        except StepFailed as failed:
+            failed.swapped = swapped
+            raise
         if not step.seqs:
-            return StepOutput(saved=saved)
+            return StepOutput(saved=saved, swapped=swapped)
         try:
             out = self.forward(step.seqs)
         except Exception as e:
-            raise StepFailed("forward", saved) from e
-        out.saved = saved
+            raise StepFailed("forward", saved, swapped) from e
+        out.saved, out.swapped = saved, swapped
         self.sampling.sample(step, out)
         return out
 
@@ -63,6 +68,19 @@ class ModelRunner:
         largest and the mean difference relative to the recomputed block's magnitude (a KV
         audit's measurement, kv/tensors.py's `block_differences`; the engine judges it)."""
         return self.tensors.block_differences(pairs)
+
+    def read_swap_outs(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """The KV of each swapped-out request's blocks (kv/swap.py), read with the saves: before
+        anything in the step can reuse the blocks. One that fails is logged and left out (that
+        request recomputes)."""
+        swapped = {}
+        for out in plan.swap_outs:
+            try:
+                swapped[out.request_id] = self.tensors.read_blocks(list(out.blocks))
+            except Exception:
+                logger.exception("reading request %s's blocks for swap space failed; it will "
+                                 "recompute", out.request_id)
+        return swapped
 
     def apply_plan(self, plan: StepPlan) -> list[tuple[int, torch.Tensor]]:
         """Saves, then loads, then copies, then compactions (kv/plan.py says why this order),

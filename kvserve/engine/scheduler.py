@@ -6,7 +6,8 @@ or the one token sampled last step), and the scheduler hands out the step's toke
 
 1. Running requests first, oldest first, so decodes keep flowing while a long prompt is chunked.
    When the pool cannot hold a running request's next tokens, the youngest running request is
-   preempted (its blocks freed, its tokens recomputed later) until it fits.
+   preempted (its blocks freed, its tokens recomputed later, or its KV swapped out to host
+   memory and back in when it resumes: kv/swap.py) until it fits.
 2. Then waiting requests in arrival order (or longest cached prefix first), while budget,
    sequence slots and blocks last. A request first takes what the prefix cache holds of it, and
    is admitted only when the pool can hold the rest of its tokens, so that admitting it does not
@@ -38,6 +39,7 @@ from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.kv.report import build_report
 from kvserve.kv.retention import retain_sequence
+from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.grammar import bitmask_words
@@ -104,6 +106,7 @@ class Scheduler:
         self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
         self.audit: Auditor | None = None  # hit audits (engine/audit.py), set by the engine
+        self.swap: SwapSpace | None = None  # swap preemption (kv/swap.py), set by the engine
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -332,6 +335,8 @@ class Scheduler:
             if self._waits_for(request, match, inflight):
                 deferred.append(self.waiting.popleft())
                 continue
+            if self.swap is not None and request.request_id in self.swap:  # swapped out
+                match = self.swap.resume(request, self.kv.device_match(request)) or match
             if not self.running:  # nothing will free a block: a partial hit must not block it
                 match = self.kv.unblock(match, request.num_tokens) or match
             remaining = request.num_tokens - match.num_tokens
@@ -347,6 +352,8 @@ class Scheduler:
             if admission is None:
                 break
             request.num_computed_tokens = admission.num_computed_tokens
+            if self.swap is not None:
+                self.swap.admitted(request.request_id, match)
             if request.sampling_params.kv_retention is not None:
                 self._retain(request)
             if request.num_preemptions == 0:  # a resumed request hitting its own blocks is no news
@@ -383,6 +390,10 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             return
         self.running.remove(request)
+        if self.swap is not None:
+            out = self.swap.swap_out(self.kv, request, request.bounded_kv is not None)
+            if out is not None:
+                self.kv.plan_swap_out(out)  # read before anything can reuse its blocks
         self.kv.free(request)
         request.num_computed_tokens = 0
         self.bounded.reset(request)
@@ -407,6 +418,8 @@ class Scheduler:
             assert r.request_id not in self.kv.block_tables, "a waiting request holds blocks"
         assert len(self.running) <= self.config.max_num_seqs
         self.kv.check_invariants(live)
+        if self.swap is not None:
+            self.swap.check_invariants({r.request_id for r in self.waiting})
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
@@ -420,7 +433,8 @@ class Scheduler:
             missed_tokens=dict(self.missed_tokens),
             num_pins=len(kv.pins), num_pinned_blocks=kv.pins.num_pinned_blocks,
             idle_blocks_by_tenant=dict(kv.pool.idle_by_tenant),  # zeros too: gauges go back
-            audits=self.audit.stats() if self.audit is not None else {})
+            audits=self.audit.stats() if self.audit is not None else {},
+            swap=self.swap.stats.as_dict() if self.swap is not None else {})
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks (and, with the next step,
@@ -435,6 +449,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.swap is not None:
+            self.swap.drop(request.request_id)
 
 
 def _sampling_state(request: Request) -> SeqSampling:

@@ -34,3 +34,6 @@ class EngineStats:
     # Hit audits (engine/audit.py): audited_hits, audited_blocks, mismatches, dropped_blocks,
     # skipped; empty when audits are off.
     audits: dict[str, int] = field(default_factory=dict)
+    # Swap preemption (kv/swap.py): swapped_out, swapped_in, bytes_out, bytes_in, and
+    # fallback_<reason> (recomputed instead); empty when every preemption recomputes.
+    swap: dict[str, int] = field(default_factory=dict)

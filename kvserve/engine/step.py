@@ -110,6 +110,8 @@ class StepOutput:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     # The plan's saves that were read: (chunk hash, its KV), for the storage tiers.
     saved: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # The plan's swap-outs as read: by request id, its blocks' KV (for host swap space).
+    swapped: dict[str, torch.Tensor] = field(default_factory=dict)
     # Attention weights observed (SnapKV, H2O): by request id, one [kv_heads, keys] per layer.
     observed: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     tokens: list[int | None] = field(default_factory=list)  # one per `sampled`
@@ -125,7 +127,9 @@ class StepFailed(RuntimeError):
     prefix index names lack their KV (the scheduler's side drops its prefix cache); "forward":
     the plan landed whole, the forward did not."""
 
-    def __init__(self, stage: str, saved: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, stage: str, saved: list[tuple[int, torch.Tensor]],
+                 swapped: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__(f"the step failed in its {stage}")
         self.stage = stage
         self.saved = saved
+        self.swapped = swapped or {}  # the plan's swap-outs as read (they hold, too)

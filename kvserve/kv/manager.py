@@ -46,10 +46,11 @@ from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.hashing import chain_hashes, extra_keys
 from kvserve.kv.invariants import check_manager
 from kvserve.kv.pins import Pins
-from kvserve.kv.plan import ChunkLoad, StepPlan
+from kvserve.kv.plan import ChunkLoad, StepPlan, SwapOut
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
 from kvserve.kv.seq import CachedSeq, matchable_tokens, tenant_of
-from kvserve.kv.spec import first_needed_block
+from kvserve.kv.sizes import BlockCounts
+from kvserve.kv.swap import SwapMatch
 from kvserve.kv.tiers.link import NoTiers, TieredMatch, Tiers
 
 
@@ -81,7 +82,7 @@ class _Group:
     cursors: dict[str, _Cursor]
 
 
-class KVCacheManager:
+class KVCacheManager(BlockCounts):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
                  kv_events_capacity: int = 0, window: int | None = None,
@@ -180,43 +181,11 @@ class KVCacheManager:
         """Blocks evicted from the prefix cache, every group's index together."""
         return sum(g.index.num_evicted_blocks for g in self.groups)
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def first_held_block(self, num_computed: int, group: int = 0) -> int:
-        """The first block a sequence that has computed `num_computed` tokens still needs in
-        a group: the one holding the first key its next query sees (0 without a window)."""
-        return first_needed_block(num_computed, self.groups[group].window, self.block_size)
-
-    def blocks_held(self, num_computed: int, num_tokens: int, group: int = 0) -> int:
-        """Blocks a sequence holds at once in a group when it has computed `num_computed`
-        tokens and has room for `num_tokens`: the window's blocks and the new ones."""
-        return self.blocks_for_tokens(num_tokens) - self.first_held_block(num_computed,
-                                                                          group=group)
-
     def _hit_start(self, num_nodes: int, num_tokens: int, group: int) -> int:
         """The first block of a hit that admission holds in a group: the window's at the hit
         point, but never past the last matched block (new blocks are published under its
         node, so it must stay in the index)."""
         return min(self.first_held_block(num_tokens, group=group), max(num_nodes - 1, 0))
-
-    def group_final_blocks(self, total_tokens: int) -> list[int]:
-        """Per group, the blocks a sequence holds when it computes its last token: its window
-        and the block being filled (every block without a window)."""
-        n = self.blocks_for_tokens(total_tokens)
-        return [min(n, self.blocks_held(max(total_tokens - 1, 0), total_tokens, g))
-                for g in range(len(self.groups))]
-
-    def final_blocks(self, total_tokens: int) -> int:
-        """Blocks a sequence holds when it computes its last token, every group together (the
-        start-up line's and `kvserve plan`'s figure, up to one block per group)."""
-        return sum(self.group_final_blocks(total_tokens))
-
-    def peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
-        """The most blocks a sequence holds at once in its life, as admission counts them: per
-        group, its whole prompt (prefilled in one step at worst), or what it holds at the end."""
-        prompt = self.blocks_for_tokens(prompt_tokens)
-        return sum(max(prompt, f) for f in self.group_final_blocks(total_tokens))
 
     # -- prefix cache -----------------------------------------------------------------------
     def block_hashes(self, seq: CachedSeq, num_blocks: int) -> list[int]:
@@ -282,11 +251,12 @@ class KVCacheManager:
         j = match.num_full_blocks
         return hashes[j] if j < len(hashes) else None
 
-    def start_prefetch(self, seq: CachedSeq) -> None:
-        """Begin promoting the sequence's chunks from disk/Redis into host memory."""
+    def start_prefetch(self, seq: CachedSeq, peer: str | None = None) -> None:
+        """Begin promoting the sequence's chunks from disk/Redis (and `peer`, the instance
+        that computed its prompt) into host memory."""
         if matchable_tokens(seq) and self.prefix_caching:
             self.tiers.start_prefetch(seq.request_id, self._matchable_hashes(seq),
-                                      len(self.device_match(seq).nodes))
+                                      len(self.device_match(seq).nodes), peer)
 
     def prefetch_pending(self, seq: CachedSeq) -> bool:
         return self.tiers.prefetch_pending(seq.request_id)
@@ -347,18 +317,20 @@ class KVCacheManager:
         assert seq.request_id not in self.block_tables
         if not self.can_admit(match, len(seq.token_ids), total_tokens):
             return None
-        loaded = isinstance(match, TieredMatch)
+        loaded, swapped = isinstance(match, TieredMatch), isinstance(match, SwapMatch)
         for g, (first, nodes) in zip(self.groups, self._group_hits(match)):
             blocks = [n.block for n in nodes[first:]]
             self.pool.share(blocks)
             table = [NULL_BLOCK] * first + blocks
             node = nodes[-1] if nodes else g.index.root(extra_keys(seq.cache_salt))
-            if loaded or match.partial is not None:
-                # Only a one-group manager gets these (tiers refuse per-group tables; a
-                # hybrid match has no partial hit).
-                assert len(self.groups) == 1, "tier loads or a partial hit under several groups"
+            if loaded or swapped or match.partial is not None:
+                # Only a one-group manager gets these (tiers and swaps refuse per-group tables;
+                # a hybrid match has no partial hit).
+                assert len(self.groups) == 1, "loads or a partial hit under several groups"
                 if loaded:
                     node = self._admit_loaded(g, seq, match, table, node)
+                elif swapped:  # published after the step, as if computed (the cursor is here)
+                    table.extend(self._load_blocks(match.num_loaded_blocks, match.data))
                 else:
                     self.pool.share([match.partial.block])  # locked until the plan is handed out
                     self._copy_sources.append(match.partial.block)
@@ -378,8 +350,7 @@ class KVCacheManager:
         """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
         they enter the index like computed blocks (nothing reads them before the plan's loads
         have run); returns the deepest node."""
-        blocks = self.allocate_blocks(match.num_loaded_blocks)
-        self._plan.loads.append(ChunkLoad(tuple(blocks), self.tiers.loaded_kv(match)))
+        blocks = self._load_blocks(match.num_loaded_blocks, self.tiers.loaded_kv(match))
         first = len(table)
         table.extend(blocks)
         hashes = self.block_hashes(seq, first + len(blocks))
@@ -391,11 +362,21 @@ class KVCacheManager:
         self.tiers.consumed(match.chunks)
         return node
 
+    def _load_blocks(self, n: int, data) -> list[int]:
+        """Fresh blocks whose KV (tier chunks, swapped KV) the plan loads before the forward."""
+        blocks = self.allocate_blocks(n)
+        self._plan.loads.append(ChunkLoad(tuple(blocks), data))
+        return blocks
+
+    def plan_swap_out(self, out: SwapOut) -> None:
+        """Read a preempted sequence's blocks out in the next plan (kv/swap.py)."""
+        self._plan.swap_outs.append(out)
+
     def _count_hits(self, seq: CachedSeq, match: PrefixMatch) -> None:
         if seq.skip_reading_prefix_cache:  # not a query (vLLM counts none for such requests)
             return
         self.prefix_cache_queries += len(seq.token_ids)
-        self.prefix_cache_hits += match.num_tokens
+        self.prefix_cache_hits += match.num_full_blocks * self.block_size + match.partial_len
         self.hit_tokens["device"] += len(match.nodes) * self.block_size + match.partial_len
         if isinstance(match, TieredMatch):
             for source, tokens in self.tiers.tokens_by_source(match):

@@ -5,7 +5,8 @@ that reads or writes block contents is recorded here and executed by the runner 
 one fixed order, before the forward:
 
 1. saves:  chunks of evicted (or newly computed, under write-through) blocks are read out for the
-           storage tiers — first, because their blocks may be reused in this very step;
+           storage tiers, and a swapped-out request's blocks for host swap space (kv/swap.py) —
+           first, because their blocks may be reused in this very step;
 2. loads:  chunks found in the tiers are written into the blocks given to them;
 3. copies: partially matched blocks are copied into the requester's own block (copy-on-write) —
            after the loads, because the source may be a block that a load fills in this step;
@@ -37,6 +38,14 @@ class ChunkSave:
 
 
 @dataclass(frozen=True)
+class SwapOut:
+    """Read the KV of `blocks` (a preempted request's, in table order) into host swap space."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ChunkLoad:
     """Write `data` (a tier chunk's KV, [layers, tensors, tokens, heads, width]) into `blocks`."""
 
@@ -56,11 +65,12 @@ class KVMove:
 @dataclass
 class StepPlan:
     saves: list[ChunkSave] = field(default_factory=list)
+    swap_outs: list[SwapOut] = field(default_factory=list)
     loads: list[ChunkLoad] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
     compactions: list[KVMove] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads or self.copies or self.compactions
+        return bool(self.saves or self.swap_outs or self.loads or self.copies or self.compactions
                     or self.released)

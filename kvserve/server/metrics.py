@@ -109,7 +109,8 @@ class PrometheusStatLogger:
         # Storage tiers (kv/tiers): labelled by where KV came from or went to.
         self.hits_by_source = counter("kvserve:prefix_cache_hits_by_source",
                                       "Prefix cache hits in tokens, by where the KV was found: "
-                                      "device, host, disk or remote.", ["source"])
+                                      "device, host, disk, remote, or peer (another instance's "
+                                      "prefill, --kv-transfer-config).", ["source"])
         self.missed_by_reason = counter("kvserve:prompt_tokens_missed",
                                         "Prompt tokens not served from the prefix cache, by the "
                                         "cache report's reason (counted for requests that ask "
@@ -149,8 +150,14 @@ class PrometheusStatLogger:
         self.audits = counter("kvserve:kv_audits", "Prefix-cache hit audits (--kv-audit-rate), "
                               "by event: audited_hits, audited_blocks, mismatches, "
                               "dropped_blocks, skipped.", ["event"])
+        self.swaps = counter("kvserve:kv_swaps", "Preemptions by swap (--preemption-mode), by "
+                             "event: swapped_out, swapped_in, resumed_on_device, and "
+                             "fallback_<reason> (recomputed instead).", ["event"])
+        self.swap_bytes = counter("kvserve:kv_swap_bytes", "KV bytes swapped to host swap space "
+                                  "and back, by direction: out, in.", ["direction"])
         self._label = {"model_name": model_name}
-        labelled = {"audits", "cache_config_info", "request_success", "hits_by_source",
+        labelled = {"audits", "swaps", "swap_bytes", "cache_config_info", "request_success",
+                    "hits_by_source",
                     "missed_by_reason", "tenant_idle_blocks",
                     "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
                     "tier_load_latency", "tier_usage"}
@@ -197,6 +204,12 @@ class PrometheusStatLogger:
         for tenant, count in stats.idle_blocks_by_tenant.items():
             self.tenant_idle_blocks.labels(**self._label, tenant=tenant_label(tenant)).set(count)
         self._grow(self.audits, stats.audits, event=None)
+        swap = stats.swap
+        self._grow(self.swaps, {k: v for k, v in swap.items() if not k.startswith("bytes_")},
+                   event=None)
+        self._grow(self.swap_bytes, {"out": swap.get("bytes_out", 0),
+                                     "in": swap.get("bytes_in", 0)} if swap else {},
+                   direction=None)
         self._tier_metrics(engine, stats)
 
     def _grow(self, metric: Counter, values: dict, **labels_of) -> None:

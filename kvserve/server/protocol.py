@@ -102,6 +102,8 @@ class _SamplingFields(_Strict):
     # "num_tokens"}, and Anthropic's {"type": "ephemeral", "ttl": "5m" | "1h"} for the prompt
     kv_retention: Optional[dict[str, Any]] = None
     cache_control: Optional[dict[str, Any]] = None
+    # Prefill/decode disaggregation (vLLM's field, kvserve/kv/tiers/transfer.py)
+    kv_transfer_params: Optional[dict[str, Any]] = None
     # Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
     # structured_outputs {json, regex, choice, grammar, json_object, ...}; at most one of them.
     response_format: Optional[dict[str, Any]] = None

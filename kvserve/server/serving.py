@@ -29,7 +29,7 @@ from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
 from kvserve.server.cache_control import api_key_tenant, request_retention
-from kvserve.server.streaming import event_stream, reports_field, sse
+from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
 from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import BYTE_DECODER, holdback
@@ -181,6 +181,9 @@ class OpenAIServing:
             raise APIError(400, "prompt_logprobs is not supported with stream (with "
                            "/v1/completions, echo with logprobs streams them)",
                            param="prompt_logprobs")
+        if req.stream and (req.kv_transfer_params or {}).get("do_remote_decode"):
+            raise APIError(400, "do_remote_decode answers once, with its kv_transfer_params: "
+                           "send it with stream false", param="kv_transfer_params")
         if req.user is not None:  # what OpenAI keeps it for: telling abusers apart, in logs
             logger.info("request %s from user %s", rid, shorten(req.user))
 
@@ -196,7 +199,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req.logit_bias),
             structured_outputs=structured, kv_cache_report=req.kv_cache_report,
-            kv_retention=retention)
+            kv_retention=retention, kv_transfer_params=req.kv_transfer_params)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
@@ -390,7 +393,8 @@ class OpenAIServing:
                 choices.append(choice)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created,
                              "model": model, "choices": choices, "usage": self._usage(outputs),
-                             **(reports_field(outputs) if req.kv_cache_report else {})})
+                             **(reports_field(outputs) if req.kv_cache_report else {}),
+                             **transfer_field(outputs)})
 
     def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
         out = []

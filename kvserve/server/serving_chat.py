@@ -30,7 +30,7 @@ from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinReque
     ChatCompletionRequest, StreamOptions
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
                                     engine_error, finite_logprob, off_loop, text_size)
-from kvserve.server.streaming import event_stream, reports_field, sse
+from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
@@ -91,7 +91,8 @@ class OpenAIServingChat(OpenAIServing):
                             if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": self._usage(outputs), **_echoed(req)}
+                "choices": choices, "usage": self._usage(outputs), **_echoed(req),
+                **transfer_field(outputs)}
         if req.kv_cache_report:
             body.update(reports_field(outputs))
         if req.prompt_logprobs is not None:  # vLLM's field, beside the choices

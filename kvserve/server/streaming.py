@@ -41,6 +41,14 @@ def event_stream(events: AsyncIterator[str], on_close) -> StreamingResponse:
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def transfer_field(outputs) -> dict[str, Any]:
+    """A producer's `kv_transfer_params` (vLLM's top-level field: what the decode instance
+    needs), when the request asked for a remote decode; else nothing."""
+    params = next((o.kv_transfer_params for o in outputs
+                   if o is not None and o.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params is not None else {}
+
+
 def reports_field(outputs) -> dict[str, Any]:
     """The `kv_cache_report` of a response (one object, or a list for several prompts)."""
     reports = [None if o is None else o.kv_cache_report for o in outputs]

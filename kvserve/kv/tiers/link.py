@@ -136,11 +136,12 @@ class TierLink:
 
     # -- prefetching ------------------------------------------------------------------------
     def start_prefetch(self, request_id: str, block_hashes: Sequence[int],
-                       device_blocks: int) -> None:
-        """Promote the chunks after the first `device_blocks` blocks from disk/Redis."""
-        if not self.tiers.has_lower_tiers:
+                       device_blocks: int, peer: str | None = None) -> None:
+        """Promote the chunks after the first `device_blocks` blocks from disk/Redis (and the
+        instance at `peer` that computed them, for a disaggregated prefill)."""
+        if not self.tiers.has_lower_tiers and peer is None:
             return
-        handle = self.tiers.prefetch(self.chunk_hashes(block_hashes, device_blocks))
+        handle = self.tiers.prefetch(self.chunk_hashes(block_hashes, device_blocks), peer)
         if handle is not None:
             self._prefetches[request_id] = handle
 
@@ -200,7 +201,7 @@ class NoTiers:
         pass
 
     def start_prefetch(self, request_id: str, block_hashes: Sequence[int],
-                       device_blocks: int) -> None:
+                       device_blocks: int, peer: str | None = None) -> None:
         pass
 
     def prefetch_pending(self, request_id: str) -> bool:

@@ -6,7 +6,7 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-SOURCES = ("device", "host", "disk", "remote")  # where a cached token's KV came from
+SOURCES = ("device", "host", "disk", "remote", "peer")  # where a cached token's KV came from
 
 
 @dataclass

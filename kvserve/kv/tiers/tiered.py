@@ -6,7 +6,8 @@ and onto a bounded queue for a background thread, which frames it and writes it 
 A full queue skips the save: the engine never waits for storage.
 
 Loading: when a request arrives, a background prefetch walks its chunks in order and promotes
-each one found on disk or in Redis into host memory, stopping at the first miss. The scheduler
+each one found on disk or in Redis (or, for a request whose prompt another instance computed,
+on that instance: kv/tiers/peer.py) into host memory, stopping at the first miss. The scheduler
 leaves the request waiting (others run) until its prefetch is done or `prefetch_timeout` passes,
 then takes whatever is in host memory by then. So no step ever blocks on disk or on a slow Redis.
 """
@@ -26,6 +27,7 @@ import torch
 
 from kvserve.kv.tiers.chunk import ChunkIdentity, CorruptChunkError, decode, encode
 from kvserve.kv.tiers.config import TierConfig
+from kvserve.kv.tiers.peer import PeerStore
 from kvserve.kv.tiers.stats import TierStats
 from kvserve.kv.tiers.stores import DiskStore, HostStore, RedisStore, Store
 
@@ -88,6 +90,7 @@ class TieredKVStore:
                                        daemon=True)
         self._saver.start()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvserve-tier-load")
+        self._peers: OrderedDict[str, PeerStore] = OrderedDict()  # by address, newest last
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -162,23 +165,37 @@ class TieredKVStore:
         return True
 
     # -- loading ----------------------------------------------------------------------------
-    def prefetch(self, chunk_hashes: Sequence[int]) -> Prefetch | None:
-        """Start promoting these consecutive chunks from disk/Redis into host memory."""
-        if not self._lower or not chunk_hashes:
+    def prefetch(self, chunk_hashes: Sequence[int], peer: str | None = None) -> Prefetch | None:
+        """Start promoting these consecutive chunks from disk/Redis (and first from the kvserve
+        instance at `peer`, host:port, that computed them) into host memory."""
+        stores = ([self._peer(peer)] if peer is not None else []) + self._lower
+        if not stores or not chunk_hashes:
             return None
         # No more than host memory holds at once: the last chunks would evict the first ones.
         fit = self.host.budget // self.identity.chunk_bytes
         keys = [self.key(h) for h in chunk_hashes[:fit]]
         if not keys:
             return None
-        future = self._loader.submit(self._promote, keys)
+        future = self._loader.submit(self._promote, keys, stores)
         return Prefetch(future, time.monotonic() + self.config.prefetch_timeout)
 
-    def _promote(self, keys: list[str]) -> int:
+    def _peer(self, address: str) -> PeerStore:
+        """The store over one producer, kept for the next request from it (a few at most)."""
+        with self._lock:
+            store = self._peers.pop(address, None)
+            if store is None:
+                store = PeerStore(address, self.identity.chunk_bytes,
+                                  max(self.config.prefetch_timeout, 0.1), self.stats)
+            self._peers[address] = store
+            while len(self._peers) > 16:
+                self._peers.popitem(last=False)[1].close()
+        return store
+
+    def _promote(self, keys: list[str], stores: list[Store]) -> int:
         for n, key in enumerate(keys):
             if self.host.contains(key):
                 continue
-            for store in self._lower:
+            for store in stores:
                 data = self._load(store, key)
                 if data is not None:
                     if not self.host.put(key, data):
@@ -290,5 +307,7 @@ class TieredKVStore:
             logger.warning("closing the KV tiers with %d chunk saves still queued",
                            self._saves.qsize())
         self._loader.shutdown(wait=False, cancel_futures=True)
+        for store in self._peers.values():
+            store.close()
         if self.remote is not None:
             self.remote.close()
