@@ -9,6 +9,7 @@ One concept per module:
 - events.py       the KV-event subscriber that corrects the picture (BlockStored / BlockRemoved)
 - metrics.py      the gateway's Prometheus metrics
 - app.py          the FastAPI proxy (retries before the first byte, streams passed through)
+- disagg.py       prefill/decode disaggregation: a prefill hop, then a decode hop with its KV
 - launch.py       the command line's entry point
 
 Nothing here imports torch, the model or the engine: a gateway is a small process.

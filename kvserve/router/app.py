@@ -19,6 +19,10 @@ replica (and, through TCP, the replica) instead of filling the gateway's memory.
 `--api-key`: terminated at the gateway (a missing or wrong key is a 401 there) and sent on to
 the replicas, which run with the same key. Without it the client's Authorization header is
 forwarded unchanged and the replicas decide.
+
+The pieces are separate so that prefill/decode disaggregation (disagg.py) can route one request
+in two hops with them: `send` (choose in a pool, retry, take the first byte) and `respond`
+(hand the answer to the client).
 """
 
 from __future__ import annotations
@@ -71,10 +75,38 @@ class RouterConfig:
     kv_events: bool = True
     max_connections: int = 1024
     max_request_body_bytes: int = 32 * 1024**2  # kvserve serve's default: 413 beyond
+    prefill_timeout_s: float | None = None  # PD (disagg.py): a prefill read's longest wait
 
 
 @dataclass
-class _Keyed:
+class Pool:
+    """Replicas one policy chooses among for one role: the gateway's replicas, or in PD mode
+    (disagg.py) its prefill or its decode instances, which never stand in for each other."""
+
+    role: str
+    replicas: list[ReplicaState]
+    policy: RoutingPolicy
+    # Whether routing history and KV events keep the replicas' prefix pictures: a pool chosen
+    # blind to prefixes (PD's decode pool) would only spend memory on them.
+    track_prefixes: bool = True
+
+
+@dataclass
+class Answer:
+    """A replica's answer once it has begun, before it goes to the client: the whole body, or
+    an open stream (`relay`, first chunk included). An open stream must be handed to a
+    StreamingResponse at once: only iterating it to the end releases the replica's load and
+    connection."""
+
+    replica: ReplicaState
+    status_code: int
+    media_type: str | None
+    content: bytes = b""
+    relay: AsyncIterator[bytes] | None = None
+
+
+@dataclass
+class Keyed:
     """A request as a policy reads it."""
 
     block_hashes: list[int]
@@ -129,16 +161,31 @@ class Gateway:
                  keyer: PrefixKeyer, config: RouterConfig,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.transport = transport  # tests put fake replicas here
-        self.replicas = list(replicas)
+        self.pool = Pool("replica", list(replicas), policy)
+        self.replicas = self.pool.replicas
         self.policy = policy
+        self.pools = [self.pool]
         self.keyer = keyer
         self.config = config
         self.metrics = RouterMetrics(policy.name)
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
-        for r in self.replicas:
+        self.init_gauges(self.replicas)
+
+    def init_gauges(self, replicas: Sequence[ReplicaState]) -> None:
+        """Every replica in the health and load gauges from the start (0 until checked)."""
+        for r in replicas:
             self.metrics.child(self.metrics.healthy, replica=r.name).set(0)
             self.metrics.child(self.metrics.in_flight, replica=r.name).set(0)
+
+    @property
+    def all_replicas(self) -> list[ReplicaState]:
+        return [r for pool in self.pools for r in pool.replicas]
+
+    @property
+    def model_replicas(self) -> list[ReplicaState]:
+        """The replicas that answer /v1/models: those that answer completions."""
+        return self.replicas
 
     # -- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -148,13 +195,14 @@ class Gateway:
             limits=httpx.Limits(max_connections=cfg.max_connections,
                                 max_keepalive_connections=cfg.max_connections),
             http1=True, transport=self.transport)
+        replicas = self.all_replicas
         await asyncio.gather(*(check_once(self.client, r, cfg.health_timeout_s)
-                               for r in self.replicas))
+                               for r in replicas))
         self._tasks.append(asyncio.create_task(health_loop(
-            self.client, self.replicas, self.metrics, cfg.health_interval_s,
+            self.client, replicas, self.metrics, cfg.health_interval_s,
             cfg.health_timeout_s)))
         if cfg.kv_events:
-            for r in self.replicas:
+            for r in (r for pool in self.pools if pool.track_prefixes for r in pool.replicas):
                 self._tasks.append(asyncio.create_task(subscribe(
                     self.client, r, self.metrics, self.upstream_auth({}))))
 
@@ -180,16 +228,20 @@ class Gateway:
         return {"authorization": auth} if auth else {}
 
     # -- routing ----------------------------------------------------------------------------
-    def choose(self, keyed: _Keyed, tried: set[int]) -> ReplicaState | None:
-        candidates = [_Candidate(r, tried) for r in self.replicas]
+    def choose(self, keyed: Keyed, tried: set[int], pool: Pool | None = None
+               ) -> ReplicaState | None:
+        """The replica of `pool` (the gateway's one by default) the policy picks among those
+        not yet `tried` for this request; None when none is left."""
+        pool = pool or self.pool
+        candidates = [_Candidate(r, tried) for r in pool.replicas]
         try:
-            i = self.policy.choose(keyed, candidates)
+            i = pool.policy.choose(keyed, candidates)
         except NoReplicaAvailable:
             return None
-        replica = self.replicas[i]
+        replica = pool.replicas[i]
         m = self.metrics
-        m.child(m.decisions, replica=replica.name, policy=self.policy.name,
-                           reason=self.policy.last_reason or "blind").inc()
+        m.child(m.decisions, replica=replica.name, policy=pool.policy.name,
+                reason=pool.policy.last_reason or "blind").inc()
         m.child(m.predicted_hit_tokens, replica=replica.name).inc(replica.match_tokens(keyed))
         m.child(m.prompt_tokens, replica=replica.name).inc(
             len(keyed.block_hashes) * self.keyer.block_size)
@@ -236,25 +288,39 @@ class Gateway:
         return b"".join(parts)
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Send a POST to a replica chosen by the policy; retry elsewhere while nothing has
-        reached the client."""
-        assert self.client is not None
+        """A client's POST: read, parse and key it once, then route it."""
         raw = await self.read_body(request)
         if raw is None:
             limit = self.config.max_request_body_bytes
             return JSONResponse(error_body(413, f"the request body is larger than {limit:,} "
                                            "bytes (--max-request-body-bytes)"), status_code=413)
         body, hashes = await self.keys(path, raw)
-        keyed = _Keyed(hashes)
-        stream = bool(body.get("stream")) if body is not None else False
         headers = {"content-type": request.headers.get("content-type", "application/json"),
                    **self.upstream_auth(request.headers)}
+        return await self.route(path, raw, body, Keyed(hashes), headers)
+
+    async def route(self, path: str, raw: bytes, body: dict[str, Any] | None, keyed: Keyed,
+                    headers: dict[str, str]) -> Response:
+        """One replica of the pool serves the request (disagg.py overrides this with its two
+        hops)."""
+        stream = bool(body.get("stream")) if body is not None else False
+        return self.respond(await self.send(self.pool, keyed, path, raw, headers, stream))
+
+    async def send(self, pool: Pool, keyed: Keyed, path: str, raw: bytes,
+                   headers: dict[str, str], stream: bool, timeout: float | None = None
+                   ) -> Answer | str:
+        """POST `raw` to a replica of `pool` chosen by its policy; retry elsewhere in the pool
+        while nothing has been read of an answer. The answer, or why no replica gave one.
+        `timeout`: the longest wait for a read (default --upstream-timeout)."""
+        assert self.client is not None
+        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else httpx.Timeout(
+            timeout, connect=self.config.connect_timeout_s)
         tried: set[int] = set()
         last_error = "no replica is available"
         while True:
-            replica = self.choose(keyed, tried)
+            replica = self.choose(keyed, tried, pool)
             if replica is None:
-                break
+                return last_error
             if tried:
                 self.metrics.retries.inc()
             tried.add(replica.index)
@@ -264,7 +330,7 @@ class Gateway:
                 try:
                     upstream = await self.client.send(
                         self.client.build_request("POST", replica.url + path, content=raw,
-                                                  headers=headers), stream=True)
+                                                  headers=headers, timeout=wait), stream=True)
                 except httpx.HTTPError as exc:
                     attempt.close()
                     last_error = f"replica {replica.name}: {type(exc).__name__}"
@@ -277,7 +343,8 @@ class Gateway:
                     self._failed(replica, "status", last_error, take_out=False)
                     continue
                 # The replica took it: its prompt's blocks will be computed there (history).
-                replica.view.add(hashes)
+                if pool.track_prefixes:
+                    replica.view.add(keyed.block_hashes)
                 try:
                     if stream and upstream.status_code == 200:
                         chunks = upstream.aiter_raw()
@@ -292,25 +359,34 @@ class Gateway:
                     self._failed(replica, "connect", last_error, take_out=True)
                     continue
                 self.metrics.child(self.metrics.requests, replica=replica.name).inc()
-                out_headers = {"x-kvserve-replica": replica.name}
                 if not (stream and upstream.status_code == 200):
                     await upstream.aclose()
                     attempt.close()
-                    return Response(content, status_code=upstream.status_code,
-                                    media_type=upstream.headers.get("content-type"),
-                                    headers=out_headers)
-                return StreamingResponse(self._relay(upstream, chunks, first, attempt),
-                                         status_code=200, headers=out_headers,
-                                         media_type=upstream.headers.get("content-type",
-                                                                         "text/event-stream"))
+                    return Answer(replica, upstream.status_code,
+                                  upstream.headers.get("content-type"), content=content)
+                return Answer(replica, 200,
+                              upstream.headers.get("content-type", "text/event-stream"),
+                              relay=self._relay(upstream, chunks, first, attempt))
             except BaseException:
                 attempt.close()
                 if upstream is not None:
                     await upstream.aclose()
                 raise
-        self.metrics.unroutable.inc()
-        return JSONResponse(error_body(503, f"no replica could take the request ({last_error})"),
-                            status_code=503)
+
+    def respond(self, answer: Answer | str, headers: dict[str, str] | None = None
+                ) -> Response:
+        """The client's response: the replica's status and body (a stream relayed chunk by
+        chunk), or a 503 saying why no replica could take the request."""
+        if isinstance(answer, str):
+            self.metrics.unroutable.inc()
+            return JSONResponse(error_body(503, f"no replica could take the request ({answer})"),
+                                status_code=503)
+        out_headers = {"x-kvserve-replica": answer.replica.name, **(headers or {})}
+        if answer.relay is None:
+            return Response(answer.content, status_code=answer.status_code,
+                            media_type=answer.media_type, headers=out_headers)
+        return StreamingResponse(answer.relay, status_code=answer.status_code,
+                                 headers=out_headers, media_type=answer.media_type)
 
     async def _relay(self, upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
                      attempt: _Attempt) -> AsyncIterator[bytes]:
@@ -335,7 +411,7 @@ class Gateway:
         """A GET answered by the first available replica (/v1/models, /v1/models/{id})."""
         assert self.client is not None
         headers = self.upstream_auth(request.headers)
-        for replica in self.replicas:
+        for replica in self.model_replicas:
             if not replica.healthy:
                 continue
             try:
@@ -346,6 +422,20 @@ class Gateway:
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
         return JSONResponse(error_body(503, "no replica is available"), status_code=503)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """/health: 200 while a replica can answer, with the counts."""
+        up = sum(r.healthy for r in self.replicas)
+        if not up:
+            return 503, error_body(503, "no replica is healthy")
+        return 200, {"healthy_replicas": up, "replicas": len(self.replicas)}
+
+    def describe(self) -> dict[str, Any]:
+        """/replicas: each replica's state as the gateway sees it, by pool."""
+        return {"policy": self.policy.name, "replicas": [
+            {"index": r.index, "name": r.name, "role": pool.role, "url": r.url,
+             "healthy": r.healthy, "in_flight": r.in_flight, "known_blocks": len(r.view)}
+            for pool in self.pools for r in pool.replicas]}
 
 
 def build_router_app(gateway: Gateway) -> FastAPI:
@@ -396,10 +486,8 @@ def build_router_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        up = sum(r.healthy for r in gateway.replicas)
-        if not up:
-            return JSONResponse(error_body(503, "no replica is healthy"), status_code=503)
-        return JSONResponse({"healthy_replicas": up, "replicas": len(gateway.replicas)})
+        status, body = gateway.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -408,8 +496,6 @@ def build_router_app(gateway: Gateway) -> FastAPI:
     @app.get("/replicas")
     async def replicas() -> dict[str, Any]:
         """Each replica's state as the gateway sees it (for operators and tests)."""
-        return {"policy": gateway.policy.name, "replicas": [
-            {"index": r.index, "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
-             "known_blocks": len(r.view)} for r in gateway.replicas]}
+        return gateway.describe()
 
     return app

@@ -14,8 +14,17 @@ logger = logging.getLogger("kvserve.router")
 
 
 def add_route_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replica", action="append", required=True, metavar="URL",
-                   help="a `kvserve serve` base URL, e.g. http://10.0.0.5:8000; repeat per replica")
+    p.add_argument("--replica", action="append", default=None, metavar="URL",
+                   help="a `kvserve serve` base URL, e.g. http://10.0.0.5:8000; repeat per "
+                   "replica (or give --prefill and --decode instead)")
+    p.add_argument("--prefill", action="append", default=None, metavar="URL",
+                   help="prefill/decode disaggregation: a prefill instance's base URL (chosen "
+                   "by --policy; it computes the prompt and keeps its KV for a decode "
+                   "instance); repeat per instance; needs --decode")
+    p.add_argument("--decode", action="append", default=None, metavar="URL",
+                   help="a decode instance's base URL (the least loaded one gets each request "
+                   "with the prefill's kv_transfer_params); repeat per instance; needs "
+                   "--prefill")
     p.add_argument("--policy", choices=GATEWAY_POLICIES, default="cache_aware")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -40,6 +49,10 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between health checks of each replica (default 1)")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="the longest wait in seconds for any read from a replica (default 600)")
+    p.add_argument("--prefill-timeout", type=float, default=None,
+                   help="--prefill/--decode: the longest wait in seconds for a prefill "
+                   "instance's answer, after which the decode instance computes the prompt "
+                   "itself (default: --upstream-timeout)")
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024**2,
                    help="larger request bodies get 413 at the gateway (default 32 MiB, as "
                    "kvserve serve)")
@@ -62,8 +75,31 @@ def load_tokenizer(path: str | None):
     return Tokenizer.from_dir(tokenizer_dir(path))
 
 
+def check_mode(args: argparse.Namespace) -> bool:
+    """Which gateway the flags ask for: True for prefill/decode disaggregation (--prefill and
+    --decode), False for replicas (--replica); anything else is a ValueError that says what to
+    give."""
+    pd = bool(args.prefill or args.decode)
+    if args.replica and pd:
+        raise ValueError("--replica cannot be combined with --prefill/--decode: give either "
+                         "--replica URL ... or --prefill URL ... --decode URL ...")
+    if pd and not args.decode:
+        raise ValueError("--prefill needs --decode URL (the instances that generate the "
+                         "answer)")
+    if pd and not args.prefill:
+        raise ValueError("--decode needs --prefill URL (the instances that compute the "
+                         "prompt)")
+    if not (args.replica or pd):
+        raise ValueError("give --replica URL (repeat per replica), or --prefill URL and "
+                         "--decode URL")
+    if args.prefill_timeout is not None and args.prefill_timeout <= 0:
+        raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
+    return pd
+
+
 def build_gateway(args: argparse.Namespace):
     from kvserve.router.app import Gateway, RouterConfig
+    from kvserve.router.disagg import DisaggGateway, disagg_pools
     from kvserve.router.keys import PrefixKeyer
     from kvserve.router.policies import make_policy
     from kvserve.router.replicas import ReplicaState
@@ -73,8 +109,12 @@ def build_gateway(args: argparse.Namespace):
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got "
                          f"{args.max_request_body_bytes}")
-    urls = list(dict.fromkeys(args.replica))
-    replicas = [ReplicaState(i, url, args.block_size) for i, url in enumerate(urls)]
+    pd = check_mode(args)
+    if pd:
+        replicas, decode = disagg_pools(args.prefill, args.decode, args.block_size)
+    else:
+        urls = list(dict.fromkeys(args.replica))
+        replicas = [ReplicaState(i, url, args.block_size) for i, url in enumerate(urls)]
     policy = make_policy(args.policy, len(replicas), args.block_size,
                          balance_factor=args.balance_factor, key_tokens=args.hash_key_tokens,
                          balance_slack=args.balance_slack, spread=args.spread)
@@ -82,7 +122,10 @@ def build_gateway(args: argparse.Namespace):
     config = RouterConfig(api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                           health_interval_s=args.health_interval,
                           upstream_timeout_s=args.upstream_timeout, kv_events=args.kv_events,
-                          max_request_body_bytes=args.max_request_body_bytes)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          prefill_timeout_s=args.prefill_timeout)
+    if pd:
+        return DisaggGateway(replicas, decode, policy, keyer, config)
     return Gateway(replicas, policy, keyer, config)
 
 
@@ -91,14 +134,20 @@ def run_router(args: argparse.Namespace) -> int:
 
     from kvserve.logging_setup import init_logging
     from kvserve.router.app import build_router_app
+    from kvserve.router.disagg import DisaggGateway
 
     init_logging()
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     gateway = build_gateway(args)
     app = build_router_app(gateway)
-    logger.info("routing %s over %d replicas on http://%s:%d", args.policy,
-                len(gateway.replicas), args.host, args.port)
+    if isinstance(gateway, DisaggGateway):
+        logger.info("prefill/decode: %s over %d prefill, least_loaded over %d decode "
+                    "instances on http://%s:%d", args.policy, len(gateway.replicas),
+                    len(gateway.decode.replicas), args.host, args.port)
+    else:
+        logger.info("routing %s over %d replicas on http://%s:%d", args.policy,
+                    len(gateway.replicas), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
     return 0

@@ -38,6 +38,11 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvserve:router_keyed_tokens", "Prompt tokens covered by "
                                      "the requests' prefix keys (whole blocks)", ["replica"],
                                      registry=r)
+        self.pd_prefills = Counter(
+            "kvserve:router_pd_prefills", "Prefill hops of disaggregated requests (--prefill/"
+            "--decode), by outcome: ok (the decode instance got kv_transfer_params), failed (it "
+            "computed the prompt itself), rejected (the prefill's 4xx went to the client)",
+            ["outcome"], registry=r)
 
     def child(self, metric, **labels):
         """`metric.labels(**labels)`, cached: prometheus_client's labels() costs tens of

@@ -24,10 +24,12 @@ class ReplicaState:
     (`available`, `load`, `match_tokens`) and what the gateway counts."""
 
     def __init__(self, index: int, url: str, block_size: int,
-                 view_capacity_blocks: int = 1_000_000) -> None:
-        self.index = index
+                 view_capacity_blocks: int = 1_000_000, name: str | None = None) -> None:
+        self.index = index  # its place in its pool (what a policy's choice names)
         self.url = url.rstrip("/")
-        self.name = str(index)
+        # its label in metrics, logs and x-kvserve-replica: the index, or e.g. "prefill0" when
+        # the gateway has several pools (PD disaggregation), whose indices overlap
+        self.name = name if name is not None else str(index)
         self.block_size = block_size
         self.view = PrefixView(view_capacity_blocks)
         self.healthy = False  # until the first health check passes
