@@ -55,14 +55,16 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, threads: int = 1,
+                 pin: list[str] = ()) -> None:
+        """`pin`: a command prefix (bench_disagg.py's `taskset -c N`)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv,
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "kvserve.cli", *argv,
                                       "--port", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

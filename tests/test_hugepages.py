@@ -111,10 +111,8 @@ def test_engine_weights_and_kv_pool_sit_on_huge_pages(tiny_model_dir):
     from kvserve.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
 
-    # (recompute: preemption_mode auto's start-up probe writes a few blocks, engine/swapping.py)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
-                                    kv_cache_memory_bytes=1 << 30, block_size=16,
-                                    preemption_mode="recompute"))
+                                    kv_cache_memory_bytes=1 << 30, block_size=16))
     pool = engine.tensors.layers[0][0]
     assert pool.untyped_storage().nbytes() > hugepages.CHUNK // 2  # a mapping of its own
     # the pool's pages are faulted in as blocks are written: on 2 MiB pages, and zero where

@@ -134,10 +134,11 @@ def test_swapped_kv_that_never_came_back_recomputes(llama, workload, monkeypatch
 
 
 def test_auto_recomputes_when_the_copy_is_slower(llama, workload, monkeypatch):
-    """With a copy speed measured far below the prefill speed, auto never swaps."""
+    """With a copy speed measured far below the prefill speed the engine observes, auto never
+    swaps."""
     from kvserve.engine import swapping
 
-    monkeypatch.setattr(swapping, "measure_speeds", lambda *a: SwapSpeeds(1.0, 1e9))
+    monkeypatch.setattr(swapping, "measure_copy_speed", lambda *a: 1.0)  # one byte a second
     prompts, expected = workload
     got, stats, _ = _run(llama, prompts[:16], POOL_BLOCKS, "auto")
     assert got == expected[:16]
@@ -224,7 +225,13 @@ def test_swap_out_skips_shared_leading_blocks_and_resume_loads_past_the_device_m
     assert space.stats.fallbacks == {"prefix_evicted": 1} and space.used_bytes == 0
 
 
-def test_swap_speeds_weigh_both_copies_against_the_prefill():
-    speeds = SwapSpeeds(copy_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
+def test_swap_speeds_weigh_both_copies_against_the_observed_prefill():
+    speeds = SwapSpeeds(copy_bytes_per_s=1e9)
+    assert speeds.swap_is_faster(num_bytes=10**12, num_tokens=1)  # no prefill seen yet: swap
+    speeds.observe_prefill(8, 1.0)  # too small a step to say anything
+    assert speeds.prefill_tokens_per_s is None
+    speeds.observe_prefill(1000, 1.0)
     assert speeds.swap_is_faster(num_bytes=10**6, num_tokens=10)  # 2 ms vs 10 ms
     assert not speeds.swap_is_faster(num_bytes=10**7, num_tokens=10)  # 20 ms vs 10 ms
+    speeds.observe_prefill(2000, 1.0)  # a moving average of the steps
+    assert speeds.prefill_tokens_per_s == pytest.approx(1200.0)

@@ -12,6 +12,7 @@ finish_reason "error" (`RequestOutput.error` says why) and the others of the ste
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -54,7 +55,7 @@ class LLMEngine:
                              self.kv_spec.layer_specs()[0].storage.dtype) \
             if config.kv_audit_rate > 0 else None
         self.scheduler.audit = self.audit
-        self.scheduler.swap = build_swap_space(config, self.kv, self.tensors, self.runner)
+        self.scheduler.swap = build_swap_space(config, self.kv, self.tensors)
         self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
@@ -225,7 +226,12 @@ class LLMEngine:
             if not self.kv.wait_for_prefetch(0.05):
                 return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
+        started = time.perf_counter()
         out = self._execute(batch.step)  # its plan, its forward, its sampling
+        swap = self.scheduler.swap
+        if swap is not None and swap.speeds is not None:  # auto weighs the prefill speed
+            swap.speeds.observe_prefill(sum(n for n in batch.num_new_tokens if n > 1),
+                                        time.perf_counter() - started)
         update = self.scheduler.update_from_output(batch, out)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV moves in the plan handed out right after, with the write-through saves of the

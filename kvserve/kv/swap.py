@@ -22,8 +22,9 @@ How a swap goes, all of it as data in the step plans (kv/plan.py), like the tier
   step failed) or a prefix that was evicted under the swapped blocks: the request recomputes,
   exactly as without swap, and a counter says why.
 
-`auto` swaps a request when moving its bytes out and in is faster than recomputing its tokens,
-at the copy and prefill speeds the engine measured at start-up (engine/swap_probe.py).
+`auto` swaps a request when moving its bytes out and in is faster than recomputing its tokens:
+the copy speed is measured at start-up (engine/swapping.py), the prefill speed is the engine's
+own, observed on its prefill steps (`observe_prefill`); until one is seen, auto swaps.
 """
 
 from __future__ import annotations
@@ -39,18 +40,30 @@ from kvserve.kv.seq import CachedSeq
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 GIB = 1024**3
+MIN_OBSERVED_TOKENS = 32  # a smaller prefill step is mostly fixed cost, not speed
 
 
-@dataclass(frozen=True)
+@dataclass
 class SwapSpeeds:
-    """What `auto` weighs, measured at start-up: one-way copy speed between the pool and host
-    memory, and prefill speed."""
+    """What `auto` weighs: one-way copy speed between the pool and host memory (measured at
+    start-up), and prefill speed (None until a prefill step was observed: then swap)."""
 
     copy_bytes_per_s: float
-    prefill_tokens_per_s: float
+    prefill_tokens_per_s: float | None = None
 
     def swap_is_faster(self, num_bytes: int, num_tokens: int) -> bool:
+        if self.prefill_tokens_per_s is None:
+            return True
         return 2 * num_bytes / self.copy_bytes_per_s < num_tokens / self.prefill_tokens_per_s
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that computed `num_tokens` prompt tokens took `seconds` (a moving average:
+        the speed at the lengths this engine really prefills, decodes of the step included)."""
+        if num_tokens < MIN_OBSERVED_TOKENS or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
 
 
 @dataclass
