@@ -106,8 +106,14 @@ def load_tier_config(source: "str | dict[str, Any] | TierConfig | None") -> Tier
                          f"got {type(source).__name__}")
     if not isinstance(data, dict):
         raise ValueError("a kv tier config must be a mapping of keys to values")
-    known = {f.name for f in dataclasses.fields(TierConfig)}
+    check_keys(TierConfig, data, "kv tier config")
+    return TierConfig(**data)
+
+
+def check_keys(cls, data: dict[str, Any], what: str) -> None:
+    """Refuse keys the dataclass `cls` does not have, listing the known ones (a typo must not
+    silently turn something off)."""
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"unknown kv tier config key(s) {unknown}; known: {sorted(known)}")
-    return TierConfig(**data)
+        raise ValueError(f"unknown {what} key(s) {unknown}; known: {sorted(known)}")

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.kv.tiers.config import GB, TierConfig
+from kvserve.kv.tiers.config import GB, TierConfig, check_keys
 
 CONNECTORS = ("kvserve", "redis")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -121,10 +121,7 @@ def load_transfer_config(source: "str | dict[str, Any] | KVTransferConfig | None
             raise ValueError(f"kv_transfer_config is not JSON: {e}") from None
     if not isinstance(source, dict):
         raise ValueError("kv_transfer_config must be a JSON object")
-    known = {f.name for f in dataclasses.fields(KVTransferConfig)}
-    unknown = sorted(set(source) - known)
-    if unknown:
-        raise ValueError(f"unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}")
+    check_keys(KVTransferConfig, source, "kv_transfer_config")
     missing = [k for k in ("kv_connector", "kv_role") if k not in source]
     if missing:
         raise ValueError(f"kv_transfer_config needs {missing}")
