@@ -591,3 +591,34 @@ def test_ratio_figures_are_consistent():
                            KVStorage("int4", key_group_tokens=BS), BS)
     assert spec.bytes_per_token == _textbook_bytes_per_token("int4")
     assert math.isclose(spec.data_bytes_per_token, _textbook_bytes_per_token("fp8") / 2)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_a_tier_hit_that_starts_inside_a_chunk(name, hf_checkpoints):
+    """The device holds a chunk's first two blocks (another request computed them), host memory
+    the whole chunk: the load skips those two blocks. For a packed pool (int8, int4: a chunk
+    counts blocks, not tokens, along that axis) the cut once took 2 x block_size blocks, and the
+    step raised on a load of the wrong shape."""
+    import random
+
+    path = hf_checkpoints["llama"]
+    rng = random.Random(3)
+    a = [rng.randrange(3, 500) for _ in range(41)]
+    b = a[:8] + [rng.randrange(3, 500) for _ in range(9)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def llm(**kw) -> LLM:
+        return LLM(model=str(path), dtype="float32", kv_cache_dtype=name, block_size=4,
+                   max_model_len=128, **kw)
+
+    cold = llm(enable_prefix_caching=False)
+    want = cold.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
+    tiered = llm(kv_tier_config={"chunk_size": 16, "write_policy": "write_through"})
+    tiered.generate([{"prompt_token_ids": a}], params, use_tqdm=False)
+    tiered.reset_prefix_cache()  # the device forgets, host memory keeps a's chunks
+    tiered.generate([{"prompt_token_ids": b}], params, use_tqdm=False)  # a's blocks 0 and 1
+    got = tiered.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
+    hits = tiered.engine.stats().hit_tokens
+    assert got.error is None and got.num_cached_tokens == 32
+    assert hits["device"] >= 8 and hits["host"] == 24
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -120,10 +120,12 @@ class TierLink:
 
     def loaded_kv(self, match: TieredMatch) -> torch.Tensor:
         """The KV of a match's loaded blocks, in token order (the first chunk's leading blocks,
-        which the device holds already, cut off)."""
+        which the device holds already, cut off). Dim 2 counts tokens, or blocks for a packed
+        pool's chunks ([layers, 1, blocks, 1, page_bytes]): the cut is in its units."""
         chunks = match.chunks
         data = torch.cat([c.data for c in chunks], dim=2) if len(chunks) > 1 else chunks[0].data
-        return data[:, :, match.skip_blocks * self.block_size:]
+        per_block = chunks[0].data.shape[2] // self.chunk_blocks  # block_size, or 1 if packed
+        return data[:, :, match.skip_blocks * per_block:]
 
     def tokens_by_source(self, match: TieredMatch) -> list[tuple[str, int]]:
         """(source, tokens) per loaded chunk, for the hit counters."""
