@@ -235,3 +235,23 @@ def test_swap_speeds_weigh_both_copies_against_the_observed_prefill():
     assert not speeds.swap_is_faster(num_bytes=10**7, num_tokens=10)  # 20 ms vs 10 ms
     speeds.observe_prefill(2000, 1.0)  # a moving average of the steps
     assert speeds.prefill_tokens_per_s == pytest.approx(1200.0)
+
+
+def test_an_empty_step_after_a_prefetch_wait_measures_nothing(llama, monkeypatch):
+    """auto reads the prefill speed off each step's batch; a step whose wait for a tier load
+    ended with still nothing to run (the load not yet usable) runs an empty batch, and that
+    must be a step like any other, not an index error (seen in CI on the tier tests)."""
+    llm = LLM(model=str(llama), dtype="float32", block_size=BLOCK, max_model_len=256,
+              preemption_mode="auto")
+    speeds = llm.engine.scheduler.swap.speeds
+    observed = []
+    monkeypatch.setattr(speeds, "observe_prefill", lambda *a: observed.append(a))
+    monkeypatch.setattr(llm.engine.kv, "wait_for_prefetch", lambda seconds: True)
+    assert llm.engine.step() == []
+    assert observed == []
+    prompts = _prompts(2, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama, prompts, NEW_TOKENS)
+    assert observed  # the prefill steps were measured
+    llm.engine.shutdown()

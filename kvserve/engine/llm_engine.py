@@ -229,7 +229,8 @@ class LLMEngine:
         started = time.perf_counter()
         out = self._execute(batch.step)  # its plan, its forward, its sampling
         swap = self.scheduler.swap
-        if swap is not None and swap.speeds is not None and batch.num_new_tokens[0] > 1:
+        if (swap is not None and swap.speeds is not None and batch.num_new_tokens
+                and batch.num_new_tokens[0] > 1):
             # auto weighs the prefill speed (prefill chunks come first in a batch)
             swap.speeds.observe_prefill(sum(n for n in batch.num_new_tokens if n > 1),
                                         time.perf_counter() - started)
