@@ -28,6 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         settings = dict(f.metadata)
+        aliases = settings.pop("aliases", ())
         if settings.pop("positional", False):
             parser.add_argument(f.name, nargs="?", default=f.default, **settings)
             continue
@@ -36,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             settings["help"] += f" (default: {'on' if f.default else 'off'})"
         else:
             settings["type"] = _scalar_type(hints[f.name])
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **settings)
+        parser.add_argument("--" + f.name.replace("_", "-"), *aliases, default=f.default,
+                            **settings)
 
 
 def _scalar_type(hint: Any) -> type:

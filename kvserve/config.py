@@ -62,7 +62,12 @@ class EngineConfig:
     gpu_memory_utilization: float = _arg(0.9, "fraction of device memory for the model and the "
                                          "KV pool (on CPU: of available RAM, capped)")
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: torch's "
-                                   "choice)")
+                                   "choice; with tensor parallelism, per worker: the cores "
+                                   "over the ranks)")
+    tensor_parallel_size: int = _arg(1, "split the model over this many worker processes "
+                                     "(ranks), each with its share of the heads, MLP columns, "
+                                     "vocabulary and KV pool (torch.distributed: gloo on CPU, "
+                                     "NCCL on CUDA); kvserve/parallel/", aliases=("-tp",))
     kv_cache_dtype: str = _arg("auto", "KV cache storage: auto (the model's dtype), fp8 (= "
                                "fp8_e4m3, per-layer scales), fp8_e5m2, int8 (per token and head), "
                                "int4 (KIVI: keys per channel over a block)",
@@ -140,6 +145,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "num_threads"):
             value = getattr(self, name)
@@ -223,6 +229,10 @@ class EngineConfig:
             on.add(F.BOUNDED)
         if self.preemption_mode == "swap":
             on.add(F.SWAP)
+        if self.tensor_parallel_size > 1:
+            on.add(F.TENSOR_PARALLEL)
+        if self.quantization in AT_LOAD:
+            on.add(F.QUANTIZE_AT_LOAD)
         return on
 
     def check_features(self, extra: set[str] = frozenset(), **context: Any) -> None:

@@ -39,6 +39,8 @@ BOUNDED = "bounded"  # a bounded KV cache (kv/bounded.py), engine-wide or per re
 BOUNDED_BY_ATTENTION = "bounded_by_attention"  # SnapKV / H2O: select by attention weights
 NO_ATTENTION_WEIGHTS = "no_attention_weights"  # a backend that computes no attention weights
 SWAP = "swap"  # preemption_mode='swap' (kv/swap.py)
+TENSOR_PARALLEL = "tensor_parallel"  # tensor_parallel_size > 1 (kvserve/parallel/)
+QUANTIZE_AT_LOAD = "quantize_at_load"  # quantization q8_0 / q4_0 / q4_1 / q4_k
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,12 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(BOUNDED, HYBRID,
              "a bounded KV cache needs one block table (per-group block tables, a hybrid "
              "layout, come from windowed layers, which bounded caches refuse)"),
+    Conflict(TENSOR_PARALLEL, BOUNDED,
+             "a bounded KV cache is not supported with tensor parallelism (its compaction and "
+             "attention observations are one process's)"),
+    Conflict(TENSOR_PARALLEL, QUANTIZE_AT_LOAD,
+             "quantization at load is not supported with tensor parallelism (the quantized "
+             "kernels are not sharded); a GGUF file is dequantized per rank"),
     Conflict(BOUNDED_BY_ATTENTION, NO_ATTENTION_WEIGHTS,
              "bounded KV policy {policy} selects by attention weights, which only the torch "
              "attention backend computes (this engine runs {backend})"),

@@ -68,17 +68,36 @@ class EngineParts:
     executor: InProcessExecutor
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    """Load the model (the embedded default when config.model is None), finalize the config
-    against it, and size and build everything a step runs over."""
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    model_dir = config.model
-    if model_dir is None:
+def resolve_model_dir(config: EngineConfig) -> str:
+    """config.model, the embedded default's path when it is None (written back)."""
+    if config.model is None:
         from kvserve.model.default import embedded_model_path
 
-        model_dir = str(embedded_model_path())
-        config.model = model_dir
+        config.model = str(embedded_model_path())
+    return config.model
+
+
+def model_config_of(config: EngineConfig) -> ModelConfig:
+    """The model's config.json (a GGUF file's metadata), without loading any weight."""
+    from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
+    from kvserve.models import registry
+
+    model_dir = resolve_model_dir(config)
+    return registry.config_from_dir(open_gguf(model_dir).dir if is_gguf(model_dir)
+                                    else model_dir)
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Load the model (the embedded default when config.model is None), finalize the config
+    against it, and size and build everything a step runs over. With tensor_parallel_size > 1
+    the model and the KV pool live in worker processes (kvserve/parallel/build.py)."""
+    if config.tensor_parallel_size > 1:
+        from kvserve.parallel.build import build_parallel_engine
+
+        return build_parallel_engine(config)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config)
     model, model_config = load_model(model_dir, config.dtype, config.device,
                                      remeasure_kernels=config.remeasure_kernels,
                                      quantization=config.quantization)
@@ -87,16 +106,29 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     dtype = next(model.parameters()).dtype
-    _check_model_features(config, model_config, dtype)  # before any memory is sized
+    check_model_features(config, model_config, dtype)  # before any memory is sized
     kv_spec = engine_kv_spec(model_config, dtype, config.block_size, config.kv_cache_dtype)
-    groups = _page_groups(config, kv_spec)
-    num_blocks = _num_kv_blocks(config, kv_spec, groups, model)
+    groups = page_groups_of(config, kv_spec)
+    num_blocks = num_kv_blocks(config, kv_spec, groups, model)
     tensors = KVTensorPool(kv_spec, num_blocks, config.device,
-                           *_kv_scales(config, kv_spec, model_config, model_dir),
+                           *kv_scales(config, kv_spec, model_config, model_dir),
                            page_groups=groups)
     backend = make_attention_backend(config.attention_backend, tensors,
                                      model_config.attention_scale, dtype)
-    tiers = _make_tiers(config, kv_spec, model_config, tensors, model_dir)
+    tiers, kv = make_kv_manager(config, kv_spec, model_config, tensors, groups, num_blocks)
+    runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
+    _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
+    _log_capacity(config, kv, model_config, kv_spec, model, groups)
+    return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
+                       tiers, kv, runner, InProcessExecutor(runner))
+
+
+def make_kv_manager(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
+                    tensors: KVTensorPool, groups: tuple[KVGroup, ...] | None, num_blocks: int,
+                    rank_parts: tuple[int, ...] = ()) -> tuple[object | None, KVCacheManager]:
+    """The storage tiers (if configured) and the KV manager over `num_blocks` blocks;
+    `rank_parts`: each tensor-parallel rank's part of a chunk (its key says so)."""
+    tiers = _make_tiers(config, kv_spec, model_config, tensors, config.model, rank_parts)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                         config.eviction_policy,
                         TierLink(tiers, config.block_size) if tiers else None,
@@ -107,11 +139,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         track_released=tensors.keeps_block_state,
                         max_pinned_fraction=config.max_pinned_fraction,
                         tenant_quota=config.kv_tenant_quota)
-    runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
-    _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
-    _log_capacity(config, kv, model_config, kv_spec, model, groups)
-    return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
-                       tiers, kv, runner, InProcessExecutor(runner))
+    return tiers, kv
 
 
 def _kv_dtype_features(model_config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str
@@ -124,7 +152,7 @@ def _kv_dtype_features(model_config: ModelConfig, dtype: torch.dtype, kv_cache_d
                           what="a quantized" if KV_DTYPES[name].quantized else "another")
 
 
-def _check_model_features(config: EngineConfig, model_config: ModelConfig,
+def check_model_features(config: EngineConfig, model_config: ModelConfig,
                           dtype: torch.dtype) -> None:
     """Refuse what the config asks for that the loaded model cannot do (the compatibility
     table's rows that name a model feature)."""
@@ -150,7 +178,7 @@ def _capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
         runner.graphs.capture_all()
 
 
-def _page_groups(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVGroup, ...] | None:
+def page_groups_of(config: EngineConfig, kv_spec: KVCacheSpec) -> tuple[KVGroup, ...] | None:
     """The hybrid layout (kv/spec.py's `page_groups`: one block table per group of equal
     size, windowed groups releasing what falls out of their window), unless disabled or
     storage tiers or swap preemption are on (their chunks hold every layer of a block); None
@@ -186,7 +214,7 @@ def _release_window(config: EngineConfig, kv_spec: KVCacheSpec,
     return window
 
 
-def _num_kv_blocks(config: EngineConfig, kv_spec: KVCacheSpec,
+def num_kv_blocks(config: EngineConfig, kv_spec: KVCacheSpec,
                    groups: tuple[KVGroup, ...] | None, model: CausalLM) -> int:
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
@@ -207,7 +235,7 @@ def _num_kv_blocks(config: EngineConfig, kv_spec: KVCacheSpec,
     return blocks
 
 
-def _kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
+def kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
                model_dir: str) -> tuple[torch.Tensor | None, bool]:
     """fp8_e4m3's per-layer scales: the checkpoint's k_scale/v_scale, else computed from the
     first batch (calculate_kv_scales), else 1.0 with a warning. e5m2 takes none (as vLLM)."""
@@ -216,7 +244,7 @@ def _kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelCo
         return None, False
     from kvserve.model.loader import read_kv_scales
 
-    scales = read_kv_scales(model_dir, model_config.num_hidden_layers)
+    scales = readkv_scales(model_dir, model_config.num_hidden_layers)
     if scales is not None:
         logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
     elif config.calculate_kv_scales:
@@ -230,7 +258,7 @@ def _kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelCo
 
 
 def _make_tiers(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
-                tensors: KVTensorPool, model_dir: str):
+                tensors: KVTensorPool, model_dir: str, rank_parts: tuple[int, ...] = ()):
     """Storage tiers under the pool, if configured; keys name this model, dtype and layout."""
     tier_config = config.kv_tier_config
     if tier_config is None or not tier_config.enabled:
@@ -246,7 +274,8 @@ def _make_tiers(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelC
                              tensors.dtype, model_config.num_hidden_layers, heads, width,
                              config.block_size, tier_config.chunk_size, len(layer_tensors),
                              kv_format=tensors.format_tag(),
-                             page_bytes=tensors.page_bytes if tensors.packed else None)
+                             page_bytes=tensors.page_bytes if tensors.packed else None,
+                             rank_parts=rank_parts)
     tiers = TieredKVStore(tier_config, identity)
     logger.info("KV storage tiers: %s", ", ".join(
         [f"host {tier_config.max_local_cpu_size:g} GB"] * tier_config.local_cpu

@@ -2,8 +2,8 @@
 
 The engine hands every step (engine/step.py's StepInput) to an Executor and gets a StepOutput
 back; it never calls the worker itself. Today the one executor runs one worker in this process.
-Tensor parallelism adds an executor that sends the same message to one worker process per
-rank and returns rank 0's output; prefill/decode disaggregation, one that sends prefills to
+Tensor parallelism's executor (kvserve/parallel/executor.py) sends the same message to one
+worker process per rank and returns rank 0's output; prefill/decode disaggregation, one that sends prefills to
 another engine's workers. (vLLM v1's Executor: UniProcExecutor, MultiprocExecutor.)
 """
 
@@ -13,6 +13,12 @@ from typing import Protocol
 
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.step import StepInput, StepOutput
+
+
+class ExecutorDied(RuntimeError):
+    """The workers are gone (one died, or raised while the others waited for it): no step can
+    run any more. The engine loop stops on it (the server answers 503) rather than fail one
+    step's requests and go on."""
 
 
 class Executor(Protocol):

@@ -43,6 +43,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parts = build_engine(config)  # the model, the KV pool and its manager, the worker
+        try:
+            self._assemble(config, parts)
+        except BaseException:
+            parts.executor.shutdown()  # (tensor parallelism: no worker outlives a failed start)
+            raise
+
+    def _assemble(self, config: EngineConfig, parts) -> None:
         self.model, self.model_config, self.tokenizer = parts.model, parts.model_config, \
             parts.tokenizer
         self.dtype, self.kv_spec, self.page_groups = parts.dtype, parts.kv_spec, \
@@ -83,14 +90,17 @@ class LLMEngine:
         return self.inputs.grammars
 
     def shutdown(self) -> None:
-        """Finish queued tier saves and stop the tier threads."""
+        """Finish queued tier saves, stop the tier threads and the executor's workers."""
         self.inputs.close()
         self.transfer.close()
-        if self.tiers is not None:
-            self._run_plan(self.kv.end_step())  # anything still planned for the tiers
-            self.kv.tiers.close()
-            self.tiers.close()
-            self.tiers = None
+        try:
+            if self.tiers is not None:
+                self._run_plan(self.kv.end_step())  # anything still planned for the tiers
+                self.kv.tiers.close()
+                self.tiers.close()
+                self.tiers = None
+        finally:
+            self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,

@@ -40,12 +40,15 @@ class ModelRunner:
         # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
         self.graphs = None
         self.sampling = StepSampler(seed)
+        # False on a tensor-parallel rank other than 0: rank 0 alone samples
+        self.samples = True
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """The step's plan, then its forward, then its sampling: a token for each row that
         samples, the logprobs of the prompt positions that want them."""
-        self.sampling.begin(step)
+        if self.samples:
+            self.sampling.begin(step)
         swapped = self.read_swap_outs(step.plan)
         try:
             saved = self.apply_plan(step.plan)
@@ -59,7 +62,8 @@ class ModelRunner:
         except Exception as e:
             raise StepFailed("forward", saved, swapped) from e
         out.saved, out.swapped = saved, swapped
-        self.sampling.sample(step, out)
+        if self.samples:
+            self.sampling.sample(step, out)
         return out
 
     @torch.inference_mode()

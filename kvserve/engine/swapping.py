@@ -51,7 +51,10 @@ def build_swap_space(config: EngineConfig, kv: KVCacheManager, tensors: KVTensor
         return None
     speeds = None
     if config.preemption_mode == "auto":
-        speeds = SwapSpeeds(measure_copy_speed(tensors.device))
+        # (a tensor-parallel core's pool is a `meta` view: its workers copy on config.device)
+        device = torch.device(config.device) if tensors.device.type == "meta" \
+            else tensors.device
+        speeds = SwapSpeeds(measure_copy_speed(device))
         logger.info("swap preemption: copies at %.2f GB/s", speeds.copy_bytes_per_s / 1e9)
     return SwapSpace(config.preemption_mode, int(config.swap_space * GIB),
                      tensors.page_bytes * len(tensors.layers), config.block_size, speeds)

@@ -65,10 +65,12 @@ def normed(norm: Callable, weight: torch.Tensor | None, eps: float,
 
 
 def dense_methods(layer, norm: Callable = rms_norm, rope: Callable = apply_rope,
-                  gate_up: LinearMethod | None = None) -> LayerMethods:
+                  gate_up: LinearMethod | None = None, o: LinearMethod | None = None,
+                  down: LinearMethod | None = None) -> LayerMethods:
     """A DecoderLayer's methods without a GEMM plan: `Dense` projections on its row-major
     weights, `norm` and `rope` around them (the GPU passes its Triton kernels), `gate_up` the
-    gated MLP projection (default DenseGated)."""
+    gated MLP projection (default DenseGated), `o` and `down` the projections before the
+    residual adds (default Dense; tensor parallelism's all-reducing ones)."""
     eps = layer.eps
     qkv = normed(norm, layer.input_layernorm, eps,
                  Dense(layer.qkv_proj, layer.qkv_bias).apply)
@@ -76,10 +78,11 @@ def dense_methods(layer, norm: Callable = rms_norm, rope: Callable = apply_rope,
     def attn_in(h: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
         return split_qkv(layer, qkv(h), cos_sin, norm, rope)
 
-    o = with_output_norm(Dense(layer.o_proj, layer.o_bias), layer.attn_out_norm, eps, norm)
+    o = with_output_norm(o or Dense(layer.o_proj, layer.o_bias), layer.attn_out_norm, eps,
+                         norm)
     gate_up = gate_up or DenseGated(layer.gate_up_proj, layer.gate_up_bias,
                                     layer.intermediate_size, layer.gelu)
     mlp = normed(norm, layer.post_attention_layernorm, eps, gate_up.apply)
-    down = with_output_norm(Dense(layer.down_proj, layer.down_bias), layer.mlp_out_norm, eps,
-                            norm)
+    down = with_output_norm(down or Dense(layer.down_proj, layer.down_bias),
+                            layer.mlp_out_norm, eps, norm)
     return LayerMethods(attn_in, o.apply_add, mlp, down.apply_add)

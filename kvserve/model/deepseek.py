@@ -59,6 +59,9 @@ class MoE(nn.Module):
         self.w2 = _param(e, hidden, i, **p)
         shared = moe.n_shared_experts * i
         self.shared = SwiGLU(hidden, shared, dtype, device) if shared else None
+        # Tensor parallelism (kvserve/parallel/layers.py): each rank's experts hold some of
+        # their columns, so the routed and shared sums are partial; this all-reduces them.
+        self.reduce = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for each token."""
@@ -115,6 +118,11 @@ class MoE(nn.Module):
 
     def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + shared(x) + routed(x)."""
+        if self.reduce is not None:  # one all-reduce of both partial sums
+            out = self.routed(x)
+            if self.shared is not None:
+                out = self.shared.forward_add(x, out)
+            return hidden.add_(self.reduce(out))
         if self.shared is not None:
             hidden = self.shared.forward_add(x, hidden)
         return hidden.add_(self.routed(x))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -36,6 +37,9 @@ from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
 from kvserve.models import registry
 from kvserve.models.base import Target
+
+if TYPE_CHECKING:
+    from kvserve.parallel.layout import RankLayout
 
 logger = logging.getLogger("kvserve")
 
@@ -111,7 +115,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
                pack_weights: bool = True, gemm: str | None = None,
                remeasure_kernels: bool = False,
-               quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
+               quantization: str | None = None,
+               shard: "RankLayout | None" = None) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`, or a GGUF file (its tensors
     dequantized into the model dtype); raises ValueError on any problem with the checkpoint,
     naming the file or tensor at fault.
@@ -129,7 +134,12 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     "none" dequantizes every tensor at load; None is DEFAULT_QUANTIZATION for a GGUF file on
     the CPU, else "none". "q8_0", "q4_0", "q4_1" and "q4_k" quantize a float checkpoint's
     projections at load into those block formats (quantize_at_load.py; float32 on the CPU:
-    dtype "auto" means float32 there)."""
+    dtype "auto" means float32 there).
+
+    `shard` (a tensor-parallel rank's layout, kvserve/parallel/layout.py) builds that rank's
+    part of the model and reads only its slice of each tensor; its projections stay dense
+    (their row-parallel reductions are bound by kvserve/parallel/layers.py) and a GGUF file is
+    dequantized. The config returned is the whole model's."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
                          f"got {quantization!r}")
@@ -145,9 +155,21 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     torch_dtype = resolve_dtype(dtype, config, device)
     device = torch.device(device)
     files = checkpoint_files(model_dir) if gguf is None else []
+    model_config = config
+    if shard is not None:
+        from kvserve.parallel.layout import rank_config
+
+        if at_load:
+            raise ValueError(f"quantization={quantization!r} is not supported with tensor "
+                             "parallelism (the quantized kernels are not sharded)")
+        model_config, quantization, pack_weights = rank_config(config, shard), "none", False
     with torch.no_grad():
-        model = family.model()(config, torch_dtype, device)
-        targets = family.weights(model, config)
+        model = family.model()(model_config, torch_dtype, device)
+        targets = family.weights(model, model_config)
+        if shard is not None:
+            from kvserve.parallel.shard import shard_targets
+
+            targets = shard_targets(targets, shard, config, model_config)
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config, family.skip)
@@ -258,11 +280,16 @@ def _load_file(file: Path, targets: dict[str, Target], loaded: set[str],
                 raise ValueError(f"unexpected tensor {key!r} in {str(file)!r} for "
                                  f"{config.architecture} with {config.num_hidden_layers} layers")
             try:
-                shape = tuple(f.get_slice(key).get_shape())
+                part = f.get_slice(key)
+                shape = tuple(part.get_shape())
                 if shape != target.shape:
                     raise ValueError(f"tensor {key!r} in {str(file)!r} has shape "
                                      f"{list(shape)}, expected {list(target.shape)}")
-                tensor = f.get_tensor(key)
+                if target.part is None:
+                    tensor = f.get_tensor(key)
+                else:  # a tensor-parallel rank's range: only it is read from the file
+                    dim, start, stop = target.part
+                    tensor = part[(slice(None),) * dim + (slice(start, stop),)]
             except ValueError:
                 raise
             except Exception as e:  # safetensors' own error types
@@ -275,6 +302,9 @@ def _load_file(file: Path, targets: dict[str, Target], loaded: set[str],
 
 
 def _copy(target: Target, tensor: torch.Tensor, loaded: set[str], name: str) -> None:
+    if target.part is not None and tuple(tensor.shape) == target.shape:  # a whole GGUF tensor
+        dim, start, stop = target.part
+        tensor = tensor.narrow(dim, start, stop - start)
     target.dest.copy_(tensor if target.transform is None else target.transform(tensor))
     if target.offset:
         target.dest.add_(target.offset)

@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 class Target:
     """Where one checkpoint tensor goes: a view into a model parameter, the shape the
     checkpoint tensor must have, a constant added after the copy (Gemma's norms are stored as
-    1 + w), and a transform applied before it (a row permutation: DeepSeek's interleaved RoPE,
-    Phi-3's partial RoPE)."""
+    1 + w), the part a tensor-parallel rank reads, and a transform applied before it (a row
+    permutation: DeepSeek's interleaved RoPE, Phi-3's partial RoPE)."""
 
     dest: torch.Tensor
     shape: tuple[int, ...]
     offset: float = 0.0
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Tensor parallelism: (dim, start, stop), the range of the checkpoint tensor (of `shape`)
+    # this rank reads into `dest` (kvserve/parallel/shard.py); None reads all of it.
+    part: tuple[int, int, int] | None = None
 
 
 # (model, config) -> checkpoint tensor name -> Target, in the order make-model draws them

@@ -54,6 +54,9 @@ class ChunkIdentity:
     kv_format: str = ""
     # Set for a packed (int8/int4) pool: a chunk is [layers, 1, blocks, 1, page_bytes] uint8.
     page_bytes: int | None = None
+    # Tensor parallelism: each rank's part of a chunk (KV heads, or a packed page's bytes),
+    # side by side in rank order; () for one process. Another layout never reads these chunks.
+    rank_parts: tuple[int, ...] = ()
 
     @cached_property
     def digest(self) -> str:
@@ -65,6 +68,8 @@ class ChunkIdentity:
             fields += [self.tensors_per_layer]
         if self.kv_format:
             fields += [self.kv_format, self.page_bytes]
+        if self.rank_parts:
+            fields += ["tp", list(self.rank_parts)]
         return xxhash.xxh3_64_hexdigest(json.dumps(fields).encode())
 
     @property

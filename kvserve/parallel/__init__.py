@@ -1,0 +1,12 @@
+"""Tensor parallelism: one model split across worker processes (`tensor_parallel_size`).
+
+layout.py    which heads, MLP columns and vocabulary rows each rank holds (plain data; the
+             planner reads it too)
+shard.py     the loader's side: which slice of each checkpoint tensor a rank reads
+comm.py      the collectives a sharded forward runs (torch.distributed)
+layers.py    the sharded layers' methods: row-parallel projections, vocabulary-parallel
+             embedding and LM head
+channel.py   the step message from the engine core to every worker (shared memory + pipes)
+worker.py    one rank's process: its shard of the model and of the KV pool, a step loop
+executor.py  the engine core's side: starts the workers, sends each step, gathers the result
+"""

@@ -1,0 +1,69 @@
+"""The engine core's parts under tensor parallelism: everything but the model and the KV pool,
+which live in the workers (kvserve/parallel/worker.py).
+
+The core reads only the model's config: it finalizes the engine config against it, checks the
+features, starts the workers, and takes the smallest of their KV block counts (every rank uses
+the same block ids). Its own view of the pool is a `meta`-device KVTensorPool of the whole
+model's spec: the same page sizes, formats and flags the scheduler, the swap space and the
+tiers' chunk key read, with no memory behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.config import EngineConfig
+from kvserve.engine import builder
+from kvserve.kv.spec import capacity_line
+from kvserve.kv.tensors import KVTensorPool
+from kvserve.model.gguf_checkpoint import tokenizer_dir
+from kvserve.model.loader import resolve_dtype
+from kvserve.parallel.executor import MultiprocExecutor
+from kvserve.parallel.layout import check_tp
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve")
+
+
+class RemoteBackend:
+    """What the engine core asks of the attention backend, for one that runs in the workers."""
+
+    observes_attention = False
+
+
+def build_parallel_engine(config: EngineConfig) -> builder.EngineParts:
+    tp = config.tensor_parallel_size
+    model_dir = builder.resolve_model_dir(config)
+    model_config = builder.model_config_of(config)
+    check_tp(model_config, tp)
+    dtype = resolve_dtype(config.dtype, model_config, config.device)
+    if config.device == "cuda" and not config.enforce_eager:
+        logger.info("tensor parallelism: decode steps run eagerly (no CUDA graphs yet)")
+        config.enforce_eager = True
+    tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
+    config.finalize(model_config.max_position_embeddings)
+    builder.check_model_features(config, model_config, dtype)
+    kv_spec = builder.engine_kv_spec(model_config, dtype, config.block_size,
+                                     config.kv_cache_dtype)
+    groups = builder.page_groups_of(config, kv_spec)
+    executor = MultiprocExecutor(config, tp)
+    try:
+        counts = executor.sized()
+        num_blocks = min(counts)
+        infos = executor.allocate(num_blocks)
+        tensors = KVTensorPool(kv_spec, num_blocks, "meta",
+                               *builder.kv_scales(config, kv_spec, model_config, model_dir),
+                               page_groups=groups)
+        tiers, kv = builder.make_kv_manager(config, kv_spec, model_config, tensors, groups,
+                                            num_blocks, executor.rank_parts)
+    except BaseException:
+        executor.shutdown()
+        raise
+    for rank, info in enumerate(infos):
+        logger.info("tensor parallel rank %d/%d: KV heads %d-%d; %s; KV pool %.1f MB", rank, tp,
+                    info.kv_heads[0], info.kv_heads[1] - 1, info.weight_line,
+                    num_blocks * info.page_bytes / 1e6)
+    logger.info(capacity_line(num_blocks, config.block_size, config.max_model_len,
+                              kv.final_blocks(config.max_model_len), kv.num_groups))
+    return builder.EngineParts(None, model_config, tokenizer, dtype, kv_spec, groups, tensors,
+                               RemoteBackend(), tiers, kv, None, executor)

@@ -1,0 +1,222 @@
+"""The engine core's side of tensor parallelism: one worker process per rank, every step sent
+to all of them, rank 0's tokens back (vLLM v1's MultiprocExecutor draws the same line).
+
+Faults: the core waits on every worker's pipe and process sentinel together, so a worker that
+dies is noticed at once (not after a collective times out); one that raises while the others
+wait in a collective for it is given `STUCK_GRACE_S` to be joined by the others, then every
+worker is killed. Either way the executor is dead (`ExecutorDied`): the engine fails with a
+clear error, the server answers 503, and no worker outlives it (each also exits when its pipe
+to the core closes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from kvserve.config import EngineConfig
+from kvserve.engine.executor import ExecutorDied
+from kvserve.engine.step import StepFailed, StepInput, StepOutput
+from kvserve.parallel.channel import Broadcast, read_reply
+from kvserve.parallel.worker import WorkerInfo, worker_main
+
+logger = logging.getLogger("kvserve")
+
+START_TIMEOUT_S = 600  # loading a large shard
+STUCK_GRACE_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list, channel: Broadcast) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+    channel.close()
+
+
+class MultiprocExecutor:
+    """Workers for ranks 0 .. tp-1 on this node (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, tp: int) -> None:
+        self.tp = tp
+        self.dead: str | None = None
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(tp)]
+        self.conns = [core for core, _ in pipes]
+        self.channel = Broadcast(self.conns)
+        master = (os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                  int(os.environ.get("MASTER_PORT", 0)) or _free_port())
+        self.procs = []
+        for rank, (_, child) in enumerate(pipes):
+            p = ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
+                            args=(config, rank, tp, master, child, self.channel.name, threads))
+            p.start()
+            child.close()  # the worker's end lives in the worker: EOF here when it dies
+            self.procs.append(p)
+        self.infos: list[WorkerInfo] = []
+        # An engine nobody shut down (a script that just ends): its workers are killed and the
+        # buffer unlinked when this executor is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.channel)
+
+    # -- start-up ------------------------------------------------------------------------------
+    def sized(self) -> list[int]:
+        """Each rank's KV block count (after it loaded its shard)."""
+        return [self._expect(r, "sized") for r in self._gather(START_TIMEOUT_S)]
+
+    def allocate(self, num_blocks: int) -> list[WorkerInfo]:
+        """Every rank allocates `num_blocks`; then each learns its part of a chunk."""
+        self.channel.send_each([("allocate", num_blocks)] * self.tp)
+        self.infos = [self._expect(r, "ready") for r in self._gather(START_TIMEOUT_S)]
+        # A chunk holds each distinct KV head range once (replicas share a part): the first
+        # rank of each range is the one whose reads are kept.
+        starts: dict[tuple[int, int], int] = {}
+        self.reading_ranks = []
+        for rank, info in enumerate(self.infos):
+            if info.kv_heads not in starts:
+                starts[info.kv_heads] = sum(self.infos[r].part_size for r in self.reading_ranks)
+                self.reading_ranks.append(rank)
+        self.channel.send_each([("parts", (starts[i.kv_heads], starts[i.kv_heads] + i.part_size))
+                                for i in self.infos])
+        return self.infos
+
+    @property
+    def rank_parts(self) -> tuple[int, ...]:
+        """The parts of a chunk, in order (the tiers' key names this layout)."""
+        return tuple(self.infos[r].part_size for r in self.reading_ranks)
+
+    def _expect(self, reply: tuple, kind: str):
+        if reply[0] != kind:
+            self._die(f"a tensor-parallel worker failed to start: {reply[4]}")
+        return reply[1]
+
+    # -- steps ---------------------------------------------------------------------------------
+    def execute(self, step: StepInput) -> StepOutput:
+        replies = self._round(("step", step))
+        errors = [r for r in replies if r[0] == "error"]
+        if errors:
+            _, stage, _, _, text, cause = errors[0]
+            logger.error("tensor-parallel worker failed in its step:\n%s", text)
+            saved = self._joined_saved([r[2] for r in replies]) \
+                if len(errors) == self.tp else []
+            if stage is None:
+                raise cause
+            swapped = self._joined_swapped([r[3] for r in replies]) \
+                if len(errors) == self.tp else {}
+            raise StepFailed(stage, saved, swapped) from cause
+        outs = [r[1] for r in replies]
+        out = outs[0]
+        out.saved = self._joined_saved([o.saved for o in outs])
+        out.swapped = self._joined_swapped([o.swapped for o in outs])
+        return out
+
+    def compare_kv_blocks(self, pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        replies = self._round(("compare", pairs))
+        bad = [r for r in replies if r[0] == "error"]
+        if bad:
+            raise bad[0][5]
+        per_rank = [r[1] for r in replies]
+        return [tuple(max(d[i][j] for d in per_rank) for j in range(2))
+                for i in range(len(pairs))]
+
+    def _joined_saved(self, per_rank: list[list]) -> list:
+        """Each chunk as the reading ranks' parts side by side (one a rank failed to read is
+        left out: it is recomputed later)."""
+        per_rank = [per_rank[r] for r in self.reading_ranks]
+        if not per_rank[0]:
+            return []
+        by_hash = [dict(s) for s in per_rank]
+        return [(h, self._join([d[h] for d in by_hash]))
+                for h, _ in per_rank[0] if all(h in d for d in by_hash)]
+
+    def _joined_swapped(self, per_rank: list[dict]) -> dict:
+        per_rank = [per_rank[r] for r in self.reading_ranks]
+        return {rid: self._join([d[rid] for d in per_rank])
+                for rid in per_rank[0] if all(rid in d for d in per_rank)}
+
+    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.infos[0].axis)
+
+    def _round(self, message) -> list[tuple]:
+        if self.dead is not None:
+            raise ExecutorDied(self.dead)
+        try:
+            self.channel.send(message)
+        except (BrokenPipeError, OSError):
+            self._die(self._death_reason() or "a tensor-parallel worker's pipe closed")
+        return self._gather(None)
+
+    def _gather(self, timeout: float | None) -> list[tuple]:
+        """One reply from every rank, in rank order; a death or a stuck rank kills them all."""
+        replies: dict[int, tuple] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stuck_since = None
+        while len(replies) < self.tp:
+            pending = [r for r in range(self.tp) if r not in replies]
+            waits = [self.conns[r] for r in pending] + [p.sentinel for p in self.procs]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if stuck_since is not None:
+                left = max(0.0, stuck_since + STUCK_GRACE_S - time.monotonic())
+            ready = wait(waits, left)
+            for r in pending:
+                if self.conns[r] in ready:
+                    try:
+                        replies[r] = read_reply(self.conns[r])
+                    except (EOFError, OSError):
+                        self._die(self._death_reason() or f"tensor-parallel rank {r} closed "
+                                                          "its pipe")
+                    if replies[r][0] == "error" and stuck_since is None:
+                        stuck_since = time.monotonic()
+            reason = self._death_reason()
+            if reason is not None and len(replies) < self.tp:
+                self._die(reason)
+            if not ready:
+                if stuck_since is not None:
+                    text = next(r[4] for r in replies.values() if r[0] == "error")
+                    self._die("a tensor-parallel worker raised while the others waited for it "
+                              f"in a collective:\n{text}")
+                self._die(f"tensor-parallel workers did not answer in {timeout:.0f} s")
+        return [replies[r] for r in range(self.tp)]
+
+    def _death_reason(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) died " \
+                       f"(exit code {p.exitcode})"
+        return None
+
+    def _die(self, reason: str):
+        self.dead = reason
+        logger.error("%s; stopping every worker", reason)
+        self._kill()
+        raise ExecutorDied(reason)
+
+    def _kill(self) -> None:
+        self._finalizer()
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = "the executor was shut down"
+            try:
+                self.channel.send(("stop", None))
+            except OSError:
+                pass
+            for p in self.procs:
+                p.join(10)
+        self._kill()
+        for conn in self.conns:
+            conn.close()

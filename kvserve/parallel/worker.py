@@ -1,0 +1,171 @@
+"""One tensor-parallel rank: a process holding its shard of the weights and of the KV pool,
+running every step message the engine core sends.
+
+Start-up is two rounds: the worker joins the process group, loads its slice of the checkpoint
+and says how many KV blocks its memory holds; the core answers with the count every rank uses
+(the smallest: block ids are the same on every rank, one block table), and the worker allocates
+its pool and says it is ready. Then it runs steps until told to stop or its pipe closes (the core
+is gone: the worker exits rather than linger as an orphan).
+
+Every rank runs the same plan and forward over its own heads; rank 0 alone samples and returns
+tokens. A KV chunk moving to or from the storage tiers or swap space holds each KV head once,
+side by side (`KVPart`; ranks that share a replicated head, or MLA's latent, share its part):
+a load carries the whole chunk and each rank writes its own part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.step import StepFailed, StepInput, StepOutput
+from kvserve.parallel import comm
+from kvserve.parallel.channel import Receiver
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """Where a rank's KV sits in a chunk of every rank's: the axis the parts are side by side
+    on (heads, or a packed pool's bytes) and this rank's [start, stop) on it."""
+
+    axis: int
+    start: int
+    stop: int
+
+    def of(self, data: torch.Tensor) -> torch.Tensor:
+        return data.narrow(self.axis, self.start, self.stop - self.start)
+
+
+@dataclass
+class WorkerInfo:
+    """What a rank tells the core once its pool is allocated."""
+
+    part_size: int  # its width on the chunk axis (KV heads, or a packed page's bytes)
+    axis: int
+    kv_heads: tuple[int, int]  # which KV heads it stores (ranks sharing one share a part)
+    page_bytes: int  # one block of every layer
+    num_layers: int
+    weight_line: str
+
+
+def _rank_for(step: StepInput, part: KVPart) -> StepInput:
+    """The step with each load's data cut to this rank's part."""
+    plan = step.plan
+    if not plan.loads:
+        return step
+    loads = [replace(load, data=part.of(load.data)) for load in plan.loads]
+    return replace(step, plan=replace(plan, loads=loads))
+
+
+def _slim(out: StepOutput, samples: bool) -> StepOutput:
+    """What goes back: rank 0's tokens and logprobs (its logits stay here), every rank's saved
+    and swapped KV."""
+    if not samples:
+        return StepOutput(saved=out.saved, swapped=out.swapped)
+    out.logits = out.prompt_logits = torch.empty(0)
+    return out
+
+
+def _error(e: BaseException) -> tuple:
+    """An exception as picklable data: ("error", stage, saved, swapped, text, exception)."""
+    cause = e.__cause__ if isinstance(e, StepFailed) and e.__cause__ is not None else e
+    text = "".join(traceback.format_exception(cause))
+    try:
+        import pickle
+
+        pickle.dumps(cause)
+    except Exception:
+        cause = RuntimeError(f"{type(cause).__name__}: {cause}")
+    if isinstance(e, StepFailed):
+        return ("error", e.stage, e.saved, e.swapped, text, cause)
+    return ("error", None, [], {}, text, cause)
+
+
+def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[str, int],
+                conn, shm_name: str, threads: int) -> None:
+    """The worker process's entry point (torch.multiprocessing spawns it)."""
+    os.environ.setdefault("MASTER_ADDR", master[0])
+    os.environ.setdefault("MASTER_PORT", str(master[1]))
+    torch.set_num_threads(threads)
+    receiver = Receiver(conn, shm_name)
+    try:
+        runner, info = _start(config, rank, world_size, receiver)
+    except BaseException as e:  # noqa: BLE001  the core reports it and stops the others
+        receiver.reply(_error(e))
+        return
+    receiver.reply(("ready", info))
+    part = KVPart(info.axis, *_part_range(receiver, info))
+    samples = rank == 0
+    runner.samples = samples
+    try:
+        while True:
+            kind, payload = receiver.receive()
+            if kind == "stop":
+                break
+            try:
+                if kind == "step":
+                    result = ("ok", _slim(runner.execute(_rank_for(payload, part)), samples))
+                else:  # "compare"
+                    result = ("ok", runner.compare_kv_blocks(payload))
+            except Exception as e:  # noqa: BLE001  sent to the core, which decides
+                result = _error(e)
+            receiver.reply(result)
+    except (EOFError, OSError):
+        pass  # the core is gone
+    finally:
+        receiver.close()
+        comm.close()
+
+
+def _part_range(receiver: Receiver, info: WorkerInfo) -> tuple[int, int]:
+    """The core sends each rank's [start, stop) on the chunk axis after every rank is ready."""
+    kind, payload = receiver.receive()
+    assert kind == "parts", kind
+    return payload
+
+
+def _start(config: EngineConfig, rank: int, world_size: int, receiver: Receiver
+           ) -> tuple[Any, WorkerInfo]:
+    """Join the group, load the shard, size and allocate the pool (see the module docstring)."""
+    from kvserve.attention.select import make_attention_backend
+    from kvserve.engine import builder
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.kv.tensors import KVTensorPool
+    from kvserve.model.loader import load_model
+    from kvserve.model.weight_bytes import weight_bytes
+    from kvserve.parallel.layers import bind_tensor_parallel
+    from kvserve.parallel.layout import rank_config, rank_layout
+    from kvserve.parallel.comm import Comm
+
+    comm.init(rank, world_size, config.device)
+    full = builder.model_config_of(config)
+    layout = rank_layout(full, rank, world_size)
+    model, _ = load_model(config.model, config.dtype, config.device, shard=layout)
+    sizes = [b - a for a, b in (rank_layout(full, r, world_size).vocab
+                                for r in range(world_size))]
+    bind_tensor_parallel(model, layout, Comm(rank, world_size), sizes)
+    dtype = next(model.parameters()).dtype
+    spec = builder.engine_kv_spec(rank_config(full, layout), dtype, config.block_size,
+                                  config.kv_cache_dtype)
+    groups = builder.page_groups_of(config, spec)
+    receiver.reply(("sized", builder.num_kv_blocks(config, spec, groups, model)))
+    kind, num_blocks = receiver.receive()
+    assert kind == "allocate", kind
+    tensors = KVTensorPool(spec, num_blocks, config.device,
+                           *builder.kv_scales(config, spec, full, config.model),
+                           page_groups=groups)
+    backend = make_attention_backend(config.attention_backend, tensors, full.attention_scale,
+                                     dtype)
+    runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
+    heads = spec.layer_specs()[0].tensors[0][0]
+    axis, size = (4, tensors.page_bytes) if tensors.packed else (3, heads)
+    return runner, WorkerInfo(size, axis, layout.kv_heads, tensors.page_bytes * len(tensors.layers),
+                              len(tensors.layers), weight_bytes(model).line())
