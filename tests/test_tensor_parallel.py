@@ -1,0 +1,227 @@
+"""Tensor parallelism (kvserve/parallel/): tensor_parallel_size=2 runs two worker processes of
+one thread each. Greedy tokens equal transformers' own continuations (the independent
+reference) on Llama, Qwen2 with one KV head (replicated on both ranks), Qwen3, Gemma 3 (hybrid:
+sliding and full layers, one block table per group) and DeepSeek-V2 (MLA + MoE), and the top
+logprobs equal tp=1's within 1e-4; over block sizes 16 and 7, chunked prefill, preemption,
+prefix hits, a host-tier round trip and an fp8 KV cache. A worker killed mid-run fails the
+engine within 10 s and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from helpers import (generate_checked, hf_greedy, kv_bytes_per_token, random_prompts,
+                     save_random_checkpoint)
+from test_mla import make_deepseek_checkpoint
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.executor import ExecutorDied
+from kvserve.parallel.layout import check_tp, rank_layout
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+NEW = 10
+VOCAB = 512
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def models(hf_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    S, F = "sliding_attention", "full_attention"
+    return {
+        "llama": hf_checkpoints["llama"],
+        "qwen3": hf_checkpoints["qwen3"],
+        "qwen2_1kv": save_random_checkpoint(
+            transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1},
+                                     tie_word_embeddings=True, rope_theta=1e6),
+            root / "qwen2_1kv"),
+        "gemma3": save_random_checkpoint(
+            transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8,
+                                          layer_types=[S, S, F], query_pre_attn_scalar=24,
+                                          final_logit_softcapping=30.0),
+            root / "gemma3", perturb_norms=True),
+        "deepseek_v2": make_deepseek_checkpoint(root / "deepseek_v2"),
+    }
+
+
+def _llm(path, tp: int, **kwargs) -> LLM:
+    return LLM(model=str(path), dtype="float32", tensor_parallel_size=tp,
+               **{"block_size": 16, "max_model_len": 512, **kwargs})
+
+
+def _run(llm: LLM, prompts, logprobs: int | None = None, new: int = NEW):
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=logprobs)
+    return generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _max_logprob_gap(a, b) -> float:
+    """The largest difference between two runs' top logprobs (same tokens, same steps)."""
+    gap = 0.0
+    for x, y in zip(a, b):
+        for dx, dy in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert dx.keys() == dy.keys()
+            gap = max(gap, max(abs(dx[t] - dy[t]) for t in dx))
+    return gap
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2"])
+def test_tp2_equals_transformers_and_tp1(models, name):
+    path = models[name]
+    prompts = random_prompts([5, 17, 40, 63], VOCAB, seed=1)
+    expected = hf_greedy(path, prompts, NEW)
+    one = _run(_llm(path, 1), prompts, logprobs=5)
+    tp = _llm(path, 2)
+    try:
+        two = _run(tp, prompts, logprobs=5)
+    finally:
+        tp.engine.shutdown()
+    assert _tokens(two) == expected
+    assert _tokens(one) == expected
+    assert _max_logprob_gap(one, two) < 1e-4
+
+
+POOL_BLOCKS = 24  # of 8 tokens: the four requests (70 to 115 tokens) cannot all stay
+SCENARIOS = {
+    "block7": dict(block_size=7),
+    "chunked": dict(max_num_batched_tokens=24),
+    "preempt": dict(block_size=8, preemption_mode="recompute"),
+    "swap": dict(block_size=8, preemption_mode="swap"),
+    "fp8": dict(kv_cache_dtype="fp8"),
+}
+
+
+def _pool(path, tp: int) -> dict:
+    """kv_cache_memory_bytes of POOL_BLOCKS blocks of 8 tokens per rank (a rank's pool holds
+    its half of the KV heads: the budget is per rank, as vLLM's is per GPU)."""
+    return dict(kv_cache_memory_bytes=POOL_BLOCKS * 8 * kv_bytes_per_token(path) // tp)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_tp2_scenarios_equal_tp1(models, scenario):
+    """Llama (2 KV heads: one per rank). fp8: against tp=1's fp8 run (a lossy cache, not
+    transformers'); the others against transformers."""
+    path = models["llama"]
+    kwargs = SCENARIOS[scenario]
+    small = scenario in ("preempt", "swap")
+    prompts = random_prompts([30, 45, 60, 75], VOCAB, seed=2)
+    new = 40 if small else NEW  # decodes that outgrow the pool
+    one = _run(_llm(path, 1, **kwargs, **(_pool(path, 1) if small else {})), prompts, new=new)
+    tp = _llm(path, 2, **kwargs, **(_pool(path, 2) if small else {}))
+    try:
+        two = _run(tp, prompts, new=new)
+        stats = tp.engine.stats()
+    finally:
+        tp.engine.shutdown()
+    assert _tokens(two) == _tokens(one)
+    if scenario != "fp8":
+        assert _tokens(two) == hf_greedy(path, prompts, new)
+    if small:
+        assert tp.engine.kv.num_blocks == POOL_BLOCKS
+        assert stats.num_preemptions > 0
+    if scenario == "swap":
+        assert stats.swap["swapped_out"] > 0 and stats.swap["bytes_in"] > 0, stats.swap
+
+
+def test_prefix_hits_and_a_host_tier_round_trip(models):
+    """Prompts sharing a 32-token prefix hit the device cache; after the device cache is reset
+    the same prompts load their chunks (every rank's heads side by side) from host memory."""
+    path = models["qwen2_1kv"]
+    shared = random_prompts([32], VOCAB, seed=3)[0]
+    prompts = [shared + p for p in random_prompts([9, 20, 31], VOCAB, seed=4)]
+    expected = hf_greedy(path, prompts, NEW)
+    tp = _llm(path, 2, block_size=8,
+              kv_tier_config={"chunk_size": 16, "local_cpu": True, "max_local_cpu_size": 0.1,
+                              "write_policy": "write_through"})
+    try:
+        assert _tokens(_run(tp, prompts)) == expected
+        assert tp.engine.stats().prefix_cache_hits >= 2 * 32
+        tp.engine.tiers.flush()
+        tp.engine.reset_prefix_cache()
+        assert _tokens(_run(tp, prompts)) == expected
+        assert tp.engine.stats().hit_tokens["host"] >= 32
+        tier = tp.engine.tier_stats()
+        assert tier["bytes_loaded"].get("host", 0) > 0 and not tier["errors"], tier
+    finally:
+        tp.engine.shutdown()
+
+
+def test_layouts_split_heads_unevenly_and_replicate_kv_heads(models):
+    """SmolLM2-135M's shape (9 heads, 3 KV heads) over 2 ranks is 2 + 1 KV heads; a model with
+    one KV head replicates it and splits its query heads; an impossible split is refused."""
+    from kvserve.model.config import ModelConfig
+
+    smol = ModelConfig("LlamaForCausalLM", 576, 30, 9, 3, 64, 1536, 49152)
+    a, b = (rank_layout(smol, r, 2) for r in range(2))
+    assert (a.kv_heads, a.q_heads, b.kv_heads, b.q_heads) == ((0, 2), (0, 6), (2, 3), (6, 9))
+    assert a.vocab == (0, 24576) and b.intermediate == (768, 1536)
+    one = ModelConfig("Qwen2ForCausalLM", 64, 2, 4, 1, 16, 128, 512)
+    assert [rank_layout(one, r, 2).q_heads for r in range(2)] == [(0, 2), (2, 4)]
+    assert [rank_layout(one, r, 2).kv_heads for r in range(2)] == [(0, 1), (0, 1)]
+    with pytest.raises(ValueError, match="multiple"):
+        check_tp(ModelConfig("LlamaForCausalLM", 64, 2, 6, 3, 16, 128, 512), 4)
+
+
+def test_uneven_heads_equal_transformers(tmp_path):
+    """3 KV heads (6 query heads) over 2 ranks: ranks of 2 and 1 KV heads, pools of different
+    page sizes over the same block ids."""
+    path = save_random_checkpoint(
+        transformers.LlamaConfig(**{**_COMMON, "num_attention_heads": 6,
+                                    "num_key_value_heads": 3, "hidden_size": 96},
+                                 tie_word_embeddings=False), tmp_path / "llama3kv")
+    prompts = random_prompts([12, 40], VOCAB, seed=5)
+    tp = _llm(path, 2)
+    try:
+        assert _tokens(_run(tp, prompts)) == hf_greedy(path, prompts, NEW)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_unsupported_models_and_features_are_refused(hf_checkpoints):
+    with pytest.raises(ValueError, match="whole projection"):
+        _llm(hf_checkpoints["olmo2"], 2)
+    with pytest.raises(ValueError, match="partial RoPE"):
+        _llm(hf_checkpoints["phi3"], 2)
+    with pytest.raises(ValueError, match="bounded KV cache is not supported"):
+        _llm(hf_checkpoints["llama"], 2, bounded_kv_policy="streaming", bounded_kv_budget=64)
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)
+            if p.name() != "resource_tracker" and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_killed_worker_fails_the_engine_within_10_s_and_every_worker_exits(models):
+    import psutil
+
+    tp = _llm(models["llama"], 2)
+    procs = tp.engine.executor.procs
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for p in random_prompts([20, 30], VOCAB, seed=6):
+        tp.engine.add_request({"prompt_token_ids": p}, params)
+    for _ in range(3):
+        tp.engine.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorDied, match="rank 1"):
+        for _ in range(1000):
+            tp.engine.step()
+    assert time.monotonic() - t0 < 10
+    for p in procs:
+        p.join(10)
+        assert not psutil.pid_exists(p.pid) or psutil.Process(p.pid).status() == "zombie"
+    with pytest.raises(ExecutorDied):  # and it stays dead
+        tp.engine.step()
+    tp.engine.shutdown()
