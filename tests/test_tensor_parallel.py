@@ -225,3 +225,42 @@ def test_a_killed_worker_fails_the_engine_within_10_s_and_every_worker_exits(mod
     with pytest.raises(ExecutorDied):  # and it stays dead
         tp.engine.step()
     tp.engine.shutdown()
+
+
+def test_a_server_whose_worker_dies_answers_503(models, tmp_path):
+    """`kvserve serve -tp 2` (a real server process) serves; once a worker is killed, requests
+    and /health answer 503 within 10 s and the other worker exits too; SIGINT then stops the
+    server with nothing left behind."""
+    import httpx
+    import psutil
+    from server_process import ServerProcess
+
+    path = models["llama"]
+    server = ServerProcess("tp2", [str(path), "-tp", "2", "--num-threads", "1",
+                                   "--dtype", "float32"], tmp_path)
+    try:
+        server.wait_ready()
+        workers = [p for p in psutil.Process(server.proc.pid).children()
+                   if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers) == 2, workers
+        prompt = random_prompts([20], VOCAB, seed=7)[0]
+        body = {"model": str(path), "prompt": prompt, "max_tokens": NEW, "temperature": 0.0,
+                "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == NEW
+        workers[1].kill()
+        t0 = time.monotonic()
+        status = None
+        while time.monotonic() - t0 < 10:
+            status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code
+            if status == 503:
+                break
+            time.sleep(0.2)
+        assert status == 503
+        assert time.monotonic() - t0 < 10
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+        workers[0].wait(10)  # the other worker is stopped too
+    finally:
+        server.stop()
+    assert not any(p.is_running() and p.status() != "zombie" for p in workers)

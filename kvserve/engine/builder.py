@@ -89,12 +89,8 @@ def model_config_of(config: EngineConfig) -> ModelConfig:
 
 def build_engine(config: EngineConfig) -> EngineParts:
     """Load the model (the embedded default when config.model is None), finalize the config
-    against it, and size and build everything a step runs over. With tensor_parallel_size > 1
-    the model and the KV pool live in worker processes (kvserve/parallel/build.py)."""
-    if config.tensor_parallel_size > 1:
-        from kvserve.parallel.build import build_parallel_engine
-
-        return build_parallel_engine(config)
+    against it, and size and build everything a step runs over (in this process: with
+    tensor_parallel_size > 1 kvserve/parallel/build.py builds the parts instead)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config)
@@ -244,7 +240,7 @@ def kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelCon
         return None, False
     from kvserve.model.loader import read_kv_scales
 
-    scales = readkv_scales(model_dir, model_config.num_hidden_layers)
+    scales = read_kv_scales(model_dir, model_config.num_hidden_layers)
     if scales is not None:
         logger.info("fp8 KV cache: k_scale/v_scale of every layer from the checkpoint")
     elif config.calculate_kv_scales:

@@ -32,6 +32,7 @@ from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.kv.report import build_report
 from kvserve.outputs import RequestOutput
+from kvserve.parallel.build import build_parallel_engine
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
@@ -42,7 +43,9 @@ logger = logging.getLogger("kvserve")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        parts = build_engine(config)  # the model, the KV pool and its manager, the worker
+        # The model, the KV pool and its manager, the worker (or tensor parallelism's workers)
+        parts = build_engine(config) if config.tensor_parallel_size == 1 \
+            else build_parallel_engine(config)
         try:
             self._assemble(config, parts)
         except BaseException:
