@@ -205,8 +205,11 @@ def test_tensor_parallel_splits_kv_heads():
     spec = preset("llama-2-70b")
     assert kv_bytes_per_token(spec, "fp16", tp=8) == 40 * KiB
     assert kv_bytes_per_token(spec, "fp16", tp=16) == 40 * KiB  # heads replicated past 8
-    with pytest.raises(ValueError):
-        kv_bytes_per_token(spec, "fp16", tp=3)
+    # 8 KV heads over 3 ranks are 3 + 3 + 2 (kvserve/parallel/layout.py): the largest rank
+    # sizes the pool
+    assert kv_bytes_per_token(spec, "fp16", tp=3) == 3 * 40 * KiB
+    with pytest.raises(ValueError, match="multiple"):
+        kv_bytes_per_token(spec, "fp16", tp=12)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2"])

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 NEW = 10
+KV_BYTES = 1 << 20
 VOCAB = 512
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -98,6 +99,7 @@ SCENARIOS = {
     "preempt": dict(block_size=8, preemption_mode="recompute"),
     "swap": dict(block_size=8, preemption_mode="swap"),
     "fp8": dict(kv_cache_dtype="fp8"),
+    "int8": dict(kv_cache_dtype="int8"),  # a packed pool: per-block pages of data and scales
 }
 
 
@@ -124,7 +126,7 @@ def test_tp2_scenarios_equal_tp1(models, scenario):
     finally:
         tp.engine.shutdown()
     assert _tokens(two) == _tokens(one)
-    if scenario != "fp8":
+    if scenario not in ("fp8", "int8"):
         assert _tokens(two) == hf_greedy(path, prompts, new)
     if small:
         assert tp.engine.kv.num_blocks == POOL_BLOCKS
@@ -133,14 +135,18 @@ def test_tp2_scenarios_equal_tp1(models, scenario):
         assert stats.swap["swapped_out"] > 0 and stats.swap["bytes_in"] > 0, stats.swap
 
 
-def test_prefix_hits_and_a_host_tier_round_trip(models):
+@pytest.mark.parametrize("name,kv_dtype", [("qwen2_1kv", "auto"), ("llama", "auto"),
+                                           ("llama", "int8")])
+def test_prefix_hits_and_a_host_tier_round_trip(models, name, kv_dtype):
     """Prompts sharing a 32-token prefix hit the device cache; after the device cache is reset
-    the same prompts load their chunks (every rank's heads side by side) from host memory."""
-    path = models["qwen2_1kv"]
+    the same prompts load their chunks (each KV head once, side by side; the replicated head
+    once; int8: each rank's packed pages) from host memory."""
+    path = models[name]
     shared = random_prompts([32], VOCAB, seed=3)[0]
     prompts = [shared + p for p in random_prompts([9, 20, 31], VOCAB, seed=4)]
-    expected = hf_greedy(path, prompts, NEW)
-    tp = _llm(path, 2, block_size=8,
+    expected = hf_greedy(path, prompts, NEW) if kv_dtype == "auto" else \
+        _tokens(_run(_llm(path, 1, block_size=8, kv_cache_dtype=kv_dtype), prompts))
+    tp = _llm(path, 2, block_size=8, kv_cache_dtype=kv_dtype,
               kv_tier_config={"chunk_size": 16, "local_cpu": True, "max_local_cpu_size": 0.1,
                               "write_policy": "write_through"})
     try:
@@ -152,6 +158,8 @@ def test_prefix_hits_and_a_host_tier_round_trip(models):
         assert tp.engine.stats().hit_tokens["host"] >= 32
         tier = tp.engine.tier_stats()
         assert tier["bytes_loaded"].get("host", 0) > 0 and not tier["errors"], tier
+        if name == "qwen2_1kv":  # the one KV head is in every chunk once
+            assert tp.engine.executor.rank_parts == (1,)
     finally:
         tp.engine.shutdown()
 
@@ -172,19 +180,37 @@ def test_layouts_split_heads_unevenly_and_replicate_kv_heads(models):
         check_tp(ModelConfig("LlamaForCausalLM", 64, 2, 6, 3, 16, 128, 512), 4)
 
 
-def test_uneven_heads_equal_transformers(tmp_path):
+def test_uneven_heads_equal_transformers_and_the_planner(tmp_path, capsys):
     """3 KV heads (6 query heads) over 2 ranks: ranks of 2 and 1 KV heads, pools of different
-    page sizes over the same block ids."""
+    page sizes over the same block ids, as `kvserve plan -tp 2` sizes them."""
     path = save_random_checkpoint(
         transformers.LlamaConfig(**{**_COMMON, "num_attention_heads": 6,
                                     "num_key_value_heads": 3, "hidden_size": 96},
                                  tie_word_embeddings=False), tmp_path / "llama3kv")
     prompts = random_prompts([12, 40], VOCAB, seed=5)
-    tp = _llm(path, 2)
+    tp = _llm(path, 2, kv_cache_memory_bytes=KV_BYTES)
     try:
         assert _tokens(_run(tp, prompts)) == hf_greedy(path, prompts, NEW)
+        _check_plan(path, tp, capsys)
     finally:
         tp.engine.shutdown()
+
+
+def _check_plan(path, tp: LLM, capsys) -> None:
+    """`kvserve plan -tp 2` gives each rank's KV pool as the workers allocated it: the largest
+    rank's bytes per block, and the block count every rank holds."""
+    import json
+
+    from kvserve.cli import main
+
+    capsys.readouterr()
+    assert main(["plan", str(path), "-tp", "2", "--kv-cache-memory", str(KV_BYTES),
+                 "--block-size", "16", "--kv-cache-dtype", "fp32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    infos = tp.engine.executor.infos
+    assert plan["kv"]["bytes_per_block"] == max(i.page_bytes for i in infos)
+    assert plan["capacity"]["num_blocks"] == tp.engine.kv.num_blocks
+    assert [i.page_bytes for i in infos] == [2 * 16 * 2 * 16 * 4 * 3, 1 * 16 * 2 * 16 * 4 * 3]
 
 
 def test_unsupported_models_and_features_are_refused(hf_checkpoints):

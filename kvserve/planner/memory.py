@@ -37,19 +37,19 @@ def resolve_kv_dtype(name: str, spec: ModelSpec | None = None) -> str:
 
 
 def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
+    """The KV heads of the largest rank, which sizes every rank's pool (the engine's split,
+    kvserve/parallel/layout.py: near-equal ranges, so 3 heads over 2 ranks are 2 + 1; with
+    fewer heads than ranks each rank holds a replica of one)."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if spec.attention == "mla":
         return 1
-    if tp >= spec.num_kv_heads:
+    if tp > spec.num_kv_heads:
         if tp % spec.num_kv_heads:
             raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the "
                              f"{spec.num_kv_heads} KV heads")
         return 1  # each GPU holds a replica of one KV head
-    if spec.num_kv_heads % tp:
-        raise ValueError(f"{spec.num_kv_heads} KV heads cannot be split over "
-                         f"tensor_parallel_size {tp}")
-    return spec.num_kv_heads // tp
+    return -(-spec.num_kv_heads // tp)
 
 
 def kv_cache_spec(spec: ModelSpec, dtype: str, tp: int = 1, group_size: int | None = None,
