@@ -271,14 +271,17 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def make_llm(model_dir: Path, w: Workload, prefix_caching: bool = True,
-             tiers: Tiers | None = None, preemption_mode: str = "auto") -> LLM:
+             tiers: Tiers | None = None, preemption_mode: str = "auto", tp: int = 1) -> LLM:
+    """`tp` > 1: tensor parallelism, each rank's pool of the same `pool_blocks` (its share of
+    the KV heads: the budget is per rank)."""
     return LLM(model=str(model_dir), dtype="float32", block_size=w.block_size,
                max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
                max_num_batched_tokens=w.max_num_batched_tokens,
-               kv_cache_memory_bytes=w.pool_blocks * w.block_size * kv_bytes_per_token(model_dir),
+               kv_cache_memory_bytes=w.pool_blocks * w.block_size * kv_bytes_per_token(model_dir)
+               // tp,
                enable_prefix_caching=prefix_caching,
                kv_tier_config=tiers.config(w) if tiers is not None else None, seed=0,
-               preemption_mode=preemption_mode)
+               preemption_mode=preemption_mode, tensor_parallel_size=tp)
 
 
 def run(llm: LLM, w: Workload, max_steps: int = 20_000) -> RunResult:
