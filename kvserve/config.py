@@ -68,6 +68,13 @@ class EngineConfig:
                                      "(ranks), each with its share of the heads, MLP columns, "
                                      "vocabulary and KV pool (torch.distributed: gloo on CPU, "
                                      "NCCL on CUDA); kvserve/parallel/", aliases=("-tp",))
+    nnodes: int = _arg(1, "nodes the tensor-parallel ranks are spread over (evenly); node 0 "
+                       "runs the engine core and the API, the others only their ranks")
+    node_rank: int = _arg(0, "this node's index among --nnodes (0: the leader)")
+    master_addr: str | None = _arg(None, "the leader's address for torch.distributed's "
+                                   "env:// rendezvous (default: $MASTER_ADDR, else 127.0.0.1)")
+    master_port: int | None = _arg(None, "its port (default: $MASTER_PORT, else 29500 across "
+                                   "nodes, a free port on one)")
     kv_cache_dtype: str = _arg("auto", "KV cache storage: auto (the model's dtype), fp8 (= "
                                "fp8_e4m3, per-layer scales), fp8_e5m2, int8 (per token and head), "
                                "int4 (KIVI: keys per channel over a block)",
@@ -146,6 +153,13 @@ class EngineConfig:
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive_int("nnodes", self.nnodes)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a "
+                             f"multiple of nnodes ({self.nnodes}): each node runs as many ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), "
+                             f"got {self.node_rank}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "num_threads"):
             value = getattr(self, name)

@@ -290,3 +290,36 @@ def test_a_server_whose_worker_dies_answers_503(models, tmp_path):
     finally:
         server.stop()
     assert not any(p.is_running() and p.status() != "zombie" for p in workers)
+
+
+def test_ranks_on_a_second_node(models, tmp_path):
+    """--nnodes 2: rank 1 runs in a `kvserve serve --node-rank 1` process of its own (a second
+    node, here on the same machine, joined over MASTER_ADDR/MASTER_PORT) and gets each step
+    from rank 0 over the process group; the tokens are transformers', and stopping the leader
+    ends the other node's process cleanly."""
+    import subprocess
+    import sys
+
+    from kvserve.parallel.executor import _free_port
+
+    path = models["llama"]
+    port = _free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", str(path), "-tp", "2", "--nnodes", "2",
+         "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--dtype", "float32", "--block-size", "16", "--max-model-len", "512",
+         "--num-threads", "1"],
+        stdout=open(tmp_path / "node1.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        tp = _llm(path, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        try:
+            assert len(tp.engine.executor.procs) == 1  # rank 0 only on this node
+            prompts = random_prompts([9, 33], VOCAB, seed=8)
+            assert _tokens(_run(tp, prompts)) == hf_greedy(path, prompts, NEW)
+        finally:
+            tp.engine.shutdown()
+        assert node.wait(30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(5)

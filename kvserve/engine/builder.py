@@ -113,7 +113,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                      model_config.attention_scale, dtype)
     tiers, kv = make_kv_manager(config, kv_spec, model_config, tensors, groups, num_blocks)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
-    _capture_graphs(config, runner, model, backend, tensors, groups, model_config)
+    capture_graphs(config, runner, model, backend, tensors, groups, model_config)
     _log_capacity(config, kv, model_config, kv_spec, model, groups)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
                        tiers, kv, runner, InProcessExecutor(runner))
@@ -156,7 +156,7 @@ def check_model_features(config: EngineConfig, model_config: ModelConfig,
     config.check_features(on, **context)
 
 
-def _capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
+def capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
                     backend: AttentionBackend, tensors: KVTensorPool,
                     groups: tuple[KVGroup, ...] | None, model_config: ModelConfig) -> None:
     """CUDA graphs for decode batches, where the layout allows them."""

@@ -11,6 +11,7 @@ tiers' chunk key read, with no memory behind it.
 from __future__ import annotations
 
 import logging
+import os
 
 from kvserve.config import EngineConfig
 from kvserve.engine import builder
@@ -18,6 +19,7 @@ from kvserve.kv.spec import capacity_line
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.gguf_checkpoint import tokenizer_dir
 from kvserve.model.loader import resolve_dtype
+from kvserve.parallel.comm import exchange_slot_bytes
 from kvserve.parallel.executor import MultiprocExecutor
 from kvserve.parallel.layout import check_tp
 from kvserve.tokenizer import Tokenizer
@@ -31,22 +33,27 @@ class RemoteBackend:
     observes_attention = False
 
 
-def build_parallel_engine(config: EngineConfig) -> builder.EngineParts:
-    tp = config.tensor_parallel_size
-    model_dir = builder.resolve_model_dir(config)
+def _finalize(config: EngineConfig):
+    """The model's config and dtype, the engine config finalized against them (every node
+    does the same, so that each worker reads the same limits)."""
+    builder.resolve_model_dir(config)
     model_config = builder.model_config_of(config)
-    check_tp(model_config, tp)
+    check_tp(model_config, config.tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, model_config, config.device)
-    if config.device == "cuda" and not config.enforce_eager:
-        logger.info("tensor parallelism: decode steps run eagerly (no CUDA graphs yet)")
-        config.enforce_eager = True
-    tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     builder.check_model_features(config, model_config, dtype)
+    return model_config, dtype
+
+
+def build_parallel_engine(config: EngineConfig) -> builder.EngineParts:
+    tp = config.tensor_parallel_size
+    model_config, dtype = _finalize(config)
+    model_dir = config.model
+    tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     kv_spec = builder.engine_kv_spec(model_config, dtype, config.block_size,
                                      config.kv_cache_dtype)
     groups = builder.page_groups_of(config, kv_spec)
-    executor = MultiprocExecutor(config, tp)
+    executor = MultiprocExecutor(config, tp, exchange_slot_bytes(config, model_config, tp))
     try:
         counts = executor.sized()
         num_blocks = min(counts)
@@ -67,3 +74,34 @@ def build_parallel_engine(config: EngineConfig) -> builder.EngineParts:
                               kv.final_blocks(config.max_model_len), kv.num_groups))
     return builder.EngineParts(None, model_config, tokenizer, dtype, kv_spec, groups, tensors,
                                RemoteBackend(), tiers, kv, None, executor)
+
+
+def run_node(config: EngineConfig) -> int:
+    """A node other than the leader (`--node-rank` > 0): its share of the ranks, which take
+    their step messages from rank 0 over the process group; returns when they exit (the
+    leader stopped, or failed). No engine core and no API here."""
+    import torch.multiprocessing as mp
+
+    from kvserve.parallel.executor import rendezvous
+    from kvserve.parallel.worker import worker_main
+
+    _finalize(config)
+    tp, local = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // local)
+    ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
+                         args=(config, rank, tp, rendezvous(config), None, None, threads, None,
+                               local))
+             for rank in ranks]
+    for p in procs:
+        p.start()
+    logger.info("node %d of %d: tensor-parallel ranks %d-%d of %d, leader at %s:%d",
+                config.node_rank, config.nnodes, ranks[0], ranks[-1], tp, *rendezvous(config))
+    for p in procs:
+        p.join()
+    failed = [p for p in procs if p.exitcode]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return 1 if failed else 0

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import weakref
+from multiprocessing import shared_memory
 from multiprocessing.connection import wait
 
 import torch
@@ -25,6 +26,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.executor import ExecutorDied
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel.channel import Broadcast, read_reply
+from kvserve.parallel.comm import ShmExchange
 from kvserve.parallel.worker import WorkerInfo, worker_main
 
 logger = logging.getLogger("kvserve")
@@ -33,45 +35,66 @@ START_TIMEOUT_S = 600  # loading a large shard
 STUCK_GRACE_S = 10.0
 
 
+def rendezvous(config: EngineConfig) -> tuple[str, int]:
+    """MASTER_ADDR / MASTER_PORT: the config's, else the environment's, else this host and
+    (one node) a free port or (several) 29500, torchrun's default."""
+    addr = config.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = config.master_port or int(os.environ.get("MASTER_PORT", 0)) \
+        or (29500 if config.nnodes > 1 else _free_port())
+    return addr, port
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _stop(procs: list, channel: Broadcast) -> None:
+def _stop(procs: list, channel: Broadcast, exchange) -> None:
     for p in procs:
         if p.is_alive():
             p.kill()
     for p in procs:
         p.join(5)
     channel.close()
+    if exchange is not None:
+        exchange.close()
+        exchange.unlink()
 
 
 class MultiprocExecutor:
     """Workers for ranks 0 .. tp-1 on this node (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, tp: int) -> None:
+    def __init__(self, config: EngineConfig, tp: int, exchange_bytes: int = 0) -> None:
+        """`exchange_bytes`: the slot of the shared-memory buffer the workers' collectives go
+        through on the CPU (comm.ShmExchange; 0: torch.distributed's only)."""
         self.tp = tp
+        self.local = local = tp // config.nnodes  # ranks on this node: 0 .. local - 1
         self.dead: str | None = None
-        threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // local)
         ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(tp)]
+        pipes = [ctx.Pipe() for _ in range(local)]
         self.conns = [core for core, _ in pipes]
         self.channel = Broadcast(self.conns)
-        master = (os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                  int(os.environ.get("MASTER_PORT", 0)) or _free_port())
+        self.exchange = None
+        if exchange_bytes and config.device == "cpu" and config.nnodes == 1:
+            self.exchange = shared_memory.SharedMemory(
+                create=True, size=ShmExchange.size(tp, exchange_bytes))
+        exchange = (self.exchange.name, exchange_bytes) if self.exchange is not None else None
+        master = rendezvous(config)
         self.procs = []
         for rank, (_, child) in enumerate(pipes):
             p = ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
-                            args=(config, rank, tp, master, child, self.channel.name, threads))
+                            args=(config, rank, tp, master, child, self.channel.name, threads,
+                                  exchange, local))
             p.start()
             child.close()  # the worker's end lives in the worker: EOF here when it dies
             self.procs.append(p)
         self.infos: list[WorkerInfo] = []
         # An engine nobody shut down (a script that just ends): its workers are killed and the
         # buffer unlinked when this executor is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.channel)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.channel,
+                                           self.exchange)
 
     # -- start-up ------------------------------------------------------------------------------
     def sized(self) -> list[int]:
@@ -80,7 +103,7 @@ class MultiprocExecutor:
 
     def allocate(self, num_blocks: int) -> list[WorkerInfo]:
         """Every rank allocates `num_blocks`; then each learns its part of a chunk."""
-        self.channel.send_each([("allocate", num_blocks)] * self.tp)
+        self.channel.send(("allocate", num_blocks))
         self.infos = [self._expect(r, "ready") for r in self._gather(START_TIMEOUT_S)]
         # A chunk holds each distinct KV head range once (replicas share a part): the first
         # rank of each range is the one whose reads are kept.
@@ -90,8 +113,10 @@ class MultiprocExecutor:
             if info.kv_heads not in starts:
                 starts[info.kv_heads] = sum(self.infos[r].part_size for r in self.reading_ranks)
                 self.reading_ranks.append(rank)
-        self.channel.send_each([("parts", (starts[i.kv_heads], starts[i.kv_heads] + i.part_size))
-                                for i in self.infos])
+        self.channel.send(("parts", [(starts[i.kv_heads], starts[i.kv_heads] + i.part_size)
+                                     for i in self.infos]))
+        for reply in self._gather(START_TIMEOUT_S):
+            self._expect(reply, "ok")
         return self.infos
 
     @property
@@ -166,7 +191,7 @@ class MultiprocExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         stuck_since = None
         while len(replies) < self.tp:
-            pending = [r for r in range(self.tp) if r not in replies]
+            pending = [r for r in range(self.local) if r not in replies]
             waits = [self.conns[r] for r in pending] + [p.sentinel for p in self.procs]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if stuck_since is not None:
@@ -175,11 +200,16 @@ class MultiprocExecutor:
             for r in pending:
                 if self.conns[r] in ready:
                     try:
-                        replies[r] = read_reply(self.conns[r])
+                        reply = read_reply(self.conns[r])
                     except (EOFError, OSError):
                         self._die(self._death_reason() or f"tensor-parallel rank {r} closed "
                                                           "its pipe")
-                    if replies[r][0] == "error" and stuck_since is None:
+                    if reply[0] == "relayed":  # rank 0's, then the other nodes' ranks'
+                        relayed = reply[1]
+                        replies.update(zip(range(self.local, self.tp), relayed[1:]))
+                        reply = relayed[0]
+                    replies[r] = reply
+                    if any(x[0] == "error" for x in replies.values()) and stuck_since is None:
                         stuck_since = time.monotonic()
             reason = self._death_reason()
             if reason is not None and len(replies) < self.tp:

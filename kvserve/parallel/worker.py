@@ -26,7 +26,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel import comm
-from kvserve.parallel.channel import Receiver
+from kvserve.parallel.channel import GroupLink, Receiver, RelayLink
 
 logger = logging.getLogger("kvserve")
 
@@ -90,24 +90,42 @@ def _error(e: BaseException) -> tuple:
 
 
 def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[str, int],
-                conn, shm_name: str, threads: int) -> None:
-    """The worker process's entry point (torch.multiprocessing spawns it)."""
+                conn, shm_name: str | None, threads: int,
+                exchange: tuple[str, int] | None = None, local_ranks: int | None = None) -> None:
+    """The worker process's entry point (torch.multiprocessing spawns it). `conn` and
+    `shm_name`: its pipe and the message buffer of the engine core (None on another node: the
+    messages come from rank 0, `GroupLink`); `exchange`: the shared-memory buffer (name, slot
+    bytes) of the collectives where all ranks are local; `local_ranks`: the ranks on the engine
+    core's node (default: all)."""
     os.environ.setdefault("MASTER_ADDR", master[0])
     os.environ.setdefault("MASTER_PORT", str(master[1]))
     torch.set_num_threads(threads)
-    receiver = Receiver(conn, shm_name)
+    local = local_ranks or world_size
+    pipe = Receiver(conn, shm_name) if conn is not None else None
     try:
-        runner, info = _start(config, rank, world_size, receiver)
+        relay = comm.init(rank, world_size, config.device, local)
+        if pipe is None:
+            link = GroupLink(relay)
+        elif relay is not None and rank == 0:
+            link = RelayLink(pipe, relay, 1 + world_size - local)
+        else:
+            link = pipe
+        runner, info = _start(config, rank, world_size, link, exchange)
     except BaseException as e:  # noqa: BLE001  the core reports it and stops the others
-        receiver.reply(_error(e))
+        if pipe is None:
+            raise
+        pipe.reply(_error(e))
         return
-    receiver.reply(("ready", info))
-    part = KVPart(info.axis, *_part_range(receiver, info))
+    link.reply(("ready", info))
+    kind, parts = link.receive()
+    assert kind == "parts", kind
+    part = KVPart(info.axis, *parts[rank])
+    link.reply(("ok", None))  # (the core sends nothing more until every rank has read this)
     samples = rank == 0
     runner.samples = samples
     try:
         while True:
-            kind, payload = receiver.receive()
+            kind, payload = link.receive()
             if kind == "stop":
                 break
             try:
@@ -117,23 +135,16 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[
                     result = ("ok", runner.compare_kv_blocks(payload))
             except Exception as e:  # noqa: BLE001  sent to the core, which decides
                 result = _error(e)
-            receiver.reply(result)
+            link.reply(result)
     except (EOFError, OSError):
         pass  # the core is gone
     finally:
-        receiver.close()
+        link.close()
         comm.close()
 
 
-def _part_range(receiver: Receiver, info: WorkerInfo) -> tuple[int, int]:
-    """The core sends each rank's [start, stop) on the chunk axis after every rank is ready."""
-    kind, payload = receiver.receive()
-    assert kind == "parts", kind
-    return payload
-
-
-def _start(config: EngineConfig, rank: int, world_size: int, receiver: Receiver
-           ) -> tuple[Any, WorkerInfo]:
+def _start(config: EngineConfig, rank: int, world_size: int, link,
+           exchange: tuple[str, int] | None) -> tuple[Any, WorkerInfo]:
     """Join the group, load the shard, size and allocate the pool (see the module docstring)."""
     from kvserve.attention.select import make_attention_backend
     from kvserve.engine import builder
@@ -143,21 +154,21 @@ def _start(config: EngineConfig, rank: int, world_size: int, receiver: Receiver
     from kvserve.model.weight_bytes import weight_bytes
     from kvserve.parallel.layers import bind_tensor_parallel
     from kvserve.parallel.layout import rank_config, rank_layout
-    from kvserve.parallel.comm import Comm
+    from kvserve.parallel.comm import Comm, ShmExchange
 
-    comm.init(rank, world_size, config.device)
     full = builder.model_config_of(config)
     layout = rank_layout(full, rank, world_size)
     model, _ = load_model(config.model, config.dtype, config.device, shard=layout)
     sizes = [b - a for a, b in (rank_layout(full, r, world_size).vocab
                                 for r in range(world_size))]
-    bind_tensor_parallel(model, layout, Comm(rank, world_size), sizes)
+    shm = ShmExchange(exchange[0], rank, world_size, exchange[1]) if exchange else None
+    bind_tensor_parallel(model, layout, Comm(rank, world_size, shm), sizes)
     dtype = next(model.parameters()).dtype
     spec = builder.engine_kv_spec(rank_config(full, layout), dtype, config.block_size,
                                   config.kv_cache_dtype)
     groups = builder.page_groups_of(config, spec)
-    receiver.reply(("sized", builder.num_kv_blocks(config, spec, groups, model)))
-    kind, num_blocks = receiver.receive()
+    link.reply(("sized", builder.num_kv_blocks(config, spec, groups, model)))
+    kind, num_blocks = link.receive()
     assert kind == "allocate", kind
     tensors = KVTensorPool(spec, num_blocks, config.device,
                            *builder.kv_scales(config, spec, full, config.model),
@@ -165,6 +176,9 @@ def _start(config: EngineConfig, rank: int, world_size: int, receiver: Receiver
     backend = make_attention_backend(config.attention_backend, tensors, full.attention_scale,
                                      dtype)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
+    # CUDA: this rank's decode graphs (NCCL's all-reduces are captured in them)
+    builder.capture_graphs(config, runner, model, backend, tensors, groups,
+                           rank_config(full, layout))
     heads = spec.layer_specs()[0].tensors[0][0]
     axis, size = (4, tensors.page_bytes) if tensors.packed else (3, heads)
     return runner, WorkerInfo(size, axis, layout.kv_heads, tensors.page_bytes * len(tensors.layers),

@@ -64,6 +64,11 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                              f"got {getattr(args, flag)}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if engine_kwargs.get("node_rank", 0) > 0:  # another node's ranks: no engine core, no API
+        from kvserve.config import EngineConfig
+        from kvserve.parallel.build import run_node
+
+        return run_node(EngineConfig.from_kwargs(**engine_kwargs))
     engine = AsyncLLMEngine.from_kwargs(max_waiting_requests=args.max_waiting_requests,
                                         max_seqs_per_request=args.max_seqs_per_request,
                                         log_stats=not args.disable_log_stats,
