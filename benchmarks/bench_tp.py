@@ -17,6 +17,7 @@ the all-reduces and the step message on top. What TP adds is measured apart:
 
     .venv/bin/python benchmarks/bench_tp.py
     .venv/bin/python benchmarks/bench_tp.py --steps 64 --repeats 3
+    .venv/bin/python benchmarks/bench_tp.py --device cuda   # two GPUs: NCCL, graphs per rank
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from bench_swap import cpu_line  # noqa: E402
 
 
 def decode_speed(tp: int, threads: int, batch: int, steps: int, quantization: str | None,
-                 prompt: int = 64) -> float:
+                 prompt: int = 64, device: str = "cpu") -> float:
     """Decode tokens per second over `steps` steps of `batch` running requests (timed after
     every request has its first token)."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", tensor_parallel_size=tp, num_threads=threads,
+    llm = LLM(dtype="float32", tensor_parallel_size=tp, num_threads=threads, device=device,
               quantization=quantization, max_model_len=prompt + steps + 16,
               max_num_seqs=max(batch, 1), kv_cache_memory_bytes=256 << 20)
     engine = llm.engine
@@ -155,8 +156,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: tp=2 over two GPUs (NCCL, CUDA graphs per rank) against tp=1")
     args = ap.parse_args()
     print(cpu_line())
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print(f"--device cuda needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+            return 1
+        for batch in (64, 1):
+            one, two = (decode_speed(tp, 1, batch, args.steps, "none", device="cuda")
+                        for tp in (1, 2))
+            print(f"cuda batch {batch:>2}: tp=1 {one:.1f} tok/s, tp=2 {two:.1f} tok/s, "
+                  f"ratio {two / one:.2f}")
+        return 0
     msg = message_overhead(args.running, 32)
     print(f"step message, {args.running} running decodes (32-block tables), round trip to a "
           f"worker: {msg * 1e3:.3f} ms (target <= 0.5 ms)")

@@ -115,3 +115,22 @@ def test_gpu_sampling_with_seed_and_logprobs(hf_checkpoints):
     b = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert len(a.outputs[0].logprobs) == 8
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_tensor_parallel_matches_transformers_fp32(enforce_eager, hf_checkpoints):
+    """tensor_parallel_size=2 on two GPUs (NCCL all-reduces, each rank's CUDA graphs captured
+    with them): transformers' greedy tokens, as tp=1 gives them."""
+    prompts = random_prompts(LENGTHS, 512, seed=22)
+    path = hf_checkpoints["llama"]
+    expected = _reference(path, prompts, torch.float32)
+    llm = LLM(model=str(path), max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=POOL,
+              dtype="float32", enforce_eager=enforce_eager, block_size=16,
+              max_num_batched_tokens=96, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.engine.shutdown()
