@@ -9,8 +9,9 @@ kernels (the default for the GGUF file) is printed too. On 2 shared cores no spe
 expected: two ranks of one thread have the same cores as one process of two threads, and pay
 the all-reduces and the step message on top. What TP adds is measured apart:
 
-* the step message: a 256-request decode StepInput pickled, written to the shared buffer, woken
-  and read by a worker process, and a reply back (median round trip, `--running`);
+* the step message: a 256-request decode StepInput encoded (kvserve/parallel/message.py:
+  columns, block tables only where they changed), written to the shared buffer, woken, read
+  and decoded by a worker process, and a reply back (median round trip, `--running`);
 * the all-reduces: an all_reduce of a [batch, hidden] float32 tensor between two processes of
   one thread, gloo's and the shared-memory exchange the workers use (kvserve/parallel/comm.py),
   times the 61 a step of this model runs (one per layer's o and down, one for the embedding).
@@ -62,35 +63,41 @@ def decode_speed(tp: int, threads: int, batch: int, steps: int, quantization: st
 
 def _echo(conn, shm_name: str) -> None:
     from kvserve.parallel.channel import Receiver
+    from kvserve.parallel.message import StepDecoder
 
-    r = Receiver(conn, shm_name)
+    r, decoder = Receiver(conn, shm_name), StepDecoder()
     while True:
         msg = r.receive()
         if msg is None:
             break
-        r.reply(("ok", len(msg[1].seqs)))
+        r.reply(("ok", len(decoder.decode(msg[1]).seqs)))
 
 
 def message_overhead(running: int, blocks: int, repeats: int = 200) -> float:
-    """Median seconds for one step message of `running` decodes (tables of `blocks` blocks)
-    to reach a worker process and its reply to come back."""
+    """Median seconds for one step message of `running` decodes (tables of `blocks` blocks;
+    each step 1 in 16 of them grows a block, as with 16-token blocks) to be encoded, reach a
+    worker process and be decoded there, and a reply to come back."""
     import torch.multiprocessing as mp
 
     from kvserve.engine.step import SeqStep, StepInput
     from kvserve.parallel.channel import Broadcast, read_reply
+    from kvserve.parallel.message import StepEncoder
 
     ctx = mp.get_context("spawn")
     core, child = ctx.Pipe()
     channel = Broadcast([core])
     p = ctx.Process(target=_echo, args=(child, channel.name), daemon=True)
     p.start()
-    seqs = [SeqStep(str(i), [i % 500], 600 + i, 600 + i, (list(range(i, i + blocks)),), True)
-            for i in range(running)]
-    step = StepInput(seqs=seqs)
+    tables = [list(range(i, i + blocks)) for i in range(running)]
+    encoder = StepEncoder()
     times = []
-    for _ in range(repeats):
+    for k in range(repeats):
+        for i in range(k % 16, running, 16):
+            tables[i].append(running + blocks + k)
+        step = StepInput(seqs=[SeqStep(str(i), [i % 500], 600 + i, 600 + i, (tables[i],), True)
+                               for i in range(running)])
         t0 = time.perf_counter()
-        channel.send(("step", step))
+        channel.send(("step", encoder.encode(step)))
         read_reply(core)
         times.append(time.perf_counter() - t0)
     channel.send(None)

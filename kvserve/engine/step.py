@@ -96,26 +96,6 @@ class StepInput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
 
-    def __reduce__(self):
-        """Pickled column by column (tensor parallelism sends every step to its workers): a
-        list per SeqStep field pickles at C speed, where 256 SeqStep objects cost ~0.8 ms to
-        pickle and unpickle one by one; the rarely set fields go as a sparse dict."""
-        seqs = self.seqs
-        columns = ([s.request_id for s in seqs], [s.token_ids for s in seqs],
-                   [s.start for s in seqs], [s.kv_start for s in seqs],
-                   [s.block_tables for s in seqs], [s.samples for s in seqs])
-        rare = {i: (s.prompt_rows, s.observe, s.sampling) for i, s in enumerate(seqs)
-                if s.prompt_rows is not None or s.observe is not None or s.sampling is not None}
-        return (_unpickle_step, (columns, rare, self.plan, self.finished, self.bitmask,
-                                 self.bitmask_rows))
-
-
-def _unpickle_step(columns, rare, plan, finished, bitmask, bitmask_rows) -> StepInput:
-    seqs = [SeqStep(*fields) for fields in zip(*columns)]
-    for i, (prompt_rows, observe, sampling) in rare.items():
-        seqs[i].prompt_rows, seqs[i].observe, seqs[i].sampling = prompt_rows, observe, sampling
-    return StepInput(seqs, plan, finished, bitmask, bitmask_rows)
-
 
 @dataclass
 class StepOutput:

@@ -27,6 +27,7 @@ from kvserve.engine.executor import ExecutorDied
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel.channel import Broadcast, read_reply
 from kvserve.parallel.comm import ShmExchange
+from kvserve.parallel.message import StepEncoder
 from kvserve.parallel.worker import WorkerInfo, worker_main
 
 logger = logging.getLogger("kvserve")
@@ -91,6 +92,7 @@ class MultiprocExecutor:
             child.close()  # the worker's end lives in the worker: EOF here when it dies
             self.procs.append(p)
         self.infos: list[WorkerInfo] = []
+        self.encoder = StepEncoder()
         # An engine nobody shut down (a script that just ends): its workers are killed and the
         # buffer unlinked when this executor is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.channel,
@@ -131,7 +133,7 @@ class MultiprocExecutor:
 
     # -- steps ---------------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepOutput:
-        replies = self._round(("step", step))
+        replies = self._round(("step", self.encoder.encode(step)))
         errors = [r for r in replies if r[0] == "error"]
         if errors:
             _, stage, _, _, text, cause = errors[0]

@@ -27,6 +27,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel import comm
 from kvserve.parallel.channel import GroupLink, Receiver, RelayLink
+from kvserve.parallel.message import StepDecoder
 
 logger = logging.getLogger("kvserve")
 
@@ -123,6 +124,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[
     link.reply(("ok", None))  # (the core sends nothing more until every rank has read this)
     samples = rank == 0
     runner.samples = samples
+    decoder = StepDecoder()
     try:
         while True:
             kind, payload = link.receive()
@@ -130,7 +132,8 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[
                 break
             try:
                 if kind == "step":
-                    result = ("ok", _slim(runner.execute(_rank_for(payload, part)), samples))
+                    step = _rank_for(decoder.decode(payload), part)
+                    result = ("ok", _slim(runner.execute(step), samples))
                 else:  # "compare"
                     result = ("ok", runner.compare_kv_blocks(payload))
             except Exception as e:  # noqa: BLE001  sent to the core, which decides
