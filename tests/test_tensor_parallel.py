@@ -58,7 +58,9 @@ def _llm(path, tp: int, **kwargs) -> LLM:
 
 
 def _run(llm: LLM, prompts, logprobs: int | None = None, new: int = NEW):
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=logprobs)
+    """Greedy; with `logprobs`, the top logprobs of every sampled and every prompt token."""
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=logprobs,
+                            prompt_logprobs=logprobs)
     return generate_checked(llm, [{"prompt_token_ids": p} for p in prompts], params)
 
 
@@ -67,10 +69,15 @@ def _tokens(outs) -> list[list[int]]:
 
 
 def _max_logprob_gap(a, b) -> float:
-    """The largest difference between two runs' top logprobs (same tokens, same steps)."""
+    """The largest difference between two runs' top logprobs, of the sampled tokens and of
+    the prompt tokens (same tokens, same steps)."""
     gap = 0.0
     for x, y in zip(a, b):
-        for dx, dy in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+        pairs = list(zip(x.outputs[0].logprobs, y.outputs[0].logprobs))
+        pairs += [(dx, dy) for dx, dy in zip(x.prompt_logprobs, y.prompt_logprobs)
+                  if dx is not None]
+        assert pairs
+        for dx, dy in pairs:
             assert dx.keys() == dy.keys()
             gap = max(gap, max(abs(dx[t] - dy[t]) for t in dx))
     return gap
@@ -323,3 +330,22 @@ def test_ranks_on_a_second_node(models, tmp_path):
         if node.poll() is None:
             node.kill()
             node.wait(5)
+
+
+def test_the_embedded_gguf_model_under_tp2_equals_its_dequantized_tp1():
+    """The default model (SmolLM2-135M, a GGUF file: 9 heads and 3 KV heads, so ranks of 2 + 1
+    KV heads): each rank dequantizes only its rows of the row-split tensors; the greedy tokens
+    equal one process running the same file dequantized (quantization='none')."""
+    prompts = random_prompts([24, 61], 49152, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    one = LLM(dtype="float32", quantization="none", max_model_len=256)
+    want = _tokens(one.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False))
+    tp = LLM(dtype="float32", tensor_parallel_size=2, max_model_len=256)
+    try:
+        assert [i.kv_heads for i in tp.engine.executor.infos] == [(0, 2), (2, 3)]
+        got = _tokens(tp.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                  use_tqdm=False))
+    finally:
+        tp.engine.shutdown()
+    assert got == want

@@ -495,8 +495,13 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str
 
     def fill(item: tuple) -> None:
         tensor, target = item
+        part = target.part
         with torch.no_grad():  # (a thread's own grad mode: it does not inherit the caller's)
-            _copy(target, tensor.dequantize(), loaded, tensor.name)
+            if part is not None and part[0] == 0 and len(tensor.shape) == 2:
+                data = tensor.dequantize_rows(part[1], part[2])  # a rank's rows only
+            else:
+                data = tensor.dequantize()
+            _copy(target, data, loaded, tensor.name)
 
     # The formats dequant.py decodes in torch run here, on torch's own threads; the others
     # (gguf.quants' numpy, which releases the GIL) on one Python thread per core.

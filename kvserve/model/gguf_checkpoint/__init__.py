@@ -55,6 +55,15 @@ class GGUFTensor:
             raw = _arch.unpermute_rows(raw, self._unpermute_heads)
         return np.array(raw)  # contiguous, writable (the file's map is read-only)
 
+    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a 2-D tensor as float32, dequantizing only those (a
+        tensor-parallel rank's slice: the whole tensor is never expanded to float)."""
+        from kvserve.model.gguf_checkpoint.dequant import dequantize
+
+        rows = self.raw_rows()[start:stop]
+        return dequantize(rows.reshape(-1), self.info.type_name,
+                          (stop - start, *self.info.shape[1:]), self.info.name)
+
     def dequantize(self) -> torch.Tensor:
         """float32, with llama.cpp's q/k row permutation undone (torch is imported here, not
         above: the planner reads GGUF headers without it)."""
