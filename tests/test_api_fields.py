@@ -796,9 +796,17 @@ def case_pin_cache_salt(ep, ctx) -> None:
     text = _unique_prompt(random.randrange(10**9))
     r = _pin(ctx, prompt=text, cache_salt="tenant-pin")
     assert r.status_code == 200, r.text
-    assert _explained(ctx, prompt=text, cache_salt="tenant-pin")["cached_tokens"] > 0
-    assert _explained(ctx, prompt=text)["cached_tokens"] == 0
-    assert httpx.delete(f"{ctx['server'].url}/v1/cache/pin/{r.json()['id']}").status_code == 200
+    url = f"{ctx['server'].url}/v1/cache/pin/{r.json()['id']}"
+    try:
+        assert _explained(ctx, prompt=text, cache_salt="tenant-pin")["cached_tokens"] >= 16
+        # Unsalted, not one whole block of the pin is reachable. (A few tokens may still match
+        # inside a first block that another case's prompt, of the same ten words, cached
+        # unsalted: a partial-block hit; CI met one of 3 tokens.)
+        assert _explained(ctx, prompt=text)["cached_tokens"] < 16
+    except AssertionError:
+        httpx.delete(url, timeout=30)  # the pin holds pool blocks: none outlives its case
+        raise
+    assert httpx.delete(url, timeout=30).status_code == 200
 
 
 # vLLM's names before 0.12 (which removed them): refused with the replacement named

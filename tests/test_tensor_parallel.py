@@ -349,3 +349,20 @@ def test_the_embedded_gguf_model_under_tp2_equals_its_dequantized_tp1():
     finally:
         tp.engine.shutdown()
     assert got == want
+
+
+def test_kv_audits_compare_every_ranks_heads(models):
+    """Hit audits (kv_audit_rate) under tp=2: the recomputed blocks are compared with the
+    cached ones on each rank (its own heads; the worst rank counts). Without corruption no
+    audit mismatches, and the answers are transformers'."""
+    path = models["llama"]
+    shared = random_prompts([64], VOCAB, seed=10)[0]
+    rounds = [[shared + p for p in random_prompts([5, 9], VOCAB, seed=11 + r)] for r in range(3)]
+    tp = _llm(path, 2, kv_audit_rate=1.0)
+    try:
+        for prompts in rounds:
+            assert _tokens(_run(tp, prompts, new=8)) == hf_greedy(path, prompts, 8)
+        stats = tp.engine.audit.stats()
+    finally:
+        tp.engine.shutdown()
+    assert stats["audited_hits"] >= 1 and stats["mismatches"] == 0, stats

@@ -30,6 +30,8 @@ logger = logging.getLogger("kvserve")
 
 
 class ModelRunner:
+    samples = True  # False on a tensor-parallel rank other than 0: rank 0 alone samples
+
     def __init__(self, model: CausalLM, backend: AttentionBackend, tensors: KVTensorPool,
                  block_size: int, seed: int = 0) -> None:
         self.model = model
@@ -40,8 +42,6 @@ class ModelRunner:
         # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
         self.graphs = None
         self.sampling = StepSampler(seed)
-        # False on a tensor-parallel rank other than 0: rank 0 alone samples
-        self.samples = True
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
