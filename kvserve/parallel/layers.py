@@ -66,8 +66,30 @@ class VocabParallelEmbedding:
         return self.comm.all_reduce(rows.masked_fill_(outside[:, None], 0))
 
 
+def pack_column_parallel(model) -> None:
+    """On the CPU in float32: the measured GEMM plan (kvserve.layers.selection, on this
+    rank's shapes) for the projections that need no reduction, qkv and gate | up with the
+    norms, RoPE and activation around them; o, down and the head stay dense, for `Reduced`
+    and `GatheredHead` to wrap."""
+    from dataclasses import replace
+
+    from kvserve.layers import selection
+    from kvserve.model.decoder import DecoderLayer
+
+    if model.embed_tokens.device.type != "cpu" or model.dtype != torch.float32 \
+            or not all(isinstance(layer, DecoderLayer) for layer in model.layers):
+        return
+    plan = selection.measure_gemms(model)
+    kernels = {p: list(ks) for p, ks in plan.kernels.items()}
+    for p in ("o", "down", "head"):
+        kernels[p] = ["dense"] * len(kernels[p])
+    selection.apply_gemm_plan(model, replace(plan, kernels=kernels))
+
+
 def bind_tensor_parallel(model, layout: RankLayout, comm: Comm, vocab_sizes: list[int]) -> None:
-    """Install the sharded methods on a rank's model (loaded with `load_model(shard=...)`)."""
+    """Install the sharded methods on a rank's model (loaded with `load_model(shard=...)`,
+    perhaps packed by `pack_column_parallel`): o and down all-reduce before their residual
+    adds, the embedding and the head are vocabulary-parallel, no one-call decode step."""
     from kvserve.model.deepseek import DeepseekLayer, MoE
 
     model.embed_fn = VocabParallelEmbedding(model.embed_tokens, layout.vocab[0], comm)
@@ -83,5 +105,13 @@ def bind_tensor_parallel(model, layout: RankLayout, comm: Comm, vocab_sizes: lis
             continue
         o = Reduced(layer.o_proj, layer.o_bias, comm)
         down = Reduced(layer.down_proj, layer.down_bias, comm)
-        layer.methods = [dense_methods(layer, o=o, down=down)] * NUM_BUCKETS
+        # No MLP chunking: its rows depend on the rank's width, and every rank must run the
+        # same number of down all-reduces.
         layer.mlp_chunk_rows = None
+        if model.gemm_plan is None:
+            layer.methods = [dense_methods(layer, o=o, down=down)] * NUM_BUCKETS
+            continue
+        reduced = dense_methods(layer, o=o, down=down)  # (its o and down adds, output-normed)
+        for methods in layer.methods:  # the plan's qkv and MLP, these adds
+            methods.o_add, methods.down_add, methods.o_mlp = reduced.o_add, reduced.down_add, None
+    model.decode_step = None  # (the one-call decode has no all-reduce)

@@ -155,7 +155,7 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
     from kvserve.kv.tensors import KVTensorPool
     from kvserve.model.loader import load_model
     from kvserve.model.weight_bytes import weight_bytes
-    from kvserve.parallel.layers import bind_tensor_parallel
+    from kvserve.parallel.layers import bind_tensor_parallel, pack_column_parallel
     from kvserve.parallel.layout import rank_config, rank_layout
     from kvserve.parallel.comm import Comm, ShmExchange
 
@@ -164,6 +164,7 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
     model, _ = load_model(config.model, config.dtype, config.device, shard=layout)
     sizes = [b - a for a, b in (rank_layout(full, r, world_size).vocab
                                 for r in range(world_size))]
+    pack_column_parallel(model)
     shm = ShmExchange(exchange[0], rank, world_size, exchange[1]) if exchange else None
     bind_tensor_parallel(model, layout, Comm(rank, world_size, shm), sizes)
     dtype = next(model.parameters()).dtype
