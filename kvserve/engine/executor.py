@@ -1,10 +1,10 @@
 """Where a step message goes: the seam between the scheduler's side and the workers.
 
 The engine hands every step (engine/step.py's StepInput) to an Executor and gets a StepOutput
-back; it never calls the worker itself. Today the one executor runs one worker in this process.
-Tensor parallelism's executor (kvserve/parallel/executor.py) sends the same message to one
-worker process per rank and returns rank 0's output; prefill/decode disaggregation, one that sends prefills to
-another engine's workers. (vLLM v1's Executor: UniProcExecutor, MultiprocExecutor.)
+back; it never calls the worker itself. InProcessExecutor runs one worker in this process;
+tensor parallelism's (kvserve/parallel/executor.py) sends the same message to one worker
+process per rank and returns rank 0's output. (vLLM v1's Executor: UniProcExecutor,
+MultiprocExecutor.)
 """
 
 from __future__ import annotations

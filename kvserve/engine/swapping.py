@@ -51,10 +51,9 @@ def build_swap_space(config: EngineConfig, kv: KVCacheManager, tensors: KVTensor
         return None
     speeds = None
     if config.preemption_mode == "auto":
-        # (a tensor-parallel core's pool is a `meta` view: its workers copy on config.device)
-        device = torch.device(config.device) if tensors.device.type == "meta" \
-            else tensors.device
-        speeds = SwapSpeeds(measure_copy_speed(device))
+        # on config.device: where the copies run (a tensor-parallel core's own pool is a
+        # `meta` view; its workers' pools are on that device)
+        speeds = SwapSpeeds(measure_copy_speed(torch.device(config.device)))
         logger.info("swap preemption: copies at %.2f GB/s", speeds.copy_bytes_per_s / 1e9)
     return SwapSpace(config.preemption_mode, int(config.swap_space * GIB),
                      tensors.page_bytes * len(tensors.layers), config.block_size, speeds)

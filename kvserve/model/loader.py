@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from kvserve import features as F
 from kvserve import quant_formats
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.model.config import ModelConfig
@@ -137,9 +138,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     dtype "auto" means float32 there).
 
     `shard` (a tensor-parallel rank's layout, kvserve/parallel/layout.py) builds that rank's
-    part of the model and reads only its slice of each tensor; its projections stay dense
-    (their row-parallel reductions are bound by kvserve/parallel/layers.py) and a GGUF file is
-    dequantized. The config returned is the whole model's."""
+    part of the model and reads only its slice of each tensor; nothing is packed here
+    (kvserve/parallel/layers.py binds the rank's methods around its collectives) and a GGUF
+    file is dequantized. The config returned is the whole model's."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
                          f"got {quantization!r}")
@@ -160,8 +161,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         from kvserve.parallel.layout import rank_config
 
         if at_load:
-            raise ValueError(f"quantization={quantization!r} is not supported with tensor "
-                             "parallelism (the quantized kernels are not sharded)")
+            F.refuse(F.TENSOR_PARALLEL, F.QUANTIZE_AT_LOAD)
         model_config, quantization, pack_weights = rank_config(config, shard), "none", False
     with torch.no_grad():
         model = family.model()(model_config, torch_dtype, device)
@@ -169,7 +169,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         if shard is not None:
             from kvserve.parallel.shard import shard_targets
 
-            targets = shard_targets(targets, shard, config, model_config)
+            targets = shard_targets(targets, shard, config)
         loaded: set[str] = set()
         for file in files:
             _load_file(file, targets, loaded, config, family.skip)

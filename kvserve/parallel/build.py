@@ -36,8 +36,7 @@ class RemoteBackend:
 def _finalize(config: EngineConfig):
     """The model's config and dtype, the engine config finalized against them (every node
     does the same, so that each worker reads the same limits)."""
-    builder.resolve_model_dir(config)
-    model_config = builder.model_config_of(config)
+    model_config = builder.model_config_of(config)  # (config.model resolved)
     check_tp(model_config, config.tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, model_config, config.device)
     config.finalize(model_config.max_position_embeddings)

@@ -138,17 +138,16 @@ class MultiprocExecutor:
         if errors:
             _, stage, _, _, text, cause = errors[0]
             logger.error("tensor-parallel worker failed in its step:\n%s", text)
-            saved = self._joined_saved([r[2] for r in replies]) \
-                if len(errors) == self.tp else []
             if stage is None:
                 raise cause
-            swapped = self._joined_swapped([r[3] for r in replies]) \
-                if len(errors) == self.tp else {}
+            whole = len(errors) == self.tp  # (else some rank's reads are missing)
+            saved = list(self._joined([dict(r[2]) for r in replies]).items()) if whole else []
+            swapped = self._joined([r[3] for r in replies]) if whole else {}
             raise StepFailed(stage, saved, swapped) from cause
         outs = [r[1] for r in replies]
         out = outs[0]
-        out.saved = self._joined_saved([o.saved for o in outs])
-        out.swapped = self._joined_swapped([o.swapped for o in outs])
+        out.saved = list(self._joined([dict(o.saved) for o in outs]).items())
+        out.swapped = self._joined([o.swapped for o in outs])
         return out
 
     def compare_kv_blocks(self, pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
@@ -160,23 +159,14 @@ class MultiprocExecutor:
         return [tuple(max(d[i][j] for d in per_rank) for j in range(2))
                 for i in range(len(pairs))]
 
-    def _joined_saved(self, per_rank: list[list]) -> list:
-        """Each chunk as the reading ranks' parts side by side (one a rank failed to read is
-        left out: it is recomputed later)."""
+    def _joined(self, per_rank: list[dict]) -> dict:
+        """Each KV read (a chunk by hash, a swapped request by id) as the reading ranks' parts
+        side by side; one a rank failed to read is left out (it is recomputed later)."""
         per_rank = [per_rank[r] for r in self.reading_ranks]
-        if not per_rank[0]:
-            return []
-        by_hash = [dict(s) for s in per_rank]
-        return [(h, self._join([d[h] for d in by_hash]))
-                for h, _ in per_rank[0] if all(h in d for d in by_hash)]
-
-    def _joined_swapped(self, per_rank: list[dict]) -> dict:
-        per_rank = [per_rank[r] for r in self.reading_ranks]
-        return {rid: self._join([d[rid] for d in per_rank])
-                for rid in per_rank[0] if all(rid in d for d in per_rank)}
-
-    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.infos[0].axis)
+        axis = self.infos[0].axis
+        return {key: parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
+                for key in per_rank[0] if all(key in d for d in per_rank)
+                for parts in [[d[key] for d in per_rank]]}
 
     def _round(self, message) -> list[tuple]:
         if self.dead is not None:

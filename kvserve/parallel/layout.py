@@ -108,7 +108,3 @@ def rank_config(config: Any, layout: RankLayout) -> Any:
         fields["moe"] = replace(config.moe, moe_intermediate_size=b - a)
     return replace(config, **fields)
 
-
-def largest_kv_heads(config: Any, tp: int) -> int:
-    """The most KV heads any rank holds (the block count is sized by that rank)."""
-    return max(rank_layout(config, r, tp).num_kv_heads for r in range(tp))

@@ -31,20 +31,12 @@ _EXPERT_COLS = re.compile(r".*\.mlp\.(experts\.\d+|shared_experts)\.down_proj\.w
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _part(name: str, local: tuple[int, ...], lay: RankLayout, config: Any,
-          rank_config: Any) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of the full tensor this rank reads, or None (replicated)."""
+def _part(name: str, local: tuple[int, ...], lay: RankLayout, config: Any
+          ) -> tuple[int, int, int, int] | None:
+    """(dim, start, stop, full size on dim) of the checkpoint tensor this rank reads, or None
+    (replicated)."""
     if name in _VOCAB:
-        return (0, *lay.vocab)
-    if _ROWS_BY_Q_HEAD.match(name):
-        per = local[0] // lay.num_heads
-        return (0, lay.q_heads[0] * per, lay.q_heads[1] * per)
-    if _ROWS_BY_KV_HEAD.match(name) and config.mla is None:
-        per = local[0] // lay.num_kv_heads
-        return (0, lay.kv_heads[0] * per, lay.kv_heads[1] * per)
-    if _COLS_BY_Q_HEAD.match(name):
-        per = local[1] // lay.num_heads
-        return (1, lay.q_heads[0] * per, lay.q_heads[1] * per)
+        return (0, *lay.vocab, config.vocab_size)
     if _EXPERT_ROWS.match(name) or _EXPERT_COLS.match(name):
         dim = 0 if _EXPERT_ROWS.match(name) else 1
         width = config.moe.moe_intermediate_size
@@ -54,43 +46,35 @@ def _part(name: str, local: tuple[int, ...], lay: RankLayout, config: Any,
         if b - a != local[dim]:
             raise ValueError(f"tensor parallelism cannot split {name}: its {width} columns "
                              f"over {lay.world_size} ranks do not match the experts' split")
-        return (dim, a, b)
-    if _MLP_ROWS.match(name):
-        return (0, *lay.intermediate)
-    if _MLP_COLS.match(name):
-        return (1, *lay.intermediate)
-    return None
+        return (dim, a, b, width)
+    if _MLP_ROWS.match(name) or _MLP_COLS.match(name):
+        return (0 if _MLP_ROWS.match(name) else 1, *lay.intermediate, config.intermediate_size)
+    if _ROWS_BY_KV_HEAD.match(name) and config.mla is None:
+        heads, (a, b), dim = config.num_key_value_heads, lay.kv_heads, 0
+    elif _ROWS_BY_Q_HEAD.match(name) or _COLS_BY_Q_HEAD.match(name):
+        heads, (a, b) = config.num_attention_heads, lay.q_heads
+        dim = 0 if _ROWS_BY_Q_HEAD.match(name) else 1
+    else:
+        return None
+    per = local[dim] // (b - a)  # rows (or columns) per head
+    return (dim, a * per, b * per, heads * per)
 
 
-def shard_targets(targets: dict[str, Target], lay: RankLayout, config: Any,
-                  rank_config: Any) -> dict[str, Target]:
+def shard_targets(targets: dict[str, Target], lay: RankLayout, config: Any
+                  ) -> dict[str, Target]:
     """`targets` (the weight map of the rank's model) with each sharded tensor's `part` and
     full checkpoint `shape`."""
     out = {}
     for name, t in targets.items():
-        part = _part(name, t.shape, lay, config, rank_config)
+        part = _part(name, t.shape, lay, config)
         if part is None:
             out[name] = t
             continue
-        dim, start, stop = part
+        dim, start, stop, full_size = part
         if stop - start != t.shape[dim]:
             raise ValueError(f"tensor parallelism: {name}'s rank {lay.rank} part "
                              f"[{start}, {stop}) does not fill its shape {list(t.shape)}")
         full = list(t.shape)
-        full[dim] = _full_size(name, dim, t.shape, lay, config)
-        out[name] = replace(t, shape=tuple(full), part=part)
+        full[dim] = full_size
+        out[name] = replace(t, shape=tuple(full), part=(dim, start, stop))
     return out
-
-
-def _full_size(name: str, dim: int, local: tuple[int, ...], lay: RankLayout,
-               config: Any) -> int:
-    if name in _VOCAB:
-        return config.vocab_size
-    if _EXPERT_ROWS.match(name) or _EXPERT_COLS.match(name):
-        width = config.moe.moe_intermediate_size
-        return width * (config.moe.n_shared_experts if ".shared_experts." in name else 1)
-    if _MLP_ROWS.match(name) or _MLP_COLS.match(name):
-        return config.intermediate_size
-    if _ROWS_BY_KV_HEAD.match(name) and config.mla is None:
-        return local[0] // lay.num_kv_heads * config.num_key_value_heads
-    return local[dim] // lay.num_heads * config.num_attention_heads

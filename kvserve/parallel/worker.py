@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -53,7 +54,6 @@ class WorkerInfo:
     axis: int
     kv_heads: tuple[int, int]  # which KV heads it stores (ranks sharing one share a part)
     page_bytes: int  # one block of every layer
-    num_layers: int
     weight_line: str
 
 
@@ -80,8 +80,6 @@ def _error(e: BaseException) -> tuple:
     cause = e.__cause__ if isinstance(e, StepFailed) and e.__cause__ is not None else e
     text = "".join(traceback.format_exception(cause))
     try:
-        import pickle
-
         pickle.dumps(cause)
     except Exception:
         cause = RuntimeError(f"{type(cause).__name__}: {cause}")
@@ -98,8 +96,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, master: tuple[
     messages come from rank 0, `GroupLink`); `exchange`: the shared-memory buffer (name, slot
     bytes) of the collectives where all ranks are local; `local_ranks`: the ranks on the engine
     core's node (default: all)."""
-    os.environ.setdefault("MASTER_ADDR", master[0])
-    os.environ.setdefault("MASTER_PORT", str(master[1]))
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
     torch.set_num_threads(threads)
     local = local_ranks or world_size
     pipe = Receiver(conn, shm_name) if conn is not None else None
@@ -185,5 +182,5 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
                            rank_config(full, layout))
     heads = spec.layer_specs()[0].tensors[0][0]
     axis, size = (4, tensors.page_bytes) if tensors.packed else (3, heads)
-    return runner, WorkerInfo(size, axis, layout.kv_heads, tensors.page_bytes * len(tensors.layers),
-                              len(tensors.layers), weight_bytes(model).line())
+    return runner, WorkerInfo(size, axis, layout.kv_heads,
+                              tensors.page_bytes * len(tensors.layers), weight_bytes(model).line())

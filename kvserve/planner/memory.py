@@ -26,6 +26,7 @@ from kvserve.dtypes import short_dtype_name
 from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, MLALatentSpec, decoder_kv_spec,
                              mla_saving_line)
 from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype
+from kvserve.parallel.layout import split
 from kvserve.planner.model import ModelSpec
 
 # -- KV bytes: from the same spec classes the engine sizes its pool with ----------------------
@@ -49,7 +50,8 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
             raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the "
                              f"{spec.num_kv_heads} KV heads")
         return 1  # each GPU holds a replica of one KV head
-    return -(-spec.num_kv_heads // tp)
+    start, stop = split(spec.num_kv_heads, tp, 0)  # rank 0's part is the largest
+    return stop - start
 
 
 def kv_cache_spec(spec: ModelSpec, dtype: str, tp: int = 1, group_size: int | None = None,
