@@ -76,7 +76,7 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
     ns = argparse.Namespace(model=args.gguf, dtype="float32", threads=args.threads,
                             num_prompts=len(prompts), prompt_len=len(prompts[0]),
                             max_tokens=args.output_len, engine="kvserve", profile=None,
-                            no_split=True)
+                            no_split=True, kv_control=False, kv_cache_report=False)
     return bt.worker_kvserve(ns, prompts)
 
 

@@ -70,7 +70,7 @@ def dequantized_checkpoint(model, float_dir: Path, out: Path) -> Path:
              "gate_up_proj": (inter, inter)}
     for i, layer in enumerate(model.layers):
         for attr, w in (getattr(layer, "quant_weights", None) or {}).items():
-            raw = w.data.numpy()
+            raw = w.row_blocks().numpy()
             full = quants.dequantize(raw, getattr(GGMLQuantizationType, w.type_name))
             full = torch.from_numpy(np.ascontiguousarray(full, dtype=np.float32)).view(w.n, w.k)
             module, names = PROJECTIONS[attr]

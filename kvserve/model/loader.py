@@ -416,7 +416,7 @@ def _stacked(parts: list[tuple], k: int) -> QuantWeight | StackedQuantWeight:
         for t in ts:
             data[row: row + t.shape[0]].copy_(torch.from_numpy(t.raw_rows()))
             row += t.shape[0]
-        weights.append(QuantWeight(data, type_name, k))
+        weights.append(QuantWeight(data, type_name, k).for_kernels())
     return weights[0] if len(weights) == 1 else StackedQuantWeight(tuple(weights))
 
 
@@ -469,7 +469,7 @@ def _runs(tensor) -> bool:
 
 def _quant_weight(tensor) -> QuantWeight:
     return QuantWeight(torch.from_numpy(tensor.raw_rows()), tensor.info.type_name,
-                       tensor.shape[1])
+                       tensor.shape[1]).for_kernels()
 
 
 def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],

@@ -90,7 +90,7 @@ inline int q5_value(const uint8_t* qs, uint32_t qh, int i) {
   const int nib = i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4);
   return nib | static_cast<int>(((qh >> i) & 1u) << 4);
 }
-inline bool is_q5(int t) { return t == kQ5_0 || t == kQ5_1; }
+constexpr bool is_q5(int t) { return t == kQ5_0 || t == kQ5_1; }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -369,6 +369,8 @@ void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bia
   });
 }
 
+#include "qtiles.h"
+
 // One weight row of k values as float32 into y; values as gguf.quants dequantizes them (the
 // same float32 operations in the same order: d q, d (q - 8), d q + m; Q4_K (d sc) q - dmin m,
 // Q6_K (d sc) (q - 32)).
@@ -441,9 +443,23 @@ void dequant_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count
     dequant_row<T>(w + (ids != nullptr ? ids[i] : i) * rb, k, out + i * k);
 }
 
+// Rows of a tiled weight (type = block type + kTiledCode), as dequant_rows.
+template <int T>
+void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count,
+                       float* out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
+  for (int64_t i = 0; i < count; ++i)
+    dequant_tile_row<T>(w, k, ids != nullptr ? ids[i] : i, out + i * k);
+}
+
 int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
                 float* out, int num_threads) {
   switch (type) {
+    case kTiledCode + kQ8_0: dequant_tile_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ4_0: dequant_tile_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ4_1: dequant_tile_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ5_0: dequant_tile_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ5_1: dequant_tile_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
     case kQ8_0: dequant_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
     case kQ4_0: dequant_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
     case kQ4_1: dequant_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
@@ -506,17 +522,57 @@ inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64
 #endif
 }
 
+// A type code with a kernel (a block type, or a tileable one + kTiledCode) and a valid k.
+inline bool known_type(int type, int64_t k) {
+  const int base = type >= kTiledCode ? type - kTiledCode : type;
+  return base >= 0 && base < kNumTypes && !bad_k(base, k)
+      && (type < kTiledCode || tileable(base));
+}
+
 }  // namespace
 
 extern "C" {
 
-int kvserve_qgemv_abi_version() { return 5; }
+// The n x k weight's rows (type t's blocks, the file's layout) as row tiles into dst (the
+// same number of bytes). Returns 0, or 1 for a type without tiles, a bad k or n % 16 != 0.
+// unpack != 0: the inverse (row tiles back into the file's rows).
+int kvserve_qtile_pack(const uint8_t* src, int type, int64_t n, int64_t k, uint8_t* dst,
+                       int unpack) {
+  if (type < 0 || type >= kNumTypes || !tileable(type) || bad_k(type, k) || n < 0
+      || n % kTileCols != 0)
+    return 1;
+  auto f = [&](auto pack, auto un) { (unpack ? un : pack)(src, n, k, dst); };
+  switch (type) {
+    case kQ8_0: f(pack_tiles<kQ8_0>, unpack_tiles<kQ8_0>); break;
+    case kQ4_0: f(pack_tiles<kQ4_0>, unpack_tiles<kQ4_0>); break;
+    case kQ4_1: f(pack_tiles<kQ4_1>, unpack_tiles<kQ4_1>); break;
+    case kQ5_0: f(pack_tiles<kQ5_0>, unpack_tiles<kQ5_0>); break;
+    default: f(pack_tiles<kQ5_1>, unpack_tiles<kQ5_1>); break;
+  }
+  return 0;
+}
+
+// 1 where the build has the AVX-512 VNNI tile kernel (elsewhere tiles run a plain loop).
+int kvserve_qtile_native() {
+#ifdef KVQ_TILE512
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int kvserve_qgemv_abi_version() { return 6; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
 int kvserve_qgemv_f32x(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
                        int type, int64_t n, int64_t k, const float* bias, float* out,
                        int64_t out_stride, int mode, int num_threads) {
+  if (type == kTiledCode + kQ8_0 && mode >= 0 && mode <= 1 && k > 0 && k % kQK == 0
+      && rows >= 0 && n % kTileCols == 0) {
+    tile_gemv16(x, x_stride, rows, w, n, k, bias, out, out_stride, mode, num_threads);
+    return 0;
+  }
   if (type != kQ8_0 || mode < 0 || mode > 1 || k <= 0 || k % kQK || rows < 0) return 1;
   const int64_t nb = k / kQK, row_bytes = nb * 34;
   const int64_t unit = out_unit(rows);
@@ -562,10 +618,15 @@ int kvserve_qgemv_isa() {
 // k / 256) blocks of `type` (n_w = n, or 2n for the gated modes); bias [n_w] or null; out
 // [rows, n] (row stride out_stride). k must be a multiple of 32 (K-quants: 256). Returns 0, or
 // 1 for a bad type, mode or k.
+// A type of kTiledCode + t is a weight of block type t (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in
+// row tiles (qtiles.h), n a multiple of 16.
 int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, int type,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t out_stride,
                   int mode, int num_threads) {
-  if (type < 0 || type >= kNumTypes || mode < 0 || mode > 3 || bad_k(type, k) || rows < 0)
+  const bool tiled = type >= kTiledCode;
+  const int base = tiled ? type - kTiledCode : type;
+  if (base < 0 || base >= kNumTypes || mode < 0 || mode > 3 || bad_k(base, k) || rows < 0
+      || (tiled && (!tileable(base) || n % kTileCols != 0)))
     return 1;
   const int64_t nb = k / kQK;
   thread_local std::vector<int8_t> q;
@@ -582,6 +643,19 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
       quantize_row(x + r * x_stride, k, qp + r * k, dp + r * nb, sp + r * nb);
   });
   const QRows xr{qp, dp, sp, k, nb};
+  if (tiled) {
+    if (base == kQ8_0)
+      tile_gemv<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else if (base == kQ4_0)
+      tile_gemv<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else if (base == kQ4_1)
+      tile_gemv<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else if (base == kQ5_0)
+      tile_gemv<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else
+      tile_gemv<kQ5_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    return 0;
+  }
   if (type == kQ8_0)
     qgemv_rows<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
   else if (type == kQ4_0)
@@ -614,7 +688,7 @@ int kvserve_qgemv_packed(const int64_t* a) {
 // copy); values as gguf.quants' (see dequant_row).
 int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* out,
                      int num_threads) {
-  if (type < 0 || type >= kNumTypes || bad_k(type, k) || n < 0) return 1;
+  if (!known_type(type, k) || n < 0) return 1;
   return dequant_any(w, type, k, nullptr, n, out, num_threads);
 }
 
@@ -624,7 +698,7 @@ int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* ou
 // in Q8_0). Returns 0, or 1 for a bad type or k, 2 for an id outside 0..n-1.
 int kvserve_qembed(const uint8_t* w, int type, int64_t n, int64_t k, const int64_t* ids,
                    int64_t count, float* out, int num_threads) {
-  if (type < 0 || type >= kNumTypes || bad_k(type, k) || count < 0) return 1;
+  if (!known_type(type, k) || count < 0) return 1;
   for (int64_t i = 0; i < count; ++i)
     if (ids[i] < 0 || ids[i] >= n) return 2;
   return dequant_any(w, type, k, ids, count, out, num_threads);
