@@ -273,11 +273,16 @@ int kvserve_decode_layers(const int64_t* a) {
 // place: the element-wise work around the GEMMs of the layers that run MKL or oneDNN (more than
 // gemv's few rows), which as torch ops cost ~0.2 ms per layer at 64 rows (several passes and
 // dispatches each) against ~10 us here. Rows are shared out across threads.
+// Threads from 128K elements (a prefill's rows): a batch-32 decode's 32 x 576 take ~5 us on
+// one thread, less than a team's wake-up, and the team then spun on the cores the quantized
+// kernels' pool needed.
+constexpr int64_t kThreadElems = int64_t{1} << 17;
+
 int kvserve_rms_norm_f32(const float* x, int64_t x_stride, int64_t rows, int64_t k,
                          const float* w, float eps, float* out, int64_t out_stride,
                          int num_threads) {
   if (k <= 0 || rows < 0) return 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= kThreadElems)
   for (int64_t r = 0; r < rows; ++r)
     rms_norm_rows(x + r * x_stride, x_stride, 1, k, w, eps, out + r * out_stride, out_stride);
   return 0;
@@ -286,7 +291,7 @@ int kvserve_rms_norm_f32(const float* x, int64_t x_stride, int64_t rows, int64_t
 int kvserve_rope_f32(float* y, int64_t y_stride, int64_t rows, int64_t cols, int64_t head_dim,
                      const float* cos_sin, int64_t cs_stride, int num_threads) {
   if (head_dim <= 0 || head_dim % 2 || cols % head_dim) return 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= kThreadElems)
   for (int64_t r = 0; r < rows; ++r)
     rope_rows(y + r * y_stride, y_stride, 1, cols, head_dim, cos_sin + r * cs_stride, cs_stride);
   return 0;

@@ -44,6 +44,7 @@
 
 #include <omp.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -469,8 +470,9 @@ void decode(const Args& a) {
   int64_t tokens = 0;
   for (int64_t s = 0; s < a.n; ++s) tokens += a.lens[s];
   const bool threaded = a.n * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
-#pragma omp parallel for schedule(dynamic, 1) if (threaded)
-  for (int64_t item = 0; item < a.n * parts; ++item) {
+  // Items are claimed from parallel.h's pool (OpenMP's team, after its region, spun on the
+  // cores the quantized kernels' pool needed: batch-32 steps ~20% slower than passive).
+  const auto run_item = [&](int64_t item) {
     const int64_t s = item / parts;
     const int64_t hk0 = item % parts * per_item;
     if constexpr (K == F32 || K == BF16 || K == F16) {
@@ -709,7 +711,11 @@ void decode(const Args& a) {
       for (int64_t d = 0; d < D; ++d)
         orow[h * D + d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
     }
-  }
+  };
+  if (threaded)
+    kvpar::parallel_for(a.n * parts, omp_get_max_threads(), run_item);
+  else
+    for (int64_t item = 0; item < a.n * parts; ++item) run_item(item);
 }
 
 }  // namespace
