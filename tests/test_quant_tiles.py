@@ -1,0 +1,179 @@
+"""Row tiles (kernels/cpu/csrc/qtiles.h): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights repacked into tiles
+of 16 output features, against the same independent references as the row layout
+(tests/test_quant_linear.py): gguf.quants' dequantization of the file's blocks, and PyTorch /
+numpy on x quantized as the kernel quantizes it. Each instruction-set build: the AVX-512 VNNI
+tile kernel where the CPU has it, the plain loop that other builds run on tiles. Mutated
+tiles (a scale moved to another feature, nibble halves swapped, Q5's fifth bits in another
+order) must fail the same checks, and the one-call decode step on tiled weights equals the
+layer path bit for bit at more rows than the row layout's limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_quant_linear import ISAS, TYPES, _bound, _kernel, _quantized_x, _weight
+
+from kvserve.kernels.cpu import qgemv
+
+N, K = 48, 32 * 19  # three tiles; k not a multiple of 256
+
+
+def _tiles(kern, type_name: str, n: int, k: int, seed: int):
+    wq, w = _weight(type_name, n, k, seed)
+    return wq, kern.pack_tiles(wq, type_name, k), w
+
+
+def _tight_ok(y: np.ndarray, x: torch.Tensor, w: np.ndarray) -> bool:
+    """y equals x W^T with x quantized as the kernel does, to float32 rounding."""
+    xn = x.numpy()
+    xq, _ = _quantized_x(xn)
+    tight = 1e-5 * (np.abs(xn).astype(np.float64) @ np.abs(w).T) + 1e-6
+    return bool((np.abs(y - xq @ w.T) <= tight).all())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tiles_hold_the_same_blocks(type_name):
+    kern = _kernel(None)
+    wq, wt, w = _tiles(kern, type_name, N, K, seed=1)
+    assert wt.shape == wq.shape and not torch.equal(wt, wq)
+    assert torch.equal(kern.pack_tiles(wt, type_name, K, unpack=True), wq)
+    deq = kern.dequantize(wt, type_name, K, tiled=True).numpy().astype(np.float64)
+    assert np.array_equal(deq, w)  # gguf.quants' values, bit for bit
+    ids = torch.tensor([[0, 17], [47, 31]])
+    assert torch.equal(kern.embed(wt, type_name, K, ids, tiled=True),
+                       kern.embed(wq, type_name, K, ids))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 37])
+def test_tile_kernel_matches_reference(isa, type_name, rows):
+    kern = _kernel(isa[1])
+    _, wt, w = _tiles(kern, type_name, N, K, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    y = kern.linear(x, wt, type_name, K, tiled=True).double().numpy()
+    exact = x.numpy().astype(np.float64) @ w.T
+    assert (np.abs(y - exact) <= _bound(x.numpy(), w)).all()
+    assert _tight_ok(y, x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS[:2], ids=[i[0] for i in ISAS[:2]])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tile_epilogues(isa, type_name):
+    """Bias, residual add and the gated modes on tiles (gate tiles, then up tiles) equal the
+    row layout's kernel on the same blocks."""
+    kern = _kernel(isa[1])
+    inter, rows = 32, 11
+    wq, wt, _ = _tiles(kern, type_name, 2 * inter, K, seed=4)
+    g = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(rows, K, generator=g), torch.randn(2 * inter, generator=g)
+    for mode in (qgemv.MODE_STORE, qgemv.MODE_SILU_MUL, qgemv.MODE_GELU_MUL):
+        want = kern.linear(x, wq, type_name, K, bias, mode)
+        got = kern.bind(wt, type_name, K, bias, mode, tiled=True)(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # summation order
+    residual = torch.randn(rows, 2 * inter, generator=g)
+    want = residual + kern.linear(x, wq, type_name, K, bias)
+    kern.linear(x, wt, type_name, K, bias, qgemv.MODE_ADD, residual, tiled=True)
+    torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+@pytest.mark.parametrize("rows", [1, 6, 37])
+def test_head_on_q8_0_tiles_has_16_bit_x(isa, rows):
+    """The LM head's path on tiles: x in 16-bit blocks (scale amax / 32767), so the error is
+    that rounding's bound, 256 times tighter than 8-bit x's; an outlier in x included."""
+    kern = _kernel(isa[1])
+    _, wt, w = _tiles(kern, "Q8_0", N, K, seed=5)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9))
+    x[:, 7] = 40.0
+    y = kern.linear(x, wt, "Q8_0", K, float_x=True, tiled=True).double().numpy()
+    xn = x.numpy()
+    d16 = np.abs(xn.reshape(rows, -1, 32)).max(axis=2).astype(np.float64) / 32767
+    wb = np.abs(w).reshape(N, -1, 32).sum(axis=2)
+    bound = d16 / 2 @ wb.T + 1e-5 * (np.abs(xn).astype(np.float64) @ np.abs(w).T) + 1e-6
+    err = np.abs(y - xn.astype(np.float64) @ w.T)
+    assert (err <= bound).all()
+    assert err.max() < (_bound(xn, w) / 64).max()
+
+
+def _mutations(type_name: str) -> dict:
+    """Ways a tile layout could be wrong, on a tiled weight's first tile block."""
+    def swap_scales(t):  # feature 0's scale moved to feature 1
+        t[0:2], t[2:4] = t[2:4].clone(), t[0:2].clone()
+
+    qs = 32 + (32 if type_name in ("Q4_1", "Q5_1") else 0) + (64 if type_name[:2] == "Q5" else 0)
+
+    def swap_halves(t):  # low and high nibbles (or Q8_0's first two groups) exchanged
+        if type_name == "Q8_0":
+            a = t[qs: qs + 64].clone()
+            t[qs: qs + 64] = t[qs + 64: qs + 128]
+            t[qs + 64: qs + 128] = a
+        else:
+            b = t[qs: qs + 256]
+            t[qs: qs + 256] = (b >> 4) | ((b & 0x0F) << 4)
+
+    out = {"scale": swap_scales, "halves": swap_halves}
+    if type_name[:2] == "Q5":
+        qh = qs - 64
+
+        def bit_order(t):  # the file's qh order where the tiles' is expected
+            t[qh: qh + 64] = t[qh: qh + 64].flip(0)
+        out["fifth bits"] = bit_order
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS[:1] + ISAS[2:], ids=["native", "plain"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_mutated_tiles_are_caught(isa, type_name):
+    kern = _kernel(isa[1])
+    _, wt, w = _tiles(kern, type_name, N, K, seed=3)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    assert _tight_ok(kern.linear(x, wt, type_name, K, tiled=True).double().numpy(), x, w)
+    for label, mutate in _mutations(type_name).items():
+        bad = wt.clone().view(-1)
+        mutate(bad)
+        y = kern.linear(x, bad.view_as(wt), type_name, K, tiled=True).double().numpy()
+        assert not _tight_ok(y, x, w), label
+
+
+def test_tiles_refuse_what_they_cannot_hold():
+    kern = _kernel(None)
+    wq, _ = _weight("Q8_0", 40, K, seed=1)  # 40 rows: not whole tiles
+    with pytest.raises(ValueError, match="row tiles"):
+        kern.pack_tiles(wq, "Q8_0", K)
+    with pytest.raises(ValueError, match="row tiles"):
+        kern.linear(torch.randn(2, K), wq, "Q8_0", K, tiled=True)
+    k4 = torch.zeros(32, qgemv.row_bytes("Q4_K", 256), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="row tiles"):
+        kern.pack_tiles(k4, "Q4_K", 256)
+    assert not qgemv.tileable("Q6_K", 32, 256) and qgemv.tileable("Q5_1", 32, 64)
+
+
+def test_one_call_step_on_tiles_serves_more_rows(decode_checkpoints, monkeypatch):
+    """With every projection in tiles the one-call step serves batches past the row layout's
+    4 rows (up to quant_decode.TILED_ROWS), and its logits equal the layer path's bit for
+    bit (both run the tile kernel at every row count)."""
+    from helpers import greedy_ids, random_prompts, record_decode_steps
+
+    from kvserve import LLM
+    from kvserve.layers import quant_linear
+
+    monkeypatch.setenv(quant_linear.QTILES_ENV, "1")
+    monkeypatch.setenv("KVSERVE_QGEMM_ROWS", "inf")  # the layer path: the kernel at any rows
+    prompts = random_prompts([3, 9, 17, 25, 33, 40, 51, 60, 64, 70], 512, seed=2)
+    max_tokens = tuple(4 + 2 * i for i in range(len(prompts)))
+    runs = []
+    for fast in (True, False):
+        llm = LLM(model=str(decode_checkpoints["llama"]), dtype="float32", quantization="q8_0",
+                  max_model_len=256, block_size=16)
+        weights = llm.engine.runner.model.layers[0].quant_weights
+        assert all(w.tiled for w in weights.values())
+        seen = record_decode_steps(llm, fast)
+        runs.append((greedy_ids(llm, prompts, max_tokens), seen))
+    (fast_ids, fast_seen), (slow_ids, slow_seen) = runs
+    assert fast_ids == slow_ids
+    assert max(fast_seen["rows"]) == len(prompts)
+    assert len(fast_seen["logits"]) == len(slow_seen["logits"])
+    for a, b in zip(fast_seen["logits"], slow_seen["logits"]):
+        assert torch.equal(a, b)
