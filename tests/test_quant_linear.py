@@ -174,6 +174,49 @@ PLAIN = [
 FLOAT_LOGITS = 2.5e-4
 
 
+def _head_allowance(head, h: torch.Tensor, table: torch.Tensor) -> float:
+    """The LM head's own activation rounding on the final hidden states h [rows, k] over the
+    (dequantized) table, as the kernel tests bound it: 8-bit x blocks (`_bound`) on the
+    integer kernel; on the float-x kernel (Q8_0), none for the file's rows (x stays float32)
+    and 16-bit blocks for row tiles (scale amax / 32767, test_quant_tiles); plus float32
+    rounding of the products."""
+    hn = h.double().numpy()
+    w = table.double()
+    wb = w.abs().view(w.shape[0], -1, 32).sum(-1).numpy()
+    rounding = 1e-5 * float((h.abs().double() @ w.abs().T).max())
+    if head.float_x:
+        if not head.weight.tiled:
+            return rounding
+        d = np.abs(hn.reshape(hn.shape[0], -1, 32)).max(axis=2) / 32767
+    else:
+        _, d = _quantized_x(h.numpy())
+    return float((d / 2 @ wb.T).max()) + rounding
+
+
+def prefill_error(quant, dense, prompts: list[list[int]]) -> tuple[float, float]:
+    """(the largest difference of the first-token logits between the quantized engine and
+    the dequantized one, the bound it must keep): FLOAT_LOGITS where every projection runs
+    F.linear on the dequantized blocks, plus the head's own activation rounding
+    (`_head_allowance`) on the hidden states it was given."""
+    from helpers import first_token_logits
+
+    from kvserve.layers.buckets import bucket_of
+
+    model = quant.engine.model
+    hidden = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda h: (hidden.append(h.clone()), compute_logits(h))[1]
+    try:
+        a = first_token_logits(quant, [prompts])
+    finally:
+        del model.compute_logits
+    b = first_token_logits(dense, [prompts])
+    err = max((a[tuple(p)] - b[tuple(p)]).abs().max().item() for p in prompts)
+    table = dense.engine.model.embed_tokens.detach()
+    return err, FLOAT_LOGITS + max(
+        _head_allowance(model.head_methods[bucket_of(h.shape[0])], h, table) for h in hidden)
+
+
 @pytest.fixture(scope="module")
 def engines():
     from gguf_files import smollm2_path
@@ -212,17 +255,13 @@ def test_engine_keeps_the_blocks(engines):
 
 def test_prefill_runs_the_file_weights_exactly(engines):
     """Above the first row bucket (with KVSERVE_QGEMM_ROWS=4, the fixture's) the projections
-    run F.linear on the blocks dequantized by the kernel, so a prefill's logits are the dequantized model's up to float rounding
-    (FLOAT_LOGITS): the blocks were placed (q, k, v fused; gate, up
-    fused; llama.cpp's q/k row permutation undone) as dequantize places the floats."""
-    from helpers import first_token_logits
-
+    run F.linear on the blocks dequantized by the kernel, so a prefill's logits are the
+    dequantized model's up to float rounding (FLOAT_LOGITS) and the Q8_0 head's 16-bit x on
+    row tiles (`prefill_error`): the blocks were placed (q, k, v fused; gate, up fused;
+    llama.cpp's q/k row permutation undone) as dequantize places the floats."""
     quant, dense = engines
-    prompts = [quant.engine.tokenizer.encode(p) for p in PLAIN]
-    a = first_token_logits(quant, [prompts])
-    b = first_token_logits(dense, [prompts])
-    err = max((a[tuple(p)] - b[tuple(p)]).abs().max().item() for p in prompts)
-    assert err <= FLOAT_LOGITS
+    err, allowed = prefill_error(quant, dense, [quant.engine.tokenizer.encode(p) for p in PLAIN])
+    assert err <= allowed
 
 
 def test_decode_agrees_with_the_dequantized_model(engines):
@@ -299,11 +338,10 @@ def test_other_block_types_end_to_end(type_name, tmp_path, monkeypatch):
     """The default model's weights re-encoded as Q4_0 / Q8_0 / Q5_0 / Q5_1 (every 2-D tensor,
     the tied table too, which stays quantized: lookups and the head read its blocks): the
     loader keeps the projections in that type, a prefill's logits are the dequantized model's
-    (float rounding, FLOAT_LOGITS; except with Q8_0 the head runs the integer kernel, x
-    quantized to 8 bits, so plus `_bound` of the final hidden states on the table), and
-    batch-1 decode follows it for the first greedy tokens."""
+    (float rounding, FLOAT_LOGITS; plus the head's own activation rounding, `prefill_error`:
+    8-bit x on Q4_0 / Q5_0 / Q5_1, 16-bit x on Q8_0 tiles), and batch-1 decode follows it
+    for the first greedy tokens."""
     from gguf_files import requantize, smollm2_path
-    from helpers import first_token_logits
 
     from kvserve import LLM, SamplingParams
 
@@ -318,21 +356,8 @@ def test_other_block_types_end_to_end(type_name, tmp_path, monkeypatch):
     assert model.quant_embed is model.quant_head and model.embed_tokens.numel() == 0
     head = model.gemm_plan.kernels["head"]
     assert head == ["quant-fx" if type_name == "Q8_0" else "quant"] * len(head)
-    hidden = []
-    compute_logits = model.compute_logits
-    model.compute_logits = lambda h: (hidden.append(h.clone()), compute_logits(h))[1]
-    prompts = [quant.engine.tokenizer.encode(p) for p in PLAIN[:4]]
-    a, b = first_token_logits(quant, [prompts]), first_token_logits(dense, [prompts])
-    del model.compute_logits
-    err = max((a[tuple(p)] - b[tuple(p)]).abs().max().item() for p in prompts)
-    allowed = FLOAT_LOGITS
-    if type_name != "Q8_0":  # the head's own activation error (the kernel tests' bound)
-        h = torch.cat(hidden).numpy()
-        table = dense.engine.model.embed_tokens.detach()
-        _, d = _quantized_x(h)
-        wb = table.abs().view(table.shape[0], -1, 32).sum(-1).double().numpy()
-        allowed += float((d / 2 @ wb.T).max()) \
-            + 1e-5 * float((torch.from_numpy(np.abs(h)) @ table.abs().T).max())
+    err, allowed = prefill_error(quant, dense,
+                                 [quant.engine.tokenizer.encode(p) for p in PLAIN[:4]])
     assert err <= allowed
     sp = SamplingParams(max_tokens=4, temperature=0.0)
     ta = [o.outputs[0].token_ids[:3] for o in quant.generate(PLAIN[:4], sp, use_tqdm=False)]

@@ -38,6 +38,10 @@ def test_tiles_hold_the_same_blocks(type_name):
     wq, wt, w = _tiles(kern, type_name, N, K, seed=1)
     assert wt.shape == wq.shape and not torch.equal(wt, wq)
     assert torch.equal(kern.pack_tiles(wt, type_name, K, unpack=True), wq)
+    own = wq.clone()  # in place (the loader's way), tile by tile through a row aside
+    assert kern.pack_tiles(own, type_name, K, in_place=True).data_ptr() == own.data_ptr()
+    assert torch.equal(own, wt)
+    assert torch.equal(kern.pack_tiles(own, type_name, K, unpack=True, in_place=True), wq)
     deq = kern.dequantize(wt, type_name, K, tiled=True).numpy().astype(np.float64)
     assert np.array_equal(deq, w)  # gguf.quants' values, bit for bit
     ids = torch.tensor([[0, 17], [47, 31]])

@@ -61,18 +61,21 @@ class QuantWeight:
         qgemv.QGemv.check_weight(self.data, self.type_name, self.data.shape[0], self.k,
                                  self.tiled)
 
-    def for_kernels(self) -> "QuantWeight":
-        """This weight in the layout its kernel runs fastest on this CPU: row tiles where
-        the build has the AVX-512 VNNI tile kernel and the type and shape have tiles (at 32
-        rows 2.5-3.5x the row layout's speed on a Zen 4 EPYC; batch 1 no slower), else as
-        it is. $KVSERVE_QTILES=1 / 0 forces tiles (where the shape has them) / rows."""
+    @classmethod
+    def for_kernels(cls, data: torch.Tensor, type_name: str, k: int) -> "QuantWeight":
+        """The file-layout blocks `data`, given over (no one else may hold them), in the
+        layout their kernel runs fastest on this CPU: row tiles where the build has the
+        AVX-512 VNNI tile kernel and the type and shape have tiles (at 32 rows 2.5-3.5x the
+        row layout's speed on a Zen 4 EPYC; batch 1 no slower), else as they are. Tiled in
+        place, so a load never holds a weight twice. $KVSERVE_QTILES=1 / 0 forces tiles
+        (where the shape has them) / rows."""
         kernel = qgemv.load()
         forced = os.environ.get(QTILES_ENV, "").strip()
         wanted = kernel is not None and (kernel.tiles_native if forced == "" else forced == "1")
-        if self.tiled or not wanted or not qgemv.tileable(self.type_name, self.n, self.k):
-            return self
-        return QuantWeight(kernel.pack_tiles(self.data, self.type_name, self.k),
-                           self.type_name, self.k, tiled=True)
+        if not wanted or not qgemv.tileable(type_name, data.shape[0], k):
+            return cls(data, type_name, k)
+        return cls(kernel.pack_tiles(data, type_name, k, in_place=True), type_name, k,
+                   tiled=True)
 
     def row_blocks(self) -> torch.Tensor:
         """The blocks in the file's row layout (`data` itself unless tiled)."""

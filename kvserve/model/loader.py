@@ -416,7 +416,7 @@ def _stacked(parts: list[tuple], k: int) -> QuantWeight | StackedQuantWeight:
         for t in ts:
             data[row: row + t.shape[0]].copy_(torch.from_numpy(t.raw_rows()))
             row += t.shape[0]
-        weights.append(QuantWeight(data, type_name, k).for_kernels())
+        weights.append(QuantWeight.for_kernels(data, type_name, k))
     return weights[0] if len(weights) == 1 else StackedQuantWeight(tuple(weights))
 
 
@@ -468,8 +468,8 @@ def _runs(tensor) -> bool:
 
 
 def _quant_weight(tensor) -> QuantWeight:
-    return QuantWeight(torch.from_numpy(tensor.raw_rows()), tensor.info.type_name,
-                       tensor.shape[1]).for_kernels()
+    return QuantWeight.for_kernels(torch.from_numpy(tensor.raw_rows()), tensor.info.type_name,
+                                   tensor.shape[1])
 
 
 def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],

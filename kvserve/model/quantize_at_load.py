@@ -143,8 +143,7 @@ def quantize_model(model: CausalLM, quantization: str, progress: bool = True) ->
                     jobs[attr] = (type_name, p.shape[1], pool.submit(quantize, p, type_name))
             layer.quant_weights = {}
             for attr, (type_name, k, job) in jobs.items():
-                layer.quant_weights[attr] = QuantWeight(job.result(), type_name,
-                                                        k).for_kernels()
+                layer.quant_weights[attr] = QuantWeight.for_kernels(job.result(), type_name, k)
                 setattr(layer, attr, None)
                 kept[type_name] = kept.get(type_name, 0) + 1
     logger.info("quantization %s: %s projections quantized at load in %.1f s",

@@ -176,15 +176,15 @@ class QGemv:
         return out
 
     def pack_tiles(self, w: torch.Tensor, type_name: str, k: int,
-                   unpack: bool = False) -> torch.Tensor:
+                   unpack: bool = False, in_place: bool = False) -> torch.Tensor:
         """The weight's rows (the file's layout) as row tiles: a new uint8 tensor of the
         same shape and bytes in the order csrc/qtiles.h gives (`unpack`: tiles back to
-        rows)."""
+        rows); `in_place` reorders w's own memory and returns w."""
         n = w.shape[0]
         self.check_weight(w, type_name, n, k, tiled=unpack)
         if not tileable(type_name, n, k):
             raise ValueError(f"qgemv: no row tiles for a {type_name} weight of {n} x {k}")
-        out = torch.empty_like(w)
+        out = w if in_place else torch.empty_like(w)
         if self._pack(w.data_ptr(), TYPES[type_name], n, k, out.data_ptr(), int(unpack)) != 0:
             raise ValueError(f"qgemv: cannot tile {type_name} {n} x {k}")
         return out
