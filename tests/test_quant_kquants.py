@@ -226,6 +226,8 @@ def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
                          "down_proj": "Q6_K" if i % 3 == 0 else "Q4_K"}, (i, types)
         qkv = layer.quant_weights["qkv_proj"]  # q/k Q4_1 + v Q8_0: one part per type
         assert [p.n for p in qkv.parts] == [layer.qk_size, layer.num_kv_heads * layer.head_dim]
+        # the K-quants in row tiles where the build has the tile kernel (qtiles_k.h)
+        assert layer.quant_weights["down_proj"].tiled == qgemv.load().tiles_native
     assert model.quant_embed is model.quant_head and model.quant_embed.type_name == "Q8_0"
     assert model.embed_tokens.numel() == 0  # no float table
     assert model.gemm_plan.kernels["head"] == ["quant-fx"] * len(model.gemm_plan.kernels["head"])

@@ -148,10 +148,11 @@ def test_tiles_refuse_what_they_cannot_hold():
         kern.pack_tiles(wq, "Q8_0", K)
     with pytest.raises(ValueError, match="row tiles"):
         kern.linear(torch.randn(2, K), wq, "Q8_0", K, tiled=True)
-    k4 = torch.zeros(32, qgemv.row_bytes("Q4_K", 256), dtype=torch.uint8)
+    k4 = torch.zeros(24, qgemv.row_bytes("Q4_K", 256), dtype=torch.uint8)
     with pytest.raises(ValueError, match="row tiles"):
         kern.pack_tiles(k4, "Q4_K", 256)
-    assert not qgemv.tileable("Q6_K", 32, 256) and qgemv.tileable("Q5_1", 32, 64)
+    assert not qgemv.tileable("Q6_K", 24, 256) and qgemv.tileable("Q6_K", 32, 256)
+    assert not qgemv.tileable("Q6_K", 32, 288) and qgemv.tileable("Q5_1", 32, 64)
 
 
 def test_one_call_step_on_tiles_serves_more_rows(decode_checkpoints, monkeypatch):

@@ -29,7 +29,7 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 6
+ABI_VERSION = 7
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5,
          "Q5_1": 6}  # the kernel's type codes
 BLOCK = 32  # values per block of x (and of the 32-value weight types)
@@ -37,7 +37,7 @@ BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q
                 "Q5_1": 32}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
                "Q5_1": 24}
-TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types with row tiles (qtiles.h)
+TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")  # with row tiles
 TILE_ROWS = 16  # output features per tile
 TILED_CODE = 8  # a tiled weight's kernel type code: its block type's + 8
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3
@@ -54,7 +54,8 @@ def fits(type_name: str, k: int) -> bool:
 
 
 def tileable(type_name: str, n: int, k: int) -> bool:
-    """Whether an n x k weight of this type can be held in row tiles (csrc/qtiles.h)."""
+    """Whether an n x k weight of this type can be held in row tiles (csrc/qtiles.h,
+    csrc/qtiles_k.h)."""
     return type_name in TILE_TYPES and n % TILE_ROWS == 0 and fits(type_name, k)
 
 

@@ -145,6 +145,7 @@ struct QRows {  // the quantized rows of x
   const float* d;
   const float* s;
   int64_t k, nb;
+  const float* h = nullptr;  // per block d * the sum of its first 16 q (Q6_K tiles only)
 };
 
 // The K-quants' row dot (qgemv_kquants.h, included below the row_dots of the other types).
@@ -443,13 +444,22 @@ void dequant_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count
     dequant_row<T>(w + (ids != nullptr ? ids[i] : i) * rb, k, out + i * k);
 }
 
-// Rows of a tiled weight (type = block type + kTiledCode), as dequant_rows.
+// Rows of a tiled weight (type = block type + kTiledCode), as dequant_rows (a K-quant row
+// back in the file's layout first).
 template <int T>
 void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count,
                        float* out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
-  for (int64_t i = 0; i < count; ++i)
-    dequant_tile_row<T>(w, k, ids != nullptr ? ids[i] : i, out + i * k);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = ids != nullptr ? ids[i] : i;
+    if constexpr (T == kQ4_K || T == kQ6_K) {
+      std::vector<uint8_t> blocks(static_cast<size_t>(row_bytes_of(T, k)));
+      k_tile_row_blocks<T>(w, k, row, blocks.data());
+      dequant_row<T>(blocks.data(), k, out + i * k);
+    } else {
+      dequant_tile_row<T>(w, k, row, out + i * k);
+    }
+  }
 }
 
 int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
@@ -460,6 +470,8 @@ int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64
     case kTiledCode + kQ4_1: dequant_tile_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
     case kTiledCode + kQ5_0: dequant_tile_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
     case kTiledCode + kQ5_1: dequant_tile_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ4_K: dequant_tile_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
+    case kTiledCode + kQ6_K: dequant_tile_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
     case kQ8_0: dequant_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
     case kQ4_0: dequant_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
     case kQ4_1: dequant_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
@@ -531,6 +543,11 @@ inline bool known_type(int type, int64_t k) {
 
 }  // namespace
 
+template <int T, bool Unpack>
+void pack_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst) {
+  pack_tiles_k<T>(src, n, k, dst, Unpack);
+}
+
 extern "C" {
 
 // The n x k weight's rows (type t's blocks, the file's layout) as row tiles into dst (the
@@ -544,7 +561,7 @@ int kvserve_qtile_pack(const uint8_t* src, int type, int64_t n, int64_t k, uint8
   if (type < 0 || type >= kNumTypes || !tileable(type) || bad_k(type, k) || n < 0
       || n % kTileCols != 0)
     return 1;
-  const int64_t tile = kTileCols * (k / kQK) * block_bytes(type);
+  const int64_t tile = kTileCols * row_bytes_of(type, k);
   auto f = [&](auto pack, auto un) {
     auto run = unpack ? un : pack;
     if (src != dst) return run(src, n, k, dst);
@@ -559,7 +576,9 @@ int kvserve_qtile_pack(const uint8_t* src, int type, int64_t n, int64_t k, uint8
     case kQ4_0: f(pack_tiles<kQ4_0>, unpack_tiles<kQ4_0>); break;
     case kQ4_1: f(pack_tiles<kQ4_1>, unpack_tiles<kQ4_1>); break;
     case kQ5_0: f(pack_tiles<kQ5_0>, unpack_tiles<kQ5_0>); break;
-    default: f(pack_tiles<kQ5_1>, unpack_tiles<kQ5_1>); break;
+    case kQ5_1: f(pack_tiles<kQ5_1>, unpack_tiles<kQ5_1>); break;
+    case kQ4_K: f(pack_k<kQ4_K, false>, pack_k<kQ4_K, true>); break;
+    default: f(pack_k<kQ6_K, false>, pack_k<kQ6_K, true>); break;
   }
   return 0;
 }
@@ -573,7 +592,7 @@ int kvserve_qtile_native() {
 #endif
 }
 
-int kvserve_qgemv_abi_version() { return 6; }
+int kvserve_qgemv_abi_version() { return 7; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.
@@ -630,8 +649,8 @@ int kvserve_qgemv_isa() {
 // k / 256) blocks of `type` (n_w = n, or 2n for the gated modes); bias [n_w] or null; out
 // [rows, n] (row stride out_stride). k must be a multiple of 32 (K-quants: 256). Returns 0, or
 // 1 for a bad type, mode or k.
-// A type of kTiledCode + t is a weight of block type t (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in
-// row tiles (qtiles.h), n a multiple of 16.
+// A type of kTiledCode + t is a weight of block type t in row tiles (qtiles.h, qtiles_k.h),
+// n a multiple of 16.
 int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, int type,
                   int64_t n, int64_t k, const float* bias, float* out, int64_t out_stride,
                   int mode, int num_threads) {
@@ -654,7 +673,13 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
     for (int64_t r = c * 8; r < rows && r < (c + 1) * 8; ++r)
       quantize_row(x + r * x_stride, k, qp + r * k, dp + r * nb, sp + r * nb);
   });
-  const QRows xr{qp, dp, sp, k, nb};
+  QRows xr{qp, dp, sp, k, nb};
+  if (tiled && base == kQ6_K) {
+    thread_local std::vector<float> h;
+    h.resize(static_cast<size_t>(rows * nb));
+    half_sums(xr, rows, h.data());
+    xr.h = h.data();
+  }
   if (tiled) {
     if (base == kQ8_0)
       tile_gemv<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
@@ -664,8 +689,12 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
       tile_gemv<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
     else if (base == kQ5_0)
       tile_gemv<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else
+    else if (base == kQ5_1)
       tile_gemv<kQ5_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else if (base == kQ4_K)
+      tile_gemv<kQ4_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else
+      tile_gemv<kQ6_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
     return 0;
   }
   if (type == kQ8_0)

@@ -1,5 +1,5 @@
 // Row tiles: the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) repacked at load into
-// tiles of 16 output features (issue 31's batched path). Included by qgemv.cpp (its QRows,
+// tiles of 16 output features (issue 31's batched path; the K-quants' in qtiles_k.h). Included by qgemv.cpp (its QRows,
 // block sizes and thread pool); the same bytes as the file's rows, in another order.
 //
 // Why: in the file's layout a block is 32 values of one output feature, so an integer dot
@@ -29,7 +29,7 @@ constexpr int kTileCols = 16;
 constexpr int kTiledCode = 8;  // a tiled weight's type code = its block type's code + 8
 
 inline bool tileable(int t) {
-  return t == kQ8_0 || t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1;
+  return t == kQ8_0 || t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || is_k(t);
 }
 constexpr bool has_min(int t) { return t == kQ4_1 || t == kQ5_1; }
 // byte offsets in a tile block
@@ -374,14 +374,20 @@ inline void tile_rows_plain(const uint8_t* w, const QRows& x, int64_t tile, int6
   }
 }
 
+#include "qtiles_k.h"
+
 template <int T, int R>
 inline void tile_rows_any(const uint8_t* w, const QRows& x, int64_t tile, int64_t r0,
                           float* out) {
+  if constexpr (T == kQ4_K || T == kQ6_K) {
+    k_tile_rows<T, R>(w, x, tile, r0, out);
+  } else {
 #ifdef KVQ_TILE512
-  tile_rows<T, R>(w, x, tile, r0, out);
+    tile_rows<T, R>(w, x, tile, r0, out);
 #else
-  tile_rows_plain<T, R>(w, x, tile, r0, out);
+    tile_rows_plain<T, R>(w, x, tile, r0, out);
 #endif
+  }
 }
 
 constexpr int kTileRows = 8;  // x rows per register tile (2 x 8 zmm accumulators)
