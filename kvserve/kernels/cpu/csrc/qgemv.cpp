@@ -372,167 +372,9 @@ void qgemv_rows(const QRows& x, int64_t rows, const uint8_t* w, const float* bia
 
 #include "qtiles.h"
 
-// One weight row of k values as float32 into y; values as gguf.quants dequantizes them (the
-// same float32 operations in the same order: d q, d (q - 8), d q + m; Q4_K (d sc) q - dmin m,
-// Q6_K (d sc) (q - 32)).
-template <int T>
-void dequant_row(const uint8_t* w, int64_t k, float* y) {
-  const int64_t nb = k / values_per_block(T), bb = block_bytes(T);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bb;
-    if constexpr (T == kQ4_K) {
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      for (int j = 0; j < 8; ++j) {
-        int sc, m;
-        q4k_scale_min(blk + 4, j, &sc, &m);
-        const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-        const uint8_t* qs = blk + 16 + 32 * (j / 2);
-        float* yj = y + b * kQKK + 32 * j;
-        for (int i = 0; i < 32; ++i)
-          yj[i] = dl * static_cast<float>(j % 2 ? qs[i] >> 4 : qs[i] & 0x0f) - ml;
-      }
-      continue;
-    } else if constexpr (T == kQ6_K) {
-      const float d = half_to_float(blk + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      float* yb = y + b * kQKK;
-      for (int l = 0; l < kQKK; ++l)
-        yb[l] = d * static_cast<float>(sc[l / 16]) * static_cast<float>(q6k_code(blk, l) - 32);
-      continue;
-    }
-    float* yb = y + b * kQK;
-    const float d = half_to_float(blk);
-    if (T == kQ8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int j = 0; j < kQK; ++j) yb[j] = d * static_cast<float>(q[j]);
-    } else if (T == kQ4_0) {
-      const uint8_t* qs = blk + 2;
-      for (int j = 0; j < 16; ++j) {
-        yb[j] = d * static_cast<float>((qs[j] & 0x0f) - 8);
-        yb[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
-      }
-    } else if (is_q5(T)) {
-      const int off = T == kQ5_0 ? 2 : 4;
-      uint32_t qh;
-      std::memcpy(&qh, blk + off, 4);
-      if (T == kQ5_0) {
-        for (int j = 0; j < kQK; ++j)
-          yb[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j) - 16);
-      } else {
-        const float m = half_to_float(blk + 2);
-        for (int j = 0; j < kQK; ++j)
-          yb[j] = d * static_cast<float>(q5_value(blk + off + 4, qh, j)) + m;
-      }
-    } else {
-      const float m = half_to_float(blk + 2);
-      const uint8_t* qs = blk + 4;
-      for (int j = 0; j < 16; ++j) {
-        yb[j] = d * static_cast<float>(qs[j] & 0x0f) + m;
-        yb[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
-      }
-    }
-  }
-}
+#include "qdequant.h"
 
-// Rows ids[i] (or 0..n-1 when ids is null) of the n x k weight as float32 into out [count, k].
-template <int T>
-void dequant_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count, float* out,
-                  int num_threads) {
-  const int64_t rb = row_bytes_of(T, k);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
-  for (int64_t i = 0; i < count; ++i)
-    dequant_row<T>(w + (ids != nullptr ? ids[i] : i) * rb, k, out + i * k);
-}
-
-// Rows of a tiled weight (type = block type + kTiledCode), as dequant_rows (a K-quant row
-// back in the file's layout first).
-template <int T>
-void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t count,
-                       float* out, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t row = ids != nullptr ? ids[i] : i;
-    if constexpr (T == kQ4_K || T == kQ6_K) {
-      std::vector<uint8_t> blocks(static_cast<size_t>(row_bytes_of(T, k)));
-      k_tile_row_blocks<T>(w, k, row, blocks.data());
-      dequant_row<T>(blocks.data(), k, out + i * k);
-    } else {
-      dequant_tile_row<T>(w, k, row, out + i * k);
-    }
-  }
-}
-
-int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
-                float* out, int num_threads) {
-  switch (type) {
-    case kTiledCode + kQ8_0: dequant_tile_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_0: dequant_tile_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_1: dequant_tile_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ5_0: dequant_tile_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ5_1: dequant_tile_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_K: dequant_tile_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ6_K: dequant_tile_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
-    case kQ8_0: dequant_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
-    case kQ4_0: dequant_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
-    case kQ4_1: dequant_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
-    case kQ4_K: dequant_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
-    case kQ6_K: dequant_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
-    case kQ5_0: dequant_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
-    case kQ5_1: dequant_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
-    default: return 1;
-  }
-  return 0;
-}
-
-// The float-x product on Q8_0 (the LM head's table in SmolLM2's file): the weight blocks
-// widened to float in registers, x kept in float32. Why beside the integer path: with x
-// quantized to 8 bits, the head's logits moved enough to change the demo's greedy answer
-// (the final norm's outliers set each block's scale); this reads the same 34 bytes per 32
-// weights and rounds nothing but the float sums.
-template <int R>
-inline void row_dots_f(const uint8_t* w, const float* x, int64_t x_stride, int64_t nb,
-                       float* acc) {
-#ifdef KVQ_AVX2
-  __m256 v0[R], v1[R];
-  for (int r = 0; r < R; ++r) v0[r] = v1[r] = _mm256_setzero_ps();
-  auto step = [&](int64_t b, __m256* v) {
-    const uint8_t* blk = w + b * 34;
-    const __m256 d = _mm256_set1_ps(half_to_float(blk));
-    __m256 wf[4];
-    for (int j = 0; j < 4; ++j)
-      wf[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * x_stride + b * kQK;
-      __m256 p = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xb));
-      p = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xb + 8), p);
-      p = _mm256_fmadd_ps(wf[2], _mm256_loadu_ps(xb + 16), p);
-      p = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xb + 24), p);
-      v[r] = _mm256_fmadd_ps(p, d, v[r]);
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    step(b, v0);
-    step(b + 1, v1);
-  }
-  if (b < nb) step(b, v0);
-  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r]));
-#else
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 34;
-    const float d = half_to_float(blk);
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * x_stride + b * kQK;
-      float sum = 0.f;
-      for (int j = 0; j < kQK; ++j) sum += static_cast<float>(q[j]) * xb[j];
-      acc[r] += d * sum;
-    }
-  }
-#endif
-}
+#include "qhead.h"
 
 // A type code with a kernel (a block type, or a tileable one + kTiledCode) and a valid k.
 inline bool known_type(int type, int64_t k) {
@@ -541,12 +383,12 @@ inline bool known_type(int type, int64_t k) {
       && (type < kTiledCode || tileable(base));
 }
 
-}  // namespace
-
 template <int T, bool Unpack>
 void pack_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst) {
   pack_tiles_k<T>(src, n, k, dst, Unpack);
 }
+
+}  // namespace
 
 extern "C" {
 
@@ -605,32 +447,7 @@ int kvserve_qgemv_f32x(const float* x, int64_t x_stride, int64_t rows, const uin
     return 0;
   }
   if (type != kQ8_0 || mode < 0 || mode > 1 || k <= 0 || k % kQK || rows < 0) return 1;
-  const int64_t nb = k / kQK, row_bytes = nb * 34;
-  const int64_t unit = out_unit(rows);
-  kvpar::parallel_for((n + unit - 1) / unit, num_threads, [&](int64_t tile) {
-    for (int64_t o = tile * unit; o < n && o < (tile + 1) * unit; ++o) {
-      if (o + kPrefetchRows < n) {
-        const uint8_t* ahead = w + (o + kPrefetchRows) * row_bytes;
-        for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at);
-      }
-      const float b = bias != nullptr ? bias[o] : 0.f;
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t cnt = rows - r0 < 4 ? rows - r0 : 4;
-        const float* xr = x + r0 * x_stride;
-        float acc[4];
-        switch (cnt) {
-          case 4: row_dots_f<4>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-          case 3: row_dots_f<3>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-          case 2: row_dots_f<2>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-          default: row_dots_f<1>(w + o * row_bytes, xr, x_stride, nb, acc); break;
-        }
-        for (int64_t r = 0; r < cnt; ++r) {
-          float* y = out + (r0 + r) * out_stride + o;
-          *y = mode == 0 ? acc[r] + b : *y + acc[r] + b;
-        }
-      }
-    }
-  });
+  f32x_rows(x, x_stride, rows, w, n, k, bias, out, out_stride, mode, num_threads);
   return 0;
 }
 
