@@ -1,26 +1,35 @@
-"""Row tiles (kernels/cpu/csrc/qtiles.h): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights repacked into tiles
-of 16 output features, against the same independent references as the row layout
-(tests/test_quant_linear.py): gguf.quants' dequantization of the file's blocks, and PyTorch /
-numpy on x quantized as the kernel quantizes it. Each instruction-set build: the AVX-512 VNNI
-tile kernel where the CPU has it, the plain loop that other builds run on tiles. Mutated
-tiles (a scale moved to another feature, nibble halves swapped, Q5's fifth bits in another
-order) must fail the same checks, and the one-call decode step on tiled weights equals the
-layer path bit for bit at more rows than the row layout's limit."""
+"""Row tiles (kernels/cpu/csrc/qtiles.h, qtiles_k.h): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks and
+Q4_K/Q6_K super-blocks repacked into tiles of 16 output features, against the same
+independent references as the row layout (tests/test_quant_linear.py, test_quant_kquants.py):
+gguf.quants' dequantization of the file's blocks, and PyTorch / numpy on x quantized as the
+kernel quantizes it. Each instruction-set build: the AVX-512 VNNI tile kernel where the CPU
+has it, and what other builds run on tiles (a plain loop; for the K-quants each feature's row
+back in the file's layout, then the row kernel). Mutated tiles (a scale moved to another
+feature, nibble halves swapped, Q5's fifth bits or Q6_K's high bits in another order, K
+sub-blocks exchanged) must fail the same checks, and the one-call decode step on tiled
+weights equals the layer path bit for bit at more rows than the row layout's limit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from test_quant_kquants import K_TYPES, _kblocks
 from test_quant_linear import ISAS, TYPES, _bound, _kernel, _quantized_x, _weight
 
 from kvserve.kernels.cpu import qgemv
 
 N, K = 48, 32 * 19  # three tiles; k not a multiple of 256
+ALL = TYPES + K_TYPES
+
+
+def _k(type_name: str) -> int:
+    """The rows' width a test uses: K, or for the K-quants three super-blocks."""
+    return 256 * 3 if type_name in K_TYPES else K
 
 
 def _tiles(kern, type_name: str, n: int, k: int, seed: int):
-    wq, w = _weight(type_name, n, k, seed)
+    wq, w = (_kblocks if type_name in K_TYPES else _weight)(type_name, n, k, seed)
     return wq, kern.pack_tiles(wq, type_name, k), w
 
 
@@ -32,53 +41,53 @@ def _tight_ok(y: np.ndarray, x: torch.Tensor, w: np.ndarray) -> bool:
     return bool((np.abs(y - xq @ w.T) <= tight).all())
 
 
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ALL)
 def test_tiles_hold_the_same_blocks(type_name):
-    kern = _kernel(None)
-    wq, wt, w = _tiles(kern, type_name, N, K, seed=1)
+    kern, k = _kernel(None), _k(type_name)
+    wq, wt, w = _tiles(kern, type_name, N, k, seed=1)
     assert wt.shape == wq.shape and not torch.equal(wt, wq)
-    assert torch.equal(kern.pack_tiles(wt, type_name, K, unpack=True), wq)
+    assert torch.equal(kern.pack_tiles(wt, type_name, k, unpack=True), wq)
     own = wq.clone()  # in place (the loader's way), tile by tile through a row aside
-    assert kern.pack_tiles(own, type_name, K, in_place=True).data_ptr() == own.data_ptr()
+    assert kern.pack_tiles(own, type_name, k, in_place=True).data_ptr() == own.data_ptr()
     assert torch.equal(own, wt)
-    assert torch.equal(kern.pack_tiles(own, type_name, K, unpack=True, in_place=True), wq)
-    deq = kern.dequantize(wt, type_name, K, tiled=True).numpy().astype(np.float64)
+    assert torch.equal(kern.pack_tiles(own, type_name, k, unpack=True, in_place=True), wq)
+    deq = kern.dequantize(wt, type_name, k, tiled=True).numpy().astype(np.float64)
     assert np.array_equal(deq, w)  # gguf.quants' values, bit for bit
     ids = torch.tensor([[0, 17], [47, 31]])
-    assert torch.equal(kern.embed(wt, type_name, K, ids, tiled=True),
-                       kern.embed(wq, type_name, K, ids))
+    assert torch.equal(kern.embed(wt, type_name, k, ids, tiled=True),
+                       kern.embed(wq, type_name, k, ids))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ALL)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 37])
 def test_tile_kernel_matches_reference(isa, type_name, rows):
-    kern = _kernel(isa[1])
-    _, wt, w = _tiles(kern, type_name, N, K, seed=rows)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    y = kern.linear(x, wt, type_name, K, tiled=True).double().numpy()
+    kern, k = _kernel(isa[1]), _k(type_name)
+    _, wt, w = _tiles(kern, type_name, N, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = kern.linear(x, wt, type_name, k, tiled=True).double().numpy()
     exact = x.numpy().astype(np.float64) @ w.T
     assert (np.abs(y - exact) <= _bound(x.numpy(), w)).all()
     assert _tight_ok(y, x, w)
 
 
 @pytest.mark.parametrize("isa", ISAS[:2], ids=[i[0] for i in ISAS[:2]])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ALL)
 def test_tile_epilogues(isa, type_name):
     """Bias, residual add and the gated modes on tiles (gate tiles, then up tiles) equal the
     row layout's kernel on the same blocks."""
-    kern = _kernel(isa[1])
+    kern, k = _kernel(isa[1]), _k(type_name)
     inter, rows = 32, 11
-    wq, wt, _ = _tiles(kern, type_name, 2 * inter, K, seed=4)
+    wq, wt, _ = _tiles(kern, type_name, 2 * inter, k, seed=4)
     g = torch.Generator().manual_seed(2)
-    x, bias = torch.randn(rows, K, generator=g), torch.randn(2 * inter, generator=g)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(2 * inter, generator=g)
     for mode in (qgemv.MODE_STORE, qgemv.MODE_SILU_MUL, qgemv.MODE_GELU_MUL):
-        want = kern.linear(x, wq, type_name, K, bias, mode)
-        got = kern.bind(wt, type_name, K, bias, mode, tiled=True)(x)
+        want = kern.linear(x, wq, type_name, k, bias, mode)
+        got = kern.bind(wt, type_name, k, bias, mode, tiled=True)(x)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # summation order
     residual = torch.randn(rows, 2 * inter, generator=g)
-    want = residual + kern.linear(x, wq, type_name, K, bias)
-    kern.linear(x, wt, type_name, K, bias, qgemv.MODE_ADD, residual, tiled=True)
+    want = residual + kern.linear(x, wq, type_name, k, bias)
+    kern.linear(x, wt, type_name, k, bias, qgemv.MODE_ADD, residual, tiled=True)
     torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-3)
 
 
@@ -117,6 +126,8 @@ def _mutations(type_name: str) -> dict:
             b = t[qs: qs + 256]
             t[qs: qs + 256] = (b >> 4) | ((b & 0x0F) << 4)
 
+    if type_name in K_TYPES:
+        return _k_mutations(type_name)
     out = {"scale": swap_scales, "halves": swap_halves}
     if type_name[:2] == "Q5":
         qh = qs - 64
@@ -127,18 +138,51 @@ def _mutations(type_name: str) -> dict:
     return out
 
 
+def _swap(t: torch.Tensor, a: int, b: int, size: int) -> None:
+    t[a: a + size], t[b: b + size] = t[b: b + size].clone(), t[a: a + size].clone()
+
+
+def _k_mutations(type_name: str) -> dict:
+    """The same for a K tile super-block (qtiles_k.h's offsets)."""
+    def halves(t, at):  # low and high nibbles exchanged in one 64-byte group
+        b = t[at: at + 64]
+        t[at: at + 64] = (b >> 4) | ((b & 0x0F) << 4)
+
+    if type_name == "Q4_K":
+        return {
+            "d of features 0 and 1": lambda t: _swap(t, 0, 2, 2),
+            "scale bytes of features 0 and 1": lambda t: [_swap(t, 64 + 16 * i, 65 + 16 * i, 1)
+                                                         for i in range(12)],
+            "scale 1 read as its min": lambda t: _swap(t, 64 + 16, 64 + 16 * 5, 16),
+            "nibble halves": lambda t: halves(t, 256),
+            "sub-block pairs 0 and 1": lambda t: _swap(t, 256, 256 + 512, 512),
+        }
+    qh = slice(2336, 3360)
+    return {
+        "d of features 0 and 1": lambda t: _swap(t, 0, 2, 2),
+        "scales of the two halves": lambda t: _swap(t, 32, 48, 16),
+        "ql of q 0 and 1": lambda t: _swap(t, 288, 288 + 512, 512),
+        "nibble halves": lambda t: halves(t, 288),
+        "qh 2-bit fields reversed": lambda t: t[qh].copy_(
+            ((t[qh] & 0x03) << 6) | ((t[qh] & 0x0C) << 2) | ((t[qh] & 0x30) >> 2)
+            | ((t[qh] & 0xC0) >> 6)),
+    }
+
+
 @pytest.mark.parametrize("isa", ISAS[:1] + ISAS[2:], ids=["native", "plain"])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ALL)
 def test_mutated_tiles_are_caught(isa, type_name):
-    kern = _kernel(isa[1])
-    _, wt, w = _tiles(kern, type_name, N, K, seed=3)
-    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
-    assert _tight_ok(kern.linear(x, wt, type_name, K, tiled=True).double().numpy(), x, w)
+    kern, k = _kernel(isa[1]), _k(type_name)
+    _, wt, w = _tiles(kern, type_name, N, k, seed=3)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    assert _tight_ok(kern.linear(x, wt, type_name, k, tiled=True).double().numpy(), x, w)
     for label, mutate in _mutations(type_name).items():
         bad = wt.clone().view(-1)
         mutate(bad)
-        y = kern.linear(x, bad.view_as(wt), type_name, K, tiled=True).double().numpy()
+        y = kern.linear(x, bad.view_as(wt), type_name, k, tiled=True).double().numpy()
         assert not _tight_ok(y, x, w), label
+        deq = kern.dequantize(bad.view_as(wt), type_name, k, tiled=True).numpy()
+        assert not np.array_equal(deq.astype(np.float64), w), label
 
 
 def test_tiles_refuse_what_they_cannot_hold():

@@ -96,22 +96,13 @@ void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t 
 
 int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
                 float* out, int num_threads) {
-  switch (type) {
-    case kTiledCode + kQ8_0: dequant_tile_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_0: dequant_tile_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_1: dequant_tile_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ5_0: dequant_tile_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ5_1: dequant_tile_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ4_K: dequant_tile_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
-    case kTiledCode + kQ6_K: dequant_tile_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
-    case kQ8_0: dequant_rows<kQ8_0>(w, k, ids, count, out, num_threads); break;
-    case kQ4_0: dequant_rows<kQ4_0>(w, k, ids, count, out, num_threads); break;
-    case kQ4_1: dequant_rows<kQ4_1>(w, k, ids, count, out, num_threads); break;
-    case kQ4_K: dequant_rows<kQ4_K>(w, k, ids, count, out, num_threads); break;
-    case kQ6_K: dequant_rows<kQ6_K>(w, k, ids, count, out, num_threads); break;
-    case kQ5_0: dequant_rows<kQ5_0>(w, k, ids, count, out, num_threads); break;
-    case kQ5_1: dequant_rows<kQ5_1>(w, k, ids, count, out, num_threads); break;
-    default: return 1;
-  }
+  const bool tiled = type >= kTiledCode;
+  const int base = tiled ? type - kTiledCode : type;
+  if (base < 0 || base >= kNumTypes || (tiled && !tileable(base))) return 1;
+  with_type(base, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if (tiled) dequant_tile_rows<T>(w, k, ids, count, out, num_threads);
+    else dequant_rows<T>(w, k, ids, count, out, num_threads);
+  });
   return 0;
 }

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -64,7 +65,22 @@ constexpr int64_t kPrefetchRows = KVQ_PREFETCH_ROWS;  // weight rows prefetched 
 enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6 };
 constexpr int kNumTypes = 7;
 
-inline bool is_k(int type) { return type == kQ4_K || type == kQ6_K; }
+constexpr bool is_k(int type) { return type == kQ4_K || type == kQ6_K; }
+
+// f(std::integral_constant<int, T>{}) for the block type code t (checked by the caller): the
+// one switch from a type code to the templates of every entry point.
+template <class F>
+inline void with_type(int t, F f) {
+  switch (t) {
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    default: return f(std::integral_constant<int, kQ5_1>{});
+  }
+}
 // bytes per block (of 32 values, or of 256 for the K-quants)
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -413,15 +429,11 @@ int kvserve_qtile_pack(const uint8_t* src, int type, int64_t n, int64_t k, uint8
       run(aside.data(), kTileCols, k, dst + t * tile);
     }
   };
-  switch (type) {
-    case kQ8_0: f(pack_tiles<kQ8_0>, unpack_tiles<kQ8_0>); break;
-    case kQ4_0: f(pack_tiles<kQ4_0>, unpack_tiles<kQ4_0>); break;
-    case kQ4_1: f(pack_tiles<kQ4_1>, unpack_tiles<kQ4_1>); break;
-    case kQ5_0: f(pack_tiles<kQ5_0>, unpack_tiles<kQ5_0>); break;
-    case kQ5_1: f(pack_tiles<kQ5_1>, unpack_tiles<kQ5_1>); break;
-    case kQ4_K: f(pack_k<kQ4_K, false>, pack_k<kQ4_K, true>); break;
-    default: f(pack_k<kQ6_K, false>, pack_k<kQ6_K, true>); break;
-  }
+  with_type(type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (is_k(T)) f(pack_k<T, false>, pack_k<T, true>);
+    else f(pack_tiles<T>, unpack_tiles<T>);
+  });
   return 0;
 }
 
@@ -497,37 +509,11 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
     half_sums(xr, rows, h.data());
     xr.h = h.data();
   }
-  if (tiled) {
-    if (base == kQ8_0)
-      tile_gemv<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else if (base == kQ4_0)
-      tile_gemv<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else if (base == kQ4_1)
-      tile_gemv<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else if (base == kQ5_0)
-      tile_gemv<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else if (base == kQ5_1)
-      tile_gemv<kQ5_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else if (base == kQ4_K)
-      tile_gemv<kQ4_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    else
-      tile_gemv<kQ6_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-    return 0;
-  }
-  if (type == kQ8_0)
-    qgemv_rows<kQ8_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else if (type == kQ4_0)
-    qgemv_rows<kQ4_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else if (type == kQ4_1)
-    qgemv_rows<kQ4_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else if (type == kQ4_K)
-    qgemv_rows<kQ4_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else if (type == kQ6_K)
-    qgemv_rows<kQ6_K>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else if (type == kQ5_0)
-    qgemv_rows<kQ5_0>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
-  else
-    qgemv_rows<kQ5_1>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  with_type(base, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if (tiled) tile_gemv<T>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+    else qgemv_rows<T>(xr, rows, w, bias, n, out, out_stride, mode, num_threads);
+  });
   return 0;
 }
 
