@@ -199,7 +199,22 @@ def test_tiles_refuse_what_they_cannot_hold():
     assert not qgemv.tileable("Q6_K", 32, 288) and qgemv.tileable("Q5_1", 32, 64)
 
 
-def test_one_call_step_on_tiles_serves_more_rows(decode_checkpoints, monkeypatch):
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A Llama whose every projection is 256 values wide or more (quantization="q4_k" makes
+    them all Q4_K: the one-call step on K tiles)."""
+    import transformers
+    from conftest import DECODE_COMMON
+    from helpers import save_random_checkpoint
+
+    config = transformers.LlamaConfig(**dict(DECODE_COMMON, hidden_size=256,
+                                             intermediate_size=512), tie_word_embeddings=False)
+    return save_random_checkpoint(config, tmp_path_factory.mktemp("wide") / "llama")
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_k"])
+def test_one_call_step_on_tiles_serves_more_rows(quantization, decode_checkpoints, wide_llama,
+                                                 monkeypatch):
     """With every projection in tiles the one-call step serves batches past the row layout's
     4 rows (up to quant_decode.TILED_ROWS), and its logits equal the layer path's bit for
     bit (both run the tile kernel at every row count)."""
@@ -212,12 +227,14 @@ def test_one_call_step_on_tiles_serves_more_rows(decode_checkpoints, monkeypatch
     monkeypatch.setenv("KVSERVE_QGEMM_ROWS", "inf")  # the layer path: the kernel at any rows
     prompts = random_prompts([3, 9, 17, 25, 33, 40, 51, 60, 64, 70], 512, seed=2)
     max_tokens = tuple(4 + 2 * i for i in range(len(prompts)))
+    path = wide_llama if quantization == "q4_k" else decode_checkpoints["llama"]
     runs = []
     for fast in (True, False):
-        llm = LLM(model=str(decode_checkpoints["llama"]), dtype="float32", quantization="q8_0",
+        llm = LLM(model=str(path), dtype="float32", quantization=quantization,
                   max_model_len=256, block_size=16)
         weights = llm.engine.runner.model.layers[0].quant_weights
         assert all(w.tiled for w in weights.values())
+        assert {w.type_name for w in weights.values()} == {quantization.upper()}
         seen = record_decode_steps(llm, fast)
         runs.append((greedy_ids(llm, prompts, max_tokens), seen))
     (fast_ids, fast_seen), (slow_ids, slow_seen) = runs
