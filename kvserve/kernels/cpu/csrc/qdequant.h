@@ -84,8 +84,9 @@ void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= 65536)
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = ids != nullptr ? ids[i] : i;
-    if constexpr (T == kQ4_K || T == kQ6_K) {
-      std::vector<uint8_t> blocks(static_cast<size_t>(row_bytes_of(T, k)));
+    if constexpr (is_k(T)) {
+      thread_local std::vector<uint8_t> blocks;
+      blocks.resize(static_cast<size_t>(row_bytes_of(T, k)));
       k_tile_row_blocks<T>(w, k, row, blocks.data());
       dequant_row<T>(blocks.data(), k, out + i * k);
     } else {
@@ -94,15 +95,13 @@ void dequant_tile_rows(const uint8_t* w, int64_t k, const int64_t* ids, int64_t 
   }
 }
 
-int dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
-                float* out, int num_threads) {
+// The rows of a weight of kernel type code `type` (checked by the caller: known_type).
+void dequant_any(const uint8_t* w, int type, int64_t k, const int64_t* ids, int64_t count,
+                 float* out, int num_threads) {
   const bool tiled = type >= kTiledCode;
-  const int base = tiled ? type - kTiledCode : type;
-  if (base < 0 || base >= kNumTypes || (tiled && !tileable(base))) return 1;
-  with_type(base, [&](auto t) {
+  with_type(tiled ? type - kTiledCode : type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     if (tiled) dequant_tile_rows<T>(w, k, ids, count, out, num_threads);
     else dequant_rows<T>(w, k, ids, count, out, num_threads);
   });
-  return 0;
 }

@@ -399,11 +399,6 @@ inline bool known_type(int type, int64_t k) {
       && (type < kTiledCode || tileable(base));
 }
 
-template <int T, bool Unpack>
-void pack_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst) {
-  pack_tiles_k<T>(src, n, k, dst, Unpack);
-}
-
 }  // namespace
 
 extern "C" {
@@ -431,7 +426,7 @@ int kvserve_qtile_pack(const uint8_t* src, int type, int64_t n, int64_t k, uint8
   };
   with_type(type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    if constexpr (is_k(T)) f(pack_k<T, false>, pack_k<T, true>);
+    if constexpr (is_k(T)) f(pack_tiles_k<T>, unpack_tiles_k<T>);
     else f(pack_tiles<T>, unpack_tiles<T>);
   });
   return 0;
@@ -533,7 +528,8 @@ int kvserve_qgemv_packed(const int64_t* a) {
 int kvserve_qdequant(const uint8_t* w, int type, int64_t n, int64_t k, float* out,
                      int num_threads) {
   if (!known_type(type, k) || n < 0) return 1;
-  return dequant_any(w, type, k, nullptr, n, out, num_threads);
+  dequant_any(w, type, k, nullptr, n, out, num_threads);
+  return 0;
 }
 
 // The embedding lookup on a quantized table: rows ids[0..count) of the n x k table as float32
@@ -545,7 +541,8 @@ int kvserve_qembed(const uint8_t* w, int type, int64_t n, int64_t k, const int64
   if (!known_type(type, k) || count < 0) return 1;
   for (int64_t i = 0; i < count; ++i)
     if (ids[i] < 0 || ids[i] >= n) return 2;
-  return dequant_any(w, type, k, ids, count, out, num_threads);
+  dequant_any(w, type, k, ids, count, out, num_threads);
+  return 0;
 }
 
 }  // extern "C"

@@ -1,6 +1,7 @@
 // Row tiles: the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) repacked at load into
-// tiles of 16 output features (issue 31's batched path; the K-quants' in qtiles_k.h). Included by qgemv.cpp (its QRows,
-// block sizes and thread pool); the same bytes as the file's rows, in another order.
+// tiles of 16 output features (issue 31's batched path; the K-quants' in qtiles_k.h).
+// Included by qgemv.cpp (its QRows, block sizes and thread pool); the same bytes as the
+// file's rows, in another order.
 //
 // Why: in the file's layout a block is 32 values of one output feature, so an integer dot
 // product gives one int32 per (x row, feature, block), and each one needs its own
@@ -379,7 +380,7 @@ inline void tile_rows_plain(const uint8_t* w, const QRows& x, int64_t tile, int6
 template <int T, int R>
 inline void tile_rows_any(const uint8_t* w, const QRows& x, int64_t tile, int64_t r0,
                           float* out) {
-  if constexpr (T == kQ4_K || T == kQ6_K) {
+  if constexpr (is_k(T)) {
     k_tile_rows<T, R>(w, x, tile, r0, out);
   } else {
 #ifdef KVQ_TILE512

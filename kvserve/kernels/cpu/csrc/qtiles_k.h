@@ -45,32 +45,41 @@ inline void for_each_k_piece(int c, F f) {
   }
 }
 
-// The n x k weight's rows as K tiles into dst (unpack: tiles back to rows).
-template <int T>
-void pack_tiles_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst, bool unpack) {
-  const int64_t nb = k / kQKK, bb = block_bytes(T), rb = nb * bb, tb = tile_block_bytes(T);
-  for (int64_t t = 0; t < n / kTileCols; ++t)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int c = 0; c < kTileCols; ++c) {
-        const int64_t tile = (t * nb + b) * tb, row = (t * kTileCols + c) * rb + b * bb;
-        for_each_k_piece<T>(c, [&](int file, int at, int len) {
-          if (unpack) std::memcpy(dst + row + file, src + tile + at, len);
-          else std::memcpy(dst + tile + at, src + row + file, len);
-        });
-      }
+// f(offset in feature `row`'s row of the file's layout, offset in the tiled weight, bytes)
+// for every piece of that feature's super-blocks.
+template <int T, class F>
+inline void for_each_row_piece(int64_t k, int64_t row, F f) {
+  const int64_t nb = k / kQKK, tb = tile_block_bytes(T), bb = block_bytes(T);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t tile = (row / kTileCols * nb + b) * tb;
+    for_each_k_piece<T>(static_cast<int>(row % kTileCols), [&](int file, int at, int len) {
+      f(b * bb + file, tile + at, len);
+    });
+  }
 }
 
 // Feature `row` of a K-tiled weight in the file's layout (its super-blocks) into out.
 template <int T>
 void k_tile_row_blocks(const uint8_t* w, int64_t k, int64_t row, uint8_t* out) {
-  const int64_t nb = k / kQKK, tb = tile_block_bytes(T), bb = block_bytes(T);
-  const int c = static_cast<int>(row % kTileCols);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = w + (row / kTileCols * nb + b) * tb;
-    for_each_k_piece<T>(c, [&](int file, int at, int len) {
-      std::memcpy(out + b * bb + file, tile + at, len);
+  for_each_row_piece<T>(k, row, [&](int64_t file, int64_t at, int len) {
+    std::memcpy(out + file, w + at, len);
+  });
+}
+
+// The n x k weight's rows as K tiles into dst, and back (qtiles.h's pack_tiles and
+// unpack_tiles for the K-quants).
+template <int T>
+void pack_tiles_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst) {
+  for (int64_t row = 0; row < n; ++row)
+    for_each_row_piece<T>(k, row, [&](int64_t file, int64_t at, int len) {
+      std::memcpy(dst + at, src + row * row_bytes_of(T, k) + file, len);
     });
-  }
+}
+
+template <int T>
+void unpack_tiles_k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst) {
+  for (int64_t row = 0; row < n; ++row)
+    k_tile_row_blocks<T>(src, k, row, dst + row * row_bytes_of(T, k));
 }
 
 // Per row of x and block of 32, dx * the sum of the block's first 16 codes (Q6_K's halves).
