@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
-from test_quant_linear import ISAS, PLAIN, _bound, _expected_native_isa, _kernel, \
-    _quantized_x, _weight, prefill_error
+from test_quant_linear import ISAS, PLAIN, _bound, _expected_native_isa, _expected_tiles, \
+    _kernel, _quantized_x, _weight, prefill_error
 
 from kvserve.kernels.cpu import qgemv
 
@@ -227,7 +227,7 @@ def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
         qkv = layer.quant_weights["qkv_proj"]  # q/k Q4_1 + v Q8_0: one part per type
         assert [p.n for p in qkv.parts] == [layer.qk_size, layer.num_kv_heads * layer.head_dim]
         # the K-quants in row tiles where the build has the tile kernel (qtiles_k.h)
-        assert layer.quant_weights["down_proj"].tiled == qgemv.load().tiles_native
+        assert layer.quant_weights["down_proj"].tiled == _expected_tiles()
     assert model.quant_embed is model.quant_head and model.quant_embed.type_name == "Q8_0"
     assert model.embed_tokens.numel() == 0  # no float table
     assert model.gemm_plan.kernels["head"] == ["quant-fx"] * len(model.gemm_plan.kernels["head"])

@@ -47,6 +47,13 @@ def _expected_native_isa() -> str:
     return "AVX2" if all(_cpu_has(f) for f in ("avx2", "fma", "f16c")) else "C++"
 
 
+def _expected_tiles() -> bool:
+    """Whether the default build must have the AVX-512 VNNI row-tile kernel on this CPU
+    (qtiles.h's KVQ_TILE512: AVX-512 F, BW and VNNI; cpu_info hides what a KVSERVE_CPU_ISA
+    cap takes away), so that quantized weights are held as tiles."""
+    return all(_cpu_has(f) for f in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
 def _kernel(march: str | None) -> qgemv.QGemv:
     if march is None:
         k = qgemv.load()
@@ -249,6 +256,7 @@ def test_engine_keeps_the_blocks(engines):
         assert {w.type_name for w in layer.quant_weights.values()} == {"Q4_1"}
         assert layer.qkv_proj is None and layer.gate_up_proj is None  # no float copies
     assert model.quant_head.type_name == "Q8_0"  # x kept in float there (bind_quantized)
+    assert model.quant_head.tiled == _expected_tiles()  # 16-bit x on tiles (prefill_error)
     assert model.gemm_plan.kernels["head"][0] == "quant-fx"
     assert dense.engine.model.gemm_plan.source != "quantized"
 

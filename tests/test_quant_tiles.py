@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from test_quant_kquants import K_TYPES, _kblocks
-from test_quant_linear import ISAS, TYPES, _bound, _kernel, _quantized_x, _weight
+from test_quant_linear import ISAS, TYPES, _bound, _expected_tiles, _kernel, _quantized_x, \
+    _weight
 
 from kvserve.kernels.cpu import qgemv
 
@@ -39,6 +40,15 @@ def _tight_ok(y: np.ndarray, x: torch.Tensor, w: np.ndarray) -> bool:
     xq, _ = _quantized_x(xn)
     tight = 1e-5 * (np.abs(xn).astype(np.float64) @ np.abs(w).T) + 1e-6
     return bool((np.abs(y - xq @ w.T) <= tight).all())
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+def test_tile_kernel_where_the_cpu_has_it(isa):
+    """The native build has the AVX-512 VNNI tile kernel exactly where this CPU has AVX-512
+    F, BW and VNNI (so the loader tiles the weights there, and only there); the AVX2 and plain
+    builds never do (they run tiles through their plain loops when forced)."""
+    kern = _kernel(isa[1])
+    assert kern.tiles_native == (isa[0] == "native" and _expected_tiles())
 
 
 @pytest.mark.parametrize("type_name", ALL)
