@@ -56,6 +56,10 @@ class SamplingParams:
     # kvserve's per-request cache report (kvserve/kv/report.py): cached tokens by source and
     # why the first uncached prompt token missed, in RequestOutput.kv_cache_report.
     kv_cache_report: bool = False
+    # False: the report says nothing of what the cache holds beyond this request's own tokens
+    # (no cached text of a divergence, no `salt` reason): what the server gives callers who
+    # are not its admin (kvserve/server/auth.py). The offline API's user is the operator.
+    kv_cache_report_full: bool = True
     # How long and how stubbornly this request's prompt blocks stay cached (kv/retention.py):
     # TensorRT-LLM's retention as a dict ({"priority": 0..100, "ttl": "10m", "num_tokens": n})
     # or a Retention (the server's, from cache_control breakpoints); None: the policy alone.
@@ -134,6 +138,9 @@ class SamplingParams:
                  f"got {type(self.structured_outputs).__name__}")
         _require(isinstance(self.kv_cache_report, bool),
                  f"kv_cache_report must be a boolean, got {shorten(self.kv_cache_report)}")
+        _require(isinstance(self.kv_cache_report_full, bool),
+                 "kv_cache_report_full must be a boolean, got "
+                 f"{shorten(self.kv_cache_report_full)}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers, got "
                  f"{shorten(self.stop_token_ids)}")

@@ -284,9 +284,11 @@ def make_llm(model_dir: Path, w: Workload, prefix_caching: bool = True,
                preemption_mode=preemption_mode, tensor_parallel_size=tp)
 
 
-def run(llm: LLM, w: Workload, max_steps: int = 20_000) -> RunResult:
+def run(llm: LLM, w: Workload, max_steps: int = 20_000,
+        namespace: Callable[[str], str | None] | None = None) -> RunResult:
     """Play the workload through the public engine API; check the engine's invariants after
-    every step and that no KV block is held once every request has finished or been aborted."""
+    every step and that no KV block is held once every request has finished or been aborted.
+    `namespace`: a request id's cache_salt (as the server gives one per tenant), else none."""
     engine = llm.engine
     outputs: dict[str, list[Completion]] = {}
     aborted: set[str] = set()
@@ -314,7 +316,8 @@ def run(llm: LLM, w: Workload, max_steps: int = 20_000) -> RunResult:
         for r in phase.adds:
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, n=r.n,
                                     ignore_eos=True, logprobs=2)
-            engine.add_request({"prompt_token_ids": r.prompt}, params, request_id=r.request_id)
+            engine.add_request({"prompt_token_ids": r.prompt}, params, request_id=r.request_id,
+                               cache_salt=namespace(r.request_id) if namespace else None)
             if r.abort_after is not None:
                 aborted.add(r.request_id)
                 pending_aborts[r.request_id] = r.abort_after

@@ -36,7 +36,8 @@ def _server(name: str, extra: list[str], tmp_path_factory) -> ServerProcess:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     procs = {"plain": _server("plain", [], tmp_path_factory),
-             "quota": _server("quota", ["--kv-tenant-quota", "0.5", "--kv-tenant-by", "api_key"],
+             "quota": _server("quota", ["--kv-tenant-quota", "0.5", "--kv-tenant-by", "api_key",
+                                        "--api-key", "tenant-a", "--api-key", "tenant-b"],
                               tmp_path_factory)}
     try:
         for p in procs.values():
@@ -55,9 +56,9 @@ def complete(server, prompt, headers=None, **fields) -> dict:
     return r.json()
 
 
-def cached(server, prompt, **fields) -> int:
+def cached(server, prompt, headers=None, **fields) -> int:
     r = httpx.post(f"{server.url}/v1/cache/explain", json={"prompt": prompt, **fields},
-                   timeout=60)
+                   timeout=60, headers=headers)
     assert r.status_code == 200, r.text
     return r.json()["cached_tokens"]
 
@@ -167,7 +168,7 @@ def test_tenant_quota_keeps_another_tenants_prefix(servers):
         s = servers[name]
         complete(s, hot, headers=b)
         burst(s, 500, count=16, headers=a)
-        assert cached(s, hot) == (992 if stays else 0), name
+        assert cached(s, hot, headers=b) == (992 if stays else 0), name
     assert metric(servers["quota"], "kvserve:kv_tenant_idle_cached_blocks") > 0
 
 

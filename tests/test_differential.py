@@ -97,10 +97,10 @@ def run_with_tiers(model_dir: Path, w: Workload, combo: str, redis_server, tp: i
         tiers.cleanup()
 
 
-def run_shut(llm, w: Workload) -> RunResult:
+def run_shut(llm, w: Workload, **kwargs) -> RunResult:
     """run(), then the engine shut down (a tensor-parallel one's workers stopped)."""
     try:
-        return run(llm, w)
+        return run(llm, w, **kwargs)
     finally:
         llm.engine.shutdown()
 
@@ -178,6 +178,40 @@ def test_swap_preemption_does_not_change_outputs(model_dir, tp):
     # Not vacuous: many workloads preempted a request and loaded its swapped KV back (12 of
     # the 30; in the others the few concurrent requests fit, or the device kept the blocks).
     assert sum(1 for s in swaps if s["swapped_in"] > 0) >= len(swaps) // 3, swaps
+
+
+EXAMPLES_ISOLATION = 15
+
+
+def test_kv_isolation_does_not_change_outputs(model_dir):
+    """--kv-isolation api_key (kvserve/tenancy.py: a key's digest, and within it a salt, as
+    the engine's cache_salt) against everybody in one namespace: the same tokens and
+    logprobs, with fewer hits (the isolation took effect: a tenant never reads another's
+    blocks)."""
+    from kvserve.tenancy import cache_namespace, key_digest
+
+    keys = [key_digest(f"sk-tenant-{i}") for i in range(3)]
+
+    def tenant(rid: str) -> str | None:  # three keys; one of them also uses a salt
+        i = int(rid[1:])
+        return cache_namespace("api_key", "s" if i % 5 == 0 else None, keys[i % 3])
+
+    hits = []
+
+    @seed(SEED)
+    @settings(SETTINGS, max_examples=EXAMPLES_ISOLATION)
+    @given(workloads())
+    def check(w: Workload) -> None:
+        want = run(make_llm(model_dir, w), w)
+        got = run_shut(make_llm(model_dir, w), w, namespace=tenant)
+        diffs = compare(want, got)
+        assert not diffs, (f"kv isolation changed {len(diffs)} outputs:\n" + "\n".join(diffs)
+                           + "\nworkload:\n" + w.describe())
+        hits.append((want.stats.hit_tokens["device"], got.stats.hit_tokens["device"]))
+
+    check()
+    assert all(isolated <= shared for shared, isolated in hits), hits
+    assert sum(isolated < shared for shared, isolated in hits) >= len(hits) // 2, hits
 
 
 def test_the_comparison_can_fail():

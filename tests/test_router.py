@@ -417,19 +417,26 @@ def gateway(replicas: list[Proc], log_dir: Path, *flags: str) -> Proc:
     return Proc("gateway", argv + list(flags), _free_port(), log_dir)
 
 
+KEY, ADMIN_KEY = "sk-gw", "sk-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two replicas behind a cache_aware gateway that tokenizes like them, and a second
-    gateway over the same replicas that terminates an API key."""
+    """Two replicas with an API key and an admin key (server/auth.py), behind a cache_aware
+    gateway that tokenizes like them and reads their KV events with the admin key, and a
+    second gateway over the same replicas that checks the API key itself."""
     log_dir = tmp_path_factory.mktemp("router-logs")
-    reps = [replica(f"replica{i}", log_dir) for i in range(2)]
+    reps = [replica(f"replica{i}", log_dir, extra=["--api-key", KEY, "--admin-api-key",
+                                                   ADMIN_KEY]) for i in range(2)]
     gw = gw_key = None
     try:
         for r in reps:
             r.wait_ready()
         gw = gateway(reps, log_dir, "--policy", "cache_aware", "--tokenizer",
-                     replica_model())
-        gw_key = gateway(reps, log_dir, "--policy", "round_robin", "--api-key", "sk-gw")
+                     replica_model(), "--admin-api-key", ADMIN_KEY)
+        gw_key = gateway(reps, log_dir, "--policy", "round_robin", "--api-key", KEY,
+                         "--admin-api-key", ADMIN_KEY)
         gw.wait_ready()
         gw_key.wait_ready()
         yield {"replicas": reps, "gateway": gw, "keyed_gateway": gw_key}
@@ -441,7 +448,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster["gateway"].url + "/v1", api_key="unused",
+    return openai.OpenAI(base_url=cluster["gateway"].url + "/v1", api_key=KEY,
                          max_retries=0, timeout=120)
 
 
@@ -484,15 +491,18 @@ def test_errors_pass_through_with_their_status_codes(client, cluster):
         client.completions.create(model="default", prompt=[5] * (MAX_MODEL_LEN + 1),
                                   max_tokens=1)
     r = httpx.post(cluster["gateway"].url + "/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+                   headers={"content-type": "application/json",
+                            "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.get(cluster["gateway"].url + "/nowhere").status_code == 404
-    # --api-key is terminated at the gateway (401 there) and sent on to the replicas
+    # --api-key is checked at the gateway (401 there) and sent on to the replicas; without it
+    # the replicas judge the client's key (their 401 passes through)
     keyed = cluster["keyed_gateway"].url
-    bad = openai.OpenAI(base_url=keyed + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        bad.completions.create(model="default", prompt="hi", max_tokens=2)
-    good = openai.OpenAI(base_url=keyed + "/v1", api_key="sk-gw", max_retries=0)
+    for url in (keyed, cluster["gateway"].url):
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model="default", prompt="hi", max_tokens=2)
+    good = openai.OpenAI(base_url=keyed + "/v1", api_key=KEY, max_retries=0)
     assert good.completions.create(model="default", prompt="hi", max_tokens=2).choices
 
 
@@ -519,7 +529,10 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(c
                          {"role": "user", "content": "question number 0"}]}
     keys = keyer.keys("/v1/chat/completions", body)
     rep = cluster["replicas"][int(served[0])]
-    events = httpx.get(rep.url + "/v1/kv_events", params={"since": -1}).json()["events"]
+    assert httpx.get(rep.url + "/v1/kv_events", params={"since": -1},
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 403
+    events = httpx.get(rep.url + "/v1/kv_events", params={"since": -1},
+                       headers=ADMIN).json()["events"]
     stored = {h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]}
     assert len(keys) >= 8 and set(keys[:-1]) <= stored
     # ... and the gateway received them (its metrics count the events by replica)
@@ -534,7 +547,7 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(c
     assert f'kvserve:router_kv_events_total{{replica="{served[0]}",type="BlockStored"}}' in text
     assert 'reason="affinity"' in text
     # a reset on the replica reaches the gateway as AllBlocksCleared
-    assert httpx.post(rep.url + "/reset_prefix_cache").status_code == 200
+    assert httpx.post(rep.url + "/reset_prefix_cache", headers=ADMIN).status_code == 200
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if httpx.get(gw + "/replicas").json()["replicas"][int(served[0])]["known_blocks"] == 0:

@@ -156,18 +156,19 @@ class LLMEngine:
         return outputs
 
     def explain_cache(self, prompt: PromptType, cache_salt: str | None = None,
-                      prompt_logprobs: int | None = None) -> dict:
+                      prompt_logprobs: int | None = None, full: bool = True) -> dict:
         """What a request for `prompt` would find cached now, and why its first uncached token
         would miss (the cache report, kvserve/kv/report.py), without running it: nothing is
         queued, admitted or changed. Chunks on disk or in Redis count as a request would find
-        them after its prefetch (present now: nothing is read or promoted)."""
+        them after its prefetch (present now: nothing is read or promoted). `full`: False
+        for a report about the prompt's own tokens only (the server's ordinary callers)."""
         params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs,
                                 kv_cache_report=True)
         [probe], _ = self.inputs.make_requests(prompt, params, "explain", None, cache_salt, 0,
                                                None)
         match = self.kv.match_after_prefetch(probe) if probe.skip_reason is None else \
             PrefixMatch([], block_size=self.kv.block_size)
-        report = build_report(self.kv, probe, match, probe.skip_reason)
+        report = build_report(self.kv, probe, match, probe.skip_reason, full)
         return report.to_dict(self.tokenizer.decode)
 
     def _pin_probe(self, prompt: PromptType, cache_salt: str | None):
@@ -188,20 +189,24 @@ class LLMEngine:
         self.kv.pins.check_room(num_blocks * self.kv.num_groups)
         return num_blocks
 
-    def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> dict | None:
+    def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None,
+                   owner: str = "") -> dict | None:
         """Pin the prompt's cached blocks (kv/pins.py): the pin, or None when the device does
-        not hold them all (run the prompt first)."""
+        not hold them all (run the prompt first). `owner`: who may list and release it besides
+        the admin (the server's caller)."""
         probe, num_tokens = self._pin_probe(prompt, cache_salt)
-        pin = self.kv.pins.pin(probe, num_tokens)
+        pin = self.kv.pins.pin(probe, num_tokens, owner)
         return None if pin is None else pin.as_dict()
 
-    def unpin(self, pin_id: str) -> dict | None:
-        pin = self.kv.pins.unpin(pin_id)
+    def unpin(self, pin_id: str, owner: str | None = None) -> dict | None:
+        """Release a pin; None if there is none of that id (made by `owner`, if given)."""
+        pin = self.kv.pins.unpin(pin_id, owner)
         return None if pin is None else pin.as_dict()
 
-    def list_pins(self) -> dict:
+    def list_pins(self, owner: str | None = None) -> dict:
+        """The pins (`owner`'s only, if given) and the pool's pin budget."""
         pins = self.kv.pins
-        return {"object": "list", "data": [p.as_dict() for p in pins.list()],
+        return {"object": "list", "data": [p.as_dict() for p in pins.list(owner)],
                 "num_pinned_blocks": pins.num_pinned_blocks, "limit_blocks": pins.limit_blocks,
                 "max_pinned_fraction": pins.max_fraction}
 

@@ -345,9 +345,10 @@ class Scheduler:
                 break
             # The cache report, for a request that asked: decided here, before admission
             # changes the index (read-only; nothing of it runs for other requests).
-            report = build_report(self.kv, request, match, request.skip_reason) \
-                if request.sampling_params.kv_cache_report and request.num_preemptions == 0 \
-                else None
+            sp = request.sampling_params
+            report = build_report(self.kv, request, match, request.skip_reason,
+                                  sp.kv_cache_report_full) \
+                if sp.kv_cache_report and request.num_preemptions == 0 else None
             admission = self.kv.admit(request, match, n)
             if admission is None:
                 break

@@ -34,11 +34,12 @@ class Pin:
     blocks: list[list[int]]  # per KV group
     created: float = field(default_factory=time.time)
     cache_salt: str | None = None
+    owner: str = ""  # who may see and release it besides the admin ("": no credential)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "cache.pin", "created": int(self.created),
                 "num_tokens": self.num_tokens,
-                "num_blocks": sum(len(b) for b in self.blocks)}
+                "num_blocks": sum(len(b) for b in self.blocks), "owner": self.owner or None}
 
 
 class Pins:
@@ -77,7 +78,7 @@ class Pins:
                 f"{self.manager.num_blocks}, over --max-pinned-fraction {self.max_fraction} "
                 f"({self.limit_blocks} blocks); unpin something or raise the limit")
 
-    def pin(self, seq: CachedSeq, num_tokens: int) -> Pin | None:
+    def pin(self, seq: CachedSeq, num_tokens: int, owner: str = "") -> Pin | None:
         """Pin the cached blocks of `seq`'s first `num_tokens` tokens (whole blocks): a Pin, or
         None if the device does not hold them all (compute them first, then pin)."""
         m = self.manager
@@ -94,23 +95,26 @@ class Pins:
             m.pool.share(bs)
             self._count.update(bs)
         pin = Pin(f"pin-{next(self._ids)}", num_blocks * m.block_size, blocks,
-                  cache_salt=seq.cache_salt)
+                  cache_salt=seq.cache_salt, owner=owner)
         self._pins[pin.id] = pin
         return pin
 
-    def unpin(self, pin_id: str) -> Pin | None:
-        """Let a pin go (its blocks stay cached, idle); None if there is no such pin."""
-        pin = self._pins.pop(pin_id, None)
-        if pin is None:
+    def unpin(self, pin_id: str, owner: str | None = None) -> Pin | None:
+        """Let a pin go (its blocks stay cached, idle); None if there is no such pin, or it is
+        not `owner`'s (None: whoever made it)."""
+        pin = self._pins.get(pin_id)
+        if pin is None or (owner is not None and pin.owner != owner):
             return None
+        del self._pins[pin_id]
         for g, bs in zip(self.manager.groups, pin.blocks):
             self._count.subtract(bs)
             g.index.mark_idle(self.manager.pool.release(bs))
         self._count = +self._count
         return pin
 
-    def list(self) -> list[Pin]:
-        return list(self._pins.values())
+    def list(self, owner: str | None = None) -> list[Pin]:
+        """The pins, or `owner`'s only."""
+        return [p for p in self._pins.values() if owner is None or p.owner == owner]
 
     def clear(self) -> None:
         for pin_id in list(self._pins):

@@ -24,6 +24,14 @@ The reasons, checked in this order at the first missed position:
 * `salt`: the same tokens are cached under another cache_salt (which one, and its text, stay
   unsaid);
 * `never_seen`: none of the above.
+
+A report about the requester's own tokens only (`full=False`: what the server gives callers
+who are not its admin, kvserve/server/auth.py) holds counts, positions and reasons about the
+tokens the requester sent, and nothing else of what the cache holds: no `cached_text`, no
+`diverged` where the cached continuation shares none of the requester's next tokens (that
+would say another prompt goes on there), and no `salt` (an exact oracle for "somebody else
+sent this", which a salt exists to close): such positions read as a prompt never seen would.
+Its positions say no more than `cached_tokens` does: a partial hit serves the shared tokens.
 """
 
 from __future__ import annotations
@@ -77,10 +85,11 @@ def _by_source(kv, match: PrefixMatch) -> dict[str, int]:
     return out
 
 
-def build_report(kv, seq: CachedSeq, match: PrefixMatch, skip_reason: str | None = None
-                 ) -> CacheReport:
+def build_report(kv, seq: CachedSeq, match: PrefixMatch, skip_reason: str | None = None,
+                 full: bool = True) -> CacheReport:
     """The report of a sequence admitted with `match` (read-only: changes nothing).
-    `skip_reason`: why the sequence reads nothing from the cache, if it does not."""
+    `skip_reason`: why the sequence reads nothing from the cache, if it does not; `full`:
+    False for a report about the sequence's own tokens only (the module docstring)."""
     total = len(seq.token_ids)
     hit = match.num_tokens
     report = CacheReport(total, hit, _by_source(kv, match), None, None, total - hit)
@@ -95,11 +104,14 @@ def build_report(kv, seq: CachedSeq, match: PrefixMatch, skip_reason: str | None
     if not kv.prefix_caching:
         report.reason, report.detail = "never_seen", {"prefix_caching": False}
         return report
-    report.reason = _reason(kv, seq, match, limit, report)
+    report.reason = _reason(kv, seq, match, limit, report, others=full)
     return report
 
 
-def _reason(kv, seq: CachedSeq, match: PrefixMatch, limit: int, report: CacheReport) -> str:
+def _reason(kv, seq: CachedSeq, match: PrefixMatch, limit: int, report: CacheReport,
+            others: bool) -> str:
+    """`others`: whether the reason may speak of what the cache holds beyond the sequence's
+    tokens (a full report)."""
     bs = kv.block_size
     j = match.num_full_blocks  # the first block not served whole
     tokens = seq.token_ids
@@ -134,15 +146,16 @@ def _reason(kv, seq: CachedSeq, match: PrefixMatch, limit: int, report: CacheRep
     if j >= full and best is None:
         report.detail = {"block_size": bs, "tail_tokens": limit - start}
         return "partial_block"
-    if best is not None and (shared > 0 or j > 0):
+    if best is not None and (shared > 0 or (j > 0 and others)):
         at = start + shared
         report.first_miss = at
         report.detail = {"diverged_at": at}
         report.texts = {"text_before": list(tokens[max(0, at - CONTEXT_TOKENS):at]),
-                        "prompt_text": list(tokens[at:at + CONTEXT_TOKENS]),
-                        "cached_text": list(best.tokens[shared:shared + CONTEXT_TOKENS])}
+                        "prompt_text": list(tokens[at:at + CONTEXT_TOKENS])}
+        if others:
+            report.texts["cached_text"] = list(best.tokens[shared:shared + CONTEXT_TOKENS])
         return "diverged"
-    if j < full and _cached_under_other_salt(kv, index, seq, j + 1, extra):
+    if others and j < full and _cached_under_other_salt(kv, index, seq, j + 1, extra):
         report.detail = {"cached_under_other_salt": True}
         return "salt"
     if j >= full:

@@ -16,9 +16,12 @@ Backpressure: a stream is relayed by an async generator that reads the next upst
 when the previous one has been handed to the client, so a slow client slows the read from the
 replica (and, through TCP, the replica) instead of filling the gateway's memory.
 
-`--api-key`: terminated at the gateway (a missing or wrong key is a 401 there) and sent on to
-the replicas, which run with the same key. Without it the client's Authorization header is
-forwarded unchanged and the replicas decide.
+API keys (`--api-key`, `--api-key-file`): checked at the gateway (a missing or wrong key is a 401
+there); the client's Authorization header goes on to the replicas unchanged, either way, so
+that a replica tells its callers apart as it would without the gateway (its roles, and under
+`--kv-isolation api_key` its namespaces, which the gateway's prefix keys follow: keys.py).
+`--admin-api-key` is the gateway's own credential for what only a replica's admin may read:
+the KV events it subscribes to (events.py).
 
 The pieces are separate so that prefill/decode disaggregation (disagg.py) can route one request
 in two hops with them: `send` (choose in a pool, retry, take the first byte) and `respond`
@@ -28,12 +31,11 @@ in two hops with them: `send` (choose in a pool, retry, take the first byte) and
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -47,6 +49,7 @@ from kvserve.router.keys import PrefixKeyer
 from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policies import NoReplicaAvailable, RoutingPolicy
 from kvserve.router.replicas import ReplicaState, check_once, health_loop
+from kvserve.tenancy import Credentials, bearer_key
 
 logger = logging.getLogger("kvserve.router")
 
@@ -67,7 +70,8 @@ def error_event(message: str) -> bytes:
 
 @dataclass
 class RouterConfig:
-    api_key: str | None = None
+    credentials: Credentials = field(default_factory=Credentials)  # the clients' keys
+    admin_api_key: str | None = None  # the replicas' admin key: their /v1/kv_events
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 2.0
@@ -204,7 +208,7 @@ class Gateway:
         if cfg.kv_events:
             for r in (r for pool in self.pools if pool.track_prefixes for r in pool.replicas):
                 self._tasks.append(asyncio.create_task(subscribe(
-                    self.client, r, self.metrics, self.upstream_auth({}))))
+                    self.client, r, self.metrics, self.admin_auth())))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -216,16 +220,19 @@ class Gateway:
 
     # -- auth -------------------------------------------------------------------------------
     def authorized(self, request: Request) -> bool:
-        if not self.config.api_key:
-            return True
-        given = request.headers.get("authorization", "").encode()
-        return hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode())
+        credentials = self.config.credentials
+        return not credentials.configured or \
+            credentials.check(bearer_key(request.headers)) is not None
 
-    def upstream_auth(self, client_headers) -> dict[str, str]:
-        if self.config.api_key:
-            return {"authorization": f"Bearer {self.config.api_key}"}
+    @staticmethod
+    def upstream_auth(client_headers) -> dict[str, str]:
+        """The client's own credential, for the replica to judge (its roles, its isolation)."""
         auth = client_headers.get("authorization") if client_headers else None
         return {"authorization": auth} if auth else {}
+
+    def admin_auth(self) -> dict[str, str]:
+        key = self.config.admin_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
 
     # -- routing ----------------------------------------------------------------------------
     def choose(self, keyed: Keyed, tried: set[int], pool: Pool | None = None
@@ -253,9 +260,10 @@ class Gateway:
             replica.mark_failed(why)
             self.metrics.child(self.metrics.healthy, replica=replica.name).set(0)
 
-    async def keys(self, path: str, raw: bytes) -> tuple[dict[str, Any] | None, list[int]]:
+    async def keys(self, path: str, raw: bytes, key: str | None = None
+                   ) -> tuple[dict[str, Any] | None, list[int]]:
         """The parsed body (None if it is not a JSON object: the replica will say why) and its
-        prefix key."""
+        prefix key; `key`: the client's API key (its namespace under api_key isolation)."""
         def parse_and_key() -> tuple[dict[str, Any] | None, list[int]]:
             try:
                 body = json.loads(raw)
@@ -263,7 +271,7 @@ class Gateway:
                 return None, []
             if not isinstance(body, dict):
                 return None, []
-            return body, self.keyer.keys(path, body)
+            return body, self.keyer.keys(path, body, key)
 
         if len(raw) > _KEY_INLINE_BYTES:
             return await asyncio.to_thread(parse_and_key)
@@ -294,7 +302,7 @@ class Gateway:
             limit = self.config.max_request_body_bytes
             return JSONResponse(error_body(413, f"the request body is larger than {limit:,} "
                                            "bytes (--max-request-body-bytes)"), status_code=413)
-        body, hashes = await self.keys(path, raw)
+        body, hashes = await self.keys(path, raw, bearer_key(request.headers))
         headers = {"content-type": request.headers.get("content-type", "application/json"),
                    **self.upstream_auth(request.headers)}
         return await self.route(path, raw, body, Keyed(hashes), headers)

@@ -3,7 +3,8 @@
 
 BlockStored adds a block, BlockRemoved takes it out, AllBlocksCleared empties the picture; so
 does an answer flagged `lost` (events after our last one are gone) or a new `epoch` (the replica
-restarted). A replica without the endpoint (404) is left to routing history alone.
+restarted). A replica without the endpoint (404), or one that refuses the gateway's credential
+(the events are its admin's: `kvserve route --admin-api-key`), is left to routing history alone.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ async def subscribe(client: httpx.AsyncClient, replica: ReplicaState, metrics: R
             continue
         if r.status_code == 404:
             logger.warning("replica %s has no /v1/kv_events: routing history only", replica.name)
+            return
+        if r.status_code in (401, 403):  # the events are the replica admin's to read
+            logger.warning("replica %s refuses its /v1/kv_events (%d): give kvserve route the "
+                           "replicas' --admin-api-key; routing history only", replica.name,
+                           r.status_code)
             return
         if r.status_code != 200:
             await asyncio.sleep(retry_s)

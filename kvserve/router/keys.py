@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.kv.hashing import chain_hashes, extra_keys
+from kvserve.tenancy import cache_namespace, key_digest
 
 TEXT_BYTES_PER_TOKEN = 4  # a rough BPE average; only the granularity of text keys depends on it
 
@@ -66,11 +67,13 @@ def chat_messages(messages: Any) -> list[dict[str, Any]] | None:
 class PrefixKeyer:
     """Turns a request body into its prefix key (a list of chained block hashes)."""
 
-    def __init__(self, block_size: int, tokenizer=None) -> None:
+    def __init__(self, block_size: int, tokenizer=None, kv_isolation: str = "cache_salt"
+                 ) -> None:
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.tokenizer = tokenizer  # kvserve.tokenizer.Tokenizer, or None
+        self.kv_isolation = kv_isolation  # the replicas' --kv-isolation (kvserve/tenancy.py)
 
     def token_keys(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         return chain_hashes(token_ids, self.block_size, extra_keys(salt))
@@ -80,10 +83,14 @@ class PrefixKeyer:
         return chain_hashes(data, self.block_size * TEXT_BYTES_PER_TOKEN,
                             b"text:" + extra_keys(salt))
 
-    def keys(self, path: str, body: dict[str, Any]) -> list[int]:
-        """The body's prefix key for `path` (/v1/completions or /v1/chat/completions); an
-        empty list when there is nothing to key by (the policy then balances load)."""
+    def keys(self, path: str, body: dict[str, Any], api_key: str | None = None) -> list[int]:
+        """The body's prefix key for `path` (/v1/completions or /v1/chat/completions), in the
+        namespace the replicas give it (its cache_salt, or under api_key isolation the
+        client's `api_key` too); an empty list when there is nothing to key by (the policy
+        then balances load)."""
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = cache_namespace(self.kv_isolation, salt,
+                               None if api_key is None else key_digest(api_key))
         if path.endswith("/chat/completions"):
             messages = chat_messages(body.get("messages"))
             if messages is None:

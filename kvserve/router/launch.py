@@ -9,6 +9,7 @@ import os
 
 from kvserve.cli_flags import add_balance_args
 from kvserve.router.policies import GATEWAY_POLICIES
+from kvserve.tenancy import KV_ISOLATION
 
 logger = logging.getLogger("kvserve.router")
 
@@ -41,10 +42,19 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: send a request nobody caches to the lowest-numbered of "
                    "the least loaded replicas (default: the one caching the fewest blocks, so "
                    "new prefixes spread out)")
-    p.add_argument("--api-key", default=None,
-                   help="checked at the gateway (401 there) and sent on to the replicas, which "
-                   "run with the same key; without it the client's Authorization header is "
-                   "forwarded unchanged (also KVSERVE_API_KEY)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a client key, checked at the gateway (401 there) and sent on to the "
+                   "replicas with the request, as the client's Authorization header always is; "
+                   "repeat per key (also KVSERVE_API_KEY)")
+    p.add_argument("--api-key-file", metavar="FILE", default=None,
+                   help="more client keys, one per line (as kvserve serve's)")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="the replicas' admin key: what the gateway reads their /v1/kv_events "
+                   "with (also KVSERVE_ADMIN_API_KEY)")
+    p.add_argument("--kv-isolation", choices=KV_ISOLATION,
+                   default="cache_salt",
+                   help="the replicas' --kv-isolation, so that prefix keys name the blocks the "
+                   "replicas cache (under api_key, the client's key is part of them)")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between health checks of each replica (default 1)")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
@@ -103,6 +113,7 @@ def build_gateway(args: argparse.Namespace):
     from kvserve.router.keys import PrefixKeyer
     from kvserve.router.policies import make_policy
     from kvserve.router.replicas import ReplicaState
+    from kvserve.tenancy import Credentials
 
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
@@ -118,8 +129,11 @@ def build_gateway(args: argparse.Namespace):
     policy = make_policy(args.policy, len(replicas), args.block_size,
                          balance_factor=args.balance_factor, key_tokens=args.hash_key_tokens,
                          balance_slack=args.balance_slack, spread=args.spread)
-    keyer = PrefixKeyer(args.block_size, load_tokenizer(args.tokenizer))
-    config = RouterConfig(api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
+    keyer = PrefixKeyer(args.block_size, load_tokenizer(args.tokenizer), args.kv_isolation)
+    credentials = Credentials.from_args(args.api_key, args.api_key_file, None, os.environ)
+    config = RouterConfig(credentials=credentials,
+                          admin_api_key=args.admin_api_key
+                          or os.environ.get("KVSERVE_ADMIN_API_KEY"),
                           health_interval_s=args.health_interval,
                           upstream_timeout_s=args.upstream_timeout, kv_events=args.kv_events,
                           max_request_body_bytes=args.max_request_body_bytes,

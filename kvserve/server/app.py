@@ -13,7 +13,6 @@ be encoded as UTF-8 reaches a handler or the engine.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -32,6 +31,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server import serving_pins
+from kvserve.server.auth import AccessPolicy, AuthMiddleware, caller_of
 from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequest,
                                      ChatCompletionRequest,
                                      CompletionRequest,
@@ -44,6 +44,7 @@ logger = logging.getLogger("kvserve")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid request (OpenAI error JSON)"},
     401: {"description": "Missing or wrong API key"},
+    403: {"description": "An admin endpoint, and the key is not an admin key"},
     404: {"description": "Unknown model"},
     413: {"description": "Request body over --max-request-body-bytes"},
     429: {"description": "Too many waiting requests"},
@@ -238,47 +239,15 @@ def _content_length(scope) -> int:
     return 0
 
 
-class APIKeyMiddleware:
-    """Pure ASGI middleware (BaseHTTPMiddleware would wrap `receive` and break the disconnect
-    detection): `Authorization: Bearer KEY` on /v1/* and /reset_prefix_cache, as vLLM does;
-    with `protect_all` on every route but /health (the load balancer's probe): /metrics,
-    /version and the API docs (/docs, /redoc, /openapi.json) too."""
-
-    def __init__(self, app, api_key: str, protect_all: bool = False) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._protect_all = protect_all
-
-    def _protected(self, path: str) -> bool:
-        if self._protect_all:
-            return path != "/health"
-        return path.startswith("/v1") or path == "/reset_prefix_cache"
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS":
-            path = scope.get("path", "")
-            if self._protected(path):
-                given = b""
-                for name, value in scope.get("headers", ()):
-                    if name.lower() == b"authorization":
-                        given = value
-                        break
-                if not hmac.compare_digest(given, self._expected):
-                    response = JSONResponse(
-                        error_body(401, "Invalid API key: pass it as 'Authorization: Bearer "
-                                   "<key>'", code="invalid_api_key"), status_code=401)
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
-
-
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
-              api_key: str | None = None,
+              access: AccessPolicy | None = None,
               metrics: PrometheusStatLogger | None = None, *,
-              api_key_protect_all: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              request_log: str | None = None, kv_tenant_by: str = "cache_salt") -> FastAPI:
+              request_log: str | None = None) -> FastAPI:
+    """`access`: keys, roles and isolation (server/auth.py); default: no key, everybody the
+    admin (a loopback server of one user)."""
     served_model_names = list(served_model_names)
+    access = access or AccessPolicy()
     if metrics is None:
         metrics = PrometheusStatLogger(served_model_names[0])
     if metrics not in engine.stat_loggers:
@@ -288,8 +257,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     if kv_events is None:
         kv_events = KVEventPublisher()
         engine.stat_loggers.append(kv_events)
-    serving = OpenAIServingChat(engine, served_model_names)
-    serving.tenant_by = kv_tenant_by
+    serving = OpenAIServingChat(engine, served_model_names, access)
     if request_log is not None:
         from kvserve.server.request_log import RequestLog
 
@@ -316,8 +284,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     app.router.route_class = _JSONRoute
     app.state.engine = engine
     app.state.metrics = metrics
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_all=api_key_protect_all)
+    app.state.access = access
+    app.add_middleware(AuthMiddleware, policy=access)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
 
     # -- errors -----------------------------------------------------------------------------
@@ -380,15 +348,17 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         name this server does not serve. `:path`, since served names may hold a '/'."""
         return model_card(serving.check_model(model_id))
 
-    @app.get("/v1/kv_events")
+    @app.get("/v1/kv_events", responses=_ERROR_RESPONSES)
     async def get_kv_events(since: int = -1, timeout: float = 0.0) -> dict[str, Any]:
         """Blocks stored in / removed from this replica's prefix cache after event `since`
         (vLLM's BlockStored / BlockRemoved / AllBlocksCleared), waiting up to `timeout`
-        seconds (at most 30) for one: what `kvserve route` subscribes to."""
+        seconds (at most 30) for one: what `kvserve route` subscribes to. Admin only: the
+        hashes of everyone's blocks tell whoever can hash a guess whether it was sent."""
         return await kv_events.poll(since, min(max(timeout, 0.0), 30.0))
 
     @app.post("/reset_prefix_cache", responses=_ERROR_RESPONSES)
     async def reset_prefix_cache() -> Response:
+        """Empty every tenant's prefix cache (admin only: server/auth.py)."""
         try:
             await engine.reset_prefix_cache()
         except Exception as exc:
@@ -404,20 +374,20 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         return await serving.create_completion(body, raw_request)
 
     @app.post("/v1/cache/explain", responses=_ERROR_RESPONSES)
-    async def explain_cache(body: CacheExplainRequest) -> dict[str, Any]:
-        return await serving.explain_cache(body)
+    async def explain_cache(body: CacheExplainRequest, raw_request: Request) -> dict[str, Any]:
+        return await serving.explain_cache(body, caller_of(raw_request))
 
     @app.post("/v1/cache/pin", responses=_ERROR_RESPONSES)
-    async def pin_cache(body: CachePinRequest) -> dict[str, Any]:
-        return await serving_pins.create_pin(serving, body)
+    async def pin_cache(body: CachePinRequest, raw_request: Request) -> dict[str, Any]:
+        return await serving_pins.create_pin(serving, body, caller_of(raw_request))
 
     @app.delete("/v1/cache/pin/{pin_id}", responses=_ERROR_RESPONSES)
-    async def unpin_cache(pin_id: str) -> dict[str, Any]:
-        return await serving_pins.delete_pin(serving, pin_id)
+    async def unpin_cache(pin_id: str, raw_request: Request) -> dict[str, Any]:
+        return await serving_pins.delete_pin(serving, pin_id, caller_of(raw_request))
 
-    @app.get("/v1/cache/pins")
-    async def list_cache_pins() -> dict[str, Any]:
-        return await serving_pins.list_pins(serving)
+    @app.get("/v1/cache/pins", responses=_ERROR_RESPONSES)
+    async def list_cache_pins(raw_request: Request) -> dict[str, Any]:
+        return await serving_pins.list_pins(serving, caller_of(raw_request))
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest,

@@ -11,8 +11,7 @@ request covers its whole prompt (Anthropic's automatic caching).
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.kv.prefix_index import common_prefix
@@ -71,11 +70,3 @@ def chat_message_ends(render_ids: Callable[[int], list[int]], prompt_ids: Sequen
     for i in marked:
         ends[i] = common_prefix(render_ids(i + 1), prompt_ids)
     return ends
-
-
-def api_key_tenant(headers: Mapping[str, str]) -> str | None:
-    """The tenant of `--kv-tenant-by api_key`: a digest of the request's bearer token (None
-    without one: such requests share the default tenant)."""
-    auth = headers.get("authorization", "")
-    key = auth[7:] if auth[:7].lower() == "bearer " else auth
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None

@@ -51,6 +51,18 @@ def warm_up_gemms(engine) -> Iterator[None]:
                     time.monotonic() - start)
 
 
+def access_policy(args: argparse.Namespace):
+    """Keys, roles and isolation from the flags (server/auth.py)."""
+    from kvserve.server.auth import AccessPolicy
+    from kvserve.tenancy import Credentials
+
+    credentials = Credentials.from_args(args.api_key, args.api_key_file, args.admin_api_key,
+                                        os.environ)
+    return AccessPolicy.build(credentials, args.host, protect_all=args.api_key_protect_all,
+                              allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+                              kv_isolation=args.kv_isolation, tenant_by=args.kv_tenant_by)
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     import uvicorn
 
@@ -64,6 +76,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                              f"got {getattr(args, flag)}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    access = access_policy(args)  # a bad key or flag fails before the model loads
     if engine_kwargs.get("node_rank", 0) > 0:  # another node's ranks: no engine core, no API
         from kvserve.config import EngineConfig
         from kvserve.parallel.build import run_node
@@ -75,11 +88,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                         log_interval=args.log_stats_interval, **engine_kwargs)
     engine.run_when_idle(warm_up_gemms(engine))
     names = served_names(args)
-    app = build_app(engine, names, api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
-                    api_key_protect_all=args.api_key_protect_all,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    request_log=getattr(args, "request_log", None),
-                    kv_tenant_by=getattr(args, "kv_tenant_by", "cache_salt"))
+    app = build_app(engine, names, access, max_request_body_bytes=args.max_request_body_bytes,
+                    request_log=getattr(args, "request_log", None))
     from kvserve.server import debug_memory
 
     if debug_memory.enabled():  # opt-in diagnostics: GET /debug/memory (docs/soak.md)
@@ -88,6 +98,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                        debug_memory.ENV_VAR)
     logger.info("serving %s (%s) on http://%s:%d", names[0], engine.config.model, args.host,
                 args.port)
+    logger.info("%s; KV isolation by %s", access.describe_admin(), access.kv_isolation)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
     return 0

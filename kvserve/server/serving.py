@@ -28,8 +28,10 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions)
-from kvserve.server.cache_control import api_key_tenant, request_retention
-from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
+from kvserve.server.auth import AccessPolicy, caller_of
+from kvserve.server.cache_control import request_retention
+from kvserve.server.streaming import (event_stream, reports_field, sse, transfer_field,
+                                      wait_for_disconnect)
 from kvserve.server.structured_request import structured_outputs_of
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tokenizer import BYTE_DECODER, holdback
@@ -71,6 +73,7 @@ class Prepared:
     params: SamplingParams
     stop_list: list[str]
     engine_ids: list[str] = field(default_factory=list)
+    namespace: str | None = None  # the engine's cache_salt (kvserve/tenancy.py)
     tenant: str | None = None  # for tenant quotas (--kv-tenant-by api_key): the API key
 
 
@@ -84,18 +87,24 @@ class ChoiceCursor:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
+                 access: AccessPolicy | None = None) -> None:
         self.engine = engine
         self.model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, tuple[str, bytes, int]] = {}
         self.request_log = None  # a kvserve.server.request_log.RequestLog (--request-log)
-        self.tenant_by = "cache_salt"  # or "api_key" (--kv-tenant-by): whose blocks are whose
+        self.access = access or AccessPolicy()  # keys, roles, isolation (server/auth.py)
 
-    def tenant_of(self, raw: Request) -> str | None:
-        """A request's tenant for quotas: its API key's under --kv-tenant-by api_key (None:
-        the engine takes the cache salt)."""
-        return api_key_tenant(raw.headers) if self.tenant_by == "api_key" else None
+    def prepared(self, prompts: list[dict[str, Any]], params: SamplingParams, req,
+                 raw: Request) -> Prepared:
+        """The engine inputs of the caller's request: its namespace and tenant, and a cache
+        report about its own tokens unless the caller is the admin (server/auth.py)."""
+        caller = caller_of(raw)
+        params.kv_cache_report_full = caller.admin
+        return Prepared(prompts, params, params.stop_list,
+                        namespace=self.access.namespace(caller, req.cache_salt),
+                        tenant=self.access.tenant(caller))
 
     # -- shared -----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -216,7 +225,7 @@ class OpenAIServing:
         batch); all or nothing."""
         prep.engine_ids = [f"{base_id}-{i}" for i in range(len(prep.prompts))]
         adds = [self.engine.add_request(rid, prompt, prep.params, stream=streaming,
-                                        cache_salt=req.cache_salt, priority=req.priority,
+                                        cache_salt=prep.namespace, priority=req.priority,
                                         arrival_time=arrival, tenant=prep.tenant)
                 for rid, prompt in zip(prep.engine_ids, prep.prompts)]
         try:
@@ -249,7 +258,7 @@ class OpenAIServing:
                     return out
 
         tasks = [asyncio.ensure_future(final(rs)) for rs in streams]
-        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         pending = set(tasks)
         try:
             while pending:
@@ -362,7 +371,7 @@ class OpenAIServing:
                          default=None)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
                                        structured, request_retention(req))
-        prep = Prepared(prompts, params, params.stop_list, tenant=self.tenant_of(raw))
+        prep = self.prepared(prompts, params, req, raw)
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
@@ -582,12 +591,3 @@ async def off_loop(size: int, fn, *args):
     if size > _TOKENIZE_INLINE_CHARS:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    """Return when the client closes the connection. The body was read already, so the next
-    ASGI message the server delivers is the disconnect (uvicorn holds `receive` until then)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return

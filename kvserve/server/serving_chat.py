@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.auth import Caller
 from kvserve.server.cache_control import chat_message_ends, message_control, request_retention
 from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinRequest, \
@@ -64,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
                                    request_retention, req, lambda: self._message_ends(req, ids))
         params = self._sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                        structured, retention)
-        prep = Prepared([prompt], params, params.stop_list, tenant=self.tenant_of(raw))
+        prep = self.prepared([prompt], params, req, raw)
         created = int(time.time())
         streams = await self._add_all(prep, cid, req, req.stream, arrival)
         if req.stream:
@@ -99,16 +100,18 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
         return JSONResponse(body)
 
-    async def explain_cache(self, req: CacheExplainRequest) -> dict[str, Any]:
+    async def explain_cache(self, req: CacheExplainRequest, caller: Caller) -> dict[str, Any]:
         """POST /v1/cache/explain: the cache report a request for this prompt would get now,
         rendered and tokenized as the real one is, read on the engine's thread between steps
-        without running anything."""
+        without running anything; in the caller's namespace, and about its own tokens only
+        unless the caller is the admin (server/auth.py)."""
         self.check_model(req.model)
         prompt = await self.cache_prompt(req)
+        salt = self.access.namespace(caller, req.cache_salt)
         try:
             return await self.engine.call(lambda e: e.explain_cache(
-                {"prompt_token_ids": prompt["prompt_token_ids"]}, req.cache_salt,
-                req.prompt_logprobs))
+                {"prompt_token_ids": prompt["prompt_token_ids"]}, salt,
+                req.prompt_logprobs, full=caller.admin))
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
 

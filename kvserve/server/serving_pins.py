@@ -5,6 +5,10 @@ holds them all; if not, the prompt is run first (a prefill, no token sampled) an
 after. Between the two an eviction could take a block again (the engine steps other requests in
 between), so the pair is tried a few times before the server answers 503. Room is checked
 before any prefill is spent: a pin past --max-pinned-fraction is a 400 naming the limit.
+
+A pin belongs to the caller who made it (server/auth.py): a caller lists and releases its own
+pins, and another caller's pin id answers 404 as an unknown one would; the admin sees them all.
+The pin is made in the caller's cache namespace, as its requests are.
 """
 
 from __future__ import annotations
@@ -13,18 +17,23 @@ from typing import Any
 
 from kvserve.kv.pins import PinLimitError
 from kvserve.sampling import SamplingParams
+from kvserve.server.auth import Caller
 from kvserve.server.protocol import APIError, CachePinRequest
 
 PIN_ATTEMPTS = 3
 
 
-async def create_pin(serving: Any, req: CachePinRequest) -> dict[str, Any]:
+def _owner(caller: Caller) -> str:
+    return caller.key or ""
+
+
+async def create_pin(serving: Any, req: CachePinRequest, caller: Caller) -> dict[str, Any]:
     serving.check_model(req.model)
     if not serving.engine.config.enable_prefix_caching:
         raise APIError(400, "pinning needs prefix caching (the server runs with "
                        "--no-enable-prefix-caching)")
     prompt = {"prompt_token_ids": (await serving.cache_prompt(req))["prompt_token_ids"]}
-    salt = req.cache_salt
+    salt = serving.access.namespace(caller, req.cache_salt)
     try:
         await serving.engine.call(lambda e: e.pin_room(prompt, salt))
     except PinLimitError as exc:
@@ -33,7 +42,8 @@ async def create_pin(serving: Any, req: CachePinRequest) -> dict[str, Any]:
         raise APIError(400, str(exc), param="prompt") from exc
     for _ in range(PIN_ATTEMPTS):
         try:
-            pin = await serving.engine.call(lambda e: e.pin_prefix(prompt, salt))
+            pin = await serving.engine.call(lambda e: e.pin_prefix(prompt, salt,
+                                                                   _owner(caller)))
         except PinLimitError as exc:  # another pin took the room meanwhile
             raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
         if pin is not None:
@@ -45,12 +55,14 @@ async def create_pin(serving: Any, req: CachePinRequest) -> dict[str, Any]:
                    f"({PIN_ATTEMPTS} tries); the pool is under pressure, retry later")
 
 
-async def delete_pin(serving: Any, pin_id: str) -> dict[str, Any]:
-    pin = await serving.engine.call(lambda e: e.unpin(pin_id))
+async def delete_pin(serving: Any, pin_id: str, caller: Caller) -> dict[str, Any]:
+    owner = None if caller.admin else _owner(caller)
+    pin = await serving.engine.call(lambda e: e.unpin(pin_id, owner))
     if pin is None:
         raise APIError(404, f"no pin {pin_id!r}", param="pin_id")
     return {**pin, "deleted": True}
 
 
-async def list_pins(serving: Any) -> dict[str, Any]:
-    return await serving.engine.call(lambda e: e.list_pins())
+async def list_pins(serving: Any, caller: Caller) -> dict[str, Any]:
+    owner = None if caller.admin else _owner(caller)
+    return await serving.engine.call(lambda e: e.list_pins(owner))

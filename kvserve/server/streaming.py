@@ -53,3 +53,12 @@ def reports_field(outputs) -> dict[str, Any]:
     """The `kv_cache_report` of a response (one object, or a list for several prompts)."""
     reports = [None if o is None else o.kv_cache_report for o in outputs]
     return {"kv_cache_report": reports[0] if len(reports) == 1 else reports}
+
+
+async def wait_for_disconnect(raw) -> None:
+    """Return when the client closes the connection. The body was read already, so the next
+    ASGI message the server delivers is the disconnect (uvicorn holds `receive` until then)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
