@@ -585,6 +585,13 @@ def test_openai_client_sees_typed_errors(client):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=1)
 
 
+def _has_error_shape(path: str, body: dict) -> bool:
+    """OpenAI's error object, or Anthropic's on /v1/messages."""
+    if path.startswith("/v1/messages"):
+        return body.get("type") == "error" and set(body.get("error", {})) == {"type", "message"}
+    return set(body.get("error", {})) == {"message", "type", "param", "code"}
+
+
 def test_schemathesis_fuzz_of_own_openapi_schema(server):
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -613,7 +620,7 @@ def test_schemathesis_fuzz_of_own_openapi_schema(server):
                                     f"{response.text[:300]}")
                 elif status >= 400:
                     body = response.json()
-                    if set(body.get("error", {})) != {"message", "type", "param", "code"}:
+                    if not _has_error_shape(case.path, body):
                         failures.append(f"{case.method} {case.path} {case.body!r:.300} -> "
                                         f"{status} without the error shape: {body!r:.300}")
 

@@ -31,12 +31,16 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server import serving_pins
+from kvserve.server.anthropic_protocol import (CountTokensRequest, MessagesRequest,
+                                               anthropic_error, is_anthropic_path, shaped_error)
 from kvserve.server.auth import AccessPolicy, AuthMiddleware, caller_of
 from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequest,
                                      ChatCompletionRequest,
                                      CompletionRequest,
                                      error_body)
 from kvserve.server.serving_chat import OpenAIServingChat
+from kvserve.server.serving_messages import MessagesServing
+from kvserve.web import install_web
 from kvserve.validation import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("kvserve")
@@ -172,7 +176,8 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if _content_length(scope) > self.max_bytes:
-            await self._refuse(JSONResponse(error_body(413, self._message()), status_code=413),
+            await self._refuse(JSONResponse(shaped_error(scope.get("path", ""), 413,
+                                                         self._message()), status_code=413),
                                receive, send)
             return
         received = 0
@@ -258,6 +263,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         kv_events = KVEventPublisher()
         engine.stat_loggers.append(kv_events)
     serving = OpenAIServingChat(engine, served_model_names, access)
+    messages = MessagesServing(serving)
     if request_log is not None:
         from kvserve.server.request_log import RequestLog
 
@@ -289,29 +295,36 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
 
     # -- errors -----------------------------------------------------------------------------
+    # OpenAI's shape, or Anthropic's on /v1/messages (anthropic_protocol.shaped_error)
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        if is_anthropic_path(request.url.path):
+            return JSONResponse(anthropic_error(exc.status, exc.message), status_code=exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param=param), status_code=400)
+        return JSONResponse(shaped_error(request.url.path, 400, message, param=param),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return JSONResponse(error_body(exc.status_code, detail), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(shaped_error(request.url.path, exc.status_code, detail),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.error("unhandled error on %s %s", request.method, request.url.path,
                      exc_info=exc)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
+        return JSONResponse(shaped_error(request.url.path, 500,
+                                         f"internal error: {type(exc).__name__}"),
                             status_code=500)
 
     # -- routes -----------------------------------------------------------------------------
+    install_web(app, lambda request: access.session(caller_of(request)))
+
     @app.get("/health", responses={503: {"description": "The engine loop is not running"}})
     async def health() -> Response:
         if not engine.is_running:
@@ -385,9 +398,24 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     async def unpin_cache(pin_id: str, raw_request: Request) -> dict[str, Any]:
         return await serving_pins.delete_pin(serving, pin_id, caller_of(raw_request))
 
+    @app.get("/v1/cache/tree", responses=_ERROR_RESPONSES)
+    async def cache_tree(limit: int = 64) -> dict[str, Any]:
+        """The largest shared prefixes, their size, hits and age (kv/tree_view.py; admin
+        only: it shows what the cache holds)."""
+        return await engine.call(lambda e: e.prefix_tree(min(max(limit, 1), 512)))
+
     @app.get("/v1/cache/pins", responses=_ERROR_RESPONSES)
     async def list_cache_pins(raw_request: Request) -> dict[str, Any]:
         return await serving_pins.list_pins(serving, caller_of(raw_request))
+
+    @app.post("/v1/messages", responses=_ERROR_RESPONSES)
+    async def create_message(body: MessagesRequest, raw_request: Request) -> Response:
+        """Anthropic's Messages API (server/serving_messages.py)."""
+        return await messages.create(body, raw_request)
+
+    @app.post("/v1/messages/count_tokens", responses=_ERROR_RESPONSES)
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        return await messages.count_tokens(body)
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest,

@@ -4,8 +4,8 @@ Two roles. An ordinary caller (any `--api-key`) sends requests and learns about 
 prompts only: its reports and explain answers say nothing of what the cache holds beyond the
 tokens it sent, and it sees and releases only its own pins. The admin (`--admin-api-key`) may
 also do what reaches every tenant's cache: `POST /reset_prefix_cache`, `GET /v1/kv_events`
-(the hashes of everyone's blocks), the full explain (cached text, the `salt` reason), other
-callers' pins, `/debug/memory`.
+(the hashes of everyone's blocks), `GET /v1/cache/tree` (the prefix tree, with text), the full
+explain (cached text, the `salt` reason), other callers' pins, `/debug/memory`.
 
 Without any key configured, nobody is told apart: on a loopback address everybody is the admin
 (one user's machine, as before); on any other address the admin endpoints are off unless
@@ -18,19 +18,22 @@ from __future__ import annotations
 import ipaddress
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kvserve.server.protocol import APIError, error_body
+from kvserve.server.anthropic_protocol import shaped_error
+from kvserve.server.protocol import APIError
 from kvserve.tenancy import KV_ISOLATION, Credentials, cache_namespace
+from kvserve.web import is_public
 from kvserve.validation import check_cache_salt
 
 logger = logging.getLogger("kvserve")
 
 # Cache-wide routes: only the admin (the rest tell callers apart inside the handler).
-ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/kv_events", "/debug/memory",
-                         "/debug/memory/trim"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/kv_events", "/v1/cache/tree",
+                         "/debug/memory", "/debug/memory/trim"})
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,15 @@ class AccessPolicy:
         return Caller(self.admin_open or self.credentials.is_admin(digest), digest)
 
     def protected(self, path: str) -> bool:
-        if self.protect_all:
-            return path != "/health"
+        if self.protect_all:  # the page asks for the key itself: its files are public
+            return path != "/health" and not is_public(path)
         return path.startswith("/v1") or path in ADMIN_PATHS
+
+    def session(self, caller: Caller) -> dict[str, Any]:
+        """What the web page may show this caller (kvserve/web: GET /ui/session)."""
+        configured = self.credentials.configured
+        return {"key_required": configured, "key_accepted": caller.key is not None
+                or not configured, "admin": caller.admin, "gateway": False}
 
     def admin_refusal(self) -> str:
         if self.credentials.admins:
@@ -146,7 +155,8 @@ def require_admin(request: Request, policy: AccessPolicy) -> None:
 
 class AuthMiddleware:
     """Pure ASGI middleware (BaseHTTPMiddleware would wrap `receive` and break the disconnect
-    detection): `Authorization: Bearer KEY` on /v1/* and the admin routes, as vLLM does (with
+    detection): `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/* and the
+    admin routes, as vLLM does (with
     `protect_all`, on every route but /health); 403 on an admin route for a caller who is not
     the admin. The caller goes to the handlers in `request.state.caller`."""
 
@@ -158,24 +168,28 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        authorization = None
+        authorization = api_key = None
         for name, value in scope.get("headers", ()):
-            if name.lower() == b"authorization":
+            name = name.lower()
+            if name == b"authorization":
                 authorization = value.decode("latin-1")
-                break
+            elif name == b"x-api-key":  # Anthropic's header
+                api_key = value.decode("latin-1")
+        if authorization is None and api_key is not None:
+            authorization = f"Bearer {api_key}"
         path = scope.get("path", "")
         caller = self.policy.caller(authorization)
         if caller is None:
             if self.policy.protected(path):
-                await JSONResponse(error_body(401, "Invalid API key: pass it as "
-                                              "'Authorization: Bearer <key>'",
-                                              code="invalid_api_key"),
+                await JSONResponse(shaped_error(path, 401, "Invalid API key: pass it as "
+                                                "'Authorization: Bearer <key>' (or x-api-key)",
+                                                code="invalid_api_key"),
                                    status_code=401)(scope, receive, send)
                 return
             caller = ANONYMOUS
         if path in ADMIN_PATHS and not caller.admin:
-            await JSONResponse(error_body(403, self.policy.admin_refusal(),
-                                          code="insufficient_permissions"),
+            await JSONResponse(shaped_error(path, 403, self.policy.admin_refusal(),
+                                            code="insufficient_permissions"),
                                status_code=403)(scope, receive, send)
             return
         scope.setdefault("state", {})["caller"] = caller
