@@ -31,6 +31,7 @@ from kvserve.kv.events import KVEvent
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.kv.report import build_report
+from kvserve.kv.tree_view import prefix_tree
 from kvserve.outputs import RequestOutput
 from kvserve.parallel.build import build_parallel_engine
 from kvserve.request import Request, RequestStatus
@@ -209,6 +210,12 @@ class LLMEngine:
         return {"object": "list", "data": [p.as_dict() for p in pins.list(owner)],
                 "num_pinned_blocks": pins.num_pinned_blocks, "limit_blocks": pins.limit_blocks,
                 "max_pinned_fraction": pins.max_fraction}
+
+    def prefix_tree(self, limit: int = 64) -> dict:
+        """The largest shared prefixes of the device's cache (kv/tree_view.py), read-only."""
+        index = self.kv.groups[0].index
+        now = index.clock() if index.enabled else 0.0
+        return prefix_tree(index.roots(), self.kv.block_size, now, self.tokenizer.decode, limit)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""

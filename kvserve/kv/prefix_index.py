@@ -59,6 +59,7 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)  # by block hash
     by_first_token: dict[int, list["Node"]] = field(default_factory=dict)  # for partial matches
     last_access: int = 0
+    last_used: float = 0.0  # the index clock's time of that use (the tree view's age)
     hit_count: int = 0
     priority: int = 0
     version: int = 0  # bumped on every heap push; older heap entries are stale
@@ -126,6 +127,10 @@ class PrefixIndex:
         self.evictions: EvictionRecord | None = EvictionRecord()
 
     # -- lookup -----------------------------------------------------------------------------
+    def roots(self) -> dict[bytes, Node]:
+        """Each namespace's root (the tree view, kv/tree_view.py: read-only)."""
+        return dict(self._roots)
+
     def root_keys(self) -> list[bytes]:
         """The extra-key namespaces (cache salts) that have a root (the cache report's)."""
         return list(self._roots)
@@ -201,9 +206,9 @@ class PrefixIndex:
 
     def touch(self, nodes: Sequence[Node], priority: int = 0) -> None:
         """Record a use of these nodes (a hit or an insertion) for the eviction policy."""
-        now = next(self._clock)
+        now, when = next(self._clock), self.clock()
         for node in nodes:
-            node.last_access = now
+            node.last_access, node.last_used = now, when
             node.hit_count += 1
             node.priority = max(node.priority, priority)
 
@@ -448,6 +453,9 @@ class NoPrefixCache:
 
     def root(self, extra: bytes) -> Node:
         return self._root
+
+    def roots(self) -> dict[bytes, Node]:
+        return {}
 
     def match(self, tokens: Sequence[int], hashes: Sequence[int], extra: bytes = b"") -> PrefixMatch:
         return PrefixMatch([], block_size=self.block_size)

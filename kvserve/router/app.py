@@ -49,6 +49,7 @@ from kvserve.router.keys import PrefixKeyer
 from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policies import NoReplicaAvailable, RoutingPolicy
 from kvserve.router.replicas import ReplicaState, check_once, health_loop
+from kvserve.web import install_web
 from kvserve.tenancy import Credentials, bearer_key
 
 logger = logging.getLogger("kvserve.router")
@@ -491,6 +492,11 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         if not gateway.authorized(request):
             return unauthorized()
         return await gateway.get_from_any(f"/v1/models/{quote(model_id, safe='/')}", request)
+
+    # the same page: chat through the gateway, and each replica's state
+    install_web(app, lambda request: {
+        "key_required": gateway.config.credentials.configured,
+        "key_accepted": gateway.authorized(request), "admin": False, "gateway": True})
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,7 +21,6 @@ Latency figures per request:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.stats import EngineStats
+from kvserve.kv.tree_view import tenant_digest
 from kvserve.outputs import RequestOutput
 
 __all__ = ["PrometheusStatLogger", "CONTENT_TYPE_LATEST"]
@@ -301,5 +301,6 @@ class PrometheusStatLogger:
 
 
 def tenant_label(tenant: str) -> str:
-    """A tenant's metric label: a digest, not the salt or API key itself."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:12] if tenant else "default"
+    """A tenant's metric label: a digest, not the salt or API key itself (the prefix tree's
+    name for it too)."""
+    return tenant_digest(tenant) or "default"
