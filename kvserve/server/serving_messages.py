@@ -144,9 +144,10 @@ def chat_messages(req: CountTokensRequest | MessagesRequest) -> list[dict[str, A
     return out
 
 
-def _tools(req: CountTokensRequest | MessagesRequest) -> dict[str, Any]:
-    """tools and tool_choice in the chat endpoint's terms; a tool's breakpoint is the first
-    message's (the chat templates render the tools before it)."""
+def _tools(req: CountTokensRequest | MessagesRequest
+           ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """tools and tool_choice in the chat endpoint's terms, and the tools' breakpoint (the
+    first message's: the chat templates render the tools before it)."""
     fields: dict[str, Any] = {}
     marked = None
     if req.tools:
@@ -179,8 +180,7 @@ def _tools(req: CountTokensRequest | MessagesRequest) -> dict[str, Any]:
                                      "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
             fields["parallel_tool_calls"] = False
-    fields["_tools_breakpoint"] = marked
-    return fields
+    return fields, marked
 
 
 def chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False
@@ -193,8 +193,7 @@ def chat_request(req: MessagesRequest | CountTokensRequest, stream: bool = False
         raise _refuse("output_config.effort is not supported (the model does not reason)",
                       "output_config")
     messages = chat_messages(req)
-    tools = _tools(req)
-    marked = tools.pop("_tools_breakpoint")
+    tools, marked = _tools(req)
     if marked is not None and "cache_control" not in messages[0]:
         messages[0]["cache_control"] = marked
     body: dict[str, Any] = {"model": req.model, "messages": messages, "cache_salt": req.cache_salt,
