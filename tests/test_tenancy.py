@@ -260,9 +260,11 @@ def isolated(tmp_path_factory):
     """--kv-isolation api_key, one key by flag and one from a key file, quotas on."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenants\n\n  sk-bob  \n")
+    log = key_file.parent / "requests.jsonl"
     srv = _server("tenancy-isolated", tmp_path_factory, "--kv-isolation", "api_key",
                   "--api-key", ALICE, "--api-key-file", str(key_file), "--admin-api-key", ADMIN,
-                  "--kv-tenant-quota", "0.9")
+                  "--kv-tenant-quota", "0.9", "--request-log", str(log))
+    srv.request_log = log
     yield srv
     srv.stop()
 
@@ -302,6 +304,23 @@ def test_a_second_key_gets_nothing_of_the_first_keys_cache(isolated):
     tenants = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
                if line.startswith("kvserve:kv_tenant_idle_cached_blocks{")]
     assert len(tenants) == 2, tenants
+
+
+def test_the_request_log_keeps_the_namespaces_for_diagnose(isolated):
+    """kvserve diagnose replays a log by namespace: under api_key two keys' identical prompts
+    are apart in the replay as they were in the cache (the log has the namespace, a digest of
+    the key, never the key)."""
+    from kvserve.diagnose.log import parse_line
+
+    prompt = "Logged words for two tenants, " * 8
+    for key in (ALICE, "sk-bob"):
+        _complete(isolated.url, key, prompt, cache_salt="same-salt")
+    lines = [json.loads(line) for line in isolated.request_log.read_text().splitlines()]
+    ours = [d for d in lines if d.get("prompt") == prompt]
+    assert len(ours) == 2 and all(d["cache_salt"] == "same-salt" for d in ours)
+    spaces = [parse_line(d, i, "log")[0].cache_salt for i, d in enumerate(ours)]
+    assert len(set(spaces)) == 2 and all(s.startswith("key:") for s in spaces)
+    assert ALICE not in isolated.request_log.read_text()
 
 
 def test_the_gateways_keys_under_api_key_are_that_keys_block_hashes(isolated):

@@ -3,7 +3,8 @@
 Three line shapes, mixed freely in one file:
 
 - kvserve's: `{"time", "cache_salt", "messages" | "prompt" | "prompt_token_ids",
-  "prompt_tokens", "cached_tokens", ...}` after a header `{"meta": {"block_size",
+  "prompt_tokens", "cached_tokens", ...}` (and `"namespace"`, the one the cache used, under
+  `--kv-isolation api_key` or `none`: diagnose replays by it) after a header `{"meta": {"block_size",
   "pool_blocks", ...}}` (kvserve/server/request_log.py writes both);
 - a request body of `/v1/chat/completions` (`{"messages": [...], ...}`) or `/v1/completions`
   (`{"prompt": ...}`), as a client or proxy would log it;
@@ -96,7 +97,9 @@ def parse_line(d: Any, index: int, where: str) -> list[LogRecord]:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: a request must be a JSON object")
     body = _body_of(d)
-    common = dict(cache_salt=body.get("cache_salt"), time=d.get("time", body.get("time")),
+    # the namespace the server cached it in, where that was not the salt (--kv-isolation)
+    salt = d["namespace"] if "namespace" in d else body.get("cache_salt")
+    common = dict(cache_salt=salt, time=d.get("time", body.get("time")),
                   prompt_tokens=d.get("prompt_tokens"), cached_tokens=d.get("cached_tokens"))
     common["finished"] = d.get("finished")
     for key in ("time", "finished"):

@@ -68,9 +68,12 @@ class RequestLog:
             self._fail(exc)
 
     def log_finished(self, req, prompts: list[dict[str, Any]], engine_ids: list[str],
-                     outputs, arrival: float) -> None:
+                     outputs, arrival: float, namespace: str | None = None) -> None:
         """One line per finished engine request of a chat or completions request (a chat
-        request is one prompt; a completions request may hold several)."""
+        request is one prompt; a completions request may hold several). `namespace`: the
+        cache namespace the request was served in (kvserve/tenancy.py), written as
+        "namespace" when it is not the request's own cache_salt (--kv-isolation api_key or
+        none), so that `kvserve diagnose` replays the sharing that happened."""
         for prompt, rid, out in zip(prompts, engine_ids, outputs):
             if out is None or not out.finished:
                 continue
@@ -79,6 +82,8 @@ class RequestLog:
                 record = chat_record(req, arrival, n, cached, rid)
             else:
                 record = completion_record(prompt, arrival, req.cache_salt, n, cached, rid)
+            if namespace != req.cache_salt:
+                record["namespace"] = namespace
             self.write(record)
 
     def close(self) -> None:

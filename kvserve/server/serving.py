@@ -315,7 +315,8 @@ class OpenAIServing:
                       arrival: float) -> None:
         """One --request-log line per finished engine request (none without the flag)."""
         if self.request_log is not None:
-            self.request_log.log_finished(req, prep.prompts, prep.engine_ids, outputs, arrival)
+            self.request_log.log_finished(req, prep.prompts, prep.engine_ids, outputs, arrival,
+                                          prep.namespace)
 
     @staticmethod
     def _usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
