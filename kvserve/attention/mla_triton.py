@@ -12,7 +12,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention.mla import (MLAProjections, TorchMLABackend, _PrefillPlan,
                                    _StepState)
 from kvserve.attention.mla_triton_kernels import mla_decode_attention
-from kvserve.attention.triton_tiles import INTERPRETED
+from kvserve.kernels.gpu.interpreter import INTERPRETED
 
 
 class TritonMLABackend(TorchMLABackend):

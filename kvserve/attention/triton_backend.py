@@ -23,7 +23,7 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention import triton_kernels as tk
 from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                     padded_block_tables)
-from kvserve.attention.triton_tiles import INTERPRETED
+from kvserve.kernels.gpu.interpreter import INTERPRETED
 
 
 @dataclass

@@ -4,47 +4,19 @@ Reading a tile of K or V through a block table (`paged_slots`, `load_kv`, which 
 and int8 tiles as it loads them), folding scores into flash attention's online softmax
 (`online_softmax_step`), and the whole loop over a sequence's KV that the decode and extend
 kernels share (`attend_paged`; the MLA kernel, whose keys and values are one latent tile, runs
-its own loop on the same steps). Also the fix that lets Triton 3.6's interpreter run them on CPU
-tensors under NumPy 2, applied on import, which is how they are tested without a GPU.
+its own loop on the same steps). Importing it applies the fix Triton 3.6's interpreter needs
+under NumPy 2 (kvserve/kernels/gpu/interpreter.py), which is how they are tested without a GPU.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.gpu import interpreter as _interpreter  # noqa: F401 (applies the fix)
+
 LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: scores are scaled by this
-
-
-def _patch_interpreter_for_numpy2() -> None:
-    """Triton 3.6's interpreter turns a scalar into a loop bound with `int(array)`, which NumPy
-    2.4 refuses for its 1-element (not 0-d) arrays; loops with runtime bounds then fail. Only
-    the interpreter (CPU testing) is touched, and only when it is enabled."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - a Triton without the interpreter
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_kvserve_patched", False):
-        return
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._kvserve_patched = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-_patch_interpreter_for_numpy2()
-
-# Whether the kernels are run by Triton's interpreter (CPU tensors).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def on_gpu(t: torch.Tensor) -> bool:

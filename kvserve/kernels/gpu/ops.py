@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention import triton_tiles as _tiles  # noqa: F401 - interpreter compat
+from kvserve.kernels.gpu import interpreter as _interpreter  # noqa: F401 - the NumPy 2 fix
 
 
 @triton.jit
