@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.scheduler import Scheduler  # noqa: E402
-from kvserve.engine.step import StepOutput  # noqa: E402
+from kvserve.worker.step import StepOutput  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
 from kvserve.kernels.cpu.cpu_features import cpu_info  # noqa: E402
 from kvserve.request import Request  # noqa: E402

@@ -79,7 +79,7 @@ def message_overhead(running: int, blocks: int, repeats: int = 200) -> float:
     worker process and be decoded there, and a reply to come back."""
     import torch.multiprocessing as mp
 
-    from kvserve.engine.step import SeqStep, StepInput
+    from kvserve.worker.step import SeqStep, StepInput
     from kvserve.parallel.channel import Broadcast, read_reply
     from kvserve.parallel.message import StepEncoder
 

@@ -59,7 +59,7 @@ class Request:
     # Tokens a bounded cache dropped: the KV holds num_computed_tokens - this many (compacted
     # into the first slots), while positions go on at their true values.
     num_dropped_tokens: int = 0
-    # Whether a step has sent the worker this request's sampling state (engine/step.py's
+    # Whether a step has sent the worker this request's sampling state (worker/step.py's
     # SeqSampling, sent once; a step's `finished` list lets the worker drop it).
     worker_has_state: bool = False
     # Attention votes ([layers, kv_heads, KV length], one tensor) of a bounded cache that selects

@@ -1,6 +1,6 @@
 """The sampler: turns one step's logits into one token per sequence.
 
-The worker (engine/step_sampler.py) calls `Sampler()(logits, rows)` once per step with the
+The worker (worker/step_sampler.py) calls `Sampler()(logits, rows)` once per step with the
 float32 logits of every sequence that samples in that step and a `SamplingRow` per row.
 
 Order of operations (vLLM's):
@@ -291,7 +291,7 @@ class Sampler:
         not None: {token id: logprob} of the row's top-N and of its token in `token_ids`
         (inserted first), and that token's 1-based rank; chunked through the workspace.
 
-        One function for both kinds of logprobs (a prompt token's: engine/step_sampler.py),
+        One function for both kinds of logprobs (a prompt token's: worker/step_sampler.py),
         so that they cannot differ. Runs in inference mode, as `__call__` does: the workspace
         it writes into may have been made there; an inference tensor is read-only outside it."""
         with torch.inference_mode():

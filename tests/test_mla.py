@@ -322,7 +322,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
 
 def _logits_through_pool(model, config, ids):
     """All positions' logits of one prefill through the MLA backend over a fresh pool."""
-    from kvserve.engine.builder import engine_kv_spec
+    from kvserve.worker.builder import engine_kv_spec
 
     spec = engine_kv_spec(config, torch.float32, 16)
     pool = KVTensorPool(spec, 4)

@@ -1,4 +1,4 @@
-"""The step plan's order, executed by the worker (engine/model_runner.py): saves read blocks before a load overwrites
+"""The step plan's order, executed by the worker (worker/model_runner.py): saves read blocks before a load overwrites
 them, and copies read a block after the load that fills it (issue 11's defect 1 was a copy that
 ran before the load of its source)."""
 
@@ -9,9 +9,9 @@ import torch
 
 from helpers import pool_over
 
-from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.step_sampler import StepSampler
-from kvserve.engine.step import StepFailed, StepInput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.step_sampler import StepSampler
+from kvserve.worker.step import StepFailed, StepInput
 from kvserve.kv.plan import ChunkLoad, ChunkSave, StepPlan
 from kvserve.attention.torch_backend import TorchAttentionBackend
 

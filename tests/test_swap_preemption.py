@@ -123,7 +123,7 @@ def test_a_full_swap_space_recomputes(llama, workload):
 
 def test_swapped_kv_that_never_came_back_recomputes(llama, workload, monkeypatch):
     """The worker's read of the swapped blocks fails (logged): the request recomputes."""
-    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.worker.model_runner import ModelRunner
 
     prompts, expected = workload
 

@@ -18,7 +18,7 @@ from helpers import (generate_checked, hf_greedy, kv_bytes_per_token, random_pro
 from test_mla import make_deepseek_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.executor import ExecutorDied
+from kvserve.worker.executor import ExecutorDied
 from kvserve.parallel.layout import check_tp, rank_layout
 
 transformers = pytest.importorskip("transformers")

@@ -100,7 +100,7 @@ def test_graph_runner_padding_and_static_buffers(hf_checkpoints):
     """The CUDA-graph runner's host side on the CPU: bucketing, padding rows (slot -1, length 1),
     static buffers and per-bucket split counts, with 'replay' running the captured forward
     eagerly on those buffers. Greedy tokens must still equal transformers'."""
-    from kvserve.engine.cuda_graphs import CUDAGraphRunner
+    from kvserve.worker.cuda_graphs import CUDAGraphRunner
 
     class EagerReplay(CUDAGraphRunner):
         def capture(self, bs: int) -> None:

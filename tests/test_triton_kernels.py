@@ -225,7 +225,7 @@ def test_decode_split_choice():
 
 
 def test_graph_batch_sizes():
-    from kvserve.engine.cuda_graphs import graph_batch_sizes
+    from kvserve.worker.cuda_graphs import graph_batch_sizes
 
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]

@@ -8,7 +8,7 @@ The same code runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1
 the engine is tested end to end without a GPU; it is far too slow for anything else on a CPU.
 
 A decode-only step can also be described by `DecodeState`s whose tensors are static buffers
-owned by the CUDA-graph runner (`kvserve.engine.cuda_graphs`), so a captured graph replays with
+owned by the CUDA-graph runner (`kvserve.worker.cuda_graphs`), so a captured graph replays with
 new block tables and lengths copied into them.
 """
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvserve.config import EngineConfig
-from kvserve.engine.executor import ExecutorDied
+from kvserve.worker.executor import ExecutorDied
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.stats import EngineStats
@@ -462,7 +462,7 @@ class AsyncLLMEngine:
         try:
             outputs = engine.step()
         except ExecutorDied:
-            raise  # no step can run any more: the loop dies (503), see engine/executor.py
+            raise  # no step can run any more: the loop dies (503), see worker/executor.py
         except Exception as exc:
             self.num_step_errors += 1
             logger.exception("engine step failed; failing the requests it was running")

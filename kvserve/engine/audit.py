@@ -45,7 +45,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.engine.executor import Executor
+    from kvserve.worker.executor import Executor
 
 logger = logging.getLogger("kvserve")
 

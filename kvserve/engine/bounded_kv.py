@@ -37,7 +37,7 @@ class BoundedCaches:
 
     def observe_rows(self, request: Request, start: int, end: int) -> tuple[int, int] | None:
         """The rows of the request's chunk [start, end) whose attention weights its policy
-        selects by (engine/step.py's SeqStep.observe), or None."""
+        selects by (worker/step.py's SeqStep.observe), or None."""
         bound = request.bounded_kv
         if bound is None:
             return None

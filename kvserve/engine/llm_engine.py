@@ -1,9 +1,9 @@
 """The engine loop: schedule -> run (plan, forward, sample) -> update, one step at a time.
 
-`LLMEngine` holds the parts (engine/builder.py builds them: model, KV pool, worker), the
+`LLMEngine` holds the parts (worker/builder.py builds them: model, KV pool, worker), the
 scheduler and the sampler. A request is validated by its InputProcessor
 (engine/input_processor.py) before it is queued, so nothing malformed ever reaches a batched
-step; each step goes to the workers as a message (engine/step.py) through the executor.
+step; each step goes to the workers as a message (worker/step.py) through the executor.
 Should one request still raise
 while it is sampled, detokenized or its output is built, it alone finishes with
 finish_reason "error" (`RequestOutput.error` says why) and the others of the step go on.
@@ -18,11 +18,11 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.audit import AUDIT_ID_PREFIX, Auditor
-from kvserve.engine.builder import build_engine
+from kvserve.worker.builder import build_engine
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.step import StepFailed, StepInput, StepOutput
+from kvserve.worker.step import StepFailed, StepInput, StepOutput
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.swapping import build_swap_space

@@ -13,7 +13,7 @@ or the one token sampled last step), and the scheduler hands out the step's toke
    is admitted only when the pool can hold the rest of its tokens, so that admitting it does not
    immediately force a preemption on its next chunk.
 
-The batch carries the step as the worker gets it (`step`: engine/step.py's plain data, built
+The batch carries the step as the worker gets it (`step`: worker/step.py's plain data, built
 here, the one place that reads requests and block tables for it), with its `StepPlan` (what the
 KV cache must do to memory before the forward); after the forward `update_from_output` is the
 one place that advances requests: computed tokens, the sampled token appended, the token stops
@@ -33,7 +33,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.audit import Auditor
 from kvserve.engine.bounded_kv import BoundedCaches
 from kvserve.engine.stats import EngineStats
-from kvserve.engine.step import SeqSampling, SeqStep, StepInput, StepOutput
+from kvserve.worker.step import SeqSampling, SeqStep, StepInput, StepOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch

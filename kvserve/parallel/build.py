@@ -14,7 +14,7 @@ import logging
 import os
 
 from kvserve.config import EngineConfig
-from kvserve.engine import builder
+from kvserve.worker import builder
 from kvserve.kv.spec import capacity_line
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model.gguf_checkpoint import tokenizer_dir

@@ -23,8 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
-from kvserve.engine.executor import ExecutorDied
-from kvserve.engine.step import StepFailed, StepInput, StepOutput
+from kvserve.worker.executor import ExecutorDied
+from kvserve.worker.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel.channel import Broadcast, read_reply
 from kvserve.parallel.comm import ShmExchange
 from kvserve.parallel.message import StepEncoder

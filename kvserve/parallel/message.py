@@ -11,7 +11,7 @@ vLLM v1's scheduler output draws the same line (new requests whole, cached ones 
 
 from __future__ import annotations
 
-from kvserve.engine.step import SeqStep, StepInput
+from kvserve.worker.step import SeqStep, StepInput
 
 Tables = tuple[list[int], ...]
 

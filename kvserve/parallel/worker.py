@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.step import StepFailed, StepInput, StepOutput
+from kvserve.worker.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel import comm
 from kvserve.parallel.channel import GroupLink, Receiver, RelayLink
 from kvserve.parallel.message import StepDecoder
@@ -147,8 +147,8 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
            exchange: tuple[str, int] | None) -> tuple[Any, WorkerInfo]:
     """Join the group, load the shard, size and allocate the pool (see the module docstring)."""
     from kvserve.attention.select import make_attention_backend
-    from kvserve.engine import builder
-    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.worker import builder
+    from kvserve.worker.model_runner import ModelRunner
     from kvserve.kv.tensors import KVTensorPool
     from kvserve.model.loader import load_model
     from kvserve.model.weight_bytes import weight_bytes

@@ -3,7 +3,7 @@
 Why in the worker: the logits are a [rows, vocab] float32 tensor (4 MB for 32 rows of a 32k
 vocabulary) and the tokens are a few ints; a worker in another process (a tensor-parallel rank,
 a disaggregated decode instance) should send back the ints. So the worker keeps, per request,
-what sampling needs (engine/step.py's `SeqSampling`, sent once) and appends the tokens it
+what sampling needs (worker/step.py's `SeqSampling`, sent once) and appends the tokens it
 samples to it; the scheduler's side keeps the grammars and sends only their bitmask rows.
 
 Failures stay per request: should the batched sampling raise, the rows are sampled one by one,
@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from kvserve.engine.step import SeqSampling, StepInput, StepOutput
+from kvserve.worker.step import SeqSampling, StepInput, StepOutput
 from kvserve.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger("kvserve")

@@ -1,6 +1,6 @@
 """Where a step message goes: the seam between the scheduler's side and the workers.
 
-The engine hands every step (engine/step.py's StepInput) to an Executor and gets a StepOutput
+The engine hands every step (worker/step.py's StepInput) to an Executor and gets a StepOutput
 back; it never calls the worker itself. InProcessExecutor runs one worker in this process;
 tensor parallelism's (kvserve/parallel/executor.py) sends the same message to one worker
 process per rank and returns rank 0's output. (vLLM v1's Executor: UniProcExecutor,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.step import StepInput, StepOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.step import StepInput, StepOutput
 
 
 class ExecutorDied(RuntimeError):

@@ -1,11 +1,11 @@
-"""The worker: runs one step message (engine/step.py) over the model and the KV tensors.
+"""The worker: runs one step message (worker/step.py) over the model and the KV tensors.
 
 It is handed plain data only: token ids, positions, block tables and a memory plan; it never
 sees a request, the scheduler or the KV manager (tests/test_architecture.py holds it to that),
 so the same worker can sit behind another process's executor. It turns the step into the
 flat tensors of `AttentionMetadata`, computes logits only for the rows that sample (so a
 prefill chunk never pays for the LM head) and the prompt positions whose logprobs are wanted,
-in the same LM-head call, and samples them (engine/step_sampler.py): what comes back is tokens
+in the same LM-head call, and samples them (worker/step_sampler.py): what comes back is tokens
 and logprobs.
 
 It is also the one place where KV memory is moved: the step's plan (saves read out for the
@@ -19,8 +19,8 @@ import logging
 
 import torch
 
-from kvserve.engine.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
-from kvserve.engine.step_sampler import StepSampler
+from kvserve.worker.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
+from kvserve.worker.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
@@ -39,7 +39,7 @@ class ModelRunner:
         self.tensors = tensors
         self.block_size = block_size
         self.device = model.embed_tokens.device
-        # Set by the engine on CUDA (kvserve.engine.cuda_graphs); replays decode-only batches.
+        # Set by the engine on CUDA (kvserve.worker.cuda_graphs); replays decode-only batches.
         self.graphs = None
         self.sampling = StepSampler(seed)
 

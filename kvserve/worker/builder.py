@@ -19,9 +19,9 @@ import torch
 
 from kvserve import features as F
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from kvserve.engine.executor import InProcessExecutor
-from kvserve.engine.gpu_memory import available_host_memory
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.worker.executor import InProcessExecutor
+from kvserve.worker.gpu_memory import available_host_memory
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import (
     KV_DTYPES,
@@ -167,7 +167,7 @@ def capture_graphs(config: EngineConfig, runner: ModelRunner, model: CausalLM,
     elif groups is not None:
         logger.info("per-group KV block tables: decode steps run eagerly (no CUDA graphs)")
     elif model_config.mla is None:
-        from kvserve.engine.cuda_graphs import CUDAGraphRunner
+        from kvserve.worker.cuda_graphs import CUDAGraphRunner
 
         runner.graphs = CUDAGraphRunner(model, backend, config.max_num_seqs,
                                         config.max_model_len)
@@ -215,7 +215,7 @@ def num_kv_blocks(config: EngineConfig, kv_spec: KVCacheSpec,
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif config.device == "cuda":
-        from kvserve.engine.gpu_memory import profile_kv_budget
+        from kvserve.worker.gpu_memory import profile_kv_budget
 
         budget = profile_kv_budget(model, config)
     else:
