@@ -101,7 +101,6 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 KNOWN_UPWARD = {
     ("kvserve.layers", "kvserve.model"),  # selection and quant_decode bind onto the decoder
     ("kvserve.model", "kvserve.models"),  # the loader, make-model, GGUF read the registry
-    ("kvserve.model", "kvserve.parallel"),  # the loader reads a rank's slices
 }
 
 

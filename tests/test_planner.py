@@ -205,7 +205,7 @@ def test_tensor_parallel_splits_kv_heads():
     spec = preset("llama-2-70b")
     assert kv_bytes_per_token(spec, "fp16", tp=8) == 40 * KiB
     assert kv_bytes_per_token(spec, "fp16", tp=16) == 40 * KiB  # heads replicated past 8
-    # 8 KV heads over 3 ranks are 3 + 3 + 2 (kvserve/parallel/layout.py): the largest rank
+    # 8 KV heads over 3 ranks are 3 + 3 + 2 (kvserve/model/tp_layout.py): the largest rank
     # sizes the pool
     assert kv_bytes_per_token(spec, "fp16", tp=3) == 3 * 40 * KiB
     with pytest.raises(ValueError, match="multiple"):

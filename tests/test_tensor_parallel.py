@@ -19,7 +19,7 @@ from test_mla import make_deepseek_checkpoint
 
 from kvserve import LLM, SamplingParams
 from kvserve.worker.executor import ExecutorDied
-from kvserve.parallel.layout import check_tp, rank_layout
+from kvserve.model.tp_layout import check_tp, rank_layout
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

@@ -40,7 +40,7 @@ from kvserve.models import registry
 from kvserve.models.base import Target
 
 if TYPE_CHECKING:
-    from kvserve.parallel.layout import RankLayout
+    from kvserve.model.tp_layout import RankLayout
 
 logger = logging.getLogger("kvserve")
 
@@ -137,7 +137,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     projections at load into those block formats (quantize_at_load.py; float32 on the CPU:
     dtype "auto" means float32 there).
 
-    `shard` (a tensor-parallel rank's layout, kvserve/parallel/layout.py) builds that rank's
+    `shard` (a tensor-parallel rank's layout, kvserve/model/tp_layout.py) builds that rank's
     part of the model and reads only its slice of each tensor; nothing is packed here
     (kvserve/parallel/layers.py binds the rank's methods around its collectives) and a GGUF
     file is dequantized. The config returned is the whole model's."""
@@ -158,7 +158,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     files = checkpoint_files(model_dir) if gguf is None else []
     model_config = config
     if shard is not None:
-        from kvserve.parallel.layout import rank_config
+        from kvserve.model.tp_layout import rank_config
 
         if at_load:
             F.refuse(F.TENSOR_PARALLEL, F.QUANTIZE_AT_LOAD)
@@ -167,7 +167,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         model = family.model()(model_config, torch_dtype, device)
         targets = family.weights(model, model_config)
         if shard is not None:
-            from kvserve.parallel.shard import shard_targets
+            from kvserve.model.tp_shard import shard_targets
 
             targets = shard_targets(targets, shard, config)
         loaded: set[str] = set()

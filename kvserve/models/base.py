@@ -33,7 +33,7 @@ class Target:
     offset: float = 0.0
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Tensor parallelism: (dim, start, stop), the range of the checkpoint tensor (of `shape`)
-    # this rank reads into `dest` (kvserve/parallel/shard.py); None reads all of it.
+    # this rank reads into `dest` (kvserve/model/tp_shard.py); None reads all of it.
     part: tuple[int, int, int] | None = None
 
 

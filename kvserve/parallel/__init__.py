@@ -1,8 +1,9 @@
 """Tensor parallelism: one model split across worker processes (`tensor_parallel_size`).
 
-layout.py    which heads, MLP columns and vocabulary rows each rank holds (plain data; the
-             planner reads it too)
-shard.py     the loader's side: which slice of each checkpoint tensor a rank reads
+The layout (which heads, MLP columns and vocabulary rows each rank holds) and the slices a rank
+reads from a checkpoint are the model's: kvserve/model/tp_layout.py and tp_shard.py, which the
+loader and the planner read too.
+
 comm.py      the collectives a sharded forward runs (torch.distributed)
 layers.py    the sharded layers' methods: row-parallel projections, vocabulary-parallel
              embedding and LM head

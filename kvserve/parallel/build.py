@@ -21,7 +21,7 @@ from kvserve.model.gguf_checkpoint import tokenizer_dir
 from kvserve.model.loader import resolve_dtype
 from kvserve.parallel.comm import exchange_slot_bytes
 from kvserve.parallel.executor import MultiprocExecutor
-from kvserve.parallel.layout import check_tp
+from kvserve.model.tp_layout import check_tp
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")

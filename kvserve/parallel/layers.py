@@ -20,7 +20,7 @@ from kvserve.layers.block import dense_methods
 from kvserve.layers.buckets import NUM_BUCKETS
 from kvserve.layers.linear import Dense, LinearMethod
 from kvserve.parallel.comm import Comm
-from kvserve.parallel.layout import RankLayout
+from kvserve.model.tp_layout import RankLayout
 
 
 class Reduced(LinearMethod):

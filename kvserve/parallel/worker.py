@@ -153,7 +153,7 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
     from kvserve.model.loader import load_model
     from kvserve.model.weight_bytes import weight_bytes
     from kvserve.parallel.layers import bind_tensor_parallel, pack_column_parallel
-    from kvserve.parallel.layout import rank_config, rank_layout
+    from kvserve.model.tp_layout import rank_config, rank_layout
     from kvserve.parallel.comm import Comm, ShmExchange
 
     full = builder.model_config_of(config)
