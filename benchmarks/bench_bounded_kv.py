@@ -46,7 +46,7 @@ from kvserve.eval.corpus import describe, document_windows, documents
 from kvserve.eval.heldout import stdlib_files
 from kvserve.eval.perplexity import corpus_tokens, windows
 from kvserve.kv.bounded import POLICIES, BoundedKVConfig
-from kvserve.model.gguf_checkpoint import tokenizer_dir
+from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
 from kvserve.sampler import SampleResult
 from kvserve.tokenizer import Tokenizer
 

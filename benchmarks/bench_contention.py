@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from kvserve import LLM, SamplingParams
-    from kvserve.model.default import embedded_model_path
+    from kvserve.model_loader.default import embedded_model_path
 
     torch.set_num_threads(args.threads)
     llm = LLM(model=str(embedded_model_path()), num_threads=args.threads, max_num_seqs=2,

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from kvserve.model.loader import load_model
-from kvserve.model.make_model import ARCHS, make_model
+from kvserve.model_loader.loader import load_model
+from kvserve.model_loader.make_model import ARCHS, make_model
 
 
 def _dummy_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,

@@ -103,8 +103,8 @@ def main() -> int:
 
     from kvserve.eval.corpus import KINDS, describe, document_windows, documents
     from kvserve.eval.perplexity import engine_nll
-    from kvserve.model.default import embedded_model_path
-    from kvserve.model.gguf_checkpoint import tokenizer_dir
+    from kvserve.model_loader.default import embedded_model_path
+    from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
     from kvserve.tokenizer import Tokenizer
 
     gguf = args.gguf or str(embedded_model_path())

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_gpu.py --smoke --out /tmp/smoke.json  # every code path,
                                                                            # tiny shapes, CPU
 
-Parts (random-weight checkpoints made locally with `kvserve.model.make_model`, bf16):
+Parts (random-weight checkpoints made locally with `kvserve.model_loader.make_model`, bf16):
   0. device-to-device copy bandwidth (read + write bytes / time), the roofline's denominator;
   1. Qwen3-0.6B architecture: 256 requests, prompt and output lengths uniform in [100, 1024]
      (python random.seed(0), nano-vllm's draw order: every prompt's tokens, then the output
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model.make_model import make_model  # noqa: E402
+from kvserve.model_loader.make_model import make_model  # noqa: E402
 
 
 @dataclass

@@ -119,7 +119,7 @@ DEFAULTS = {
 def resolve_model(name: str | None) -> str:
     """None: the default model (SmolLM2's GGUF); "stdlib-coder": the shipped code model."""
     if name is None:
-        from kvserve.model.default import embedded_model_path
+        from kvserve.model_loader.default import embedded_model_path
 
         return str(embedded_model_path())
     return str(STDLIB_CODER) if name == "stdlib-coder" else name
@@ -160,7 +160,7 @@ def greedy_prompts(wins: list[list[int]], prompt_len: int, count: int) -> list[l
 # -- accuracy -------------------------------------------------------------------------------
 def accuracy(args) -> dict:
     from kvserve import SamplingParams
-    from kvserve.model.gguf_checkpoint import tokenizer_dir
+    from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
     from kvserve.tokenizer import Tokenizer
 
     model = resolve_model(args.model)

@@ -36,7 +36,7 @@ from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention.base import AttentionMetadata, SequenceSlice
 from kvserve.attention.mla import MLAProjections, TorchMLABackend
-from kvserve.model.make_model import make_model
+from kvserve.model_loader.make_model import make_model
 
 
 def cpu_line() -> str:

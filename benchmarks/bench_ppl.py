@@ -90,7 +90,7 @@ def table(results: dict[str, NLL]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.model is None:
-        from kvserve.model.make_model import ensure_default_model
+        from kvserve.model_loader.make_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     files = args.files or stdlib_files("heldout")

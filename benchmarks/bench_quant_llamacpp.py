@@ -151,7 +151,7 @@ class Bench:
 
     def make_files(self) -> dict[str, str]:
         """The files by name: Q4_1 (embedded), Q8_0 and Q4_K_M made by llama-quantize."""
-        from kvserve.model.default import embedded_model_path
+        from kvserve.model_loader.default import embedded_model_path
 
         base = str(embedded_model_path())
         files = {"Q4_1": base}

@@ -110,7 +110,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args()
 
-    from kvserve.model.default import embedded_model_path
+    from kvserve.model_loader.default import embedded_model_path
 
     gguf = str(embedded_model_path())
     starts = {

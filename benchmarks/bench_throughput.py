@@ -58,7 +58,7 @@ def checkpoint_ready(path: Path) -> bool:
 _STAMP_FILE = ".bench-stamp.json"
 _STAMP_CODE = """
 import hashlib, inspect, json
-from kvserve.model import make_model as m
+from kvserve.model_loader import make_model as m
 config = m.hf_config("qwen2", "small", "float32")
 code = inspect.getsource(m.random_weights).encode()
 print(json.dumps({"config": config, "random_weights": hashlib.sha256(code).hexdigest()},
@@ -86,7 +86,7 @@ def ensure_checkpoint(path: Path, timeout: float) -> Path:
     why = "stale (make_model changed)" if checkpoint_ready(path) else "missing"
     print(f"reference checkpoint {why}: creating it (qwen2, small, seed 0, float32) in {path}",
           file=sys.stderr)
-    code = ("import sys; from kvserve.model.make_model import make_model; "
+    code = ("import sys; from kvserve.model_loader.make_model import make_model; "
             "make_model(sys.argv[1], arch='qwen2', size='small', seed=0, dtype='float32')")
     subprocess.run([sys.executable, "-c", code, str(tmp)], check=True, cwd=REPO, timeout=timeout)
     if not checkpoint_ready(tmp):
@@ -324,7 +324,7 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     import torch
 
     from kvserve.layers.gemm_select import time_once
-    from kvserve.model.loader import load_model
+    from kvserve.model_loader.loader import load_model
 
     model, config = load_model(args.model, "float32", pack_weights=False)
     from kvserve.layers.selection import gemm_candidates

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model.make_model import make_model  # noqa: E402
+from kvserve.model_loader.make_model import make_model  # noqa: E402
 
 
 def cpu_line() -> str:

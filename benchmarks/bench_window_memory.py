@@ -11,7 +11,7 @@ B. Concurrency at a fixed pool: --requests requests of --length tokens (prompt +
    against a pool of --pool-requests full-length requests (in bytes), on both models: the most
    requests running at once, preemptions, and wall time, release on vs off.
 
-Random weights (kvserve.model.make_model); float32; CPU. The Mistral-style model is the tiny
+Random weights (kvserve.model_loader.make_model); float32; CPU. The Mistral-style model is the tiny
 Mistral with `sliding_window` set to --window (and max_position_embeddings raised to fit);
 Gemma 3 is the small one (8 layers, window 512).
 
@@ -36,7 +36,7 @@ from bench_window import cpu_line  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
-from kvserve.model.make_model import make_model  # noqa: E402
+from kvserve.model_loader.make_model import make_model  # noqa: E402
 from kvserve.planner.memory import kv_cache_spec, make_plan  # noqa: E402
 from kvserve.planner.model import ModelSpec  # noqa: E402
 

@@ -240,7 +240,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=300)
     p.add_argument("--verbose", action="store_true", help="print the invalid outputs")
     args = p.parse_args()
-    from kvserve.model.make_model import default_model_dir, ensure_default_model
+    from kvserve.model_loader.make_model import default_model_dir, ensure_default_model
 
     print(cpu_line())
     models = {"stdlib-coder": str(default_model_dir()), "tiny-random": str(ensure_default_model())}

@@ -55,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype)
     print(f"wrote a random-weight {args.arch} ({args.size}) checkpoint to {path}")

@@ -117,7 +117,7 @@ class EngineConfig:
                                     "a float checkpoint's projections quantized at load into "
                                     "that GGUF block format (CPU, float32); default: gguf for "
                                     "a GGUF file on the CPU (vLLM's name; "
-                                    "kvserve/model/quantize_at_load.py)",
+                                    "kvserve/model_loader/quantize_at_load.py)",
                                     choices=QUANTIZATIONS)
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "keep every KV block of a sliding-window layer for the request's life instead "

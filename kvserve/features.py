@@ -147,7 +147,7 @@ def refuse(a: str, b: str, **context: Any) -> None:
 
 def model_features(model_config: Any, kv_differs: bool, **context: Any
                    ) -> tuple[set[str], dict[str, Any]]:
-    """The features a loaded model (kvserve.model.config.ModelConfig, read by attribute) turns
+    """The features a loaded model (kvserve.models.config.ModelConfig, read by attribute) turns
     on — MLA, sliding-window layers, a KV cache dtype other than the model's (`kv_differs`) —
     and the values their reasons name (with `context`)."""
     on = set()

@@ -20,7 +20,7 @@ from typing import Any
 
 import tokenizers
 
-from kvserve.model.config import read_json_object
+from kvserve.models.config import read_json_object
 
 __all__ = [
     "IncrementalDetokenizer",

@@ -103,7 +103,7 @@ def decode_checkpoints(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny") / "qwen2-tiny", arch="qwen2", size="tiny")
 

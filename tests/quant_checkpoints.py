@@ -26,8 +26,8 @@ def default_float_checkpoint(out: Path) -> Path:
     Face's names (q, k, v and gate, up split again; the embedding tied)."""
     from gguf_files import smollm2_path
 
-    from kvserve.model.gguf_checkpoint import open_gguf
-    from kvserve.model.loader import load_model
+    from kvserve.model_loader.gguf_checkpoint import open_gguf
+    from kvserve.model_loader.loader import load_model
 
     gguf = open_gguf(smollm2_path())
     model, config = load_model(smollm2_path(), "float32", quantization="none",

@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel
 from server_process import ServerProcess
 
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.server import protocol
 
 pytestmark = pytest.mark.timeout(600)

@@ -99,8 +99,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 # Package imports that run back up the structure today, each closing a package cycle: the
 # model side's redesign (issue 47) removes them. The list may only shrink.
 KNOWN_UPWARD = {
-    ("kvserve.layers", "kvserve.model"),  # selection and quant_decode bind onto the decoder
-    ("kvserve.model", "kvserve.models"),  # the loader, make-model, GGUF read the registry
+    ("kvserve.layers", "kvserve.models"),  # selection and quant_decode bind onto the decoder
 }
 
 
@@ -132,12 +131,12 @@ def test_the_gateway_imports_no_engine_model_or_server():
     tokenizer, but the engine, the model (torch), the server and the simulator stay out; the
     simulator, for its part, may use the gateway's policies (one implementation)."""
     graph = import_graph()
-    heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",
+    heavy = ("kvserve.engine", "kvserve.model", "kvserve.server", "kvserve.sim",  # models too
              "kvserve.planner", "kvserve.layers", "kvserve.kernels", "kvserve.attention")
     # `--tokenizer default` (or a .gguf) reads the embedded model's GGUF header, lazily, only
-    # then: kvserve.model.default and the GGUF reader import neither torch nor the model
-    lazy_ok = {("kvserve.router.launch", "kvserve.model.default"),
-               ("kvserve.router.launch", "kvserve.model.gguf_checkpoint")}
+    # then: kvserve.model_loader.default and the GGUF reader import neither torch nor the model
+    lazy_ok = {("kvserve.router.launch", "kvserve.model_loader.default"),
+               ("kvserve.router.launch", "kvserve.model_loader.gguf_checkpoint")}
     bad = {(mod, dep) for mod, deps in graph.items() if mod.startswith("kvserve.router")
            for dep in deps if dep.startswith(heavy) and (mod, dep) not in lazy_ok}
     assert not bad, f"the gateway imports heavy modules: {sorted(bad)}"
@@ -145,12 +144,14 @@ def test_the_gateway_imports_no_engine_model_or_server():
 
 
 def test_the_gguf_reader_and_the_default_model_import_no_torch():
-    """What the gateway may import of kvserve.model stays free of torch and the decoder."""
+    """What the gateway may import of kvserve.model_loader stays free of torch and the
+    decoder."""
     import subprocess
     import sys
 
-    code = ("import sys; import kvserve.model.default, kvserve.model.gguf_checkpoint; "
-            "print('torch' in sys.modules, 'kvserve.model.decoder' in sys.modules)")
+    code = ("import sys; import kvserve.model_loader.default, "
+            "kvserve.model_loader.gguf_checkpoint; "
+            "print('torch' in sys.modules, 'kvserve.models.decoder' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False"]
@@ -183,7 +184,7 @@ def test_the_worker_imports_nothing_of_the_scheduler_side():
     assert not _reachable(graph, "kvserve.worker.step") & SCHEDULER_SIDE
 
 
-MODEL_CODE = ("kvserve.model.decoder", "kvserve.model.deepseek", "kvserve.models")
+MODEL_CODE = ("kvserve.models.decoder", "kvserve.models.deepseek_layers", "kvserve.models")
 # What chooses and binds kernels, and the kernels themselves: the model code runs the methods
 # it is given (kvserve.layers.linear / block, kernel-free) and never reaches these.
 KERNEL_CHOICE = ("kvserve.kernels", "kvserve.layers.selection", "kvserve.layers.gemm_select",
@@ -197,13 +198,13 @@ def test_the_model_code_imports_no_kernel_choice():
     the kernels package (kvserve.layers.selection binds methods onto the layers)."""
     graph = import_graph()
     model = [m for m in graph if m.startswith(MODEL_CODE)]
-    assert "kvserve.model.decoder" in model and "kvserve.models.registry" in model
+    assert "kvserve.models.decoder" in model and "kvserve.models.registry" in model
     leaked = sorted((m, dep) for m in model for dep in _reachable(graph, m)
                     if dep.startswith(KERNEL_CHOICE))
     assert not leaked, f"model code reaches the kernel choice: {leaked[:10]}"
     # the other way round is how the kernels get there
     assert "kvserve.layers.gemm_select" in graph["kvserve.layers.selection"]
-    assert "kvserve.model.decoder" in graph["kvserve.layers.selection"]
+    assert "kvserve.models.decoder" in graph["kvserve.layers.selection"]
 
 
 def test_files_stay_under_600_lines():

@@ -24,7 +24,7 @@ def toks(seed: int, n: int, vocab: int = 2000) -> list[int]:
 
 
 def _server(name: str, extra: list[str], tmp_path_factory) -> ServerProcess:
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     tiny = str(ensure_default_model())
     return ServerProcess(name, [tiny, "--block-size", str(BS), "--dtype", "float32",

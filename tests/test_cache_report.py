@@ -42,7 +42,7 @@ def reason(report: dict) -> str:
 # -- 1. through the server --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     tiny = str(ensure_default_model())
     # a pool of 24 blocks: a few prompts evict the first one
@@ -188,7 +188,7 @@ def test_missed_tokens_counted_by_reason(server):
 def more_servers(mistral, tmp_path_factory):
     """A sliding-window model (window), a disk tier (its source, tier_error) and an engine-wide
     SnapKV bounded cache (bounded), started at once so that their start-ups overlap."""
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     tiny = str(ensure_default_model())
     logs = tmp_path_factory.mktemp("report-more-logs")

@@ -18,7 +18,7 @@ from kvserve.diagnose.divergence import Divergence, common_prefix
 from kvserve.diagnose.log import LogRecord, RequestLog, read_log, request_body
 from kvserve.diagnose.normalize import FixContext, make_fix
 from kvserve.diagnose.render import load_tokenizer, render_all
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.server.request_log import RequestLog as ServerRequestLog
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -365,7 +365,7 @@ def test_changing_number_in_the_system_prompt(tokenizer):
 def test_default_model_is_the_embedded_one(tmp_path, capsys):
     """Without --model, requests are rendered as `kvserve serve` without a model renders them:
     the embedded SmolLM2's tokenizer and ChatML template."""
-    from kvserve.model.default import embedded_model_path
+    from kvserve.model_loader.default import embedded_model_path
 
     try:
         embedded_model_path()

@@ -255,7 +255,7 @@ def test_a_plan_cached_for_another_shape_or_machine_is_not_used(tmp_path, monkey
 
 def test_engine_logs_and_uses_the_choice(tmp_path, monkeypatch, caplog):
     from kvserve import LLM, SamplingParams
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     model_dir = ensure_default_model()
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
@@ -278,7 +278,7 @@ def test_the_engine_reuses_the_cached_choice_unless_told_to_remeasure(tmp_path, 
     """LLM() measures once per machine and model shape; the next one reads the cache;
     remeasure_kernels=True (--remeasure-kernels) measures again."""
     from kvserve import LLM
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     model_dir = str(ensure_default_model())
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
@@ -316,8 +316,8 @@ def test_a_cached_plan_packs_weights_that_give_the_dense_logits(tmp_path, monkey
     logits of dense F.linear at a row count in every bucket, within float rounding."""
     import torch
 
-    from kvserve.model.loader import load_model
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.loader import load_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))
@@ -397,8 +397,8 @@ def test_a_model_larger_than_the_cache_is_timed_cold(tmp_path, monkeypatch):
     """The engine times its kernels with the weights evicted where its weights stream from
     DRAM (here: a last-level cache made tiny), under a key of its own."""
     from kvserve import LLM
-    from kvserve.model import decoder
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.models import decoder
+    from kvserve.model_loader.make_model import ensure_default_model
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gs, "DISTURBED_CORES", float("inf"))  # cache it whatever the load

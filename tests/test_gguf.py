@@ -188,7 +188,7 @@ def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     greedy tokens and logits against transformers on the original checkpoint."""
     import transformers
 
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     src = make_model(tmp_path / arch, arch=arch, size="tiny")
     if arch == "llama":
@@ -206,7 +206,7 @@ def test_transformers_reads_our_test_files_too(tmp_path):
     greedy tokens for the Llama (permuted) and Qwen2 files as transformers on the original."""
     import transformers
 
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     for arch in ("llama", "qwen2"):
         src = make_model(tmp_path / arch, arch=arch, size="tiny")

@@ -1,4 +1,4 @@
-"""kvserve/model/gguf_checkpoint/dequant.py's torch decoding of F16/BF16/Q8_0/Q4_0/Q4_1
+"""kvserve/model_loader/gguf_checkpoint/dequant.py's torch decoding of F16/BF16/Q8_0/Q4_0/Q4_1
 against gguf.quants (llama.cpp's own Python reference) on the same bytes, bit for bit."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES, dequantize  # noqa: E402
+from kvserve.model_loader.gguf_checkpoint.dequant import TORCH_TYPES, dequantize  # noqa: E402
 
 SHAPE = (96, 256)  # 8 blocks of 32 per row
 

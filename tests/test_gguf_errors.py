@@ -10,12 +10,12 @@ import pytest
 from gguf_files import copy_metadata, finish, gguf_from_checkpoint
 
 from kvserve import LLM
-from kvserve.model.gguf_checkpoint import open_gguf
+from kvserve.model_loader.gguf_checkpoint import open_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     root = tmp_path_factory.mktemp("gguf-errors")
     src = make_model(root / "qwen2", arch="qwen2", size="tiny")
@@ -99,7 +99,7 @@ def test_header_is_read_once(tiny, monkeypatch):
     gguf's reader; a changed file is read again."""
     import gguf
 
-    from kvserve.model.gguf_checkpoint import _open
+    from kvserve.model_loader.gguf_checkpoint import _open
 
     first = open_gguf(tiny[1])
     assert open_gguf(tiny[1]) is first  # one per process and file version

@@ -584,7 +584,7 @@ def test_two_server_replicas_share_redis(tmp_path, redis_server):
 
     config = json.dumps({"chunk_size": 32, "local_cpu": True, "max_local_cpu_size": 0.1,
                          "remote_url": redis_server.url, "write_policy": "write_through"})
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     # the tiny random model, as before the default became SmolLM2 (its tokenizer sizes the text)
     tiny = str(ensure_default_model())

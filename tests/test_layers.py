@@ -84,8 +84,8 @@ def test_a_layer_runs_the_methods_it_holds():
     """DecoderLayer.forward calls its bucket's LayerMethods and nothing else: replaced
     methods are what runs (how selection.bind_layer and use_triton_ops plug kernels in)."""
     from kvserve.layers.block import LayerMethods
-    from kvserve.model.config import ModelConfig
-    from kvserve.model.decoder import DecoderLayer
+    from kvserve.models.config import ModelConfig
+    from kvserve.models.decoder import DecoderLayer
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=16,
                          intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -1,7 +1,7 @@
 """kvserve's decoder against transformers' own implementations, on random weights.
 
 Every reference model is built and saved by transformers itself (`save_pretrained`), then loaded
-by `kvserve.model.loader.load_model`; logits must agree to 1e-4 in float32. Norm weights and
+by `kvserve.model_loader.loader.load_model`; logits must agree to 1e-4 in float32. Norm weights and
 biases are re-randomised before saving (transformers initialises them to 1 and 0), so a wrong
 mapping of either cannot hide.
 """
@@ -22,16 +22,16 @@ transformers = pytest.importorskip("transformers")
 from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from helpers import pool_over  # noqa: E402
-from kvserve.model.config import ModelConfig  # noqa: E402
+from kvserve.models.config import ModelConfig  # noqa: E402
 from kvserve.models.registry import (SUPPORTED_ARCHITECTURES, config_from_dict,  # noqa: E402
                                      config_from_dir)
 from kvserve.kernels.cpu import panel_gemm  # noqa: E402
 from kvserve.layers.cpu_linear import gemv_available, onednn_available  # noqa: E402
 from kvserve.layers.rotary import rope_inv_freq  # noqa: E402
 from kvserve.layers.selection import apply_gemm_plan  # noqa: E402
-from kvserve.model.decoder import CausalLM  # noqa: E402
-from kvserve.model.loader import load_model  # noqa: E402
-from kvserve.model.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
+from kvserve.models.decoder import CausalLM  # noqa: E402
+from kvserve.model_loader.loader import load_model  # noqa: E402
+from kvserve.model_loader.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
 
 transformers.logging.set_verbosity_error()
@@ -442,7 +442,7 @@ import json, logging, sys
 import torch
 import torch.nn.functional as F
 from kvserve.kernels.cpu.cpu_features import cpu_info
-from kvserve.model.loader import load_model
+from kvserve.model_loader.loader import load_model
 warnings = []
 handler = logging.Handler(logging.WARNING)
 handler.emit = lambda record: warnings.append(record.getMessage())
@@ -505,7 +505,7 @@ def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
     explicit bfloat16 there is honoured with a warning that states the measured cost."""
     import logging
 
-    from kvserve.model import loader
+    from kvserve.model_loader import loader
     from kvserve.kernels.cpu.cpu_features import CpuInfo
 
     build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)

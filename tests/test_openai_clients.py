@@ -15,7 +15,7 @@ import openai
 import pytest
 from test_server import ServerProcess
 
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvserve.eval.heldout import is_heldout, stdlib_files, stdlib_root
 from kvserve.eval.perplexity import NLL, relative_difference, unigram_nll, windows
-from kvserve.model.make_model import TRAINED_MODEL_DIR as TRAINED
+from kvserve.model_loader.make_model import TRAINED_MODEL_DIR as TRAINED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_ppl  # noqa: E402

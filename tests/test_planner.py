@@ -205,7 +205,7 @@ def test_tensor_parallel_splits_kv_heads():
     spec = preset("llama-2-70b")
     assert kv_bytes_per_token(spec, "fp16", tp=8) == 40 * KiB
     assert kv_bytes_per_token(spec, "fp16", tp=16) == 40 * KiB  # heads replicated past 8
-    # 8 KV heads over 3 ranks are 3 + 3 + 2 (kvserve/model/tp_layout.py): the largest rank
+    # 8 KV heads over 3 ranks are 3 + 3 + 2 (kvserve/model_loader/tp_layout.py): the largest rank
     # sizes the pool
     assert kv_bytes_per_token(spec, "fp16", tp=3) == 3 * 40 * KiB
     with pytest.raises(ValueError, match="multiple"):
@@ -237,7 +237,7 @@ def test_plan_reads_new_architectures_through_the_registry(tmp_path, capsys, mon
     registry: the config is read by the architecture's registry entry (the loader's reading),
     the plan states the architecture, the KV bytes per token (2 layers x K and V x 2 KV heads
     x head_dim 16 x 2 bytes) and the exact parameter count from the safetensors headers."""
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
     from kvserve.models import registry
 
     path = make_model(tmp_path / arch, arch, "tiny", with_tokenizer=False)

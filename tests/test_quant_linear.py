@@ -305,7 +305,7 @@ def test_quantization_option():
     """None (the default) keeps the blocks for a float32 model on the CPU and dequantizes
     elsewhere; "gguf" anywhere the kernels cannot run is a clear error, not a silent float
     model; an unknown name is refused."""
-    from kvserve.model import loader
+    from kvserve.model_loader import loader
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert loader._keeps_blocks(None, torch.float32, cpu) == (loader.DEFAULT_QUANTIZATION

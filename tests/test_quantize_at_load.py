@@ -1,5 +1,5 @@
 """Quantize at load (issue 31): quantization="q8_0" | "q4_0" | "q4_1" | "q4_k" quantizes a
-float checkpoint's projections into ggml's block layouts (kvserve/model/quantize_at_load.py).
+float checkpoint's projections into ggml's block layouts (kvserve/model_loader/quantize_at_load.py).
 
 The references are independent of kvserve's kernels: the Q4_K blocks are decoded by
 `gguf.quants.dequantize` (ggml's reference decoder) and must lie within a bound derived from
@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, quants
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import qgemm_select
-from kvserve.model.quantize_at_load import quantize_q4_k
+from kvserve.model_loader.quantize_at_load import quantize_q4_k
 
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was",
          "The three primary colours are", "import numpy as np", "In 1969, astronauts",
@@ -214,7 +214,7 @@ def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm, monkeypatc
 def test_q4_k_needs_its_kernel(float_ckpt):
     """Without the Q4_K kernel q4_k is a clear error naming it; with it, the 1536-wide down
     projections are Q4_K and the 576-wide ones Q4_1."""
-    from kvserve.model.loader import load_model
+    from kvserve.model_loader.loader import load_model
 
     _needs_kernels()
     if not HAS_Q4_K:
@@ -232,8 +232,8 @@ def test_refusals(tmp_path):
     or DeepSeek's MLA / MoE layers: each a ValueError that says why."""
     from gguf_files import smollm2_path
 
-    from kvserve.model.loader import load_model
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.loader import load_model
+    from kvserve.model_loader.make_model import make_model
 
     _needs_kernels()
     with pytest.raises(ValueError, match="quantization='gguf'"):
@@ -256,7 +256,7 @@ def test_flags_and_the_start_up_line(tmp_path, caplog):
     from kvserve import LLM
     from kvserve.cli import build_parser
     from kvserve.config import EngineConfig
-    from kvserve.model.make_model import make_model
+    from kvserve.model_loader.make_model import make_model
 
     _needs_kernels()
     for cmd in ("generate", "serve"):
@@ -268,7 +268,7 @@ def test_flags_and_the_start_up_line(tmp_path, caplog):
     tiny = make_model(tmp_path / "llama", arch="llama", size="tiny")
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(model=str(tiny), quantization="q8_0", max_model_len=64, max_num_seqs=2)
-    from kvserve.model.weight_bytes import weight_bytes
+    from kvserve.model_loader.weight_bytes import weight_bytes
 
     line = weight_bytes(llm.engine.model).line()
     assert line.startswith("weights ") and "q8_0 blocks" in line

@@ -398,7 +398,7 @@ class Proc:
 def replica_model() -> str:
     """The replicas serve the tiny random-weight Qwen2 under the name "default": routing is
     under test here, not the model (the embedded SmolLM2 would cost each replica 0.5 GB)."""
-    from kvserve.model.make_model import ensure_default_model
+    from kvserve.model_loader.make_model import ensure_default_model
 
     return str(ensure_default_model())
 

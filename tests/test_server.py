@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)

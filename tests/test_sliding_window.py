@@ -25,7 +25,7 @@ from reference_attention import reference_paged_attention  # noqa: E402
 
 from kvserve.attention.base import AttentionMetadata, SequenceSlice  # noqa: E402
 from kvserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.config import layer_windows  # noqa: E402
+from kvserve.models.config import layer_windows  # noqa: E402
 from kvserve.models.registry import config_from_dict, config_from_dir  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

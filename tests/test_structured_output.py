@@ -15,7 +15,7 @@ import torch
 from helpers import kv_bytes_per_token
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.sampler import Sampler, SamplingRow
 from kvserve.structured.bitmask import apply_bitmask
 from kvserve.server.tool_parser import ForcedToolCalls, ToolCallStream, assemble, parse_tool_calls

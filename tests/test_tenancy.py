@@ -36,7 +36,7 @@ import pytest
 from server_process import ServerProcess
 from test_server import _assert_error_shape
 
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.server.auth import AccessPolicy
 from kvserve.tenancy import Credentials, cache_namespace, key_digest, read_key_file
 

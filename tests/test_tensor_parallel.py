@@ -19,7 +19,7 @@ from test_mla import make_deepseek_checkpoint
 
 from kvserve import LLM, SamplingParams
 from kvserve.worker.executor import ExecutorDied
-from kvserve.model.tp_layout import check_tp, rank_layout
+from kvserve.model_loader.tp_layout import check_tp, rank_layout
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -174,7 +174,7 @@ def test_prefix_hits_and_a_host_tier_round_trip(models, name, kv_dtype):
 def test_layouts_split_heads_unevenly_and_replicate_kv_heads(models):
     """SmolLM2-135M's shape (9 heads, 3 KV heads) over 2 ranks is 2 + 1 KV heads; a model with
     one KV head replicates it and splits its query heads; an impossible split is refused."""
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.config import ModelConfig
 
     smol = ModelConfig("LlamaForCausalLM", 576, 30, 9, 3, 64, 1536, 49152)
     a, b = (rank_layout(smol, r, 2) for r in range(2))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model.make_model import TRAINED_MODEL_DIR
+from kvserve.model_loader.make_model import TRAINED_MODEL_DIR
 from kvserve.tokenizer_train import BOS_TOKEN_ID, CHATML_TEMPLATE, EOS_TOKEN_ID, SPECIAL_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
-from kvserve.model.make_model import ensure_default_model
+from kvserve.model_loader.make_model import ensure_default_model
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,6 +1,6 @@
 """The planner and the engine agree on weight memory (issue 31): `kvserve plan --quantization`
 predicts, from the config and the file's tensor types alone, the bytes the engine's loaded
-model then holds (kvserve/model/weight_bytes.py), and the KV pool the engine then allocates;
+model then holds (kvserve/model_loader/weight_bytes.py), and the KV pool the engine then allocates;
 and those weight bytes are real: a fresh process that loads the default GGUF model gains
 resident memory within 10% of the file's tensor bytes (read from /proc, not computed).
 """
@@ -42,7 +42,7 @@ def _engine(model: str, quantization: str):
 
 
 def _check(model: str, quantization: str, capsys) -> None:
-    from kvserve.model.weight_bytes import planned_for_checkpoint, weight_bytes
+    from kvserve.model_loader.weight_bytes import planned_for_checkpoint, weight_bytes
 
     engine = _engine(model, quantization)
     held = weight_bytes(engine.model)
@@ -60,8 +60,8 @@ def test_default_gguf_file(capsys):
     so the engine holds the file's tensor bytes exactly."""
     from gguf_files import smollm2_path
 
-    from kvserve.model.gguf_checkpoint import open_gguf
-    from kvserve.model.weight_bytes import weight_bytes
+    from kvserve.model_loader.gguf_checkpoint import open_gguf
+    from kvserve.model_loader.weight_bytes import weight_bytes
 
     path = str(smollm2_path())
     _check(path, "gguf", capsys)
@@ -124,7 +124,7 @@ RSS_PROBE = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
     from kvserve.kernels.cpu import qgemv
     qgemv.load()  # the extension's own pages are not weights
-    from kvserve.model.loader import load_model
+    from kvserve.model_loader.loader import load_model
     # a first load brings in what is not weights (imports, thread pools, the allocator's
     # arenas) and stays; the second load's gain is what one model's weights take
     first, _ = load_model(sys.argv[1], dtype="float32", quantization="gguf")
@@ -146,7 +146,7 @@ def test_resident_memory_is_the_files_tensor_bytes(mixed, tmp_path):
     mix of test_quant_kquants, whose qkv is two block types (kept as both)."""
     from gguf_files import requantize_mixed, smollm2_path
 
-    from kvserve.model.gguf_checkpoint import open_gguf
+    from kvserve.model_loader.gguf_checkpoint import open_gguf
 
     path = str(smollm2_path())
     if mixed:

@@ -26,7 +26,7 @@ from kvserve.kv.bounded import (
 )
 from kvserve.kv.manager import KVCacheManager
 from kvserve.attention.base import AttentionBackend
-from kvserve.model.config import ModelConfig
+from kvserve.models.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler

@@ -27,7 +27,7 @@ from kvserve.kernels.cpu import gemv, qdecode, qgemv
 from kvserve.layers.fast_decode import paged_kernel_args
 from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
 from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedBound, bind_weight
-from kvserve.model.decoder import CausalLM, DecoderLayer
+from kvserve.models.decoder import CausalLM, DecoderLayer
 
 # The rows a step may have on row-tiled weights: the tile kernel wins at every row count
 # (qtiles.h), so the layer path runs it too up to its measured crossover, and a batch-32 step

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.config import ModelConfig
+from kvserve.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None,

@@ -2,7 +2,7 @@
 (`pack_weights`, `apply_gemm_plan`), the fused Triton element-wise kernels on the GPU
 (`use_triton_ops`), and the warm-up of oneDNN's shapes (`warm_up_steps`).
 
-The model code (kvserve/model/decoder.py, deepseek.py, kvserve/models/) never imports this
+The model code (kvserve/models/decoder.py, deepseek.py, kvserve/models/) never imports this
 module or kvserve.kernels (tests/test_architecture.py): a DecoderLayer holds one
 `LayerMethods` per row bucket and runs whichever it is given, the LM head one `LinearMethod`
 per bucket, and the model a `decode_step` (the one-call C++ decode, `FastDecode`) where the
@@ -42,8 +42,8 @@ from kvserve.layers.rotary import apply_rope
 from kvserve.layers.quant_decode import QuantDecode, cpp_rope
 from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantizedEmbedding, QuantizedLinear,
                                         quantized_methods)
-from kvserve.model.decoder import CausalLM, DecoderLayer
-from kvserve.model.deepseek import DeepseekLayer, MoE, SwiGLU
+from kvserve.models.decoder import CausalLM, DecoderLayer
+from kvserve.models.deepseek_layers import DeepseekLayer, MoE, SwiGLU
 
 logger = logging.getLogger("kvserve")
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.config import ModelConfig
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Target:
     offset: float = 0.0
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Tensor parallelism: (dim, start, stop), the range of the checkpoint tensor (of `shape`)
-    # this rank reads into `dest` (kvserve/model/tp_shard.py); None reads all of it.
+    # this rank reads into `dest` (kvserve/model_loader/tp_shard.py); None reads all of it.
     part: tuple[int, int, int] | None = None
 
 
@@ -67,8 +67,8 @@ class Family:
 
 
 def decoder_model() -> type:
-    """The shared decoder (`kvserve.model.decoder.CausalLM`), for the families it runs."""
-    from kvserve.model.decoder import CausalLM
+    """The shared decoder (`kvserve.models.decoder.CausalLM`), for the families it runs."""
+    from kvserve.models.decoder import CausalLM
 
     return CausalLM
 

@@ -1,13 +1,13 @@
 """DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): multi-head latent
-attention and mixture-of-experts layers (`kvserve.model.deepseek`), registered here.
+attention and mixture-of-experts layers (`kvserve.models.deepseek_layers`), registered here.
 
-The config adapter reads the MLA and MoE keys with `kvserve.model.deepseek_config` (the one
+The config adapter reads the MLA and MoE keys with `kvserve.models.deepseek_config` (the one
 reader the planner shares), YaRN RoPE (DeepSeek's long-context checkpoints use it), one KV "head"
 (the latent shared by every head) and head_dim = the RoPE dim, as transformers' configs define
 it. The weight map takes transformers' names, routed experts one by one
 (`mlp.experts.{e}.gate_proj.weight`, as save_pretrained writes them), and permutes the RoPE rows
 of DeepSeek's interleaved pairs into the rotate-half layout (`deinterleave_rows`; see
-`kvserve.model.deepseek`). V3's multi-token-prediction module (layers numbered from
+`kvserve.models.deepseek_layers`). V3's multi-token-prediction module (layers numbered from
 num_hidden_layers on) is left out, as transformers leaves it out.
 
 make-model sizes: tiny (V2 without q_lora, as V2-Lite; V3 with it; both MoE from layer 1 with 8
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvserve.model.deepseek_config import parse_mla, parse_moe
+from kvserve.models.deepseek_config import parse_mla, parse_moe
 from kvserve.models.base import Family
 from kvserve.models.fields import ROPE_TYPES, decoder_fields, gated_activation, rope_fields
 from kvserve.models.weights import WeightMap
@@ -30,7 +30,7 @@ from kvserve.models.weights import WeightMap
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.config import ModelConfig
 
 SIZES = ("tiny", "small")
 _SHAPES = {
@@ -63,7 +63,7 @@ def _config(max_positions: int, d: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _model() -> type:
-    from kvserve.model.deepseek import DeepseekCausalLM
+    from kvserve.models.deepseek_layers import DeepseekCausalLM
 
     return DeepseekCausalLM
 
@@ -72,7 +72,7 @@ def deinterleave_rows(rope_dim: int, blocks: int, block: int
                       ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A transform for a weight whose rows are `blocks` groups of `block` rows each ending in
     `rope_dim` RoPE rows stored as interleaved pairs: those rows reordered evens first, odds
-    after (see kvserve.model.deepseek's docstring)."""
+    after (see kvserve.models.deepseek_layers's docstring)."""
     import torch
 
     perm = torch.arange(rope_dim).view(-1, 2).t().flatten()
@@ -83,7 +83,7 @@ def deinterleave_rows(rope_dim: int, blocks: int, block: int
 
 
 def _weights(model: Any, config: ModelConfig) -> dict:
-    from kvserve.model.deepseek import MoE
+    from kvserve.models.deepseek_layers import MoE
 
     m = config.mla
     assert m is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.model.config import checkpoint_dtype, layer_windows, yarn_mscale
+from kvserve.models.config import checkpoint_dtype, layer_windows, yarn_mscale
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",

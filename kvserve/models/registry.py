@@ -9,7 +9,7 @@ supported ones.
 
 Why a module of its own, above the model config: a family needs the model code (its model
 class) and the model code needs `ModelConfig`, so the table that reaches every family cannot
-sit in `kvserve.model.config`. Reading a config imports no torch: families import their model
+sit in `kvserve.models.config`. Reading a config imports no torch: families import their model
 class only when it is asked for.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.model.config import ModelConfig, read_json_object
+from kvserve.models.config import ModelConfig, read_json_object
 from kvserve.models import deepseek, gemma3, llama, olmo2, phi3
 from kvserve.models.base import Family
 

@@ -1,4 +1,4 @@
-"""Checkpoint weight maps onto the shared decoder (`kvserve.model.decoder.CausalLM`): every
+"""Checkpoint weight maps onto the shared decoder (`kvserve.models.decoder.CausalLM`): every
 Hugging Face tensor name -> the slice of the fused parameter it fills.
 
 The decoder keeps q, k and v in one `qkv_proj` ([q; k; v] rows) and gate and up in one
@@ -22,7 +22,7 @@ from kvserve.models.base import Target
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.model.config import ModelConfig
+    from kvserve.models.config import ModelConfig
 
 # decoder norm parameter -> the name most checkpoints give it
 LLAMA_NORMS = {"input_layernorm": "input_layernorm",

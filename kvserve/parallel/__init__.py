@@ -1,8 +1,8 @@
 """Tensor parallelism: one model split across worker processes (`tensor_parallel_size`).
 
 The layout (which heads, MLP columns and vocabulary rows each rank holds) and the slices a rank
-reads from a checkpoint are the model's: kvserve/model/tp_layout.py and tp_shard.py, which the
-loader and the planner read too.
+reads from a checkpoint are the loader's: kvserve/model_loader/tp_layout.py and tp_shard.py,
+which the planner reads too.
 
 comm.py      the collectives a sharded forward runs (torch.distributed)
 layers.py    the sharded layers' methods: row-parallel projections, vocabulary-parallel

@@ -20,7 +20,7 @@ from kvserve.layers.block import dense_methods
 from kvserve.layers.buckets import NUM_BUCKETS
 from kvserve.layers.linear import Dense, LinearMethod
 from kvserve.parallel.comm import Comm
-from kvserve.model.tp_layout import RankLayout
+from kvserve.model_loader.tp_layout import RankLayout
 
 
 class Reduced(LinearMethod):
@@ -74,7 +74,7 @@ def pack_column_parallel(model) -> None:
     from dataclasses import replace
 
     from kvserve.layers import selection
-    from kvserve.model.decoder import DecoderLayer
+    from kvserve.models.decoder import DecoderLayer
 
     if model.embed_tokens.device.type != "cpu" or model.dtype != torch.float32 \
             or not all(isinstance(layer, DecoderLayer) for layer in model.layers):
@@ -90,7 +90,7 @@ def bind_tensor_parallel(model, layout: RankLayout, comm: Comm, vocab_sizes: lis
     """Install the sharded methods on a rank's model (loaded with `load_model(shard=...)`,
     perhaps packed by `pack_column_parallel`): o and down all-reduce before their residual
     adds, the embedding and the head are vocabulary-parallel, no one-call decode step."""
-    from kvserve.model.deepseek import DeepseekLayer, MoE
+    from kvserve.models.deepseek_layers import DeepseekLayer, MoE
 
     model.embed_fn = VocabParallelEmbedding(model.embed_tokens, layout.vocab[0], comm)
     head = model.lm_head if model.lm_head is not None else model.embed_tokens

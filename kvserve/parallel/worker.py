@@ -150,10 +150,10 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
     from kvserve.worker import builder
     from kvserve.worker.model_runner import ModelRunner
     from kvserve.kv.tensors import KVTensorPool
-    from kvserve.model.loader import load_model
-    from kvserve.model.weight_bytes import weight_bytes
+    from kvserve.model_loader.loader import load_model
+    from kvserve.model_loader.weight_bytes import weight_bytes
     from kvserve.parallel.layers import bind_tensor_parallel, pack_column_parallel
-    from kvserve.model.tp_layout import rank_config, rank_layout
+    from kvserve.model_loader.tp_layout import rank_config, rank_layout
     from kvserve.parallel.comm import Comm, ShmExchange
 
     full = builder.model_config_of(config)

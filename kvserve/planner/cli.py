@@ -88,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if weights is not None:
             raise ValueError("give --quantization (the engine's count) or --weight-memory, "
                              "not both")
-        from kvserve.model.weight_bytes import planned_for_checkpoint
+        from kvserve.model_loader.weight_bytes import planned_for_checkpoint
 
         weights = planned_for_checkpoint(args.model, args.quantization).total
     plan = make_plan(

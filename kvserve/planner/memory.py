@@ -26,7 +26,7 @@ from kvserve.dtypes import short_dtype_name
 from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, MLALatentSpec, decoder_kv_spec,
                              mla_saving_line)
 from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype
-from kvserve.model.tp_layout import split
+from kvserve.model_loader.tp_layout import split
 from kvserve.planner.model import ModelSpec
 
 # -- KV bytes: from the same spec classes the engine sizes its pool with ----------------------
@@ -39,7 +39,7 @@ def resolve_kv_dtype(name: str, spec: ModelSpec | None = None) -> str:
 
 def kv_heads_per_gpu(spec: ModelSpec, tp: int = 1) -> int:
     """The KV heads of the largest rank, which sizes every rank's pool (the engine's split,
-    kvserve/model/tp_layout.py: near-equal ranges, so 3 heads over 2 ranks are 2 + 1; with
+    kvserve/model_loader/tp_layout.py: near-equal ranges, so 3 heads over 2 ranks are 2 + 1; with
     fewer heads than ranks each rank holds a replica of one)."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import short_dtype_name
-from kvserve.model.config import ModelConfig, checkpoint_dtype, layer_windows, read_json_object
-from kvserve.model.deepseek_config import MLAConfig, parse_mla
-from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
+from kvserve.models.config import ModelConfig, checkpoint_dtype, layer_windows, read_json_object
+from kvserve.models.deepseek_config import MLAConfig, parse_mla
+from kvserve.model_loader.gguf_checkpoint import is_gguf, open_gguf
 from kvserve.models import registry
 from kvserve.planner.presets import lookup, preset_names
 
@@ -225,7 +225,7 @@ def _opt_int(d: dict[str, Any], key: str, source: str, aliases: tuple[str, ...] 
 
 def _layer_windows(d: dict[str, Any], layers: int, source: str) -> tuple[int | None, ...]:
     """Per layer: None for full attention, else the sliding window in tokens (the engine's
-    rules, `kvserve.model.config.layer_windows`), errors prefixed with the source."""
+    rules, `kvserve.models.config.layer_windows`), errors prefixed with the source."""
     try:
         return layer_windows(d, layers)
     except ValueError as e:

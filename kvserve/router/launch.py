@@ -77,8 +77,8 @@ def load_tokenizer(path: str | None):
         return None
     from kvserve.tokenizer import Tokenizer
 
-    from kvserve.model.default import NAME, embedded_model_path
-    from kvserve.model.gguf_checkpoint import tokenizer_dir
+    from kvserve.model_loader.default import NAME, embedded_model_path
+    from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
 
     if path in ("default", NAME):  # the model `kvserve serve` runs when given none
         path = str(embedded_model_path())

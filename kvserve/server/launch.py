@@ -19,7 +19,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
         return list(args.served_model_name)
     if args.model is not None:
         return [args.model]
-    from kvserve.model.default import NAME
+    from kvserve.model_loader.default import NAME
 
     return [NAME]
 

@@ -39,10 +39,10 @@ from kvserve.kv.tiers.link import TierLink
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.select import make_attention_backend
 from kvserve.layers.selection import use_triton_ops
-from kvserve.model.config import ModelConfig
-from kvserve.model.decoder import CausalLM
-from kvserve.model.gguf_checkpoint import tokenizer_dir
-from kvserve.model.loader import load_model
+from kvserve.models.config import ModelConfig
+from kvserve.models.decoder import CausalLM
+from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
+from kvserve.model_loader.loader import load_model
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -71,7 +71,7 @@ class EngineParts:
 def resolve_model_dir(config: EngineConfig) -> str:
     """config.model, the embedded default's path when it is None (written back)."""
     if config.model is None:
-        from kvserve.model.default import embedded_model_path
+        from kvserve.model_loader.default import embedded_model_path
 
         config.model = str(embedded_model_path())
     return config.model
@@ -79,7 +79,7 @@ def resolve_model_dir(config: EngineConfig) -> str:
 
 def model_config_of(config: EngineConfig) -> ModelConfig:
     """The model's config.json (a GGUF file's metadata), without loading any weight."""
-    from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
+    from kvserve.model_loader.gguf_checkpoint import is_gguf, open_gguf
     from kvserve.models import registry
 
     model_dir = resolve_model_dir(config)
@@ -238,7 +238,7 @@ def kv_scales(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelCon
     storage = kv_spec.layer_specs()[0].storage
     if storage.dtype != "fp8":
         return None, False
-    from kvserve.model.loader import read_kv_scales
+    from kvserve.model_loader.loader import read_kv_scales
 
     scales = read_kv_scales(model_dir, model_config.num_hidden_layers)
     if scales is not None:
@@ -308,7 +308,7 @@ def _log_capacity(config: EngineConfig, kv: KVCacheManager, model_config: ModelC
     (quantized blocks and float tensors: `weight_bytes`, the count `kvserve plan
     --quantization` predicts), the KV pool's bytes, tokens and requests, and what MLA's
     latent cache saves."""
-    from kvserve.model.weight_bytes import weight_bytes
+    from kvserve.model_loader.weight_bytes import weight_bytes
 
     logger.info("%s; KV pool %.1f MB", weight_bytes(model).line(),
                 kv.num_blocks * kv_spec.page_bytes(groups) / 1e6)

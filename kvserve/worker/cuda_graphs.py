@@ -28,7 +28,7 @@ from kvserve.attention.base import AttentionMetadata, padded_block_tables
 from kvserve.attention.triton_backend import (DecodeState, TritonAttentionBackend,
                                               TritonStepState)
 from kvserve.attention.triton_kernels import decode_splits
-from kvserve.model.decoder import CausalLM
+from kvserve.models.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")
 

@@ -15,7 +15,7 @@ import os
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.model.decoder import CausalLM
+from kvserve.models.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")
 

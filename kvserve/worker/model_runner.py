@@ -24,7 +24,7 @@ from kvserve.worker.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SequenceSlice
-from kvserve.model.decoder import CausalLM
+from kvserve.models.decoder import CausalLM
 
 logger = logging.getLogger("kvserve")
 

@@ -6,7 +6,7 @@ two; a 28-layer model then launches ~800 kernels per step, and even replayed fro
 each costs a couple of microseconds, which at batch 1 is a large slice of a step that should
 take as long as reading the weights once. Fused, a layer's element-wise work is four kernels.
 
-Numerics follow the PyTorch path in `kvserve.model.decoder` (Hugging Face's order): RMSNorm
+Numerics follow the PyTorch path in `kvserve.models.decoder` (Hugging Face's order): RMSNorm
 statistics in float32, the normalised value cast to the model dtype before the weight is
 applied; SiLU rounded to the model dtype before the product. RoPE is computed in float32 and
 rounded once (PyTorch rounds the two products separately), a difference of at most one unit in

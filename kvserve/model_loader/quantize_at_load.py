@@ -1,7 +1,7 @@
 """Quantize a float checkpoint's projections at load (issue 31: `quantization="q8_0" | "q4_0"
 | "q4_1" | "q4_k"`, vLLM's --quantization) into ggml's block layouts, kept as the same
 `QuantWeight`s a GGUF file's blocks become, so `selection.bind_quantized` runs them on the
-same kernels (what a model then holds: kvserve/model/weight_bytes.py).
+same kernels (what a model then holds: kvserve/model_loader/weight_bytes.py).
 
 What is quantized: every DecoderLayer's qkv, o, gate_up and down projections
 (`PROJECTION_ATTRS`); the embedding, the norms, the biases and the LM head stay float32 (the
@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight
-from kvserve.model.decoder import CausalLM, DecoderLayer
+from kvserve.models.decoder import CausalLM, DecoderLayer
 
 logger = logging.getLogger("kvserve")
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.models.base import Target
-from kvserve.model.tp_layout import RankLayout, split
+from kvserve.model_loader.tp_layout import RankLayout, split
 
 _ROWS_BY_Q_HEAD = re.compile(r".*self_attn\.(q_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROWS_BY_KV_HEAD = re.compile(r".*self_attn\.[kv]_proj\.(weight|bias)$")

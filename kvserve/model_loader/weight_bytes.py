@@ -15,7 +15,7 @@ import torch
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers.quant_linear import PROJECTION_ATTRS, kept_as_blocks
-from kvserve.model.decoder import CausalLM, DecoderLayer
+from kvserve.models.decoder import CausalLM, DecoderLayer
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def planned_for_checkpoint(path: str, quantization: str) -> WeightBytes:
     loader refuses (at-load quantization of a GGUF file, "gguf" on a safetensors one)."""
     from pathlib import Path
 
-    from kvserve.model.gguf_checkpoint import is_gguf, open_gguf
+    from kvserve.model_loader.gguf_checkpoint import is_gguf, open_gguf
     from kvserve.models import registry
 
     if quantization not in quant_formats.QUANTIZATIONS:

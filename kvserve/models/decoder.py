@@ -44,7 +44,7 @@ from kvserve.layers.buckets import NUM_BUCKETS, bucket_of
 from kvserve.layers.linear import Dense, LinearMethod
 from kvserve.layers.norm import rms_norm
 from kvserve.layers.rotary import rope_cache
-from kvserve.model.config import ModelConfig
+from kvserve.models.config import ModelConfig
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -142,7 +142,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Parameters are allocated uninitialised; `kvserve.model.loader.load_model` fills them."""
+    """Parameters are allocated uninitialised; `kvserve.model_loader.loader.load_model` fills
+    them."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = "cpu") -> None:
@@ -189,7 +190,7 @@ class CausalLM(nn.Module):
     def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
                    device: torch.device | str | None) -> nn.Module:
         """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
-        `kvserve.model.deepseek`) overrides this and keeps the rest of the model."""
+        `kvserve.models.deepseek_layers`) overrides this and keeps the rest of the model."""
         return DecoderLayer(config, index, dtype, device)
 
     def warm_up_layers(self) -> list[nn.Module]:

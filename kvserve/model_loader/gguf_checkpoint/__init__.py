@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvserve.model.gguf_checkpoint import arch as _arch
-from kvserve.model.gguf_checkpoint.reader import (TensorData, TensorInfo, check_types, is_gguf,
-                                                  read_index, sidecar_dir, write_atomic)
-from kvserve.model.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
+from kvserve.model_loader.gguf_checkpoint import arch as _arch
+from kvserve.model_loader.gguf_checkpoint.reader import (TensorData, TensorInfo, check_types,
+                                                         is_gguf, read_index, sidecar_dir,
+                                                         write_atomic)
+from kvserve.model_loader.gguf_checkpoint.tokenizer import has_tokenizer, tokenizer_files
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,7 @@ class GGUFTensor:
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor as float32, dequantizing only those (a
         tensor-parallel rank's slice: the whole tensor is never expanded to float)."""
-        from kvserve.model.gguf_checkpoint.dequant import dequantize
+        from kvserve.model_loader.gguf_checkpoint.dequant import dequantize
 
         rows = self.raw_rows()[start:stop]
         return dequantize(rows.reshape(-1), self.info.type_name,
@@ -67,7 +68,7 @@ class GGUFTensor:
     def dequantize(self) -> torch.Tensor:
         """float32, with llama.cpp's q/k row permutation undone (torch is imported here, not
         above: the planner reads GGUF headers without it)."""
-        from kvserve.model.gguf_checkpoint.dequant import dequantize
+        from kvserve.model_loader.gguf_checkpoint.dequant import dequantize
 
         w = dequantize(self.raw(), self.info.type_name, self.info.shape, self.info.name)
         if self._unpermute_heads is not None:

@@ -3,7 +3,7 @@
 One `ModelConfig` describes every supported architecture; the differences between them are a
 few flags (`attention_bias`, `qk_norm`, the norm placement `pre_norms` / `output_norms`,
 Gemma 3's `embed_scale`, activation, attention scale, logit soft-capping and local RoPE base,
-Phi-3's partial `rotary_dim`) that the single decoder in `kvserve.model.decoder` reads. Which
+Phi-3's partial `rotary_dim`) that the single decoder in `kvserve.models.decoder` reads. Which
 flags an architecture sets is its family's business: `kvserve.models.registry` turns a Hugging
 Face `config.json` into a `ModelConfig` (`config_from_dict`, `config_from_dir`), one module per
 family under `kvserve/models/`. This module stays below the model code and the registry, so both
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.dtypes import DTYPES, canonical_dtype
-from kvserve.model.deepseek_config import MLAConfig, MoEConfig
+from kvserve.models.deepseek_config import MLAConfig, MoEConfig
 
 
 @dataclass

@@ -31,9 +31,9 @@ from kvserve.layers.activation import gated
 from kvserve.layers.linear import Dense, LinearMethod
 from kvserve.layers.norm import rms_norm
 from kvserve.layers.rotary import apply_rope
-from kvserve.model.config import ModelConfig
-from kvserve.model.decoder import CausalLM, _param
-from kvserve.model.deepseek_config import MoEConfig
+from kvserve.models.config import ModelConfig
+from kvserve.models.decoder import CausalLM, _param
+from kvserve.models.deepseek_config import MoEConfig
 
 
 class MoE(nn.Module):

@@ -27,20 +27,20 @@ from safetensors import safe_open
 from kvserve import features as F
 from kvserve import quant_formats
 from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
-from kvserve.model.config import ModelConfig
+from kvserve.models.config import ModelConfig
 from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import selection
 from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantWeight, StackedQuantWeight,
                                          kept_as_blocks)
-from kvserve.model.decoder import CausalLM, DecoderLayer
-from kvserve.model.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
-from kvserve.model.gguf_checkpoint.dequant import TORCH_TYPES
+from kvserve.models.decoder import CausalLM, DecoderLayer
+from kvserve.model_loader.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
+from kvserve.model_loader.gguf_checkpoint.dequant import TORCH_TYPES
 from kvserve.models import registry
 from kvserve.models.base import Target
 
 if TYPE_CHECKING:
-    from kvserve.model.tp_layout import RankLayout
+    from kvserve.model_loader.tp_layout import RankLayout
 
 logger = logging.getLogger("kvserve")
 
@@ -54,7 +54,7 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_
 
 # load_model's quantization: "gguf" keeps a GGUF file's block formats, "none" dequantizes,
 # "q8_0" / "q4_0" / "q4_1" / "q4_k" quantize a float checkpoint's projections at load
-# (kvserve/model/quantize_at_load.py)
+# (kvserve/model_loader/quantize_at_load.py)
 QUANTIZATIONS = quant_formats.QUANTIZATIONS
 # For a GGUF file on the CPU: measured on the default model (SmolLM2-135M, Q4_1 projections,
 # Q8_0 head), AVX-512 VNNI Xeon, 2 threads, batch-1 decode after a 128-token prompt: 99.3
@@ -137,7 +137,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     projections at load into those block formats (quantize_at_load.py; float32 on the CPU:
     dtype "auto" means float32 there).
 
-    `shard` (a tensor-parallel rank's layout, kvserve/model/tp_layout.py) builds that rank's
+    `shard` (a tensor-parallel rank's layout, kvserve/model_loader/tp_layout.py) builds that rank's
     part of the model and reads only its slice of each tensor; nothing is packed here
     (kvserve/parallel/layers.py binds the rank's methods around its collectives) and a GGUF
     file is dequantized. The config returned is the whole model's."""
@@ -158,7 +158,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     files = checkpoint_files(model_dir) if gguf is None else []
     model_config = config
     if shard is not None:
-        from kvserve.model.tp_layout import rank_config
+        from kvserve.model_loader.tp_layout import rank_config
 
         if at_load:
             F.refuse(F.TENSOR_PARALLEL, F.QUANTIZE_AT_LOAD)
@@ -167,7 +167,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         model = family.model()(model_config, torch_dtype, device)
         targets = family.weights(model, model_config)
         if shard is not None:
-            from kvserve.model.tp_shard import shard_targets
+            from kvserve.model_loader.tp_shard import shard_targets
 
             targets = shard_targets(targets, shard, config)
         loaded: set[str] = set()
@@ -183,7 +183,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing tensor(s): {shown}")
     model.eval()
     if at_load:
-        from kvserve.model.quantize_at_load import quantize_model
+        from kvserve.model_loader.quantize_at_load import quantize_model
 
         del targets  # views of the float projections: let them go as each is quantized
         quantize_model(model, quantization)

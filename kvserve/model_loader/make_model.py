@@ -7,7 +7,7 @@ with the shapes it expects, so make-model cannot write a checkpoint the loader w
 `ensure_default_model` builds the tiny random-weight Qwen2 once per cache directory: the tests'
 shared checkpoint.
 
-    python -m kvserve.model.make_model OUT_DIR --arch qwen2 --size small
+    python -m kvserve.model_loader.make_model OUT_DIR --arch qwen2 --size small
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def default_model_path() -> Path:
 
 
 # The trained model kvserve ships as package data (scripts/train_model.py makes it): no longer
-# the default (kvserve.model.default is), kept as the asset that shows training reproduces.
+# the default (kvserve.model_loader.default is), kept as the asset that shows training reproduces.
 TRAINED_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "stdlib-coder"
 
 
