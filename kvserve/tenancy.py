@@ -33,12 +33,16 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
 
 
-def bearer_key(headers: Mapping[str, str]) -> str | None:
-    """The key of an `Authorization: Bearer KEY` header (None without one)."""
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() != "bearer ":
+def bearer_of(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header's value (None without one)."""
+    if not authorization or authorization[:7].lower() != "bearer ":
         return None
-    return auth[7:] or None
+    return authorization[7:] or None
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """The key of a request's `Authorization: Bearer KEY` header (None without one)."""
+    return bearer_of(headers.get("authorization"))
 
 
 def cache_namespace(isolation: str, cache_salt: str | None, key: str | None) -> str | None:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from kvserve.server.anthropic_protocol import shaped_error
 from kvserve.server.protocol import APIError
-from kvserve.tenancy import KV_ISOLATION, Credentials, cache_namespace
+from kvserve.tenancy import KV_ISOLATION, Credentials, bearer_of, cache_namespace
 from kvserve.web import is_public
 from kvserve.validation import check_cache_salt
 
@@ -97,9 +97,7 @@ class AccessPolicy:
         not accepted (the route decides whether that matters)."""
         if not self.credentials.configured:
             return Caller(self.admin_open)
-        key = authorization[7:] if authorization and authorization[:7].lower() == "bearer " \
-            else None
-        digest = self.credentials.check(key)
+        digest = self.credentials.check(bearer_of(authorization))
         if digest is None:
             return None
         return Caller(self.admin_open or self.credentials.is_admin(digest), digest)
@@ -144,21 +142,16 @@ ANONYMOUS = Caller(admin=False)
 
 
 def caller_of(request: Request) -> Caller:
-    """The caller the middleware found (an app built without one: nobody is told apart)."""
-    return getattr(request.state, "caller", None) or Caller(admin=True)
-
-
-def require_admin(request: Request, policy: AccessPolicy) -> None:
-    if not caller_of(request).admin:
-        raise APIError(403, policy.admin_refusal(), code="insufficient_permissions")
+    """The caller the middleware found (none found: a caller without a key or a role)."""
+    return getattr(request.state, "caller", None) or ANONYMOUS
 
 
 class AuthMiddleware:
     """Pure ASGI middleware (BaseHTTPMiddleware would wrap `receive` and break the disconnect
     detection): `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/* and the
-    admin routes, as vLLM does (with
-    `protect_all`, on every route but /health); 403 on an admin route for a caller who is not
-    the admin. The caller goes to the handlers in `request.state.caller`."""
+    admin routes, as vLLM does (with `protect_all`, on every route but /health and the page);
+    403 on an admin route for a caller who is not the admin. The caller goes to the handlers
+    in `request.state.caller`."""
 
     def __init__(self, app, policy: AccessPolicy) -> None:
         self.app = app
