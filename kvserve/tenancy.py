@@ -40,9 +40,9 @@ def bearer_of(authorization: str | None) -> str | None:
     return authorization[7:] or None
 
 
-def bearer_key(headers: Mapping[str, str]) -> str | None:
-    """The key of a request's `Authorization: Bearer KEY` header (None without one)."""
-    return bearer_of(headers.get("authorization"))
+def client_key(headers: Mapping[str, str]) -> str | None:
+    """A request's API key: its bearer token, else Anthropic's `x-api-key` header."""
+    return bearer_of(headers.get("authorization")) or headers.get("x-api-key") or None
 
 
 def cache_namespace(isolation: str, cache_salt: str | None, key: str | None) -> str | None:

@@ -507,6 +507,36 @@ def test_errors_pass_through_with_their_status_codes(client, cluster):
 
 
 @pytest.mark.timeout(300)
+def test_anthropic_messages_through_the_gateway(cluster):
+    """/v1/messages is routed as chat is: Anthropic's SDK through the cache-aware gateway
+    keeps a shared system prompt on one replica (its later requests read the cache); the
+    gateway that checks keys takes x-api-key and answers a wrong one in Anthropic's shape."""
+    import anthropic
+
+    gw = anthropic.Anthropic(base_url=cluster["gateway"].url, api_key=KEY, max_retries=0,
+                             timeout=120)
+    served, read = [], []
+    for i in range(3):
+        raw = gw.messages.with_raw_response.create(
+            model="default", max_tokens=2, system="Anthropic route. " + SYSTEM,
+            messages=[{"role": "user", "content": f"question {i}"}])
+        served.append(raw.headers["x-kvserve-replica"])
+        read.append(raw.parse().usage.cache_read_input_tokens)
+    assert len(set(served)) == 1 and all(r > 100 for r in read[1:]), (served, read)
+    keyed = cluster["keyed_gateway"].url
+    good = anthropic.Anthropic(base_url=keyed, api_key=KEY, max_retries=0)
+    assert good.messages.count_tokens(model="default", messages=[
+        {"role": "user", "content": "hi"}]).input_tokens > 0
+    with good.messages.stream(model="default", max_tokens=3,
+                              messages=[{"role": "user", "content": "hi"}]) as stream:
+        assert stream.get_final_message().usage.output_tokens >= 1
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=keyed, api_key="wrong", max_retries=0).messages.create(
+            model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.timeout(300)
 def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(client,
                                                                              cluster):
     gw = cluster["gateway"].url

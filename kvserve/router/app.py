@@ -44,13 +44,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.anthropic_errors import anthropic_error, is_anthropic_path
 from kvserve.router.events import subscribe
 from kvserve.router.keys import PrefixKeyer
 from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policies import NoReplicaAvailable, RoutingPolicy
 from kvserve.router.replicas import ReplicaState, check_once, health_loop
 from kvserve.web import install_web
-from kvserve.tenancy import Credentials, bearer_key
+from kvserve.tenancy import Credentials, client_key
 
 logger = logging.getLogger("kvserve.router")
 
@@ -58,7 +59,11 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 _KEY_INLINE_BYTES = 64 * 1024  # larger bodies are keyed (parsed, tokenized) in a worker thread
 
 
-def error_body(status: int, message: str, code: str | int | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, code: str | int | None = None,
+               path: str = "") -> dict[str, Any]:
+    """OpenAI's error object, or Anthropic's on /v1/messages (what that route's clients read)."""
+    if is_anthropic_path(path):
+        return anthropic_error(status, message)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": None,
                       "code": code if code is not None else status}}
@@ -223,13 +228,14 @@ class Gateway:
     def authorized(self, request: Request) -> bool:
         credentials = self.config.credentials
         return not credentials.configured or \
-            credentials.check(bearer_key(request.headers)) is not None
+            credentials.check(client_key(request.headers)) is not None
 
     @staticmethod
     def upstream_auth(client_headers) -> dict[str, str]:
-        """The client's own credential, for the replica to judge (its roles, its isolation)."""
-        auth = client_headers.get("authorization") if client_headers else None
-        return {"authorization": auth} if auth else {}
+        """The client's own credential, for the replica to judge (its roles, its isolation):
+        its Authorization header, or Anthropic's x-api-key."""
+        return {name: client_headers[name] for name in ("authorization", "x-api-key")
+                if client_headers and client_headers.get(name)}
 
     def admin_auth(self) -> dict[str, str]:
         key = self.config.admin_api_key
@@ -302,8 +308,9 @@ class Gateway:
         if raw is None:
             limit = self.config.max_request_body_bytes
             return JSONResponse(error_body(413, f"the request body is larger than {limit:,} "
-                                           "bytes (--max-request-body-bytes)"), status_code=413)
-        body, hashes = await self.keys(path, raw, bearer_key(request.headers))
+                                           "bytes (--max-request-body-bytes)", path=path),
+                                status_code=413)
+        body, hashes = await self.keys(path, raw, client_key(request.headers))
         headers = {"content-type": request.headers.get("content-type", "application/json"),
                    **self.upstream_auth(request.headers)}
         return await self.route(path, raw, body, Keyed(hashes), headers)
@@ -465,9 +472,10 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)),
                             status_code=exc.status_code)
 
-    def unauthorized() -> JSONResponse:
+    def unauthorized(path: str = "") -> JSONResponse:
         return JSONResponse(error_body(401, "Invalid API key: pass it as 'Authorization: Bearer "
-                                       "<key>'", code="invalid_api_key"), status_code=401)
+                                       "<key>' (or x-api-key)", code="invalid_api_key",
+                                       path=path), status_code=401)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -480,6 +488,19 @@ def build_router_app(gateway: Gateway) -> FastAPI:
         if not gateway.authorized(request):
             return unauthorized()
         return await gateway.forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API, routed as chat is (keys.py reads its conversation)."""
+        if not gateway.authorized(request):
+            return unauthorized("/v1/messages")
+        return await gateway.forward(request, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        if not gateway.authorized(request):
+            return unauthorized("/v1/messages/count_tokens")
+        return await gateway.forward(request, "/v1/messages/count_tokens")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -64,6 +64,37 @@ def chat_messages(messages: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+def _texts(blocks: Any) -> str | None:
+    """Anthropic content: a string, or its text blocks joined as the server joins them."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        return None
+    return "\n".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text"
+                     and isinstance(b.get("text"), str))
+
+
+def anthropic_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list | None]:
+    """A Messages body (`/v1/messages`) as the chat messages and tools the server renders it
+    with (kvserve/server/serving_messages.py), as far as text goes: tool blocks are left out,
+    so a conversation's keys stop matching the replica's where one stands (routing only)."""
+    out: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        system = _texts(body["system"])
+        if system is None:
+            return None, None
+        out.append({"role": "system", "content": system})
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict) or _texts(m.get("content")) is None:
+            return None, None
+        out.append({"role": m.get("role"), "content": _texts(m["content"])})
+    tools = [{"type": "function", "function": {
+        "name": t.get("name"), "parameters": t.get("input_schema"),
+        **({"description": t["description"]} if "description" in t else {})}}
+        for t in body.get("tools") or () if isinstance(t, dict)] or None
+    return chat_messages(out) if out else None, tools
+
+
 class PrefixKeyer:
     """Turns a request body into its prefix key (a list of chained block hashes)."""
 
@@ -84,22 +115,28 @@ class PrefixKeyer:
                             b"text:" + extra_keys(salt))
 
     def keys(self, path: str, body: dict[str, Any], api_key: str | None = None) -> list[int]:
-        """The body's prefix key for `path` (/v1/completions or /v1/chat/completions), in the
-        namespace the replicas give it (its cache_salt, or under api_key isolation the
-        client's `api_key` too); an empty list when there is nothing to key by (the policy
-        then balances load)."""
+        """The body's prefix key for `path` (/v1/completions, /v1/chat/completions or
+        Anthropic's /v1/messages), in the namespace the replicas give it (its cache_salt, or
+        under api_key isolation the client's `api_key` too); an empty list when there is
+        nothing to key by (the policy then balances load)."""
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         salt = cache_namespace(self.kv_isolation, salt,
                                None if api_key is None else key_digest(api_key))
-        if path.endswith("/chat/completions"):
-            messages = chat_messages(body.get("messages"))
+        if path.endswith("/count_tokens"):
+            return []  # counted, not run: any replica
+        if path.endswith("/chat/completions") or path.endswith("/messages"):
+            if path.endswith("/messages"):
+                messages, tools = anthropic_chat(body)
+                generation_prompt = True
+            else:
+                messages, tools = chat_messages(body.get("messages")), body.get("tools")
+                generation_prompt = body.get("add_generation_prompt", True) is not False
             if messages is None:
                 return []
             if self.tokenizer is not None:
                 try:
                     text = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=body.get("add_generation_prompt", True)
-                        is not False, tools=body.get("tools") or None)
+                        messages, add_generation_prompt=generation_prompt, tools=tools or None)
                     return self.token_keys(self.tokenizer.encode(text, False), salt)
                 except Exception:  # the replica will answer the error; key by text meanwhile
                     pass

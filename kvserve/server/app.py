@@ -31,8 +31,8 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server import serving_pins
-from kvserve.server.anthropic_protocol import (CountTokensRequest, MessagesRequest,
-                                               anthropic_error, is_anthropic_path, shaped_error)
+from kvserve.anthropic_errors import anthropic_error, is_anthropic_path
+from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, shaped_error
 from kvserve.server.auth import AccessPolicy, AuthMiddleware, caller_of
 from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequest,
                                      ChatCompletionRequest,

@@ -32,8 +32,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from kvserve.server.anthropic_protocol import (CountTokensRequest, MessagesRequest, Tool,
-                                               anthropic_error)
+from kvserve.anthropic_errors import anthropic_error
+from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, Tool
 from kvserve.server.cache_control import message_control
 from kvserve.server.protocol import APIError, ChatCompletionRequest
 from kvserve.server.serving import off_loop, text_size
