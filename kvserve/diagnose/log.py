@@ -4,8 +4,8 @@ Three line shapes, mixed freely in one file:
 
 - kvserve's: `{"time", "cache_salt", "messages" | "prompt" | "prompt_token_ids",
   "prompt_tokens", "cached_tokens", ...}` (and `"namespace"`, the one the cache used, under
-  `--kv-isolation api_key` or `none`: diagnose replays by it) after a header `{"meta": {"block_size",
-  "pool_blocks", ...}}` (kvserve/server/request_log.py writes both);
+  `--kv-isolation api_key` or `none`: diagnose replays by it) after a header `{"meta":
+  {"block_size", "pool_blocks", ...}}` (kvserve/server/request_log.py writes both);
 - a request body of `/v1/chat/completions` (`{"messages": [...], ...}`) or `/v1/completions`
   (`{"prompt": ...}`), as a client or proxy would log it;
 - the batch API's line, `{"custom_id", "method", "url", "body": {...}}`.

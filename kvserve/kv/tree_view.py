@@ -5,10 +5,11 @@ The index holds one node per block; a person wants the branches. So each maximal
 nodes with one child each is one segment: where it starts (tokens from the root), how many
 tokens it spans, how many cached blocks hang below its start (what evicting it would cost the
 cache), the hits of its first block and how long ago it was last used, its retention (a
-priority above the default, and the seconds its TTL has left) and whose it is (the tenant, as a
-digest: a salt is meant to be secret), a few tokens of its text, and its children segments. The widest branches come first and the tree is cut to `limit`
-segments, so a cache of a million blocks answers in a bounded walk of the segments shown
-(sizes are counted once per call, bottom up).
+priority above the default, and the seconds its TTL has left) and whose it is (the tenant, as
+a digest: a salt is meant to be secret), a few tokens of its text, and its children segments.
+The widest branches come first and the answer is cut to `limit` segments; the sizes take one
+walk of the whole tree per call (bottom up, no recursion), on the engine's thread between
+steps, which is why the page asks for it less often than for the metrics.
 """
 
 from __future__ import annotations

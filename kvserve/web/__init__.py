@@ -1,8 +1,8 @@
 """The web page at `/` (kvserve serve and kvserve route): static files from the package.
 
 Apart from the server and the gateway, which both install it (the gateway imports nothing of
-the server). A chat that streams and a cache panel (kvserve/web/static/app.js says what it shows and why it
-can only show text). The files are served as they are, with no build step; the page document
+the server). A chat that streams and a cache panel (kvserve/web/static/app.js says what it
+shows and why it can only show text). The files are served as they are, with no build step; the page document
 carries a Content Security Policy that allows scripts, styles and requests from this origin
 only, no inline script or style, no plugins, no framing: even if a hostile prompt did reach the
 DOM as markup, the browser would not run it.
