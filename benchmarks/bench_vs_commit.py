@@ -7,8 +7,11 @@ checkout of `--base`, alternating A B B A A B ..., so machine drift hits both al
 workload's median [min-max] for both trees and the ratio new/old of the medians, where above 1
 means this tree is faster.
 
-Workloads (float32, the reference model of bench_throughput.py):
+Workloads (float32, the reference model of bench_throughput.py, or `--model`: a checkpoint, or
+"default" for the embedded SmolLM2 GGUF, run on its quantized kernels):
   throughput  64 x 128 -> 128 tokens, output tok/s
+  batch32     32 x 128 -> 128, output tok/s
+  batch16     16 x 128 -> 128, output tok/s
   batch1      1 x 128 -> 128, output tok/s
   ttft-cold   TTFT of a 2,048-token prompt + 64, nothing cached (1 / TTFT)
   ttft-cached the same prompt with its 2,048-token prefix cached (1 / TTFT)
@@ -16,6 +19,12 @@ Workloads (float32, the reference model of bench_throughput.py):
 
     .venv/bin/python benchmarks/bench_vs_commit.py --base 045d1c4
     .venv/bin/python benchmarks/bench_vs_commit.py --base HEAD~3 --repeats 3 --only throughput
+    .venv/bin/python benchmarks/bench_vs_commit.py --base HEAD~1 --model default --only batch1,batch32
+
+An A/A run (the base against itself, to read the spread a ratio must fall inside): run the
+base's own copy of this script, which compares its tree with the base, e.g.
+`git worktree add /tmp/aa <base>` then `.venv/bin/python /tmp/aa/benchmarks/bench_vs_commit.py
+--base <base>` (this repository's .venv; each tree's workers import their own kvserve).
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ WORKLOADS = {
     "throughput": ("bench_throughput.py", ["bench", "--engine", "kvserve", "--num-prompts", "64",
                                            "--prompt-len", "128", "--max-tokens", "128"],
                    lambda r: r["tok_s"]),
+    "batch32": ("bench_throughput.py", ["bench", "--engine", "kvserve", "--num-prompts", "32",
+                                        "--prompt-len", "128", "--max-tokens", "128"],
+                lambda r: r["tok_s"]),
     # a decode batch in the second row bucket (5-32 rows), where the panel GEMM runs on AVX2
     "batch16": ("bench_throughput.py", ["bench", "--engine", "kvserve", "--num-prompts", "16",
                                         "--prompt-len", "128", "--max-tokens", "128"],
@@ -88,6 +100,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    p.add_argument("--model", help="checkpoint to run (default: the reference model; "
+                   "'default': the embedded SmolLM2 GGUF)")
     args = p.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     if any(n not in WORKLOADS for n in names):
@@ -95,7 +109,14 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    model = bt.ensure_checkpoint(bt.cache_dir() / "bench-qwen2-small", args.timeout)
+    if args.model == "default":
+        from kvserve.model_loader.default import embedded_model_path
+
+        model = embedded_model_path()
+    elif args.model:
+        model = Path(args.model)
+    else:
+        model = bt.ensure_checkpoint(bt.cache_dir() / "bench-qwen2-small", args.timeout)
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] \
         if Path("/proc/cpuinfo").exists() else ""
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
@@ -120,7 +141,7 @@ def main() -> int:
             subprocess.run(["git", "-C", str(bt.REPO), "worktree", "remove", "--force",
                             str(old_tree)], capture_output=True)
 
-    print(f"\nbase {args.base} (old) vs this tree (new), {args.repeats} runs each, "
+    print(f"\nmodel {model}; base {args.base} (old) vs this tree (new), {args.repeats} runs each, "
           "higher is better (TTFT as 1/s)")
     print(f"{'workload':<12} {'old median [min-max]':>28} {'new median [min-max]':>28} "
           f"{'new/old':>8}")
