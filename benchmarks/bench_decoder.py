@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvserve.model_loader.loader import load_model
+from kvserve.worker.model_build import load_model
 from kvserve.model_loader.make_model import ARCHS, make_model
 
 

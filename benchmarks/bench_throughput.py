@@ -324,12 +324,12 @@ def model_gemm_ceiling(args: argparse.Namespace) -> dict:
     import torch
 
     from kvserve.layers.gemm_select import time_once
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
 
     model, config = load_model(args.model, "float32", pack_weights=False)
     from kvserve.layers.selection import gemm_candidates
 
-    cands = gemm_candidates(model, layer_ops=False)
+    cands = gemm_candidates(model.layers[0], model.head_weight(), layer_ops=False)
     prefill = min(args.num_prompts * args.prompt_len, args.max_batched_tokens)
     out: dict = {"layers": config.num_hidden_layers, "rows": {}}
     with torch.inference_mode():

@@ -6,6 +6,9 @@ CLI's flags read it without the model's imports.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 # ggml's block layouts: (values per block, bytes per block). Q8_0: f16 d + 32 int8; Q4_0: f16
 # d + 16 bytes of nibbles; Q4_1: f16 d, f16 m + 16; Q4_K: f16 d, f16 dmin, 12 bytes of packed
 # 6-bit sub-block scales and mins, 128 of nibbles; Q6_K: 128 + 64 + 16 int8 scales + f16 d.
@@ -47,3 +50,18 @@ def block_bytes(type_name: str, n: int, k: int) -> int:
 def bytes_per_param(type_name: str) -> float:
     values, nbytes = BLOCKS[type_name]
     return nbytes / values
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """One weight as a file stores it, handed by the loader to the part that owns the weight
+    (a layer's or the model's `file_blocks`), whose quantized method makes its kernels' layout
+    from it: `parts`, (type name, uint8 tensor [rows, bytes per row]) in row order, one per run
+    of rows of one type (a fused qkv's q/k and v may differ); `k` the row's width in values."""
+
+    parts: tuple[tuple[str, Any], ...]
+    k: int
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(t for t, _ in self.parts)

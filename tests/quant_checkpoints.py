@@ -27,7 +27,7 @@ def default_float_checkpoint(out: Path) -> Path:
     from gguf_files import smollm2_path
 
     from kvserve.model_loader.gguf_checkpoint import open_gguf
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
 
     gguf = open_gguf(smollm2_path())
     model, config = load_model(smollm2_path(), "float32", quantization="none",

@@ -96,19 +96,10 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-# Package imports that run back up the structure today, each closing a package cycle: the
-# model side's redesign (issue 47) removes them. The list may only shrink.
-KNOWN_UPWARD = {
-    ("kvserve.layers", "kvserve.models"),  # selection and quant_decode bind onto the decoder
-}
-
-
-def test_no_package_import_cycles_beyond_the_known_ones():
-    packages = package_graph(import_graph())
-    for edge in KNOWN_UPWARD:  # still there: a removed one is taken off the list
-        assert edge[1] in packages[edge[0]], f"{edge} is gone: take it off KNOWN_UPWARD"
-    pruned = {p: deps - {d for a, d in KNOWN_UPWARD if a == p} for p, deps in packages.items()}
-    cycle = find_cycle(pruned)
+def test_no_package_import_cycles():
+    """Issue 47: the packages import one way (server, engine, parallel, worker, model_loader,
+    models, layers, attention and kernels, kv), with no package cycle left."""
+    cycle = find_cycle(package_graph(import_graph()))
     assert cycle is None, "package import cycle: " + " -> ".join(cycle)
 
 
@@ -189,22 +180,35 @@ MODEL_CODE = ("kvserve.models.decoder", "kvserve.models.deepseek_layers", "kvser
 # it is given (kvserve.layers.linear / block, kernel-free) and never reaches these.
 KERNEL_CHOICE = ("kvserve.kernels", "kvserve.layers.selection", "kvserve.layers.gemm_select",
                  "kvserve.layers.cpu_linear", "kvserve.layers.cpu_layer_ops",
-                 "kvserve.layers.fast_decode")
+                 "kvserve.layers.fast_decode", "kvserve.layers.cpu_methods",
+                 "kvserve.layers.quant_linear", "kvserve.layers.quant_decode",
+                 "kvserve.layers.quantize_at_load", "kvserve.layers.qgemm_select")
 
 
 def test_the_model_code_imports_no_kernel_choice():
     """The decoder, DeepSeek's layers and the architecture registry do not know which kernel
-    runs: nothing they import, directly or not, is the GEMM plan, the code that binds it, or
-    the kernels package (kvserve.layers.selection binds methods onto the layers)."""
+    runs: nothing they import, directly or not, is the GEMM plan, the code that chooses it, or
+    the kernels package (they ask the ExecutionPlan they are handed for their methods)."""
     graph = import_graph()
     model = [m for m in graph if m.startswith(MODEL_CODE)]
     assert "kvserve.models.decoder" in model and "kvserve.models.registry" in model
     leaked = sorted((m, dep) for m in model for dep in _reachable(graph, m)
                     if dep.startswith(KERNEL_CHOICE))
     assert not leaked, f"model code reaches the kernel choice: {leaked[:10]}"
-    # the other way round is how the kernels get there
-    assert "kvserve.layers.gemm_select" in graph["kvserve.layers.selection"]
-    assert "kvserve.models.decoder" in graph["kvserve.layers.selection"]
+    # the plan is how the kernels get there: its CPU source is kernel code
+    assert "kvserve.layers.plan" in graph["kvserve.models.decoder"]
+    assert "kvserve.layers.plan" in graph["kvserve.layers.cpu_methods"]
+
+
+def test_the_loader_imports_no_kernel_code():
+    """Issue 47: the loader reads files and copies; the plan it builds the model with is
+    made by its caller (kvserve.worker.model_build), so nothing it reaches chooses or runs a
+    kernel."""
+    graph = import_graph()
+    for loader in ("kvserve.model_loader.loader", "kvserve.model_loader.gguf_checkpoint"):
+        leaked = sorted(d for d in _reachable(graph, loader) if d.startswith(KERNEL_CHOICE))
+        assert not leaked, f"{loader} reaches kernel code: {leaked[:10]}"
+    assert "kvserve.layers.selection" in graph["kvserve.worker.model_build"]
 
 
 def test_files_stay_under_600_lines():

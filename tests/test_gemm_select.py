@@ -316,7 +316,7 @@ def test_a_cached_plan_packs_weights_that_give_the_dense_logits(tmp_path, monkey
     logits of dense F.linear at a row count in every bucket, within float rounding."""
     import torch
 
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.make_model import ensure_default_model
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))

@@ -116,7 +116,7 @@ def test_after_the_warm_up_serving_compiles_no_gemm(tmp_path):
 
 
 def test_warm_up_stays_within_its_flop_budget():
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.make_model import ensure_default_model
 
     model = load_model(ensure_default_model(), gemm="onednn")[0]

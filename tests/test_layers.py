@@ -81,9 +81,12 @@ def test_buckets_cover_every_row_count():
 
 
 def test_a_layer_runs_the_methods_it_holds():
-    """DecoderLayer.forward calls its bucket's LayerMethods and nothing else: replaced
-    methods are what runs (how selection.bind_layer and use_triton_ops plug kernels in)."""
+    """DecoderLayer.forward calls its bucket's LayerMethods and nothing else: the methods a
+    plan's source gives the layer when it is built are what runs (how the CPU's measured and
+    quantized kernels and the GPU's Triton ops get in: kvserve/layers/plan.py)."""
     from kvserve.layers.block import LayerMethods
+    from kvserve.layers.methods import DecoderMethod
+    from kvserve.layers.plan import ExecutionPlan, MethodSource
     from kvserve.models.config import ModelConfig
     from kvserve.models.decoder import DecoderLayer
 
@@ -91,7 +94,6 @@ def test_a_layer_runs_the_methods_it_holds():
                          intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
                          rms_norm_eps=1e-6, rope_theta=1e4)
-    layer = DecoderLayer(config, 0, F32, "cpu")
     calls = []
 
     def attn_in(h, cs):
@@ -111,7 +113,16 @@ def test_a_layer_runs_the_methods_it_holds():
         calls.append("down_add")
         return h.add_(1)
 
-    layer.methods = [LayerMethods(attn_in, o_add, mlp, down_add)] * NUM_BUCKETS
+    class Recorded(DecoderMethod):
+        def prepare(self, layer) -> None:
+            self.buckets = [LayerMethods(attn_in, o_add, mlp, down_add)] * NUM_BUCKETS
+
+    class Source(MethodSource):
+        def decoder_method(self, config):
+            return Recorded()
+
+    layer = DecoderLayer(config, 0, ExecutionPlan(torch.device("cpu"), F32, Source()))
+    layer.process_weights_after_loading()
     out = layer(torch.zeros(3, 16), torch.zeros(3, 8), lambda i, q, k, v: q, bucket_of(3))
     assert calls == ["attn_in", "o_add", "mlp", "down_add"]
     assert torch.equal(out, torch.ones(3, 16))

@@ -304,7 +304,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
     missing or unexpected tensor and whose logits kvserve reproduces."""
     import transformers
 
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.make_model import make_model
 
     path = make_model(tmp_path / arch, arch=arch, size="tiny", with_tokenizer=False)
@@ -374,7 +374,7 @@ def test_v3_multi_token_prediction_layer_is_skipped(tmp_path):
     loads it: the extra layer left out, the logits unchanged."""
     from safetensors.torch import load_file, save_file
 
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.make_model import make_model
 
     path = make_model(tmp_path / "v3", arch="deepseek_v3", size="tiny", with_tokenizer=False)
@@ -402,7 +402,7 @@ def test_planner_report_shows_the_mla_saving():
 def test_warm_up_compiles_every_packed_shape(checkpoints):
     """`kvserve serve` warms the GEMM shapes up front: for DeepSeek the first (dense) layer and
     the first MoE layer's shared experts; the model's output is unchanged afterwards."""
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
 
     model, config = load_model(checkpoints["v2_qlora_dense"], "float32")
     ids = torch.tensor(random_prompts([9], VOCAB, seed=2)[0])

@@ -28,9 +28,8 @@ from kvserve.models.registry import (SUPPORTED_ARCHITECTURES, config_from_dict, 
 from kvserve.kernels.cpu import panel_gemm  # noqa: E402
 from kvserve.layers.cpu_linear import gemv_available, onednn_available  # noqa: E402
 from kvserve.layers.rotary import rope_inv_freq  # noqa: E402
-from kvserve.layers.selection import apply_gemm_plan  # noqa: E402
 from kvserve.models.decoder import CausalLM  # noqa: E402
-from kvserve.model_loader.loader import load_model  # noqa: E402
+from kvserve.worker.model_build import load_model  # noqa: E402
 from kvserve.model_loader.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
                                       make_model)
 
@@ -212,7 +211,6 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
     from kvserve.layers.gemm_select import BUCKETS, GemmPlan
 
     hf, path = saved(variant)
-    model, config = load_model(path, pack_weights=False)
     n = len(BUCKETS)
     kinds = ("dense", "onednn") + (
         ("panel",) if panel_gemm.available(torch.float32, torch.device("cpu")) else ())
@@ -222,9 +220,8 @@ def test_mixed_gemm_plan_matches_transformers(saved, variant):
                      "mlp": [kinds[(b + 2) % k] for b in range(n)],
                      "down": [kinds[b // 2 % k] for b in range(n)],
                      "head": [kinds[(b + 1) % k] for b in range(n)]}, "test")
-    model.gemm_plan = None
-    apply_gemm_plan(model, plan)
-    assert model.packed
+    model, config = load_model(path, gemm_plan=plan)
+    assert model.packed and model.gemm_plan is plan
     for i, (limit, probe) in enumerate(BUCKETS):
         t = min(probe + 3, int(limit)) if limit != float("inf") else 600
         diff = _one_forward_diff(model, hf, config, token_ids(t, seed=200 + i))
@@ -250,19 +247,19 @@ def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
 @pytest.mark.parametrize("variant", ["llama_bias", "gemma3", "olmo2"])
 @pytest.mark.parametrize("gemm", ["onednn", "dense"])
 def test_long_prefill_mlp_in_chunks_matches_transformers(saved, variant, gemm):
-    """A long prefill's MLP runs a chunk of rows at a time (selection.mlp_chunk_rows; made 200
+    """A long prefill's MLP runs a chunk of rows at a time (cpu_methods.mlp_chunk_rows; made 200
     rows here, the last chunk partial): transformers' logits, with the residual added in
     place (dense) and through oneDNN's padded rows, whose result is copied back; Gemma 3's
     output norm before the add."""
-    from kvserve.layers.selection import mlp_chunk_rows
+    from kvserve.layers.cpu_methods import mlp_chunk_rows
 
     # ~16 MiB of gate/up activations per chunk, >= 256 rows, a multiple of 64
     assert mlp_chunk_rows(1408, 4) == 1472 and mlp_chunk_rows(11008, 4) == 256
     hf, path = saved(variant)
     model, config = load_model(path, gemm=gemm)
     for layer in model.layers:
-        assert layer.mlp_chunk_rows is not None
-        layer.mlp_chunk_rows = 200
+        assert layer.method.mlp_chunk_rows is not None
+        layer.method.mlp_chunk_rows = 200
     diff = _one_forward_diff(model, hf, config, token_ids(650, seed=400))
     assert diff < ATOL, f"{variant}, {gemm}, 650 rows in MLP chunks of 200: relative diff {diff}"
 
@@ -442,7 +439,7 @@ import json, logging, sys
 import torch
 import torch.nn.functional as F
 from kvserve.kernels.cpu.cpu_features import cpu_info
-from kvserve.model_loader.loader import load_model
+from kvserve.worker.model_build import load_model
 warnings = []
 handler = logging.Handler(logging.WARNING)
 handler.emit = lambda record: warnings.append(record.getMessage())
@@ -505,12 +502,12 @@ def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
     explicit bfloat16 there is honoured with a warning that states the measured cost."""
     import logging
 
-    from kvserve.model_loader import loader
+    from kvserve.layers import selection
     from kvserve.kernels.cpu.cpu_features import CpuInfo
 
     build_hf("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)
     hf32 = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    monkeypatch.setattr(loader, "cpu_info", lambda: CpuInfo("test CPU", frozenset({"avx2"}), 2))
+    monkeypatch.setattr(selection, "cpu_info", lambda: CpuInfo("test CPU", frozenset({"avx2"}), 2))
     logger = logging.getLogger("kvserve")
     logger.addHandler(caplog.handler)
     try:
@@ -528,7 +525,7 @@ def test_auto_dtype_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
     warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
     assert len(warnings) == 1, warnings
     assert re.search(r"takes [0-9.]+x as long as in float32 here", warnings.pop())
-    monkeypatch.setattr(loader, "cpu_info",
+    monkeypatch.setattr(selection, "cpu_info",
                         lambda: CpuInfo("test CPU", frozenset({"avx512_bf16"}), 2))
     assert next(load_model(tmp_path)[0].parameters()).dtype == torch.bfloat16
 

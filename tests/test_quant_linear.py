@@ -221,7 +221,7 @@ def prefill_error(quant, dense, prompts: list[list[int]]) -> tuple[float, float]
     err = max((a[tuple(p)] - b[tuple(p)]).abs().max().item() for p in prompts)
     table = dense.engine.model.embed_tokens.detach()
     return err, FLOAT_LOGITS + max(
-        _head_allowance(model.head_methods[bucket_of(h.shape[0])], h, table) for h in hidden)
+        _head_allowance(model.head.buckets[bucket_of(h.shape[0])], h, table) for h in hidden)
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ def test_engine_keeps_the_blocks(engines):
         assert set(layer.quant_weights) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
         assert {w.type_name for w in layer.quant_weights.values()} == {"Q4_1"}
         assert layer.qkv_proj is None and layer.gate_up_proj is None  # no float copies
-    assert model.quant_head.type_name == "Q8_0"  # x kept in float there (bind_quantized)
+    assert model.quant_head.type_name == "Q8_0"  # x kept in float there (QuantizedHead)
     assert model.quant_head.tiled == _expected_tiles()  # 16-bit x on tiles (prefill_error)
     assert model.gemm_plan.kernels["head"][0] == "quant-fx"
     assert dense.engine.model.gemm_plan.source != "quantized"
@@ -305,20 +305,25 @@ def test_quantization_option():
     """None (the default) keeps the blocks for a float32 model on the CPU and dequantizes
     elsewhere; "gguf" anywhere the kernels cannot run is a clear error, not a silent float
     model; an unknown name is refused."""
-    from kvserve.model_loader import loader
+    from kvserve.layers.selection import keeps_gguf_blocks
+    from kvserve.model_loader.loader import DEFAULT_QUANTIZATION
+    from kvserve.worker.model_build import load_model
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert loader._keeps_blocks(None, torch.float32, cpu) == (loader.DEFAULT_QUANTIZATION
-                                                              == "gguf")
-    assert not loader._keeps_blocks(None, torch.bfloat16, cpu)
-    assert not loader._keeps_blocks(None, torch.float32, cuda)
-    assert not loader._keeps_blocks("none", torch.float32, cpu)
+
+    def keeps(quantization, dtype, device):
+        return keeps_gguf_blocks(quantization, dtype, device, DEFAULT_QUANTIZATION)
+
+    assert keeps(None, torch.float32, cpu) == (DEFAULT_QUANTIZATION == "gguf")
+    assert not keeps(None, torch.bfloat16, cpu)
+    assert not keeps(None, torch.float32, cuda)
+    assert not keeps("none", torch.float32, cpu)
     with pytest.raises(ValueError, match="CPU in float32 only"):
-        loader._keeps_blocks("gguf", torch.float32, cuda)
+        keeps("gguf", torch.float32, cuda)
     with pytest.raises(ValueError, match="CPU in float32 only"):
-        loader._keeps_blocks("gguf", torch.bfloat16, cpu)
+        keeps("gguf", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="quantization must be one of"):
-        loader.load_model("/nonexistent", quantization="q3_k")
+        load_model("/nonexistent", quantization="q3_k")
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])

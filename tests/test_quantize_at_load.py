@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, quants
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import qgemm_select
-from kvserve.model_loader.quantize_at_load import quantize_q4_k
+from kvserve.layers.quantize_at_load import quantize_q4_k
 
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was",
          "The three primary colours are", "import numpy as np", "In 1969, astronauts",
@@ -214,7 +214,7 @@ def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm, monkeypatc
 def test_q4_k_needs_its_kernel(float_ckpt):
     """Without the Q4_K kernel q4_k is a clear error naming it; with it, the 1536-wide down
     projections are Q4_K and the 576-wide ones Q4_1."""
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
 
     _needs_kernels()
     if not HAS_Q4_K:
@@ -232,7 +232,7 @@ def test_refusals(tmp_path):
     or DeepSeek's MLA / MoE layers: each a ValueError that says why."""
     from gguf_files import smollm2_path
 
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.make_model import make_model
 
     _needs_kernels()

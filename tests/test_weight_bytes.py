@@ -124,7 +124,7 @@ RSS_PROBE = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
     from kvserve.kernels.cpu import qgemv
     qgemv.load()  # the extension's own pages are not weights
-    from kvserve.model_loader.loader import load_model
+    from kvserve.worker.model_build import load_model
     # a first load brings in what is not weights (imports, thread pools, the allocator's
     # arenas) and stays; the second load's gain is what one model's weights take
     first, _ = load_model(sys.argv[1], dtype="float32", quantization="gguf")

@@ -16,6 +16,9 @@ from kvserve.layers.norm import rms_norm
 from kvserve.layers.rotary import apply_rope
 
 PROJECTIONS = ("qkv", "o", "mlp", "down")
+# The DecoderLayer attributes of those projections' weights (what a quantized checkpoint may
+# hold as blocks)
+PROJECTION_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass

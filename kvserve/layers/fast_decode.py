@@ -1,7 +1,7 @@
 """The one-call decode step: a decode step of up to gemv.MAX_ROWS sequences on the CPU as one
 C++ call for all decoder layers (gemv.cpp's kvserve_decode_layers). A method of the model's
-forward, not a second model: `kvserve.layers.selection.apply_gemm_plan` installs it as
-`CausalLM.decode_step` where the measured GEMM plan runs every projection of the first row
+forward, not a second model: `cpu_methods.FastDecodeStep` (`CausalLM.decode_step`) makes it
+where the measured GEMM plan runs every projection of the first row
 bucket on the GEMV (its ops are the very bound kernels the layer-by-layer path calls), and
 the forward offers it each step; tests/test_cpu_decode.py checks it against that path.
 
@@ -54,7 +54,7 @@ def paged_kernel_args(attn: BoundAttention, n_layers: int, qkv: torch.Tensor,
 
 class FastDecode:
     """Fixed scratch (qkv rows and attention output for MAX_ROWS rows) shared by the layers,
-    and the layers' bound GEMV ops (`selection.bind_layer`'s)."""
+    and the layers' bound GEMV ops (`cpu_methods.PlannedDecoder.one_call_ops`)."""
 
     def __init__(self, ops: list[tuple[gemv.BoundGemv, gemv.BoundMLPBlock]], heads: int,
                  kv_heads: int, head_dim: int) -> None:

@@ -1,6 +1,6 @@
 """The one-call decode step on quantized weights: a decode step of up to 4 rows through every
-decoder layer in one C++ call (csrc/qdecode.cpp), installed by `selection.bind_quantized` as
-`CausalLM.decode_step` where every layer's four projections are blocks, as FastDecode is for
+decoder layer in one C++ call (csrc/qdecode.cpp), made by `cpu_methods.QuantDecodeStep`
+(`CausalLM.decode_step`) where every layer's four projections are blocks, as FastDecode is for
 the float GEMV.
 
 Why: at batch 1 the quantized layer-by-layer path makes ~120 kernel calls a step, and the
@@ -26,8 +26,8 @@ from kvserve.attention.base import BoundAttention
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
 from kvserve.layers.fast_decode import paged_kernel_args
 from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight, StackedBound, bind_weight
-from kvserve.models.decoder import CausalLM, DecoderLayer
+from kvserve.layers.block import PROJECTION_ATTRS
+from kvserve.layers.quant_linear import QuantWeight, StackedBound, bind_weight
 
 # The rows a step may have on row-tiled weights: the tile kernel wins at every row count
 # (qtiles.h), so the layer path runs it too up to its measured crossover, and a batch-32 step
@@ -40,21 +40,21 @@ _LAYER_FIELDS = 8
 def cpp_rope(qk: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """layers.rotary.apply_rope's rotation of qk [T, heads, D] (heads and D contiguous) on
     gemv's C++ RoPE, in place: the rotation the one-call step makes, so the quantized layer
-    path binds it too (`selection.bind_quantized`) and both give the same bits."""
+    path runs it too (`cpu_methods.QuantizedDecoder`) and both give the same bits."""
     t, heads, d = qk.shape
     gemv.load().rope_(qk.view(t, heads * d), cos_sin, heads * d, d)
     return qk
 
 
-def _servable(model: CausalLM) -> bool:
+def _servable(model) -> bool:
     """Every layer a DecoderLayer with its four projections as blocks, pre-norms and no
     other norm around them (no q/k norm, no Gemma output norms), one eps and one RoPE."""
     layers = model.layers
-    if not layers or len(set(model._rope_of_layer)) != 1:
+    if not layers or len(set(model.rope_of_layer)) != 1:
         return False
     for layer in layers:
         quant = getattr(layer, "quant_weights", None) or {}
-        if not isinstance(layer, DecoderLayer) or set(quant) != set(PROJECTION_ATTRS) \
+        if not hasattr(layer, "qkv_proj") or set(quant) != set(PROJECTION_ATTRS) \
                 or not all(isinstance(quant[a], QuantWeight)
                            for a in ("o_proj", "gate_up_proj", "down_proj")) \
                 or layer.qk_norm is not None or layer.attn_out_norm is not None \
@@ -71,13 +71,13 @@ class QuantDecode:
     path's ops keep theirs) and its argument array for the C++ loop."""
 
     @classmethod
-    def build(cls, model: CausalLM) -> "QuantDecode | None":
+    def build(cls, model) -> "QuantDecode | None":
         kernel, q = qdecode.load(), qgemv.load()
         if kernel is None or q is None or not _servable(model):
             return None
         return cls(model, kernel)
 
-    def __init__(self, model: CausalLM, kernel: qdecode.QDecode) -> None:
+    def __init__(self, model, kernel: qdecode.QDecode) -> None:
         first = model.layers[0]
         tiled = all(getattr(layer.quant_weights[a], "tiled", False)
                     for layer in model.layers for a in ("o_proj", "gate_up_proj", "down_proj"))

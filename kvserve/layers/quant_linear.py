@@ -16,9 +16,10 @@ on this CPU at a projection's first call above DECODE_ROWS rows, once per shape 
 GEMM does more arithmetic per cycle, the tiled kernel reads a quarter of the bytes and writes
 no fp32 copy of the weight, and where they cross depends on the CPU and the shape.
 
-The model code never sees these (tests/test_architecture.py): the loader keeps the blocks as
-`layer.quant_weights` (projection name -> QuantWeight) in place of the float parameters, and
-`kvserve.layers.selection.bind_quantized` binds these methods onto the layers.
+The model code never sees these (tests/test_architecture.py): the loader hands a GGUF file's
+blocks to the layer (`layer.file_blocks`) in place of the float parameters, and the layer's
+method (`cpu_methods.QuantizedDecoder`, chosen by the plan when the layer was built) makes
+these from them.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ from kvserve.layers.rotary import apply_rope
 # measured at the first call with more rows (or $KVSERVE_QGEMM_ROWS)
 INT_ROWS = None
 QTILES_ENV = "KVSERVE_QTILES"
-# The float projections a loader may keep quantized (DecoderLayer's attribute names)
-PROJECTION_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ class StackedBound:
 
 
 def kept_as_blocks(attr: str, type_names: tuple[str, ...] | set[str], k: int) -> bool:
-    """Whether a loader keeps projection `attr` (a PROJECTION_ATTRS name) in block format when
+    """Whether a loader keeps projection `attr` (a block.PROJECTION_ATTRS name) in block format when
     its checkpoint parts have these types and width k: every type one the kernels run at k;
     parts of different types only outside the gated gate | up (one kernel computes both
     halves), as a StackedQuantWeight. The loader's rule and the planner's."""

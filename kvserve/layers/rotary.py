@@ -5,11 +5,13 @@ transformers computes them. The C++ and Triton RoPE kernels compute the same rot
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.models.config import ModelConfig
+# a kvserve.models.config.ModelConfig, read by its fields (layers sit below models)
+ModelConfig = Any
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None,

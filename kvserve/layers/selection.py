@@ -1,75 +1,54 @@
-"""Binds kernels onto a model's layers as methods: the measured GEMM plan on the CPU
-(`pack_weights`, `apply_gemm_plan`), the fused Triton element-wise kernels on the GPU
-(`use_triton_ops`), and the warm-up of oneDNN's shapes (`warm_up_steps`).
+"""Chooses a model's methods before it is built (`plan_for`: the `ExecutionPlan` its
+constructors receive), measures the CPU's GEMM plan for it (`measure_gemms`), resolves the
+dtype a load runs in (`resolve_dtype`), and warms oneDNN's shapes up (`warm_up_steps`).
 
-The model code (kvserve/models/decoder.py, deepseek.py, kvserve/models/) never imports this
-module or kvserve.kernels (tests/test_architecture.py): a DecoderLayer holds one
-`LayerMethods` per row bucket and runs whichever it is given, the LM head one `LinearMethod`
-per bucket, and the model a `decode_step` (the one-call C++ decode, `FastDecode`) where the
-plan allows it. The candidates the plan is measured on are made here too
-(`gemm_candidates`), from the same ops the plan binds.
+Nothing here touches a built model's methods: the layers take theirs from the plan
+(`kvserve.layers.plan`, `cpu_methods`) and make them from their weights after loading. The
+candidates the plan is measured on are made here (`gemm_candidates`), from the same ops the
+layers then run, on a scratch layer of the model's shapes with random weights (built before
+the model, so the measurement's copies are gone before the model's weights are allocated).
 
-On the CPU `pack_weights` (called by the loader) gives each projection and the LM head the
-GEMM kernel that measures fastest on this CPU for each row bucket (gemm_select.py):
-`F.linear` (MKL in float32), oneDNN on weights packed in its blocked layout with the gate's
-SiLU (or GELU-tanh), the gated product and the residual add as fused epilogues, the panel
-GEMM or the GEMV (kernels/cpu/). Which wins depends on the CPU and the batch: on a Zen 5
-oneDNN was ~2x faster at every size; on an AVX-512 Xeon MKL wins at batch 1; on an AVX2 EPYC
-oneDNN loses at batch 1 and wins at batch 64 for some shapes."""
+On the CPU each projection and the LM head get the GEMM kernel that measures fastest on this
+CPU for each row bucket (gemm_select.py): `F.linear` (MKL in float32), oneDNN on weights
+packed in its blocked layout with the gate's SiLU (or GELU-tanh), the gated product and the
+residual add as fused epilogues, the panel GEMM or the GEMV (kernels/cpu/). Which wins
+depends on the CPU and the batch: on a Zen 5 oneDNN was ~2x faster at every size; on an
+AVX-512 Xeon MKL wins at batch 1; on an AVX2 EPYC oneDNN loses at batch 1 and wins at batch
+64 for some shapes."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
-from torch import nn
 
+from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.kernels.cpu import gemv, panel_gemm, qgemv
 from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.layers import gemm_select
 from kvserve.layers.block import PROJECTIONS as _PROJS
-from kvserve.layers.block import LayerMethods, dense_methods
-from kvserve.layers.buckets import BUCKETS, bucket_of
+from kvserve.layers.buckets import bucket_of
 from kvserve.layers.cpu_layer_ops import kernel_ops, wrap_unfused
-from kvserve.layers.cpu_linear import (Gemv, OneDNN, Panel, gemm_rows, gemv_available,
-                                       onednn_available, onednn_linear, onednn_pack)
-from kvserve.layers.fast_decode import FastDecode
+from kvserve.layers.cpu_linear import (gemm_rows, gemv_available, onednn_available,
+                                       onednn_linear, onednn_pack)
+from kvserve.layers.cpu_methods import CpuMethods, mla_kernel
 from kvserve.layers.gemm_select import GemmPlan
-from kvserve.layers.linear import Dense, DenseGated
-from kvserve.layers.norm import rms_norm
-from kvserve.layers.rotary import apply_rope
-from kvserve.layers.quant_decode import QuantDecode, cpp_rope
-from kvserve.layers.quant_linear import (PROJECTION_ATTRS, QuantizedEmbedding, QuantizedLinear,
-                                        quantized_methods)
-from kvserve.models.decoder import CausalLM, DecoderLayer
-from kvserve.models.deepseek_layers import DeepseekLayer, MoE, SwiGLU
+from kvserve.layers.linear import Dense
+from kvserve.layers.plan import ExecutionPlan, MethodSource, TensorParallel
 
 logger = logging.getLogger("kvserve")
 
-MLP_CHUNK_BYTES = 16 << 20  # gate/up activations of one chunk of a long prefill's MLP
-MLP_CHUNK_MIN_ROWS = 256
-
-
-def mlp_chunk_rows(intermediate_size: int, element_size: int) -> int:
-    """Rows per chunk of a long prefill's MLP on the CPU: the gate/up activations ([rows,
-    2 x intermediate]) of one chunk stay near MLP_CHUNK_BYTES, at least MLP_CHUNK_MIN_ROWS
-    rows (the GEMMs' efficiency), a multiple of 64.
-
-    Why: the MLP of a whole 8,192-token step wrote and re-read 92 MB of gate/up activations
-    (the reference model) that no cache held. Measured per row, 2 threads: MKL + SwiGLU
-    ~9.6 us at 1,000-2,000 rows, 12.5 at 3,000, 14.3 at 8,192 (oneDNN 9.9 -> 13.0); the
-    rows are independent, so chunks change no result."""
-    rows = MLP_CHUNK_BYTES // max(1, 2 * intermediate_size * element_size)
-    return max(MLP_CHUNK_MIN_ROWS, rows // 64 * 64)
-
 
 # -- a DecoderLayer's kernels per row bucket ------------------------------------------------
-def layer_candidates(layer: DecoderLayer, layer_ops: bool = True
+def layer_candidates(layer: Any, layer_ops: bool = True
                      ) -> dict[str, dict[str, gemm_select.RunFactory]]:
     """For each projection and kernel, a factory(rows) -> run-once callable on `layer`'s own
     weights (packed copies made here and dropped after): what `gemm_select` times. Call
-    before `bind_layer`, while the dense weights are all there.
+    on dense weights (a scratch layer's, or a model loaded with the dense plan).
 
     layer_ops: time each kernel's projection as the layer runs it (qkv with the input norm
     and RoPE around it, gate/up with the post-attention norm): the GEMV and the panel GEMM
@@ -115,181 +94,20 @@ def layer_candidates(layer: DecoderLayer, layer_ops: bool = True
     return {kind: {k: factory(kind, k) for k in kernels} for kind in _PROJS}
 
 
-def bind_layer(layer: DecoderLayer, plan: GemmPlan
-               ) -> tuple[gemv.BoundGemv, gemv.BoundMLPBlock] | None:
-    """Bind one `LayerMethods` per row bucket onto `layer` as `plan` says: pack (oneDNN,
-    panel) the weights some bucket runs through a packed kernel, free the dense ones no
-    bucket uses. Returns the layer as bound C++ ops (the qkv GEMV with its norm and RoPE, the
-    MLP block) where the first bucket runs everything on the GEMV, for FastDecode; else None.
-
-    Gate and up are packed apart for oneDNN (`OneDNNGated`): SiLU then runs as the gate GEMM's
-    epilogue and the product as the up GEMM's."""
-    built = {k: kernel_ops(layer, k, tuple(p for p in _PROJS if plan.uses(p, k)), fused=True)
-             for k in gemm_select.KERNELS}
-    for kernel, ops in built.items():
-        wrap_unfused(layer, kernel, ops)
-    methods = []
-    layer.mlp_chunk_rows = mlp_chunk_rows(layer.intermediate_size, layer.o_proj.element_size())
-    block = None
-    fast_ops = None
-    for b in range(len(BUCKETS)):
-        ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
-        fused = None
-        if all(plan.kernels[p][b] == "gemv" for p in ("o", "mlp", "down")) \
-                and layer.attn_out_norm is None and layer.mlp_out_norm is None \
-                and layer.post_attention_layernorm is not None:
-            block = block or gemv.load().bind_mlp_block(
-                layer.o_proj, layer.o_bias, layer.post_attention_layernorm, layer.eps,
-                layer.gate_up_proj, layer.gate_up_bias, layer.down_proj, layer.down_bias,
-                layer.gelu)
-            fused = block
-        methods.append(LayerMethods(ops["qkv"], ops["o"], ops["mlp"], ops["down"], fused))
-        if b == 0 and fused is not None and plan.kernels["qkv"][0] == "gemv" \
-                and layer.qk_norm is None and layer.input_layernorm is not None:
-            # the whole layer as bound C++ ops, for FastDecode
-            fast_ops = (gemv.load().bind(
-                layer.qkv_proj, layer.qkv_bias, norm_weight=layer.input_layernorm,
-                eps=layer.eps, rope_cols=layer.qk_size, head_dim=layer.head_dim), fused)
-    layer.methods = methods
-    # free the dense weights no bucket reads (the methods hold what they need)
-    for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
-                       ("down", "down_proj")):
-        if not any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR):
-            setattr(layer, name, None)
-    return fast_ops
-
-
-# -- DeepSeek's layers (MLA, MoE): one kernel for every bucket ------------------------------
-def bind_mla_layer(layer: DeepseekLayer, plan: GemmPlan) -> None:
-    """Bind `plan`'s kernel: these layers have one set of ops for every row bucket (the
-    per-bucket choice of gemm_select.py is measured on DecoderLayer's projections), so a
-    plan must give every projection and bucket the same kernel (the LM head may differ)."""
-    # the C++ GEMV and panel GEMM are not wired into MLA / MoE: those projections stay dense
-    kernels = {"dense" if k in ("gemv", "panel") else k for p in _PROJS
-               for k in plan.kernels[p]}
-    if len(kernels) != 1:
-        raise ValueError("DeepSeek layers run one GEMM kernel for every projection and "
-                         f"batch size; the plan mixes {sorted(kernels)}")
-    if kernels == {"onednn"}:
-        pack_mla_layer(layer)
-
-
-def pack_mla_layer(layer: DeepseekLayer) -> None:
-    """oneDNN-packed q/kv down-projections, q up-projection, o_proj and dense MLPs (rows
-    rounded by gemm_rows: a bounded set of kernels); kv_b_proj stays dense (the backend slices
-    it per head for absorption), and so do the routed experts."""
-    for name in ("qkv_a_proj", "q_b_proj", "o_proj"):
-        w = getattr(layer, name)
-        if w is not None:
-            setattr(layer, name, nn.Parameter(onednn_pack(w), requires_grad=False))
-    layer.qkv_a = OneDNN(layer.qkv_a_proj)
-    layer.q_b = None if layer.q_b_proj is None else OneDNN(layer.q_b_proj)
-    layer.o = OneDNN(layer.o_proj)
-    mlp = layer.mlp.shared if isinstance(layer.mlp, MoE) else layer.mlp
-    if isinstance(mlp, SwiGLU):
-        mlp.gate_up_proj = nn.Parameter(onednn_pack(mlp.gate_up_proj), requires_grad=False)
-        mlp.down_proj = nn.Parameter(onednn_pack(mlp.down_proj), requires_grad=False)
-        mlp.gate_up, mlp.down = OneDNN(mlp.gate_up_proj), OneDNN(mlp.down_proj)
-
-
-# -- the model ------------------------------------------------------------------------------
-def pack_weights(model: CausalLM, kernel: str = "auto", remeasure: bool = False) -> bool:
-    """Choose the GEMM kernel of every projection and the LM head per row bucket and re-lay
-    the weights out for it (gemm_select.py); returns whether any weight now runs through
-    oneDNN. Call once, after the weights are loaded: packed weights can no longer be sliced
-    or copied into.
-
-    kernel: "auto" measures in float32 (or reads the cached measurement for this CPU and
-    shapes) and packs everything in other dtypes, "onednn" packs everything, "dense" packs
-    nothing, "gemv" runs the C++ GEMV in the first row bucket and dense elsewhere, "panel"
-    the panel GEMM above the first bucket (panel_gemm.py, float32). On a build or dtype
-    oneDNN cannot pack, "onednn" stays dense (and "auto" chooses between dense and the C++
-    kernels); without a compiler "gemv" and "panel" stay dense. With tied embeddings a oneDNN
-    or panel LM head needs a packed copy of the embedding table (vocab_size x hidden_size
-    more memory, each). `remeasure`: "auto" measures again rather than reading the cache
-    (gemm_select.choose)."""
-    if model.gemm_plan is not None:
-        return model.packed
-    if kernel not in ("auto", *gemm_select.KERNELS):
-        raise ValueError(f"GEMM kernel must be 'auto' or one of {gemm_select.KERNELS}, "
-                         f"got {kernel!r}")
-    device = model.embed_tokens.device
-    if device.type != "cpu" or not model.layers:
-        return False
-    onednn = onednn_available(model.dtype, device)
-    has_gemv = gemv_available(model.dtype, device)
-    has_panel = panel_gemm.available(model.dtype, device)
-    if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv) or \
-            (kernel == "panel" and not has_panel):
-        kernel = "dense"
-    elif kernel == "auto" and model.dtype != torch.float32:
-        # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
-        # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
-        kernel = "onednn" if onednn else "dense"
-    elif kernel == "auto" and not (onednn or has_gemv or has_panel):
-        kernel = "dense"  # nothing to choose between
-    plan = gemm_select.forced_plan(kernel) if kernel != "auto" \
-        else measure_gemms(model, remeasure)
-    return apply_gemm_plan(model, plan)
-
-
-def apply_gemm_plan(model: CausalLM, plan: GemmPlan) -> bool:
-    """Re-lay the weights out as `plan` says and bind its kernels (see pack_weights)."""
-    device = model.embed_tokens.device
-    if any(plan.uses(p, "onednn") for p in (*_PROJS, "head")) and \
-            not onednn_available(model.dtype, device):
-        raise ValueError(f"oneDNN cannot pack {model.dtype} weights on this machine")
-    if any(plan.uses(p, "gemv") for p in (*_PROJS, "head")) and \
-            not gemv_available(model.dtype, device):
-        raise ValueError(f"the C++ GEMV kernel cannot run {model.dtype} weights here")
-    if any(plan.uses(p, "panel") for p in (*_PROJS, "head")) and \
-            not panel_gemm.available(model.dtype, device):
-        raise ValueError(f"the panel GEMM kernel cannot run {model.dtype} weights here")
-    fast_ops = [bind_layer(layer, plan) if isinstance(layer, DecoderLayer)
-                else bind_mla_layer(layer, plan) for layer in model.layers]
-    head_dense = model.lm_head if model.lm_head is not None else model.embed_tokens
-    head_packed = onednn_pack(head_dense) if plan.uses("head", "onednn") else None
-    if model.lm_head is not None and \
-            not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
-        model.lm_head = None  # the packed copy is the head now
-    head_gemv = Gemv(gemv.load().bind(head_dense)) if plan.uses("head", "gemv") else None
-    head_panel = Panel(panel_gemm.load().bind(panel_gemm.load().pack(head_dense))) \
-        if plan.uses("head", "panel") else None
-    by_kernel = {"onednn": OneDNN(head_packed) if head_packed is not None else None,
-                 "dense": Dense(head_dense), "gemv": head_gemv, "panel": head_panel}
-    model.head_methods = [by_kernel[k] for k in plan.kernels["head"]]
-    if gemv_available(model.dtype, device):
-        model.norm_fn = gemv.load().rms_norm  # the final norm too (see attn_in_unfused)
-    model.decode_step = None
-    if all(op is not None for op in fast_ops) and len(set(model._rope_of_layer)) == 1:
-        c = model.config
-        model.decode_step = FastDecode(fast_ops, c.num_attention_heads, c.num_key_value_heads,
-                                       model.layers[0].head_dim)
-    model.gemm_plan = plan
-    model.packed = any("onednn" in ks for ks in plan.kernels.values())
-    if plan.source != "forced":
-        logger.info("GEMM kernels (%s; %s, %s, %d threads; row buckets %s): %s",
-                    plan.source, cpu_info().model_name, str(model.dtype).split(".")[-1],
-                    torch.get_num_threads(), "/".join(gemm_select.BUCKET_LABELS),
-                    plan.describe())
-    return model.packed
-
-
-def gemm_candidates(model: CausalLM, layer_ops: bool = True
+def gemm_candidates(layer: Any, head: torch.Tensor, layer_ops: bool = True
                     ) -> dict[str, dict[str, gemm_select.RunFactory]]:
-    """projection -> kernel -> factory(rows) -> run-once callable, on layer 0's weights and
-    the LM head (oneDNN-packed copies made here): what `gemm_select` times, and what
-    benchmarks time for the machine's GEMM ceiling (`layer_ops`: see layer_candidates).
-    Needs the dense weights (before `pack_weights`, or with kernel "dense")."""
-    h = model.config.hidden_size
-    factories = layer_candidates(model.layers[0], layer_ops)
-    head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    # made at a factory's first call; the C++ ones bound once, as apply_gemm_plan binds
-    # them (the checked call costs ~10 us more)
+    """projection -> kernel -> factory(rows) -> run-once callable, on `layer`'s weights (a
+    DecoderLayer with dense weights) and the LM head's `head` [vocab, hidden] (oneDNN-packed
+    copies made here): what `gemm_select` times, and what benchmarks time for the machine's
+    GEMM ceiling (`layer_ops`: see layer_candidates)."""
+    h = head.shape[1]
+    factories = layer_candidates(layer, layer_ops)
+    # made at a factory's first call; the C++ ones bound once, as PlannedHead binds them (the
+    # checked call costs ~10 us more)
     makers = {"onednn": lambda: onednn_pack(head), "gemv": lambda: gemv.load().bind(head),
               "panel": lambda: panel_gemm.load().bind(panel_gemm.load().pack(head))}
     made: dict[str, Callable] = {}
-    p = {"dtype": model.dtype, "device": head.device}
+    p = {"dtype": head.dtype, "device": head.device}
     dense = Dense(head)
 
     def head_run(kind: str) -> gemm_select.RunFactory:
@@ -310,30 +128,190 @@ def gemm_candidates(model: CausalLM, layer_ops: bool = True
     return factories
 
 
-def measure_gemms(model: CausalLM, remeasure: bool = False) -> GemmPlan:
-    """Time the candidates on layer 0's weights and the LM head (or read the cache). On
-    DeepSeek's layers oneDNN for every projection and the LM head, as before the per-bucket
-    choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
-    if not isinstance(model.layers[0], DecoderLayer):
+def measure_gemms(config: Any, dtype: torch.dtype, scratch: Callable[[], Any],
+                  remeasure: bool = False) -> GemmPlan:
+    """Time the candidates on a scratch DecoderLayer of the model's shapes (`scratch()`:
+    dense, random weights) and a random LM head (or read the cache: nothing is built then).
+    On DeepSeek's layers oneDNN for every projection and the LM head, as before the
+    per-bucket choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
+    if config.mla is not None or config.moe is not None:
         return gemm_select.forced_plan("onednn")
-    c = model.config
+    c = config
     h = c.hidden_size
     shapes = {"qkv": (c.q_size + 2 * c.kv_size, h), "o": (h, c.q_size),
               "mlp": (2 * c.intermediate_size, h), "down": (h, c.intermediate_size),
               "head": (c.vocab_size, h)}
-    return gemm_select.model_plan(lambda layer_ops=True: gemm_candidates(model, layer_ops),
-                                  shapes, c.num_hidden_layers,
-                                  model.embed_tokens.element_size(),
-                                  str(model.dtype).split(".")[-1], remeasure)
+
+    def factories(layer_ops: bool = True) -> dict:
+        head = torch.randn(c.vocab_size, h, dtype=dtype).mul_(0.02)
+        return gemm_candidates(scratch(), head, layer_ops)
+
+    plan = gemm_select.model_plan(factories, shapes, c.num_hidden_layers,
+                                  torch.empty(0, dtype=dtype).element_size(),
+                                  str(dtype).split(".")[-1], remeasure)
+    if plan.source != "forced":
+        logger.info("GEMM kernels (%s; %s, %s, %d threads; row buckets %s): %s",
+                    plan.source, cpu_info().model_name, str(dtype).split(".")[-1],
+                    torch.get_num_threads(), "/".join(gemm_select.BUCKET_LABELS),
+                    plan.describe())
+    return plan
 
 
-def warm_up_gemms(model: CausalLM, max_rows: int, max_logit_rows: int,
+def gemm_plan(config: Any, dtype: torch.dtype, kernel: str, scratch: Callable[[], Any],
+              remeasure: bool = False) -> GemmPlan | None:
+    """The GEMM plan of a float model on the CPU: kernel "auto" measures in float32 (or reads
+    the cached measurement for this CPU and shapes) and packs everything in other dtypes,
+    "onednn" packs everything, "dense" packs nothing (None: F.linear everywhere), "gemv" runs
+    the C++ GEMV in the first row bucket and dense elsewhere, "panel" the panel GEMM above
+    the first bucket (panel_gemm.py, float32). On a build or dtype oneDNN cannot pack,
+    "onednn" stays dense (and "auto" chooses between dense and the C++ kernels); without a
+    compiler "gemv" and "panel" stay dense. With tied embeddings a oneDNN or panel LM head
+    needs a packed copy of the embedding table (vocab_size x hidden_size more memory, each).
+    `remeasure`: "auto" measures again rather than reading the cache (gemm_select.choose)."""
+    if kernel not in ("auto", *gemm_select.KERNELS):
+        raise ValueError(f"GEMM kernel must be 'auto' or one of {gemm_select.KERNELS}, "
+                         f"got {kernel!r}")
+    cpu = torch.device("cpu")
+    onednn = onednn_available(dtype, cpu)
+    has_gemv = gemv_available(dtype, cpu)
+    has_panel = panel_gemm.available(dtype, cpu)
+    if (kernel == "onednn" and not onednn) or (kernel == "gemv" and not has_gemv) or \
+            (kernel == "panel" and not has_panel):
+        kernel = "dense"
+    elif kernel == "auto" and dtype != torch.float32:
+        # F.linear in bf16/fp16 is itself an unpacked oneDNN call, compiled per row count
+        # (unbounded kernel cache, docs/soak.md): packed oneDNN is both faster and bounded.
+        kernel = "onednn" if onednn else "dense"
+    elif kernel == "auto" and not (onednn or has_gemv or has_panel):
+        kernel = "dense"  # nothing to choose between
+    plan = gemm_select.forced_plan(kernel) if kernel != "auto" \
+        else measure_gemms(config, dtype, scratch, remeasure)
+    return check_plan(plan, dtype)
+
+
+def check_plan(plan: GemmPlan, dtype: torch.dtype) -> GemmPlan:
+    """`plan`, after checking that this machine runs each of its kernels in `dtype`."""
+    cpu = torch.device("cpu")
+    for kernel, ok, what in (("onednn", onednn_available, "oneDNN cannot pack"),
+                             ("gemv", gemv_available, "the C++ GEMV kernel cannot run"),
+                             ("panel", panel_gemm.available, "the panel GEMM kernel cannot run")):
+        if any(plan.uses(p, kernel) for p in (*_PROJS, "head")) and not ok(dtype, cpu):
+            raise ValueError(f"{what} {dtype} weights on this machine")
+    return plan
+
+
+def plan_for(config: Any, dtype: torch.dtype, device: torch.device, *, gemm: str | None = "auto",
+             remeasure: bool = False, quantization: str = "none",
+             tp: TensorParallel | None = None, elementwise: str = "torch",
+             scratch: Callable[[], Any] | None = None,
+             gemm_plan_override: GemmPlan | None = None) -> ExecutionPlan:
+    """The plan a model of `config` is built with. On the CPU: a quantized model's methods
+    (`quantization` "gguf" or an at-load format: no GEMM plan, the blocks' kernels), or the
+    GEMM plan `gemm` names (None: F.linear; `gemm_plan_override`: this plan, checked); a
+    tensor-parallel rank measures its own shapes and keeps o, down and the head dense, for
+    the all-reduces to wrap (DeepSeek's ranks stay dense). On the GPU the dense methods, with
+    the Triton norm, RoPE and SiLU-and-mul where `elementwise` is "triton" (each PyTorch
+    element-wise op is a kernel launch there)."""
+    if device.type != "cpu":
+        if elementwise == "triton":
+            from kvserve.kernels.gpu import ops as gpu_ops  # Triton: imported only here
+
+            source = MethodSource(gpu_ops.rms_norm, gpu_ops.apply_rope, gpu_ops.silu_mul)
+            return ExecutionPlan(device, dtype, source, tp)
+        return ExecutionPlan(device, dtype, MethodSource(), tp)
+    if quantization != "none":
+        return ExecutionPlan(device, dtype, CpuMethods(dtype, None, quantization,
+                                                       config.num_hidden_layers), tp)
+    if tp is not None and (config.mla is not None or config.moe is not None
+                           or dtype != torch.float32):
+        return ExecutionPlan(device, dtype, MethodSource(), tp)
+    plan = gemm_plan_override
+    if plan is None and gemm is not None:
+        plan = gemm_plan(config, dtype, gemm, scratch, remeasure)
+    if plan is None:
+        return ExecutionPlan(device, dtype, MethodSource(), tp)
+    if tp is not None:  # o, down and the head stay dense: Reduced and GatheredHead wrap them
+        kernels = {p: list(ks) for p, ks in plan.kernels.items()}
+        for p in ("o", "down", "head"):
+            kernels[p] = ["dense"] * len(kernels[p])
+        plan = replace(plan, kernels=kernels)
+    if config.mla is not None or config.moe is not None:
+        mla_kernel(plan)  # one kernel everywhere, or a ValueError that says so
+    return ExecutionPlan(device, dtype, CpuMethods(dtype, check_plan(plan, dtype)), tp)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any,
+                  device: str | torch.device = "cpu") -> torch.dtype:
+    """"auto" takes config.json's dtype (float32 when absent), except that on a CPU without
+    bf16 instructions (AVX512_BF16 or AMX) a bf16/fp16 checkpoint runs in float32: there half
+    precision is emulated, many times slower, not faster. An explicit "bfloat16" on such a
+    CPU is honoured with a warning that says what it costs (`half_precision_cost`)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in [to_torch_dtype(name) for name in DTYPES]:
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+        chosen, auto = dtype, False
+    else:
+        name = (config.torch_dtype or "float32") if dtype == "auto" else canonical_dtype(dtype)
+        if name is None:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        chosen, auto = to_torch_dtype(name), dtype == "auto"
+    if torch.device(device).type != "cpu" or chosen == torch.float32 or cpu_info().has_bf16:
+        return chosen
+    if auto:
+        logger.info("dtype auto: this CPU has no bf16 instructions (AVX512_BF16/AMX), so the "
+                    "%s checkpoint runs in float32", str(chosen).split(".")[-1])
+        return torch.float32
+    logger.warning("dtype=%s on a CPU without bf16 instructions (%s): a GEMM takes %.1fx as long "
+                   "as in float32 here (measured); dtype='float32' or 'auto' is faster",
+                   str(chosen).split(".")[-1], cpu_info().summary(), half_precision_cost(chosen))
+    return chosen
+
+
+def half_precision_cost(dtype: torch.dtype, n: int = 256) -> float:
+    """How many times longer an n x n x n matmul takes in `dtype` than in float32 on this CPU
+    (best of 3; small enough to finish fast where the half-precision path is emulated)."""
+    def best(dt: torch.dtype) -> float:
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        torch.mm(a, b)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(dtype) / max(best(torch.float32), 1e-9)
+
+
+def keeps_gguf_blocks(quantization: str | None, dtype: torch.dtype, device: torch.device,
+                      default: str = "gguf") -> bool:
+    """Whether a GGUF file's block formats stay quantized: `quantization` "gguf" (float32 on
+    the CPU only, else a ValueError), or None (`default`, where the kernels run: float32 on
+    the CPU); and the quantized kernels build here (else a warning: dequantized at load)."""
+    if quantization is None:  # the default: where the kernels run, else as before
+        if default == "none" or device.type != "cpu" or dtype != torch.float32:
+            return False
+    elif quantization == "none":
+        return False
+    elif device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization='gguf' runs on the CPU in float32 only (the quantized "
+                         f"kernels are C++ CPU kernels), not {device.type} {dtype}; use "
+                         "quantization='none' to dequantize the weights at load")
+    if qgemv.load() is None:
+        logger.warning("quantization: the quantized kernels cannot be built here; the GGUF "
+                       "weights are dequantized at load")
+        return False
+    return True
+
+
+def warm_up_gemms(model: Any, max_rows: int, max_logit_rows: int,
                   max_flops: float = 2e11) -> int:
     """`warm_up_steps` run to the end: how many row counts it warmed."""
     return sum(1 for _ in warm_up_steps(model, max_rows, max_logit_rows, max_flops))
 
 
-def warm_up_steps(model: CausalLM, max_rows: int, max_logit_rows: int,
+def warm_up_steps(model: Any, max_rows: int, max_logit_rows: int,
                   max_flops: float = 2e11) -> Iterator[int]:
     """Run each oneDNN GEMM once at every row count `gemm_rows` yields for 1..max_rows (the
     LM head up to max_logit_rows) in the buckets the GEMM plan runs through oneDNN,
@@ -376,80 +354,3 @@ def warm_up_steps(model: CausalLM, max_rows: int, max_logit_rows: int,
         yield rows
 
 
-# -- quantized weights (issue 31) -----------------------------------------------------------
-def bind_quantized(model: CausalLM) -> None:
-    """Bind the quantized linear methods (kvserve/layers/quant_linear.py) onto the layers
-    whose projections the loader kept in their GGUF block format (`layer.quant_weights`; a
-    projection it kept in float runs F.linear). At the first row bucket the LM head runs its
-    Q8_0 table (`model.quant_head`, where the file has one) with x kept in float32 (the
-    float table, else the GEMV, above it): the integer kernel there, x quantized to 8 bits,
-    changed the demo's answer ("What is the capital of France?" no longer began "The capital
-    of France is Paris"), the final norm's outliers setting each block's scale. Where the
-    loader kept the embedding table quantized (`model.quant_embed`), lookups read its
-    blocks and a tied head runs them at every bucket (no float table is left): x in float32
-    on Q8_0, the integer kernel on the other types (no float-x path for them yet; a
-    projection-sized error, bounded by tests/test_quant_kquants.py). Installs a plan of
-    source "quantized" in place of the measured one: the GEMM plan times float kernels, which
-    these layers no longer have weights for. The one-call decode step is QuantDecode's (where
-    every projection is blocks; FastDecode reads float weights)."""
-    has_gemv = gemv_available(model.dtype, model.embed_tokens.device)
-    for layer in model.layers:
-        quant = getattr(layer, "quant_weights", None)
-        if not quant:
-            continue
-        norm = gemv.load().rms_norm if has_gemv and layer.qk_norm is None else rms_norm
-        weights = {a: quant.get(a, getattr(layer, a)) for a in PROJECTION_ATTRS}
-        rope = cpp_rope if has_gemv else apply_rope
-        layer.methods = [quantized_methods(layer, weights, norm, rope)] * len(BUCKETS)
-        layer.mlp_chunk_rows = mlp_chunk_rows(layer.intermediate_size, 4)
-    head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    model.head_methods = [Dense(head)] * len(BUCKETS)
-    head_kernels = ["dense"] * len(BUCKETS)
-    quant_head = getattr(model, "quant_head", None)
-    quant_embed = getattr(model, "quant_embed", None)
-    if quant_embed is not None:  # the table kept quantized: lookups read the blocks
-        model.embed_fn = QuantizedEmbedding(quant_embed)
-    if quant_head is not None and quant_embed is not None and model.lm_head is None:
-        # tied and no float table at all: the head runs the table's blocks at every bucket
-        # (x in float32 on Q8_0; the integer kernel on the others, no float path for them)
-        fx = quant_head.type_name == "Q8_0"
-        model.head_methods = [QuantizedLinear(quant_head, None, float("inf"),
-                                              float_x=fx)] * len(BUCKETS)
-        head_kernels = ["quant-fx" if fx else "quant"] * len(BUCKETS)
-    elif quant_head is not None:  # Q8_0, x in float: 0.9 ms at batch 1 against fp32's 2.2
-        model.head_methods[0] = QuantizedLinear(quant_head, None, float("inf"), float_x=True)
-        head_kernels[0] = "quant-fx"
-    elif has_gemv:  # the float GEMV at a few rows, as a measured plan has it on most CPUs
-        model.head_methods[0] = Gemv(gemv.load().bind(head))
-        head_kernels[0] = "gemv"
-    if has_gemv:
-        model.norm_fn = gemv.load().rms_norm
-    # the one-call step where every layer's projections are blocks (its norm and RoPE are the
-    # C++ ones the layers bind above, so only with the GEMV's library)
-    model.decode_step = QuantDecode.build(model) if has_gemv else None
-    model.gemm_plan = GemmPlan({**{p: ["quant"] * len(BUCKETS) for p in _PROJS},
-                                "head": head_kernels}, "quantized")
-    model.packed = False
-    logger.info("quantized projections (%s kernel): %s", qgemv.load().isa,
-                model.gemm_plan.describe())
-
-
-def use_triton_ops(model: CausalLM) -> None:
-    """The fused Triton RMSNorm / RoPE / SiLU-and-mul (`kvserve.kernels.gpu.ops`) around
-    every DecoderLayer's dense projections, and the final norm: the GPU path, where each
-    PyTorch element-wise op is a kernel launch. A model with a GEMM plan (the CPU, where a
-    Triton backend runs in the interpreter) keeps its plan's layer methods, as before this
-    was a function: only the final norm changes. DeepSeek's layers keep the plain PyTorch
-    element-wise ops (no fused MLA kernels yet)."""
-    from kvserve.kernels.gpu import ops as gpu_ops  # Triton: imported only on this path
-
-    for layer in model.layers:
-        if not isinstance(layer, DecoderLayer) or model.gemm_plan is not None:
-            continue
-        gate_up = None
-        if not layer.gelu:
-            gate_up = DenseGated(layer.gate_up_proj, layer.gate_up_bias,
-                                 layer.intermediate_size, layer.gelu, act=gpu_ops.silu_mul)
-        layer.methods = [dense_methods(layer, gpu_ops.rms_norm, gpu_ops.apply_rope,
-                                       gate_up)] * len(BUCKETS)
-    model.norm_fn = gpu_ops.rms_norm

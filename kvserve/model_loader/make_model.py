@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
+from kvserve.layers.plan import ExecutionPlan
 from kvserve.models import registry
 from kvserve.paths import cache_dir
 
@@ -99,7 +100,7 @@ def random_weights(config: dict[str, Any], seed: int = 0,
     draw for the same seed); the tensors are returned on the CPU."""
     model_config = registry.config_from_dict(config)
     family = registry.get(model_config.architecture).family
-    model = family.model()(model_config, dtype, "meta")
+    model = family.model()(model_config, ExecutionPlan.dense(dtype, "meta"))
     gen = torch.Generator(device=device).manual_seed(seed)
     std = config.get("initializer_range", 0.02)
     out: dict[str, torch.Tensor] = {}

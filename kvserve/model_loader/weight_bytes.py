@@ -14,7 +14,9 @@ import torch
 
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, kept_as_blocks
+from kvserve.layers.block import PROJECTION_ATTRS
+from kvserve.layers.plan import ExecutionPlan
+from kvserve.layers.quant_linear import kept_as_blocks
 from kvserve.models.decoder import CausalLM, DecoderLayer
 
 
@@ -131,7 +133,8 @@ def planned_weight_bytes(config, quantization: str | None,
     replaced by their blocks."""
     from kvserve.models import registry
 
-    model = registry.get(config.architecture).family.model()(config, torch.float32, "meta")
+    model = registry.get(config.architecture).family.model()(
+        config, ExecutionPlan.dense(torch.float32, "meta"))
     gguf = quantization == "gguf"
     if gguf and kept is None:
         raise ValueError("quantization='gguf' is planned from a GGUF file's tensor types")

@@ -24,11 +24,12 @@ Layout, chosen for the CPU hot path:
   * RoPE uses Hugging Face's rotate-half convention (the first half of each head pairs with the
     second half), with cos/sin precomputed once in float32 and gathered once per step;
   * how each projection computes (which GEMM kernel, with which fused epilogues) is not this
-    module's business: a layer runs the `LayerMethods` it holds for the step's row bucket
-    (`kvserve.layers.block`; dense ones by default, the GPU's Triton element-wise kernels or
-    the CPU's measured GEMM plan bound by `kvserve.layers.selection`), the LM head its
-    `LinearMethod`, and the model its `decode_step` where the plan installed one (the
-    one-call C++ decode, `kvserve.layers.fast_decode`).
+    module's business: each part asks the `ExecutionPlan` it is built with for its method
+    (`kvserve.layers.plan`) and keeps it. A layer runs its `DecoderMethod`'s `LayerMethods`
+    for the step's row bucket, the LM head its `HeadMethod`, the token lookup its `Embedding`,
+    and the model a one-call `decode_step` where the plan gives it one. After the loader has
+    filled the weights, `process_weights_after_loading` lets each method make what it runs
+    from them (packed or quantized copies); nothing assigns a method afterwards.
 """
 
 from __future__ import annotations
@@ -39,10 +40,8 @@ from torch import nn
 
 from kvserve import hugepages
 from kvserve.attention.base import AttentionFn
-from kvserve.layers.block import LayerMethods, dense_methods
-from kvserve.layers.buckets import NUM_BUCKETS, bucket_of
-from kvserve.layers.linear import Dense, LinearMethod
-from kvserve.layers.norm import rms_norm
+from kvserve.layers.buckets import bucket_of
+from kvserve.layers.plan import ExecutionPlan
 from kvserve.layers.rotary import rope_cache
 from kvserve.models.config import ModelConfig
 
@@ -56,10 +55,10 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, plan: ExecutionPlan) -> None:
         super().__init__()
         c = config
+        dtype, device = plan.dtype, plan.device
         self.layer_idx = layer_idx
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
@@ -97,11 +96,19 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
         self.down_proj = _param(h, c.intermediate_size, **p)
         self.down_bias = _param(h, **p) if c.mlp_bias else None
-        # One LayerMethods per row bucket (kvserve.layers.buckets): dense until something
-        # binds others (kvserve.layers.selection: the CPU's GEMM plan, the GPU's Triton ops)
-        self.methods: list[LayerMethods] = [dense_methods(self)] * NUM_BUCKETS
-        # Rows per chunk of a long prefill's MLP (set with a CPU GEMM plan: mlp_chunk_rows)
-        self.mlp_chunk_rows: int | None = None
+        # Projections a quantized checkpoint holds as blocks (attribute -> FileBlocks), handed
+        # over by the loader in place of the float parameter; the method makes its weights
+        self.file_blocks: dict = {}
+        # How this layer computes: one LayerMethods per row bucket once prepared
+        self.method = plan.decoder_method(config)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.prepare(self)
+
+    @property
+    def quant_weights(self) -> dict:
+        """The projections the method runs as blocks (attribute -> QuantWeight)."""
+        return getattr(self.method, "weights", {})
 
     def gemm_flops_per_row(self) -> int:
         """FLOPs of this layer's projections per token (for the warm-up's budget)."""
@@ -112,7 +119,7 @@ class DecoderLayer(nn.Module):
     def warm_up_gemms(self, x: torch.Tensor, bucket: int) -> None:
         """Run each projection of row bucket `bucket` once on zeros x [rows, hidden] (compiles
         its oneDNN kernel; a dense one compiles nothing and costs little)."""
-        ops = self.methods[bucket]
+        ops = self.method.buckets[bucket]
         ops.attn_in(x, torch.zeros(x.shape[0], self.head_dim, dtype=x.dtype, device=x.device))
         zeros = torch.zeros(x.shape[0], self.q_size, dtype=x.dtype, device=x.device)
         ops.o_add(zeros, x.clone())
@@ -121,18 +128,18 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor,
                 attn: AttentionFn, bucket: int = 0) -> torch.Tensor:
         """hidden [T, hidden_size] is the residual stream; it may be updated in place.
-        `bucket` (bucket_of(T)) picks the methods bound for this size."""
-        ops = self.methods[bucket]
+        `bucket` (bucket_of(T)) picks the methods for this size."""
+        ops = self.method.buckets[bucket]
         q, k, v = ops.attn_in(hidden, cos_sin)
         o = attn(self.layer_idx, q, k, v).reshape(hidden.shape[0], self.q_size)
         if ops.o_mlp is not None:
             return ops.o_mlp(o, hidden)
         hidden = ops.o_add(o, hidden)
-        chunk = self.mlp_chunk_rows
+        chunk = self.method.mlp_chunk_rows
         if chunk is None or hidden.shape[0] <= chunk:
             return ops.down_add(ops.mlp(hidden), hidden)
-        # A long prefill's MLP a chunk of rows at a time (see mlp_chunk_rows)
-        ops = self.methods[bucket_of(chunk)]
+        # A long prefill's MLP a chunk of rows at a time (see cpu_methods.mlp_chunk_rows)
+        ops = self.method.buckets[bucket_of(chunk)]
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             out = ops.down_add(ops.mlp(h), h)
@@ -142,30 +149,31 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Parameters are allocated uninitialised; `kvserve.model_loader.loader.load_model` fills
-    them."""
+    """Parameters are allocated uninitialised; `kvserve.model_loader.loader` fills them and
+    then calls `process_weights_after_loading`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = "cpu") -> None:
+    def __init__(self, config: ModelConfig, plan: ExecutionPlan) -> None:
         super().__init__()
         self.config = config
+        self.plan = plan
+        dtype, device = plan.dtype, plan.device
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device)
+        self.layers = nn.ModuleList(self.make_layer(config, i, plan)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
         # Layers whose RoPE differs from the full layers' (Gemma 3's local layers) use a second
-        # table; layer i uses table self._rope_of_layer[i].
-        self._rope_of_layer = [0] * config.num_hidden_layers
+        # table; layer i uses table self.rope_of_layer[i].
+        self.rope_of_layer = [0] * config.num_hidden_layers
         local = None
         if config.sliding_rope_theta is not None:
             local = rope_cache(config, device, config.sliding_rope_theta,
                                config.sliding_rope_scaling)
-            self._rope_of_layer = [int(w is not None) for w in config.windows]
+            self.rope_of_layer = [int(w is not None) for w in config.windows]
         self.register_buffer("rope_cos_sin_local", local, persistent=False)
         # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype as transformers
         # scales them; a buffer, built once and moved with the model, not a tensor per forward.
@@ -173,25 +181,54 @@ class CausalLM(nn.Module):
                              torch.tensor(config.embed_scale, dtype=dtype, device=device),
                              persistent=False)
         self._softcap = config.final_logit_softcapping
-        # What the GEMM plan (kvserve.layers.selection) set: the plan, whether any GEMM runs
-        # on oneDNN-packed weights, the LM head's method per row bucket, the final norm's
-        # function, and the decode step that runs every layer in one call (FastDecode) where
-        # the plan allows it (its `run` returns None for a step it does not serve).
-        self.gemm_plan = None
-        self.packed = False
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        self.head_methods: list[LinearMethod] = [Dense(head)] * NUM_BUCKETS
-        self.norm_fn = rms_norm
-        # The token embedding lookup (ids [T] -> [T, hidden_size]): None reads embed_tokens;
-        # set where the loader kept the table quantized (selection.bind_quantized).
-        self.embed_fn = None
-        self.decode_step = None
+        # The embedding table and LM head as a quantized checkpoint holds them ("embed_tokens",
+        # "lm_head" -> FileBlocks), handed over by the loader
+        self.file_blocks: dict = {}
+        # How the token lookup, the LM head (a LinearMethod per row bucket) and the final norm
+        # compute, and the decode step that runs every layer in one call where the plan has
+        # one (its `run` returns None for a step it does not serve)
+        self.embed = plan.embedding(config)
+        self.head = plan.head_method(config)
+        self.final_norm = plan.final_norm()
+        self.decode_step = plan.one_call_decode(config)
 
-    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
-                   device: torch.device | str | None) -> nn.Module:
+    def make_layer(self, config: ModelConfig, index: int, plan: ExecutionPlan) -> nn.Module:
         """One decoder layer; an architecture with its own layers (DeepSeek's MLA and MoE,
         `kvserve.models.deepseek_layers`) overrides this and keeps the rest of the model."""
-        return DecoderLayer(config, index, dtype, device)
+        return DecoderLayer(config, index, plan)
+
+    def process_weights_after_loading(self) -> None:
+        """Each part's method makes what it runs from the loaded weights (vLLM's name):
+        packed and quantized copies, bound kernels. Called once, by the loader."""
+        self.embed.prepare(self)
+        for layer in self.layers:
+            layer.process_weights_after_loading()
+        self.head.prepare(self)
+        if self.decode_step is not None:
+            self.decode_step.prepare(self)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's float weight (the embedding table where they are tied)."""
+        return self.lm_head if self.lm_head is not None else self.embed_tokens
+
+    @property
+    def gemm_plan(self):
+        """The GEMM plan the model runs (`gemm_select.GemmPlan`), or None (F.linear)."""
+        return self.plan.source.describe(self)
+
+    @property
+    def packed(self) -> bool:
+        """Whether any weight runs through oneDNN (whose shapes a server warms up)."""
+        plan = self.gemm_plan
+        return plan is not None and any("onednn" in ks for ks in plan.kernels.values())
+
+    @property
+    def quant_embed(self):
+        return getattr(self.embed, "weight", None)
+
+    @property
+    def quant_head(self):
+        return getattr(self.head, "weight", None)
 
     def warm_up_layers(self) -> list[nn.Module]:
         """One layer of each distinct GEMM shape set (every DecoderLayer has the same)."""
@@ -200,23 +237,22 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
-        hidden = F.embedding(input_ids, self.embed_tokens) if self.embed_fn is None \
-            else self.embed_fn(input_ids)
+        hidden = self.embed(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
         if self.decode_step is None or self.decode_step.run(
-                hidden, tables[self._rope_of_layer[0]], attn) is None:
+                hidden, tables[self.rope_of_layer[0]], attn) is None:
             bucket = bucket_of(hidden.shape[0])
-            for layer, rope in zip(self.layers, self._rope_of_layer):
+            for layer, rope in zip(self.layers, self.rope_of_layer):
                 hidden = layer(hidden, tables[rope], attn, bucket)
-        return self.norm_fn(hidden, self.norm, self.config.rms_norm_eps)
+        return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        logits = self.head_methods[bucket_of(hidden.shape[0])].apply(hidden).float()
+        logits = self.head.buckets[bucket_of(hidden.shape[0])].apply(hidden).float()
         if self._softcap is not None:
             logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
         return logits

@@ -11,9 +11,9 @@ Per layer, as transformers computes it:
   * RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... The weight
     map (`kvserve.models.deepseek`, which registers these classes) permutes the RoPE rows of
     q_b_proj (or q_proj) and kv_a_proj_with_mqa to (x0, x2, ..., x1, x3, ...), after which
-    the rotation is the rotate-half form every other model here uses (`kvserve.layers.rotary.apply_rope`); dot
-    products between q and k are unchanged by a permutation applied to both, so the attention
-    is exactly transformers'.
+    the rotation is the rotate-half form every other model here uses
+    (`kvserve.layers.rotary.apply_rope`); dot products between q and k are unchanged by a
+    permutation applied to both, so the attention is exactly transformers'.
   * MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then routed experts plus
     shared experts (`MoE`), the routed part computed with the tokens grouped by expert.
 The softmax scale (1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2) is
@@ -28,8 +28,9 @@ from torch import nn
 
 from kvserve.attention.mla import MLAAttentionFn, MLAProjections
 from kvserve.layers.activation import gated
-from kvserve.layers.linear import Dense, LinearMethod
+from kvserve.layers.linear import LinearMethod
 from kvserve.layers.norm import rms_norm
+from kvserve.layers.plan import ExecutionPlan
 from kvserve.layers.rotary import apply_rope
 from kvserve.models.config import ModelConfig
 from kvserve.models.decoder import CausalLM, _param
@@ -45,9 +46,9 @@ class MoE(nn.Module):
     the ragged row counts); the shared experts are a dense SwiGLU over every token, packed for
     oneDNN like the other projections."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+    def __init__(self, moe: MoEConfig, hidden: int, plan: ExecutionPlan) -> None:
         super().__init__()
+        dtype, device = plan.dtype, plan.device
         self.cfg = moe
         e, i = moe.n_routed_experts, moe.moe_intermediate_size
         p = dict(dtype=dtype, device=device)
@@ -58,10 +59,15 @@ class MoE(nn.Module):
         self.w13 = _param(e, 2 * i, hidden, **p)  # per expert [gate; up]
         self.w2 = _param(e, hidden, i, **p)
         shared = moe.n_shared_experts * i
-        self.shared = SwiGLU(hidden, shared, dtype, device) if shared else None
-        # Tensor parallelism (kvserve/parallel/layers.py): each rank's experts hold some of
-        # their columns, so the routed and shared sums are partial; this all-reduces them.
-        self.reduce = None
+        # (its down projection not all-reduced: `reduce` sums it with the routed experts')
+        self.shared = SwiGLU(hidden, shared, plan, row=False) if shared else None
+        # Tensor parallelism: each rank's experts hold some of their columns, so the routed
+        # and shared sums are partial; this all-reduces them (None on one rank).
+        self.reduce = plan.all_reduce()
+
+    def prepare(self) -> None:
+        if self.shared is not None:
+            self.shared.prepare()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for each token."""
@@ -131,15 +137,20 @@ class MoE(nn.Module):
 class SwiGLU(nn.Module):
     """A dense SwiGLU MLP: down(silu(gate(x)) * up(x)), added into the residual stream."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+    def __init__(self, hidden: int, intermediate: int, plan: ExecutionPlan,
+                 row: bool = True) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = _param(2 * intermediate, hidden, dtype=dtype, device=device)
-        self.down_proj = _param(hidden, intermediate, dtype=dtype, device=device)
-        # how the projections run (kvserve.layers.linear; selection binds the GEMM plan's)
-        self.gate_up: LinearMethod = Dense(self.gate_up_proj)
-        self.down: LinearMethod = Dense(self.down_proj)
+        p = dict(dtype=plan.dtype, device=plan.device)
+        self.gate_up_proj = _param(2 * intermediate, hidden, **p)
+        self.down_proj = _param(hidden, intermediate, **p)
+        # how the projections run, from the plan (`row`: down all-reduced on a rank)
+        self.gate_up = plan.projection(self, "gate_up_proj")
+        self.down = plan.projection(self, "down_proj", row=row)
+
+    def prepare(self) -> None:
+        self.gate_up.prepare()
+        self.down.prepare()
 
     def forward_add(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         act = gated(self.gate_up.apply(x), self.intermediate, False)
@@ -147,9 +158,9 @@ class SwiGLU(nn.Module):
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, plan: ExecutionPlan) -> None:
         super().__init__()
+        dtype, device = plan.dtype, plan.device
         c, m = config, config.mla
         assert m is not None
         self.layer_idx = layer_idx
@@ -171,14 +182,21 @@ class DeepseekLayer(nn.Module):
         self.post_attention_layernorm = _param(hidden, **p)
         moe = c.moe
         if moe is not None and moe.is_moe_layer(layer_idx):
-            self.mlp: MoE | SwiGLU = MoE(moe, hidden, dtype, device)
+            self.mlp: MoE | SwiGLU = MoE(moe, hidden, plan)
         else:
-            self.mlp = SwiGLU(hidden, c.intermediate_size, dtype, device)
-        # how the projections run (kvserve.layers.linear; selection binds the GEMM plan's)
-        self.qkv_a: LinearMethod = Dense(self.qkv_a_proj)
-        self.q_b: LinearMethod | None = None if self.q_b_proj is None else Dense(self.q_b_proj)
-        self.o: LinearMethod = Dense(self.o_proj)
+            self.mlp = SwiGLU(hidden, c.intermediate_size, plan)
+        # how the projections run, from the plan; kv_b_proj stays dense (the attention
+        # backend slices it per head for absorption), and so do the routed experts
+        self.qkv_a: LinearMethod = plan.projection(self, "qkv_a_proj")
+        self.q_b: LinearMethod | None = None if self.q_b_proj is None \
+            else plan.projection(self, "q_b_proj")
+        self.o: LinearMethod = plan.projection(self, "o_proj", row=True)
         self._proj: MLAProjections | None = None
+
+    def process_weights_after_loading(self) -> None:
+        for method in (self.qkv_a, self.q_b, self.o, self.mlp):
+            if method is not None:
+                method.prepare()
 
     @property
     def projections(self) -> MLAProjections:
@@ -237,9 +255,8 @@ class DeepseekCausalLM(CausalLM):
     """`CausalLM` with DeepSeek's layers; embedding, final norm, RoPE table (the RoPE dim, with
     YaRN when configured) and LM head are the shared ones."""
 
-    def make_layer(self, config: ModelConfig, index: int, dtype: torch.dtype,
-                   device: torch.device | str | None) -> nn.Module:
-        return DeepseekLayer(config, index, dtype, device)
+    def make_layer(self, config: ModelConfig, index: int, plan: ExecutionPlan) -> nn.Module:
+        return DeepseekLayer(config, index, plan)
 
     def warm_up_layers(self) -> list[nn.Module]:
         """The first layer (dense MLP) and the first MoE layer (shared experts): every packed

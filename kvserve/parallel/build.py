@@ -18,7 +18,7 @@ from kvserve.worker import builder
 from kvserve.kv.spec import capacity_line
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
-from kvserve.model_loader.loader import resolve_dtype
+from kvserve.layers.selection import resolve_dtype
 from kvserve.parallel.comm import exchange_slot_bytes
 from kvserve.parallel.executor import MultiprocExecutor
 from kvserve.model_loader.tp_layout import check_tp

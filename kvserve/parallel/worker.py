@@ -150,20 +150,19 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
     from kvserve.worker import builder
     from kvserve.worker.model_runner import ModelRunner
     from kvserve.kv.tensors import KVTensorPool
-    from kvserve.model_loader.loader import load_model
+    from kvserve.layers.plan import TensorParallel
     from kvserve.model_loader.weight_bytes import weight_bytes
-    from kvserve.parallel.layers import bind_tensor_parallel, pack_column_parallel
+    from kvserve.worker.model_build import load_model
     from kvserve.model_loader.tp_layout import rank_config, rank_layout
     from kvserve.parallel.comm import Comm, ShmExchange
 
     full = builder.model_config_of(config)
     layout = rank_layout(full, rank, world_size)
-    model, _ = load_model(config.model, config.dtype, config.device, shard=layout)
-    sizes = [b - a for a, b in (rank_layout(full, r, world_size).vocab
-                                for r in range(world_size))]
-    pack_column_parallel(model)
+    sizes = tuple(b - a for a, b in (rank_layout(full, r, world_size).vocab
+                                     for r in range(world_size)))
     shm = ShmExchange(exchange[0], rank, world_size, exchange[1]) if exchange else None
-    bind_tensor_parallel(model, layout, Comm(rank, world_size, shm), sizes)
+    tp = TensorParallel(Comm(rank, world_size, shm), layout.vocab[0], sizes)
+    model, _ = load_model(config.model, config.dtype, config.device, shard=layout, tp=tp)
     dtype = next(model.parameters()).dtype
     spec = builder.engine_kv_spec(rank_config(full, layout), dtype, config.block_size,
                                   config.kv_cache_dtype)

@@ -20,6 +20,7 @@ import torch
 from kvserve import features as F
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.worker.executor import InProcessExecutor
+from kvserve.worker.model_build import load_model
 from kvserve.worker.gpu_memory import available_host_memory
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.kv.manager import KVCacheManager
@@ -38,11 +39,9 @@ from kvserve.kv.tensors import KVTensorPool
 from kvserve.kv.tiers.link import TierLink
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.select import make_attention_backend
-from kvserve.layers.selection import use_triton_ops
 from kvserve.models.config import ModelConfig
 from kvserve.models.decoder import CausalLM
 from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
-from kvserve.model_loader.loader import load_model
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -94,11 +93,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config)
+    # (the Triton backend on a GPU: fused element-wise kernels, fewer launches per step)
     model, model_config = load_model(model_dir, config.dtype, config.device,
                                      remeasure_kernels=config.remeasure_kernels,
-                                     quantization=config.quantization)
-    if config.attention_backend == "triton":
-        use_triton_ops(model)  # fused element-wise kernels: fewer launches per step
+                                     quantization=config.quantization,
+                                     elementwise="triton" if config.attention_backend
+                                     == "triton" else "torch")
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     dtype = next(model.parameters()).dtype

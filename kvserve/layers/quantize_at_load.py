@@ -1,7 +1,8 @@
 """Quantize a float checkpoint's projections at load (issue 31: `quantization="q8_0" | "q4_0"
 | "q4_1" | "q4_k"`, vLLM's --quantization) into ggml's block layouts, kept as the same
-`QuantWeight`s a GGUF file's blocks become, so `selection.bind_quantized` runs them on the
-same kernels (what a model then holds: kvserve/model_loader/weight_bytes.py).
+`QuantWeight`s a GGUF file's blocks become, so the same quantized methods run them
+(`cpu_methods.QuantizedDecoder`, which calls `AtLoad.quantize` as it prepares each layer;
+what a model then holds: kvserve/model_loader/weight_bytes.py).
 
 What is quantized: every DecoderLayer's qkv, o, gate_up and down projections
 (`PROJECTION_ATTRS`); the embedding, the norms, the biases and the LM head stay float32 (the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,8 +29,8 @@ from tqdm.auto import tqdm
 
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
-from kvserve.layers.quant_linear import PROJECTION_ATTRS, QuantWeight
-from kvserve.models.decoder import CausalLM, DecoderLayer
+from kvserve.layers.block import PROJECTION_ATTRS
+from kvserve.layers.quant_linear import QuantWeight
 
 logger = logging.getLogger("kvserve")
 
@@ -99,23 +101,22 @@ def quantize(w: torch.Tensor, type_name: str) -> torch.Tensor:
 
 
 # -- the model ------------------------------------------------------------------------------
-def check_quantizable(model: CausalLM, quantization: str) -> None:
-    """ValueError where the engine cannot run `quantization`'s blocks on this model."""
+def check_quantizable(config: Any, quantization: str) -> None:
+    """ValueError where the engine cannot run `quantization`'s blocks on this model (a
+    ModelConfig): checked before the model is built."""
     if quantization not in quant_formats.AT_LOAD:
         raise ValueError(f"quantize at load: one of {sorted(quant_formats.AT_LOAD)}, got "
                          f"{quantization!r}")
-    other = sorted({type(layer).__name__ for layer in model.layers
-                    if not isinstance(layer, DecoderLayer)})
-    if other:
+    if config.mla is not None or config.moe is not None:
         raise ValueError(f"quantization={quantization!r} quantizes DecoderLayer projections; "
-                         f"{model.config.architecture}'s {', '.join(other)} layers (MLA / MoE) "
-                         "have no quantized methods: use quantization=None")
+                         f"{config.architecture}'s layers (MLA / MoE) have no quantized "
+                         "methods: use quantization=None")
     if qgemv.load() is None:
         raise ValueError(f"quantization={quantization!r}: the quantized kernels cannot be "
                          "built here (no C++ compiler)")
+    widths = (config.hidden_size, config.q_size, config.intermediate_size)
     wanted = {quant_formats.AT_LOAD[quantization]} | {
-        quant_formats.projection_type(quantization, getattr(model.layers[0], a).shape[1])
-        for a in PROJECTION_ATTRS} - {None}
+        quant_formats.projection_type(quantization, k) for k in widths} - {None}
     missing = sorted(t for t in wanted if t not in qgemv.TYPES)
     if missing:
         raise ValueError(f"quantization={quantization!r} needs the {', '.join(missing)} "
@@ -123,29 +124,43 @@ def check_quantizable(model: CausalLM, quantization: str) -> None:
                          f"runs {', '.join(sorted(qgemv.TYPES))})")
 
 
-def quantize_model(model: CausalLM, quantization: str, progress: bool = True) -> None:
-    """Replace every DecoderLayer projection by its blocks in `quantization`'s format
-    (`layer.quant_weights`, the float parameter dropped); `bind_quantized` then binds the
-    quantized methods. One layer at a time, its projections on one thread each (numpy
-    releases the GIL), under a progress bar."""
-    check_quantizable(model, quantization)
-    t0 = time.perf_counter()
-    kept: dict[str, int] = {}
-    threads = max(1, torch.get_num_threads())
-    with ThreadPoolExecutor(threads) as pool:
-        for layer in tqdm(model.layers, desc=f"Quantizing to {quantization}", unit="layer",
-                          disable=not progress or len(model.layers) < 2, leave=False):
-            jobs = {}
+class AtLoad:
+    """Quantizes each DecoderLayer's projections as its method prepares it (`quantize`), its
+    projections on one thread each (numpy releases the GIL), under one progress bar for the
+    model; logs what it made after the last layer."""
+
+    def __init__(self, quantization: str, num_layers: int, progress: bool = True) -> None:
+        self.quantization, self.num_layers = quantization, num_layers
+        self.progress = progress and num_layers > 1
+        self._bar = None
+        self._done = 0
+        self._kept: dict[str, int] = {}
+        self._t0 = 0.0
+
+    def quantize(self, layer) -> dict[str, QuantWeight]:
+        """`layer`'s projections (PROJECTION_ATTRS) as blocks, each float parameter dropped."""
+        if self._done == 0:
+            self._t0 = time.perf_counter()
+            self._bar = tqdm(total=self.num_layers, desc=f"Quantizing to {self.quantization}",
+                             unit="layer", disable=not self.progress, leave=False)
+        jobs = {}
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             for attr in PROJECTION_ATTRS:
                 p = getattr(layer, attr)
-                type_name = quant_formats.projection_type(quantization, p.shape[1])
+                type_name = quant_formats.projection_type(self.quantization, p.shape[1])
                 if type_name is not None:
                     jobs[attr] = (type_name, p.shape[1], pool.submit(quantize, p, type_name))
-            layer.quant_weights = {}
+            made = {}
             for attr, (type_name, k, job) in jobs.items():
-                layer.quant_weights[attr] = QuantWeight.for_kernels(job.result(), type_name, k)
+                made[attr] = QuantWeight.for_kernels(job.result(), type_name, k)
                 setattr(layer, attr, None)
-                kept[type_name] = kept.get(type_name, 0) + 1
-    logger.info("quantization %s: %s projections quantized at load in %.1f s",
-                quantization, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
-                time.perf_counter() - t0)
+                self._kept[type_name] = self._kept.get(type_name, 0) + 1
+        self._done += 1
+        self._bar.update(1)
+        if self._done == self.num_layers:
+            self._bar.close()
+            logger.info("quantization %s: %s projections quantized at load in %.1f s",
+                        self.quantization,
+                        ", ".join(f"{n} {t}" for t, n in sorted(self._kept.items())),
+                        time.perf_counter() - self._t0)
+        return made
