@@ -43,11 +43,15 @@ def _hf_config(arch: str):
                                                         "partial_rotary_factor": 0.5})
     if arch == "olmo2":  # norms after attention and the MLP, q/k norms over all heads
         return transformers.Olmo2Config(**common, tie_word_embeddings=False, rope_theta=1e4)
+    if arch == "granite":  # embedding / residual / attention multipliers, scaled logits
+        return transformers.GraniteConfig(**common, tie_word_embeddings=True, rope_theta=1e4,
+                                          embedding_multiplier=12.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.1, logits_scaling=6.0)
     raise ValueError(arch)
 
 
 # The architectures `hf_checkpoints` holds, one checkpoint each.
-HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2")
+HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

@@ -90,6 +90,12 @@ VARIANTS = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
               dict(attention_bias=True, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+    # Granite 3: embedding, residual and attention multipliers, logits divided by
+    # logits_scaling, q/k/v/o and MLP biases, tied
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                     attention_multiplier=0.05, logits_scaling=8.0, attention_bias=True,
+                     mlp_bias=True, tie_word_embeddings=True)),
 }
 
 

@@ -39,6 +39,7 @@ def models(hf_checkpoints, tmp_path_factory):
     return {
         "llama": hf_checkpoints["llama"],
         "qwen3": hf_checkpoints["qwen3"],
+        "granite": hf_checkpoints["granite"],
         "qwen2_1kv": save_random_checkpoint(
             transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1},
                                      tie_word_embeddings=True, rope_theta=1e6),
@@ -83,7 +84,8 @@ def _max_logprob_gap(a, b) -> float:
     return gap
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2",
+                                  "granite"])
 def test_tp2_equals_transformers_and_tp1(models, name):
     path = models[name]
     prompts = random_prompts([5, 17, 40, 63], VOCAB, seed=1)

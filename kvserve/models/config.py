@@ -65,6 +65,11 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings are multiplied by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Granite: the softmax scale itself (attention_multiplier), a divisor of the logits, and
+    # the factor of each residual add's output (folded into o and down by its weight map)
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
+    residual_multiplier: float | None = None
     # RoPE of the sliding layers when it differs from the full layers' (Gemma 3: base 10,000
     # locally, 1,000,000 globally); None = the same as rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
@@ -85,7 +90,10 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The softmax scale: 1/sqrt(head_dim), Gemma's query_pre_attn_scalar ** -0.5, or for
         MLA 1/sqrt(qk_nope + qk_rope) times DeepSeek's YaRN correction
-        mscale(factor, mscale_all_dim)^2, as transformers applies them."""
+        mscale(factor, mscale_all_dim)^2, as transformers applies them; Granite's
+        attention_multiplier where it has one."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar ** -0.5
         if self.mla is None:

@@ -181,6 +181,7 @@ class CausalLM(nn.Module):
                              torch.tensor(config.embed_scale, dtype=dtype, device=device),
                              persistent=False)
         self._softcap = config.final_logit_softcapping
+        self._logit_divisor = config.logits_scaling  # Granite: logits / logits_scaling
         # The embedding table and LM head as a quantized checkpoint holds them ("embed_tokens",
         # "lm_head" -> FileBlocks), handed over by the loader
         self.file_blocks: dict = {}
@@ -253,6 +254,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         logits = self.head.buckets[bucket_of(hidden.shape[0])].apply(hidden).float()
+        if self._logit_divisor is not None:
+            logits = logits.div_(self._logit_divisor)
         if self._softcap is not None:
             logits = logits.div_(self._softcap).tanh_().mul_(self._softcap)
         return logits

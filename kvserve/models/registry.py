@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.models.config import ModelConfig, read_json_object
-from kvserve.models import deepseek, gemma3, llama, olmo2, phi3
+from kvserve.models import deepseek, gemma3, granite, llama, olmo2, phi3
 from kvserve.models.base import Family
 
 
@@ -46,6 +46,7 @@ ARCHITECTURES = (
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", deepseek.DEEPSEEK_V3),
     Architecture("Phi3ForCausalLM", "phi3", phi3.PHI3),
     Architecture("Olmo2ForCausalLM", "olmo2", olmo2.OLMO2),
+    Architecture("GraniteForCausalLM", "granite", granite.GRANITE),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
 MAKE_ARCHS = tuple(a.make_arch for a in ARCHITECTURES)
