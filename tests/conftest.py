@@ -47,11 +47,16 @@ def _hf_config(arch: str):
         return transformers.GraniteConfig(**common, tie_word_embeddings=True, rope_theta=1e4,
                                           embedding_multiplier=12.0, residual_multiplier=0.22,
                                           attention_multiplier=0.1, logits_scaling=6.0)
+    if arch == "smollm3":  # the second layer without RoPE
+        return transformers.SmolLM3Config(**common, tie_word_embeddings=True,
+                                          no_rope_layer_interval=2,
+                                          rope_parameters={"rope_type": "default",
+                                                           "rope_theta": 1e4})
     raise ValueError(arch)
 
 
 # The architectures `hf_checkpoints` holds, one checkpoint each.
-HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite")
+HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "smollm3")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

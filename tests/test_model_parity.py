@@ -96,6 +96,11 @@ VARIANTS = {
                 dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                      attention_multiplier=0.05, logits_scaling=8.0, attention_bias=True,
                      mlp_bias=True, tie_word_embeddings=True)),
+    # SmolLM3: layers 1 and 3 of 4 without RoPE, untied
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=False,
+                     pad_token_id=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
 }
 
 
@@ -559,7 +564,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(hf).__name__ == config.architecture
-    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3", "gemma3"))
+    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3", "gemma3", "smollm3"))
     if arch == "qwen3":
         assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
     gen_cfg = json.loads((path / "generation_config.json").read_text())

@@ -40,6 +40,7 @@ def models(hf_checkpoints, tmp_path_factory):
         "llama": hf_checkpoints["llama"],
         "qwen3": hf_checkpoints["qwen3"],
         "granite": hf_checkpoints["granite"],
+        "smollm3": hf_checkpoints["smollm3"],
         "qwen2_1kv": save_random_checkpoint(
             transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1},
                                      tie_word_embeddings=True, rope_theta=1e6),
@@ -85,7 +86,7 @@ def _max_logprob_gap(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2",
-                                  "granite"])
+                                  "granite", "smollm3"])
 def test_tp2_equals_transformers_and_tp1(models, name):
     path = models[name]
     prompts = random_prompts([5, 17, 40, 63], VOCAB, seed=1)

@@ -307,8 +307,7 @@ class CpuMethods(MethodSource):
         blocks, or on a plan whose first bucket runs every projection on the GEMV. (Whether
         every layer's weights then allow it, `prepare` finds out.)"""
         if config.mla is not None or config.moe is not None or config.qk_norm \
-                or config.output_norms or not config.pre_norms \
-                or config.sliding_rope_theta is not None:
+                or config.output_norms or not config.pre_norms or not config.one_rope:
             return None
         if self.quantized:
             return QuantDecodeStep(config) if self.cpp else None

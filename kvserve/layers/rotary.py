@@ -87,6 +87,17 @@ def rope_cache(config: ModelConfig, device: torch.device | str | None = None,
     return cache if device is None else cache.to(device)
 
 
+def identity_rope_cache(config: ModelConfig, device: torch.device | str | None = None
+                        ) -> torch.Tensor:
+    """A table that rotates nothing (cos 1, sin 0 at every position): a layer without RoPE
+    (SmolLM3's NoPE layers) runs the same code, kernels that fuse RoPE included, and its q and
+    k come out exactly as they went in."""
+    half = config.head_dim // 2
+    cache = torch.cat((torch.ones(config.max_position_embeddings, half),
+                       torch.zeros(config.max_position_embeddings, half)), dim=-1)
+    return cache if device is None else cache.to(device)
+
+
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by cos_sin [T, D] (cos | sin halves); returns a new tensor."""
     half = x.shape[-1] // 2

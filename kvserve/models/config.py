@@ -74,9 +74,17 @@ class ModelConfig:
     # locally, 1,000,000 globally); None = the same as rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    # Which layers rotate q and k (SmolLM3 leaves every fourth without RoPE); () = all of them
+    rope_layers: tuple[bool, ...] = ()
     # Partial RoPE (Phi-3's partial_rotary_factor < 1): only the first rotary_dim dimensions of
     # each head rotate; None = all of head_dim.
     rotary_dim: int | None = None
+
+    @property
+    def one_rope(self) -> bool:
+        """Whether every layer rotates with the same table (no local RoPE base, no NoPE
+        layers): what the one-call decode steps need."""
+        return self.sliding_rope_theta is None and all(self.rope_layers)
 
     @property
     def q_size(self) -> int:
@@ -128,8 +136,8 @@ def layer_windows(d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Per layer: None for full attention, else its sliding window in tokens, by the rules
     transformers applies to each family (the engine and the planner both read windows here):
 
-    * Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window`; then `layer_types`
-      if given, else layers from `max_window_layers` on slide;
+    * Qwen2/Qwen3 and SmolLM3: `sliding_window` counts only with `use_sliding_window`; then
+      `layer_types` if given, else layers from `max_window_layers` on slide;
     * an explicit `layer_types` list (Qwen, Gemma 3, gpt-oss): "sliding_attention" layers slide;
     * Gemma 2: even layers slide; Gemma 3 without `layer_types`: every layer but each
       `sliding_window_pattern`-th (default 6);
@@ -143,7 +151,8 @@ def layer_windows(d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
         window = d["sliding_window"]
     else:
         window = _DEFAULT_WINDOW.get(model_type)
-    if model_type.startswith("qwen") and not d.get("use_sliding_window", False):
+    if (model_type.startswith("qwen") or model_type == "smollm3") \
+            and not d.get("use_sliding_window", False):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window <= 0):

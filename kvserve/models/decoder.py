@@ -42,7 +42,7 @@ from kvserve import hugepages
 from kvserve.attention.base import AttentionFn
 from kvserve.layers.buckets import bucket_of
 from kvserve.layers.plan import ExecutionPlan
-from kvserve.layers.rotary import rope_cache
+from kvserve.layers.rotary import identity_rope_cache, rope_cache
 from kvserve.models.config import ModelConfig
 
 
@@ -166,14 +166,17 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else \
             _param(config.vocab_size, config.hidden_size, **p)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
-        # Layers whose RoPE differs from the full layers' (Gemma 3's local layers) use a second
-        # table; layer i uses table self.rope_of_layer[i].
+        # Layers whose RoPE differs from the full layers' (Gemma 3's local layers, SmolLM3's
+        # layers without RoPE) use a second table; layer i uses table self.rope_of_layer[i].
         self.rope_of_layer = [0] * config.num_hidden_layers
         local = None
         if config.sliding_rope_theta is not None:
             local = rope_cache(config, device, config.sliding_rope_theta,
                                config.sliding_rope_scaling)
             self.rope_of_layer = [int(w is not None) for w in config.windows]
+        elif not all(config.rope_layers):  # SmolLM3's NoPE layers: a table that rotates nothing
+            local = identity_rope_cache(config, device)
+            self.rope_of_layer = [int(not r) for r in config.rope_layers]
         self.register_buffer("rope_cos_sin_local", local, persistent=False)
         # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype as transformers
         # scales them; a buffer, built once and moved with the model, not a tensor per forward.

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.models.config import ModelConfig, read_json_object
-from kvserve.models import deepseek, gemma3, granite, llama, olmo2, phi3
+from kvserve.models import deepseek, gemma3, granite, llama, olmo2, phi3, smollm3
 from kvserve.models.base import Family
 
 
@@ -47,6 +47,7 @@ ARCHITECTURES = (
     Architecture("Phi3ForCausalLM", "phi3", phi3.PHI3),
     Architecture("Olmo2ForCausalLM", "olmo2", olmo2.OLMO2),
     Architecture("GraniteForCausalLM", "granite", granite.GRANITE),
+    Architecture("SmolLM3ForCausalLM", "smollm3", smollm3.SMOLLM3),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
 MAKE_ARCHS = tuple(a.make_arch for a in ARCHITECTURES)
