@@ -503,7 +503,11 @@ def worker_main(args: argparse.Namespace) -> int:
         if args.worker == "ceiling":
             result = worker_ceiling(args)
         else:
-            cfg = json.loads((Path(args.model) / "config.json").read_text())
+            from kvserve.model_loader.gguf_checkpoint import is_gguf, open_gguf
+
+            # a GGUF file's metadata as a config.json (in the directory open_gguf writes)
+            config_dir = open_gguf(args.model).dir if is_gguf(args.model) else Path(args.model)
+            cfg = json.loads((Path(config_dir) / "config.json").read_text())
             prompts = make_prompts(args.num_prompts, args.prompt_len, cfg["vocab_size"],
                                    args.seed)
             fn = worker_kvserve if args.engine == "kvserve" else worker_transformers
