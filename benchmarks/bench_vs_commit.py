@@ -19,7 +19,8 @@ Workloads (float32, the reference model of bench_throughput.py, or `--model`: a 
 
     .venv/bin/python benchmarks/bench_vs_commit.py --base 045d1c4
     .venv/bin/python benchmarks/bench_vs_commit.py --base HEAD~3 --repeats 3 --only throughput
-    .venv/bin/python benchmarks/bench_vs_commit.py --base HEAD~1 --model default --only batch1,batch32
+    .venv/bin/python benchmarks/bench_vs_commit.py --base HEAD~1 --model default \
+        --only batch1,batch32
 
 An A/A run (the base against itself, to read the spread a ratio must fall inside): run the
 base's own copy of this script, which compares its tree with the base, e.g.
