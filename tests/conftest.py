@@ -52,11 +52,19 @@ def _hf_config(arch: str):
                                           no_rope_layer_interval=2,
                                           rope_parameters={"rope_type": "default",
                                                            "rope_theta": 1e4})
+    if arch == "qwen3_moe":  # 8 experts, top 2 renormalised, q/k norms
+        return transformers.Qwen3MoeConfig(**common, tie_word_embeddings=False, rope_theta=1e6,
+                                           head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, norm_topk_prob=True)
+    if arch == "mixtral":  # 4 experts of intermediate_size, top 2
+        return transformers.MixtralConfig(**common, tie_word_embeddings=False, rope_theta=1e6,
+                                          num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(arch)
 
 
 # The architectures `hf_checkpoints` holds, one checkpoint each.
-HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "smollm3")
+HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "smollm3",
+            "qwen3_moe", "mixtral")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

@@ -30,8 +30,9 @@ from kvserve.layers.cpu_linear import gemv_available, onednn_available  # noqa: 
 from kvserve.layers.rotary import rope_inv_freq  # noqa: E402
 from kvserve.models.decoder import CausalLM  # noqa: E402
 from kvserve.worker.model_build import load_model  # noqa: E402
-from kvserve.model_loader.make_model import (ARCHS, DEFAULT_MODEL_VERSION, default_model_path, ensure_default_model,  # noqa: E402
-                                      make_model)
+from kvserve.model_loader.make_model import (ARCHS, DEFAULT_MODEL_VERSION,  # noqa: E402
+                                             default_model_path, ensure_default_model,
+                                             make_model)
 
 transformers.logging.set_verbosity_error()
 HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer_train") is not None
@@ -96,6 +97,16 @@ VARIANTS = {
                 dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                      attention_multiplier=0.05, logits_scaling=8.0, attention_bias=True,
                      mlp_bias=True, tie_word_embeddings=True)),
+    # Qwen3-MoE: 8 experts, top 2 renormalised, layer 1 of 3 dense (mlp_only_layers), q/k
+    # norms, head_dim 16 != 64 / 4
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1],
+                       head_dim=16, tie_word_embeddings=False)),
+    # Mixtral: 4 experts of intermediate_size, top 2, untied
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # SmolLM3: layers 1 and 3 of 4 without RoPE, untied
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=False,

@@ -41,6 +41,8 @@ def models(hf_checkpoints, tmp_path_factory):
         "qwen3": hf_checkpoints["qwen3"],
         "granite": hf_checkpoints["granite"],
         "smollm3": hf_checkpoints["smollm3"],
+        "qwen3_moe": hf_checkpoints["qwen3_moe"],
+        "mixtral": hf_checkpoints["mixtral"],
         "qwen2_1kv": save_random_checkpoint(
             transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1},
                                      tie_word_embeddings=True, rope_theta=1e6),
@@ -86,7 +88,7 @@ def _max_logprob_gap(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2",
-                                  "granite", "smollm3"])
+                                  "granite", "smollm3", "qwen3_moe", "mixtral"])
 def test_tp2_equals_transformers_and_tp1(models, name):
     path = models[name]
     prompts = random_prompts([5, 17, 40, 63], VOCAB, seed=1)

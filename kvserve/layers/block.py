@@ -73,7 +73,9 @@ def dense_methods(layer, norm: Callable = rms_norm, rope: Callable = apply_rope,
     """A DecoderLayer's methods without a GEMM plan: `Dense` projections on its row-major
     weights, `norm` and `rope` around them (the GPU passes its Triton kernels), `gate_up` the
     gated MLP projection (default DenseGated), `o` and `down` the projections before the
-    residual adds (default Dense; tensor parallelism's all-reducing ones)."""
+    residual adds (default Dense; tensor parallelism's all-reducing ones). A layer whose MLP
+    is routed experts (`layer.moe`, Qwen3-MoE, Mixtral) runs them after its post-attention
+    norm: they add their own sum into the residual stream (all-reduced on a rank)."""
     eps = layer.eps
     qkv = normed(norm, layer.input_layernorm, eps,
                  Dense(layer.qkv_proj, layer.qkv_bias).apply)
@@ -83,6 +85,10 @@ def dense_methods(layer, norm: Callable = rms_norm, rope: Callable = apply_rope,
 
     o = with_output_norm(o or Dense(layer.o_proj, layer.o_bias), layer.attn_out_norm, eps,
                          norm)
+    moe = getattr(layer, "moe", None)
+    if moe is not None:
+        mlp = normed(norm, layer.post_attention_layernorm, eps, lambda x: x)
+        return LayerMethods(attn_in, o.apply_add, mlp, moe.forward_add)
     gate_up = gate_up or DenseGated(layer.gate_up_proj, layer.gate_up_bias,
                                     layer.intermediate_size, layer.gelu)
     mlp = normed(norm, layer.post_attention_layernorm, eps, gate_up.apply)

@@ -284,9 +284,9 @@ class CpuMethods(MethodSource):
     def decoder_method(self, config) -> m.DecoderMethod:
         if self.quantized:
             return QuantizedDecoder(self.at_load, self.cpp)
-        if self.gemm is not None:
+        if self.gemm is not None and config.moe is None:
             return PlannedDecoder(self.gemm)
-        return m.DenseDecoder()
+        return m.DenseDecoder()  # (routed experts: F.linear, as DeepSeek's run)
 
     def head_method(self, config) -> m.HeadMethod:
         if self.quantized:

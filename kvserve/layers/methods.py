@@ -85,7 +85,8 @@ class ReducedDecoder(DecoderMethod):
         self.inner.prepare(layer)
         o = Reduced(layer.o_proj, layer.o_bias, self.comm)
         down = Reduced(layer.down_proj, layer.down_bias, self.comm)
-        reduced = dense_methods(layer, o=o, down=down)  # (its adds, output-normed)
+        reduced = dense_methods(layer, o=o, down=down)  # (its adds, output-normed; routed
+        # experts all-reduce their own sum)
         self.buckets = [LayerMethods(m.attn_in, reduced.o_add, m.mlp, reduced.down_add)
                         for m in self.inner.buckets]
 

@@ -26,8 +26,12 @@ _ROWS_BY_KV_HEAD = re.compile(r".*self_attn\.[kv]_proj\.(weight|bias)$")
 _COLS_BY_Q_HEAD = re.compile(r".*self_attn\.o_proj\.weight$")
 _MLP_ROWS = re.compile(r".*\.mlp\.(gate_proj|up_proj)\.(weight|bias)$")
 _MLP_COLS = re.compile(r".*\.mlp\.down_proj\.weight$")
-_EXPERT_ROWS = re.compile(r".*\.mlp\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj)\.weight$")
-_EXPERT_COLS = re.compile(r".*\.mlp\.(experts\.\d+|shared_experts)\.down_proj\.weight$")
+# routed and shared experts: DeepSeek's and Qwen3-MoE's names, and Mixtral's (w1 gate, w3 up,
+# w2 down)
+_EXPERT_ROWS = re.compile(r".*\.mlp\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj)\.weight$"
+                          r"|.*\.block_sparse_moe\.experts\.\d+\.(w1|w3)\.weight$")
+_EXPERT_COLS = re.compile(r".*\.mlp\.(experts\.\d+|shared_experts)\.down_proj\.weight$"
+                          r"|.*\.block_sparse_moe\.experts\.\d+\.w2\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 

@@ -35,23 +35,15 @@ Layout, chosen for the CPU hot path:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvserve import hugepages
 from kvserve.attention.base import AttentionFn
 from kvserve.layers.buckets import bucket_of
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.layers.rotary import identity_rope_cache, rope_cache
 from kvserve.models.config import ModelConfig
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
-    # Not initialised here: the loader fills every parameter. On the CPU the memory is
-    # hugepages.empty's (2 MiB pages asked for before the loader's first write).
-    if device is None or torch.device(device).type == "cpu":
-        return nn.Parameter(hugepages.empty(shape, dtype), requires_grad=False)
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+from kvserve.models.moe import MoE
+from kvserve.models.params import param as _param
 
 
 class DecoderLayer(nn.Module):
@@ -92,10 +84,15 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = _param(h, **p) if c.output_norms else None
         self.mlp_out_norm = _param(h, **p) if c.output_norms else None
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = _param(2 * c.intermediate_size, h, **p)
-        self.gate_up_bias = _param(2 * c.intermediate_size, **p) if c.mlp_bias else None
-        self.down_proj = _param(h, c.intermediate_size, **p)
-        self.down_bias = _param(h, **p) if c.mlp_bias else None
+        # The MLP: routed experts (Qwen3-MoE, Mixtral: `moe`) or one gated MLP
+        self.moe = MoE(c.moe, h, plan) if c.moe is not None and c.moe.is_moe_layer(layer_idx) \
+            else None
+        dense = self.moe is None
+        self.gate_up_proj = _param(2 * c.intermediate_size, h, **p) if dense else None
+        self.gate_up_bias = _param(2 * c.intermediate_size, **p) if dense and c.mlp_bias \
+            else None
+        self.down_proj = _param(h, c.intermediate_size, **p) if dense else None
+        self.down_bias = _param(h, **p) if dense and c.mlp_bias else None
         # Projections a quantized checkpoint holds as blocks (attribute -> FileBlocks), handed
         # over by the loader in place of the float parameter; the method makes its weights
         self.file_blocks: dict = {}
@@ -103,6 +100,8 @@ class DecoderLayer(nn.Module):
         self.method = plan.decoder_method(config)
 
     def process_weights_after_loading(self) -> None:
+        if self.moe is not None:
+            self.moe.prepare()
         self.method.prepare(self)
 
     @property

@@ -83,7 +83,7 @@ def deinterleave_rows(rope_dim: int, blocks: int, block: int
 
 
 def _weights(model: Any, config: ModelConfig) -> dict:
-    from kvserve.models.deepseek_layers import MoE
+    from kvserve.models.moe import MoE
 
     m = config.mla
     assert m is not None

@@ -46,7 +46,9 @@ class MoEConfig:
     greedy"), scaled by `routed_scaling_factor` (transformers' V2 ignores `norm_topk_prob`);
     V3 scores with a sigmoid, picks by score + `e_score_correction_bias` within the groups whose
     two best experts sum highest ("noaux_tc"), weights by the plain sigmoid score, normalised
-    when `norm_topk_prob`, then scaled."""
+    when `norm_topk_prob`, then scaled. Qwen3-MoE and Mixtral: a softmax, greedy top-k, the
+    k weights normalised to sum to 1 (`norm_topk_prob`; V2's adapter always sets it False, as
+    transformers' V2 ignores the key)."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -59,9 +61,12 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    # Layers that keep a dense MLP besides the first first_k_dense_replace (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return layer >= self.first_k_dense_replace and layer not in self.dense_layers
 
 
 def parse_mla(d: dict[str, Any]) -> MLAConfig | None:

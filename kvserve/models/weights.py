@@ -36,12 +36,17 @@ class Layout:
     norms: decoder norm parameter (input_layernorm, post_attention_layernorm = the norm before
     the MLP, attn_out_norm, mlp_out_norm) -> the checkpoint's name under model.layers.{i}.;
     fused_qkv / fused_gate_up: the checkpoint stores self_attn.qkv_proj / mlp.gate_up_proj
-    whole; norm_offset: added to every norm weight after the copy (Gemma: 1 + w)."""
+    whole; norm_offset: added to every norm weight after the copy (Gemma: 1 + w); moe_block
+    and experts: a routed-experts layer's module (its router is `gate`) and each expert's
+    (gate, up, down) names (Qwen3-MoE's mlp and gate/up/down_proj, Mixtral's
+    block_sparse_moe and w1/w3/w2)."""
 
     norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NORMS))
     fused_qkv: bool = False
     fused_gate_up: bool = False
     norm_offset: float = 0.0
+    moe_block: str = "mlp"
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 class WeightMap:
@@ -123,10 +128,25 @@ def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str
         w.add(a + "o_proj.weight", layer.o_proj)
         if layer.o_bias is not None:
             w.add(a + "o_proj.bias", layer.o_bias)
+        if layer.moe is not None:
+            _experts(w, f"{p}{layout.moe_block}.", layer.moe, layout.experts)
+            continue
         w.gated_mlp(p + "mlp.", layer.gate_up_proj, layer.down_proj, layer.gate_up_bias,
                     layer.down_bias, layout.fused_gate_up)
     w.final(model)
     return w.targets
+
+
+def _experts(w: WeightMap, prefix: str, moe: Any, names: tuple[str, str, str]) -> None:
+    """A routed-experts layer: the router, then each expert's gate and up into its [gate; up]
+    rows and its down projection."""
+    w.add(prefix + "gate.weight", moe.gate)
+    gate, up, down = names
+    i = moe.w13.shape[1] // 2
+    for e in range(moe.w13.shape[0]):
+        w.add(f"{prefix}experts.{e}.{gate}.weight", moe.w13[e][:i])
+        w.add(f"{prefix}experts.{e}.{up}.weight", moe.w13[e][i:])
+        w.add(f"{prefix}experts.{e}.{down}.weight", moe.w2[e])
 
 
 def partial_rotary_rows(config: ModelConfig):
