@@ -42,13 +42,42 @@ def _hf_to_gguf_name(name: str, arch: str) -> str:
         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
     }
-    if arch == "gemma3":
+    # Phi-3 keeps its fused projections; MoE layers' routers (the experts are stacked by
+    # gguf_from_checkpoint and named there)
+    per_layer.update({"self_attn.qkv_proj.weight": "attn_qkv.weight",
+                      "mlp.gate_up_proj.weight": "ffn_up.weight",
+                      "mlp.gate.weight": "ffn_gate_inp.weight",
+                      "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"})
+    if arch in ("gemma3", "olmo2"):
         per_layer.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
                           "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
     else:
         per_layer["post_attention_layernorm.weight"] = "ffn_norm.weight"
     return f"blk.{layer}.{per_layer[rest]}"
+
+
+# an expert's projection (Qwen3-MoE's names, Mixtral's w1 / w3 / w2) -> the stacked tensor
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT = __import__("re").compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)"
+                                   r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Per-expert tensors -> llama.cpp's stacked ones, blk.N.ffn_*_exps.weight [experts, ...]
+    in expert order (what its converter writes for Mixtral and Qwen3-MoE); the rest as is."""
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, expert, proj = m.groups()
+        stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.weight", {})[int(expert)] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -88,13 +117,15 @@ def _add_tokenizer(writer, tokenizer_dir: Path, pre: str) -> None:
 
 def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
                          pre: str = "qwen2") -> Path:
-    """A float32 GGUF of a Hugging Face checkpoint (llama, qwen2, qwen3 or gemma3_text), with
-    plain RoPE (a GGUF states no Llama 3 scaling without rope_freqs)."""
+    """A float32 GGUF of a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma3_text,
+    phi3, olmo2, granite, qwen3_moe, mixtral), with plain RoPE (a GGUF states no Llama 3
+    scaling without rope_freqs)."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
     model_type = cfg["model_type"]
-    arch = {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+            "mistral": "llama"}.get(model_type, model_type)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -113,21 +144,34 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
         writer.add_sliding_window(cfg["sliding_window"])
     else:
         writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    writer.add_rope_dimension_count(head_dim)
+    rotary = (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    writer.add_rope_dimension_count(int(rotary * head_dim))
+    if arch == "granite":  # llama.cpp's names for Granite's four multipliers
+        writer.add_float32("granite.attention.scale", cfg["attention_multiplier"])
+        writer.add_float32("granite.embedding_scale", cfg["embedding_multiplier"])
+        writer.add_float32("granite.residual_scale", cfg["residual_multiplier"])
+        writer.add_float32("granite.logit_scale", cfg["logits_scaling"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+    if model_type == "qwen3_moe":
+        writer.add_uint32("qwen3moe.expert_feed_forward_length", cfg["moe_intermediate_size"])
     if tokenizer:
         _add_tokenizer(writer, model_dir, pre)
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = _stack_experts(load_file(str(model_dir / "model.safetensors")))
     for name, t in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         w = t.to(torch.float32).numpy()
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in ("llama", "granite") and name.endswith("q_proj.weight"):
             w = _permute(w, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             w = _permute(w, kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
-        writer.add_tensor(_hf_to_gguf_name(name, arch), np.ascontiguousarray(w))
+        gguf_name = name if name.startswith("blk.") else _hf_to_gguf_name(name, arch)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     finish(writer)
     return out
 

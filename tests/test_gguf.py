@@ -8,6 +8,7 @@ Q8_0 token embedding), and the same weights re-encoded as F16 and Q8_0 files wit
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -115,6 +116,8 @@ def _float64_logits(model, prompts: list[list[int]]) -> dict[tuple[int, ...], to
     itself 6.7e-5 from float64 (and 9.5e-5 from its own batched, padded forward), so a 1e-4
     bound against it would be spent on its noise."""
     wide = copy.deepcopy(model).double()
+    if wide.get_experts_implementation() not in (None, "eager"):
+        wide.set_experts_implementation("eager")  # (grouped_mm runs no float64)
     out = {tuple(p): _hf_last_logits(wide, p) for p in prompts}
     del wide
     return out
@@ -181,17 +184,20 @@ def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
     assert "Paris" in out.outputs[0].text
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "mistral", "phi3",
+                                  "olmo2", "granite", "qwen3_moe", "mixtral"])
 def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     """A GGUF written from a checkpoint as llama.cpp's converter writes it (q/k rows permuted
-    for Llama, Gemma's norms stored as 1 + w, the tied head left out) loads to the same model:
-    greedy tokens and logits against transformers on the original checkpoint."""
+    for Llama, Mistral, Mixtral and Granite, Gemma's norms stored as 1 + w, the tied head left
+    out, Phi-3's fused projections kept, Granite's multipliers and the experts' counts as its
+    metadata, Qwen3-MoE's and Mixtral's experts stacked) loads to the same model: greedy
+    tokens and logits against transformers on the original checkpoint (issue 47, item 5)."""
     import transformers
 
     from kvserve.model_loader.make_model import make_model
 
     src = make_model(tmp_path / arch, arch=arch, size="tiny")
-    if arch == "llama":
+    if arch in ("llama", "granite"):
         plain_rope(src)
     path = gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -203,19 +209,23 @@ def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
 
 def test_transformers_reads_our_test_files_too(tmp_path):
     """The writer above is checked by a third reader: transformers' GGUF loader gives the same
-    greedy tokens for the Llama (permuted) and Qwen2 files as transformers on the original."""
+    logits for the Llama (permuted), Qwen2, Phi-3 (fused projections) and Qwen3-MoE (stacked
+    experts) files as transformers on the original (the architectures it reads)."""
     import transformers
 
     from kvserve.model_loader.make_model import make_model
 
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "phi3", "qwen3_moe"):
         src = make_model(tmp_path / arch, arch=arch, size="tiny")
         if arch == "llama":
             plain_rope(src)
         gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
         direct = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        # (transformers' GGUF reader leaves llama.cpp's expert_feed_forward_length unread)
+        extra = {"moe_intermediate_size": json.loads((src / "config.json").read_text())[
+            "moe_intermediate_size"]} if arch == "qwen3_moe" else {}
         via_gguf = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path, gguf_file=f"{arch}.gguf", dtype=torch.float32)
+            tmp_path, gguf_file=f"{arch}.gguf", dtype=torch.float32, **extra)
         ids = torch.tensor([[5, 17, 99, 240, 31, 7, 300, 12]])
         with torch.no_grad():
             a, b = direct(ids).logits, via_gguf(ids).logits

@@ -356,6 +356,8 @@ def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str
     where = f"GGUF file {str(gguf.path)!r}"
     work = []
     for tensor in gguf.tensors():
+        # the name the architecture's weight map has, of those llama.cpp maps to this tensor
+        tensor.name = next((n for n in tensor.names if n in targets), tensor.name)
         target = targets.get(tensor.name)
         if target is None:
             raise ValueError(f"unexpected tensor {tensor.info.name!r} ({tensor.name}) in {where} "

@@ -100,9 +100,11 @@ _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 def gguf_kept(checkpoint) -> GGUFKept:
     """The GGUFKept of an open GGUF checkpoint, from its tensor index alone."""
-    info = {t.name: t.info for t in checkpoint.tensors()}
+    # every checkpoint name llama.cpp maps to a tensor (Phi-3's fused qkv_proj among them)
+    info = {n: t.info for t in checkpoint.tensors() for n in t.names}
     projections = {}
-    layers = {int(name.split(".")[2]) for name in info if name.startswith("model.layers.")}
+    layers = {int(name.split(".")[2]) for name in info
+              if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
     for i in sorted(layers):
         for attr, names in _PARTS.items():
             block = "mlp" if attr in ("gate_up_proj", "down_proj") else "self_attn"

@@ -33,24 +33,33 @@ __all__ = ["GGUFCheckpoint", "GGUFTensor", "is_gguf", "open_gguf", "tokenizer_di
 
 @dataclass
 class GGUFTensor:
-    """One tensor under its checkpoint name, read when asked."""
+    """One tensor under its checkpoint name, read when asked: `names`, every checkpoint name
+    llama.cpp's converter maps to it (`name` the first; the loader takes the one its
+    architecture's weight map has), and for a stacked experts tensor one `expert`'s rows."""
     name: str  # the Hugging Face checkpoint name
     info: TensorInfo
     _data: TensorData
     _unpermute_heads: int | None = None
+    names: tuple[str, ...] = ()
+    expert: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.info.shape
+        return self.info.shape if self.expert is None else self.info.shape[1:]
 
     def raw(self) -> np.ndarray:
-        return self._data.raw(self.info)
+        raw = self._data.raw(self.info)
+        if self.expert is None:
+            return raw
+        per = self.info.shape[1]  # an expert's rows, whole blocks each
+        rows = np.asarray(raw).reshape(self.info.shape[0] * per, -1)
+        return rows[self.expert * per: (self.expert + 1) * per]
 
     def raw_rows(self) -> np.ndarray:
         """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy), with llama.cpp's
         q/k row permutation undone: blocks never cross a row, so whole rows move as in
         `dequantize`."""
-        rows = self.info.shape[0]
+        rows = self.shape[0]
         raw = np.asarray(self.raw()).reshape(rows, -1)
         if self._unpermute_heads is not None:
             raw = _arch.unpermute_rows(raw, self._unpermute_heads)
@@ -63,14 +72,15 @@ class GGUFTensor:
 
         rows = self.raw_rows()[start:stop]
         return dequantize(rows.reshape(-1), self.info.type_name,
-                          (stop - start, *self.info.shape[1:]), self.info.name)
+                          (stop - start, *self.shape[1:]), self.info.name)
 
     def dequantize(self) -> torch.Tensor:
         """float32, with llama.cpp's q/k row permutation undone (torch is imported here, not
         above: the planner reads GGUF headers without it)."""
         from kvserve.model_loader.gguf_checkpoint.dequant import dequantize
 
-        w = dequantize(self.raw(), self.info.type_name, self.info.shape, self.info.name)
+        w = dequantize(np.ascontiguousarray(self.raw()).reshape(-1), self.info.type_name,
+                       self.shape, self.info.name)
         if self._unpermute_heads is not None:
             w = _arch.unpermute_rows(w, self._unpermute_heads)
         return w
@@ -107,14 +117,17 @@ class GGUFCheckpoint:
         heads = {"attn_q": self.config["num_attention_heads"],
                  "attn_k": self.config["num_key_value_heads"]}
         for gguf_name, info in self.index.tensors.items():
-            name = _arch.hf_name(self.architecture, gguf_name)
-            if name is None:
-                raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file "
-                                 f"{str(self.path)!r} for architecture {self.architecture}")
-            unpermute = None
-            if _arch.needs_unpermute(self.architecture, gguf_name):
-                unpermute = heads[gguf_name.split(".")[2]]
-            yield GGUFTensor(name, info, data, unpermute)
+            stacked = "_exps." in gguf_name and len(info.shape) == 3
+            for expert in range(info.shape[0]) if stacked else (None,):
+                names = _arch.hf_names(self.architecture, gguf_name, expert)
+                if not names:
+                    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file "
+                                     f"{str(self.path)!r} for architecture "
+                                     f"{self.architecture}")
+                unpermute = None
+                if _arch.needs_unpermute(self.architecture, gguf_name):
+                    unpermute = heads[gguf_name.split(".")[2]]
+                yield GGUFTensor(names[0], info, data, unpermute, names, expert)
 
     def _write_sidecar(self) -> None:
         """The directory is named by the file's identity, so once complete it is never stale."""

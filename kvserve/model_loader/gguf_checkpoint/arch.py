@@ -1,11 +1,18 @@
 """From llama.cpp's names to Hugging Face's: a GGUF's metadata as a config.json dict, and its
-tensor names as checkpoint tensor names (with the transforms llama.cpp's converter applied
-undone), so that a GGUF file loads through the same `ModelConfig` and weight targets as a
-safetensors checkpoint.
+tensor names as the checkpoint names llama.cpp's converter could have read them from (with
+the transforms it applied undone), so that a GGUF file loads through the same `ModelConfig`
+and weight targets as a safetensors checkpoint.
+
+Tensor names: no table of kvserve's own. `hf_names` reads llama.cpp's (gguf-py's
+`TensorNameMap`, the converter's Hugging Face -> GGUF table) backwards, giving every
+checkpoint name a converter maps to that GGUF name; the loader takes the one the
+architecture's registry weight map has. A stacked experts tensor (`ffn_*_exps`, [experts,
+rows, cols]) is one tensor per expert under `...experts.{e}...`.
 
 What llama.cpp's converter does to a checkpoint, and so what is undone here:
-* Llama (and Mistral, which it writes as "llama"): the rows of q and k are permuted from
-  Hugging Face's rotate-half RoPE layout to interleaved pairs (`unpermute_rows`).
+* Llama (Mistral and Mixtral, which it writes as "llama", and Granite): the rows of q and k
+  are permuted from Hugging Face's rotate-half RoPE layout to interleaved pairs
+  (`unpermute_rows`).
 * Gemma 3: every `*norm.weight` is written as 1 + w (its norms scale by 1 + w); kvserve stores
   norms that way too, so they are taken as they are (`NORMS_HOLD_ONE_PLUS_W`).
 * A tied LM head is written once, as `token_embd.weight` (no `output.weight`).
@@ -13,6 +20,7 @@ What llama.cpp's converter does to a checkpoint, and so what is undone here:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -21,10 +29,13 @@ import numpy as np
 from kvserve.models import registry
 
 # Architectures whose q/k rows llama.cpp permutes (its LlamaModel.undo_permute).
-_PERMUTED = ("llama",)
+_PERMUTED = ("llama", "granite")
 NORMS_HOLD_ONE_PLUS_W = ("gemma3",)
-# GGUF architecture -> config.json model_type (the architecture class is the registry's)
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF architecture -> config.json model_type (the architecture class is the registry's; a
+# "llama" file with experts is Mixtral)
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
+               "qwen3moe": "qwen3_moe"}
 # llama.cpp hard-codes Gemma 3's layout: five sliding layers per full one, local RoPE base 10k.
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
@@ -36,7 +47,7 @@ def check_architecture(metadata: dict[str, Any]) -> str:
         raise ValueError("GGUF file has no general.architecture metadata")
     if arch not in _MODEL_TYPE:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
-                         f"{', '.join(_MODEL_TYPE)})")
+                         f"{', '.join(_MODEL_TYPE)}, and Mistral and Mixtral as llama)")
     return arch
 
 
@@ -59,11 +70,15 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
     if embed is None:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     model_type = _MODEL_TYPE[arch]
+    experts = metadata.get(f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        model_type = "mixtral"
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [registry.by_model_type(model_type).name],
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": int(key("feed_forward_length", key(
+            "expert_feed_forward_length", required=False))),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -83,11 +98,13 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
         raise ValueError(f"GGUF key length {config['head_dim']} != value length {value_length}:"
                          " not supported")
     rope_dims = key("rope.dimension_count", config["head_dim"], required=False)
-    if int(rope_dims) != config["head_dim"]:
+    if int(rope_dims) != config["head_dim"] and arch != "phi3":
         raise ValueError(f"partial rotary embeddings ({rope_dims} of {config['head_dim']} "
                          "dimensions) are not supported")
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0,
                                                             required=False))}
+    if int(rope_dims) != config["head_dim"]:  # Phi-3's partial_rotary_factor
+        rope["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
     rope.update(_rope_scaling(arch, metadata, tensor_shapes))
     if arch == "qwen2":
         config["use_sliding_window"] = False
@@ -96,10 +113,43 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
     else:
         config["rope_parameters"] = rope
         config["hidden_act"] = "silu"
-    if arch == "llama":
+    if arch in ("llama", "granite", "olmo2"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch in ("llama", "granite"):
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
+    config.update(_family_keys(arch, model_type, metadata, config, tensor_shapes))
     return config
+
+
+def _family_keys(arch: str, model_type: str, metadata: dict[str, Any], config: dict[str, Any],
+                 tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The config keys of one family that llama.cpp writes under its own names."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{name}", default)
+
+    out: dict[str, Any] = {}
+    if arch == "phi3":
+        if "rope_factors_long.weight" in tensor_shapes:
+            raise ValueError("GGUF Phi-3 long-context RoPE factors (rope_factors_long/short) "
+                             "are not supported; load the Hugging Face checkpoint instead")
+        out["sliding_window"] = key("attention.sliding_window")
+    elif arch == "granite":
+        out.update(attention_multiplier=float(key("attention.scale", 1.0)),
+                   embedding_multiplier=float(key("embedding_scale", 1.0)),
+                   residual_multiplier=float(key("residual_scale", 1.0)),
+                   logits_scaling=float(key("logit_scale", 1.0)))
+    elif model_type in ("qwen3_moe", "mixtral"):
+        count = int(key("expert_count"))
+        out["num_experts_per_tok"] = int(key("expert_used_count"))
+        if model_type == "mixtral":
+            out["num_local_experts"] = count
+        else:  # llama.cpp runs Qwen3-MoE with the top-k weights normalised
+            layers = config["num_hidden_layers"]
+            out.update(num_experts=count, norm_topk_prob=True,
+                       moe_intermediate_size=int(key("expert_feed_forward_length")),
+                       mlp_only_layers=[i for i in range(layers)
+                                        if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes])
+    return out
 
 
 def _rope_scaling(arch: str, metadata: dict[str, Any],
@@ -139,47 +189,43 @@ def _gemma3(metadata: dict[str, Any], config: dict[str, Any],
     return out
 
 
-# GGUF tensor name -> checkpoint tensor name; "{i}" is the layer.
-_COMMON = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "blk.{i}.ffn_gate.bias": "model.layers.{i}.mlp.gate_proj.bias",
-    "blk.{i}.ffn_up.bias": "model.layers.{i}.mlp.up_proj.bias",
-    "blk.{i}.ffn_down.bias": "model.layers.{i}.mlp.down_proj.bias",
-}
-_FFN_NORM = {"blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}
-_GEMMA3_NORMS = {
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
 _LAYER = re.compile(r"^blk\.(\d+)\.(.*)$")
+_SUFFIX = re.compile(r"^(.*?)((?:\.weight|\.bias)?)$")
 
 
-def hf_name(arch: str, gguf_name: str) -> str | None:
-    """The checkpoint name of a GGUF tensor, or None when this architecture has no such tensor
-    (the loader then refuses it by name)."""
-    table = {**_COMMON, **(_GEMMA3_NORMS if arch == "gemma3" else _FFN_NORM)}
-    m = _LAYER.match(gguf_name)
-    if m is None:
-        return table.get(gguf_name)
-    pattern = table.get("blk.{i}." + m.group(2))
-    return None if pattern is None else pattern.format(i=m.group(1))
+@functools.lru_cache(maxsize=16)
+def _inverse(arch: str) -> dict[str, tuple[str, ...]]:
+    """llama.cpp's converter table for `arch`, backwards: GGUF name (block 0's as "blk.{i}.")
+    -> the Hugging Face-style checkpoint names (model.*, lm_head) it maps there."""
+    import gguf
+
+    by_name = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    table = gguf.TensorNameMap(by_name[arch], 1)
+    out: dict[str, list[str]] = {}
+    for hf, (_, name) in table.mapping.items():
+        if not hf.startswith(("model.", "lm_head")):
+            continue
+        m = _LAYER.match(name)
+        if m is not None:
+            name, hf = "blk.{i}." + m.group(2), hf.replace(".0.", ".{i}.", 1)
+        out.setdefault(name, []).append(hf)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def hf_names(arch: str, gguf_name: str, expert: int | None = None) -> tuple[str, ...]:
+    """The checkpoint names a GGUF tensor may have been converted from (llama.cpp's own table,
+    read backwards), with ".weight" / ".bias"; expert `expert` of a stacked experts tensor
+    under its per-expert names. () where the architecture has no such tensor."""
+    base, suffix = _SUFFIX.match(gguf_name).groups()
+    m = _LAYER.match(base)
+    key = base if m is None else "blk.{i}." + m.group(2)
+    names = _inverse(arch).get(key, ())
+    if m is not None:
+        names = tuple(n.format(i=m.group(1)) for n in names)
+    if expert is not None:
+        names = tuple(n.replace(".experts.", f".experts.{expert}.", 1) for n in names
+                      if ".experts." in n)
+    return tuple(n + suffix for n in names)
 
 
 def needs_unpermute(arch: str, gguf_name: str) -> bool:
