@@ -59,12 +59,17 @@ def _hf_config(arch: str):
     if arch == "mixtral":  # 4 experts of intermediate_size, top 2
         return transformers.MixtralConfig(**common, tie_word_embeddings=False, rope_theta=1e6,
                                           num_local_experts=4, num_experts_per_tok=2)
+    if arch == "gemma2":  # soft-capped attention and logits (its sliding layers' windows:
+        # longer than the prompts here; tests/test_window_parity.py slides them)
+        return transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=30.0, sliding_window=4096)
     raise ValueError(arch)
 
 
 # The architectures `hf_checkpoints` holds, one checkpoint each.
 HF_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "smollm3",
-            "qwen3_moe", "mixtral")
+            "qwen3_moe", "mixtral", "gemma2")
 
 
 def make_hf_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

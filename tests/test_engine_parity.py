@@ -1,7 +1,7 @@
 """Acceptance 1: greedy token ids equal transformers' `generate` on the same weights, across
 architectures (Phi-3 and OLMo 2: issue 30's two added through the registry; Granite 3,
-SmolLM3, Qwen3-MoE and Mixtral: issue 47's), block sizes, chunked prefill and preemption;
-first-token logits within 1e-4."""
+SmolLM3, Qwen3-MoE, Mixtral and Gemma 2: issue 47's), block sizes, chunked prefill and
+preemption; first-token logits within 1e-4."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import (first_token_logits, generate_checked, hf_greedy, kv_bytes_p
 from kvserve import LLM, SamplingParams
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "smollm3",
-         "qwen3_moe", "mixtral")
+         "qwen3_moe", "mixtral", "gemma2")
 LENGTHS = [1, 3, 17, 40, 64, 129, 200, 310]  # mixed, 1 to 300+
 NEW_TOKENS = 10
 VOCAB = 512

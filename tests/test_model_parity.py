@@ -107,6 +107,13 @@ VARIANTS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Gemma 2: attention logits soft-capped (50), final logits soft-capped (30), (1 + w) norms
+    # around attention and the MLP, GELU-tanh, query_pre_attn_scalar != head_dim, alternating
+    # sliding layers (windows longer than the sequences here)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=30.0, sliding_window=4096, num_hidden_layers=3,
+                    tie_word_embeddings=True, pad_token_id=0)),
     # SmolLM3: layers 1 and 3 of 4 without RoPE, untied
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=False,
@@ -131,14 +138,23 @@ def build_hf(variant: str, seed: int = 0, **overrides):
     return model
 
 
-def causal_attn(scale: float):
-    """One sequence, plain causal attention with GQA: enough to run the model without a cache."""
+def causal_attn(scale: float, softcap: float | None = None):
+    """One sequence, plain causal attention with GQA: enough to run the model without a cache;
+    with `softcap`, Gemma 2's soft-capped scores, spelled out here (transformers' eager
+    attention is the reference)."""
 
     def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True, scale=scale,
-                                           enable_gqa=True)
-        return o.transpose(0, 1)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(0, 1)
+        g = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        s = softcap * torch.tanh(q @ k.transpose(1, 2) * scale / softcap)
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return (s.softmax(-1) @ v).transpose(0, 1)
 
     return attend
 
@@ -147,7 +163,8 @@ def kv_logits(model: CausalLM, config: ModelConfig, ids: torch.Tensor,
               start: int = 0) -> torch.Tensor:
     positions = torch.arange(start, start + ids.shape[0])
     with torch.inference_mode():
-        hidden = model(ids, positions, causal_attn(config.attention_scale))
+        attend = causal_attn(config.attention_scale, config.attn_logit_softcapping)
+        hidden = model(ids, positions, attend)
         return model.compute_logits(hidden)
 
 
@@ -260,7 +277,8 @@ def _one_forward_diff(model, hf, config, ids: torch.Tensor) -> float:
     (cpu_features.isa_cap_env), past an absolute ATOL (llama_bias: 1.7e-6 either way)."""
     pos = torch.arange(ids.shape[0]) % config.max_position_embeddings
     with torch.inference_mode():
-        out = model.compute_logits(model(ids, pos, causal_attn(config.attention_scale)))
+        attend = causal_attn(config.attention_scale, config.attn_logit_softcapping)
+        out = model.compute_logits(model(ids, pos, attend))
     with torch.no_grad():
         ref = hf(ids[None], position_ids=pos[None]).logits[0].float()
     return (out - ref).abs().max().item() / max(1.0, ref.abs().max().item())
@@ -575,7 +593,7 @@ def test_make_model_loads_in_both(tmp_path, arch):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(hf).__name__ == config.architecture
-    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3", "gemma3", "smollm3"))
+    assert config.tie_word_embeddings == (arch in ("qwen2", "qwen3", "gemma3", "smollm3", "gemma2"))
     if arch == "qwen3":
         assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
     gen_cfg = json.loads((path / "generation_config.json").read_text())

@@ -43,6 +43,7 @@ def models(hf_checkpoints, tmp_path_factory):
         "smollm3": hf_checkpoints["smollm3"],
         "qwen3_moe": hf_checkpoints["qwen3_moe"],
         "mixtral": hf_checkpoints["mixtral"],
+        "gemma2": hf_checkpoints["gemma2"],
         "qwen2_1kv": save_random_checkpoint(
             transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1},
                                      tie_word_embeddings=True, rope_theta=1e6),
@@ -88,7 +89,7 @@ def _max_logprob_gap(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_1kv", "qwen3", "gemma3", "deepseek_v2",
-                                  "granite", "smollm3", "qwen3_moe", "mixtral"])
+                                  "granite", "smollm3", "qwen3_moe", "mixtral", "gemma2"])
 def test_tp2_equals_transformers_and_tp1(models, name):
     path = models[name]
     prompts = random_prompts([5, 17, 40, 63], VOCAB, seed=1)

@@ -53,6 +53,11 @@ def _configs():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                 "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        # Gemma 2: alternating sliding layers over 32 tokens, soft-capped attention scores
+        # (the gather path: the paged kernel has no cap) and logits
+        "gemma2": transformers.Gemma2Config(
+            **_COMMON, num_hidden_layers=3, head_dim=16, sliding_window=32,
+            query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
     }
 
 

@@ -13,11 +13,16 @@ BACKENDS = ("torch", "triton")
 
 
 def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
-                           dtype: torch.dtype | None = None) -> AttentionBackend:
+                           dtype: torch.dtype | None = None,
+                           softcap: float | None = None) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
-    for tests); an MLA latent pool gets the MLA variant of either. `dtype`: the model's."""
+    for tests); an MLA latent pool gets the MLA variant of either. `dtype`: the model's;
+    `softcap`: Gemma 2's attention logit soft-capping (the torch backend only, so far)."""
     from kvserve.attention.mla import TorchMLABackend, is_mla_pool
 
+    if softcap is not None and (name != "torch" or is_mla_pool(pool)):
+        raise ValueError(f"attention logit soft-capping (Gemma 2's attn_logit_softcapping) runs "
+                         f"on attention_backend='torch' only, not {name!r}")
     if is_mla_pool(pool) and name == "torch":
         return TorchMLABackend(pool, scale)
     if is_mla_pool(pool) and name == "triton":
@@ -30,7 +35,7 @@ def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
     if name == "torch":
         from kvserve.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(pool, scale, dtype)
+        return TorchAttentionBackend(pool, scale, dtype, softcap)
     if name == "triton":
         try:
             from kvserve.attention.triton_backend import TritonAttentionBackend

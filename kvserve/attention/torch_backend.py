@@ -33,13 +33,13 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.spec import first_needed_block, first_visible
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention import cpu_paged
+from kvserve.attention.softcap import sdpa
 from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,
                                     ceil_div, padded_block_tables)
 
@@ -117,11 +117,14 @@ class _StepState:
 class TorchAttentionBackend(AttentionBackend):
     observes_attention = True  # `_observe`: SnapKV / H2O votes into `observed`
 
-    def __init__(self, pool: KVTensorPool, scale: float, dtype: torch.dtype | None = None
-                 ) -> None:
+    def __init__(self, pool: KVTensorPool, scale: float, dtype: torch.dtype | None = None,
+                 softcap: float | None = None) -> None:
         """`dtype`: the model's (q, k, v) dtype; None: a float pool's own. A float pool of
-        another dtype is read and written through the codec, decided here once."""
+        another dtype is read and written through the codec, decided here once. `softcap`:
+        Gemma 2's attention logit soft-capping (attention/softcap.py; the paged C++ kernel
+        has none, so decodes then take the gather path)."""
         super().__init__(pool, scale)
+        self.softcap = softcap
         k0 = self.kv_caches[0][0]
         self._num_kv_heads = pool.codecs[0].heads
         self._head_dim = pool.codecs[0].head_dim
@@ -135,7 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.paged_kernel = None
         self._paged_kv = [cpu_paged.paged_kv(c, parts, i)
                           for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))]
-        if all(kv is not None for kv in self._paged_kv):
+        if all(kv is not None for kv in self._paged_kv) and softcap is None:
             self.paged_kernel = cpu_paged.load_kernel()
         # Layers whose PagedKV can change after construction are built again at each decode:
         # int4's (its residual tensors are allocated on first use) and those whose fp8 scales
@@ -318,8 +321,8 @@ class TorchAttentionBackend(AttentionBackend):
         def heads(x: torch.Tensor) -> torch.Tensor:  # [n * length, h, D] -> [n, h, length, D]
             return x[rows].view(n, length, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
-                                           scale=self.scale, enable_gqa=True)
+        o = sdpa(heads(q), heads(k), heads(v), is_causal=True, scale=self.scale,
+                 softcap=self.softcap)
         out[rows] = o.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -328,15 +331,13 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.gather_index is None:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask,
-                                               is_causal=plan.mask is None, scale=self.scale,
-                                               enable_gqa=True)
+            o = sdpa(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.mask is None,
+                     scale=self.scale, softcap=self.softcap)
         else:
             hkv, d = self._num_kv_heads, self._head_dim
             kh = k_cache.index_select(0, plan.gather_index).view(1, -1, hkv, d).transpose(1, 2)
             vh = v_cache.index_select(0, plan.gather_index).view(1, -1, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = sdpa(qh, kh, vh, attn_mask=plan.mask, scale=self.scale, softcap=self.softcap)
         return o.squeeze(0).transpose(0, 1)
 
     def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor,
@@ -360,6 +361,8 @@ class TorchAttentionBackend(AttentionBackend):
         qg = qo.view(n, hkv, qo.shape[1] // hkv, d)
         scores = torch.einsum("qhgd,khd->hgqk", qg, keys).reshape(qo.shape[1], n, -1)
         scores *= self.scale
+        if self.softcap is not None:  # Gemma 2: the votes see the scores it attends with
+            scores = scores.div_(self.softcap).tanh_().mul_(self.softcap)
         q_pos = torch.arange(first, first + n)[:, None]
         scores.masked_fill_(torch.arange(seq.seq_len)[None, :] > q_pos, float("-inf"))
         self.observed.setdefault(seq.key, []).append(
@@ -379,8 +382,8 @@ class TorchAttentionBackend(AttentionBackend):
             # PyTorch's CPU flash kernel is ~8x slower in bfloat16 than in float32 for one query
             # row per sequence; the upcast costs far less than it saves.
             qh, kh, vh = qh.float(), kh.float(), vh.float()
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=state.decode_mask,
-                                           scale=self.scale, enable_gqa=True)
+        o = sdpa(qh, kh, vh, attn_mask=state.decode_mask, scale=self.scale,
+                 softcap=self.softcap)
         return o.squeeze(2).to(q.dtype)
 
     def _forward_through_codec(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
@@ -398,9 +401,8 @@ class TorchAttentionBackend(AttentionBackend):
             kb, vb = self.pool.gather(layer_idx, plan.gather_index, q.dtype, plan.residual_at)
             kh = kb.view(1, -1, hkv, d).transpose(1, 2)
             vh = vb.view(1, -1, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), kh, vh,
-                                               attn_mask=plan.mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = sdpa(q[rows].transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=plan.mask,
+                     scale=self.scale, softcap=self.softcap)
             out[rows] = o.squeeze(0).transpose(0, 1)
         if state.paged is not None:
             self._decode_paged(layer_idx, q, out, meta, state.paged)
@@ -412,9 +414,8 @@ class TorchAttentionBackend(AttentionBackend):
                                       state.decode_residual_at)
             kh = kb.view(n, -1, hkv, d).transpose(1, 2)
             vh = vb.view(n, -1, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[start:].float().unsqueeze(2), kh, vh,
-                                               attn_mask=state.decode_mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = sdpa(q[start:].float().unsqueeze(2), kh, vh, attn_mask=state.decode_mask,
+                     scale=self.scale, softcap=self.softcap)
             out[start:] = o.squeeze(2).to(q.dtype)
         return out
 

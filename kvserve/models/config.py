@@ -65,6 +65,8 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings are multiplied by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma 2: attention scores = cap * tanh(scores / cap), before the mask and the softmax
+    attn_logit_softcapping: float | None = None
     # Granite: the softmax scale itself (attention_multiplier), a divisor of the logits, and
     # the factor of each residual add's output (folded into o and down by its weight map)
     attention_multiplier: float | None = None

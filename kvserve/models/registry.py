@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.models.config import ModelConfig, read_json_object
-from kvserve.models import (deepseek, gemma3, granite, llama, mixtral, olmo2, phi3, qwen3_moe,
-                            smollm3)
+from kvserve.models import (deepseek, gemma2, gemma3, granite, llama, mixtral, olmo2, phi3,
+                            qwen3_moe, smollm3)
 from kvserve.models.base import Family
 
 
@@ -51,6 +51,7 @@ ARCHITECTURES = (
     Architecture("SmolLM3ForCausalLM", "smollm3", smollm3.SMOLLM3),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.QWEN3_MOE),
     Architecture("MixtralForCausalLM", "mixtral", mixtral.MIXTRAL),
+    Architecture("Gemma2ForCausalLM", "gemma2", gemma2.GEMMA2),
 )
 SUPPORTED_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES)
 MAKE_ARCHS = tuple(a.make_arch for a in ARCHITECTURES)

@@ -174,7 +174,7 @@ def _start(config: EngineConfig, rank: int, world_size: int, link,
                            *builder.kv_scales(config, spec, full, config.model),
                            page_groups=groups)
     backend = make_attention_backend(config.attention_backend, tensors, full.attention_scale,
-                                     dtype)
+                                     dtype, full.attn_logit_softcapping)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     # CUDA: this rank's decode graphs (NCCL's all-reduces are captured in them)
     builder.capture_graphs(config, runner, model, backend, tensors, groups,

@@ -110,7 +110,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                            *kv_scales(config, kv_spec, model_config, model_dir),
                            page_groups=groups)
     backend = make_attention_backend(config.attention_backend, tensors,
-                                     model_config.attention_scale, dtype)
+                                     model_config.attention_scale, dtype,
+                                     model_config.attn_logit_softcapping)
     tiers, kv = make_kv_manager(config, kv_spec, model_config, tensors, groups, num_blocks)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     capture_graphs(config, runner, model, backend, tensors, groups, model_config)
