@@ -141,7 +141,8 @@ def make_kv_manager(config: EngineConfig, kv_spec: KVCacheSpec, model_config: Mo
 
 def _kv_dtype_features(model_config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str
                        ) -> tuple[set[str], dict[str, Any]]:
-    """`features.model_features` for a model computing in `dtype` whose KV cache is `kv_cache_dtype`."""
+    """`features.model_features` for a model computing in `dtype` whose KV cache is
+    `kv_cache_dtype`."""
     model_kv = kv_dtype_name(dtype)
     name = resolve_kv_dtype(kv_cache_dtype, model_kv)
     return F.model_features(model_config, name != model_kv, model_kv=model_kv,
