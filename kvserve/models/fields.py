@@ -62,6 +62,20 @@ def decoder_fields(d: dict[str, Any], arch: str, *, max_positions: int, eps: flo
         torch_dtype=checkpoint_dtype(d), eos_token_id=d.get("eos_token_id"))
 
 
+def llama_fields(d: dict[str, Any], arch: str, *, max_positions: int, eps: float = 1e-6,
+                 mlp_bias: bool = True) -> dict[str, Any]:
+    """The fields of a Llama-shaped decoder (what Granite, SmolLM3, Qwen3-MoE and Mixtral
+    start from): `decoder_fields`, the SiLU gate, RoPE, biases on q, k, v and o from
+    `attention_bias` and, where the family has the key, on the MLP from `mlp_bias`."""
+    f = decoder_fields(d, arch, max_positions=max_positions, eps=eps)
+    f["hidden_act"] = gated_activation(d, arch)
+    f.update(rope_fields(d, f["max_position_embeddings"]))
+    bias = bool(d.get("attention_bias", False))
+    f.update(attention_bias=bias, o_proj_bias=bias,
+             mlp_bias=mlp_bias and bool(d.get("mlp_bias", False)))
+    return f
+
+
 def gated_activation(d: dict[str, Any], arch: str, key: str = "hidden_act",
                      default: str = "silu") -> str:
     """The gated MLP's activation, which must be the family's `default` (SiLU; Gemma's

@@ -18,16 +18,12 @@ from functools import partial
 from typing import Any
 
 from kvserve.models.base import Family, decoder_model, transformers_config
-from kvserve.models.fields import decoder_fields, gated_activation, rope_fields
+from kvserve.models.fields import llama_fields
 from kvserve.models.weights import Layout, decoder_weights
 
 
 def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    f = decoder_fields(d, arch, max_positions=2048)
-    f["hidden_act"] = gated_activation(d, arch)
-    f.update(rope_fields(d, f["max_position_embeddings"]))
-    bias = bool(d.get("attention_bias", False))
-    f.update(attention_bias=bias, o_proj_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+    f = llama_fields(d, arch, max_positions=2048)
     f["embed_scale"] = float(d.get("embedding_multiplier", 1.0))
     f["residual_multiplier"] = float(d.get("residual_multiplier", 1.0))
     f["attention_multiplier"] = float(d.get("attention_multiplier", 1.0))

@@ -13,16 +13,14 @@ from typing import Any
 
 from kvserve.models.base import Family, decoder_model, transformers_config
 from kvserve.models.deepseek_config import MoEConfig
-from kvserve.models.fields import decoder_fields, gated_activation, pos_int, rope_fields
+from kvserve.models.fields import llama_fields, pos_int
 from kvserve.models.weights import Layout, decoder_weights
 
 _LAYOUT = Layout(moe_block="block_sparse_moe", experts=("w1", "w3", "w2"))
 
 
 def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    f = decoder_fields(d, arch, max_positions=131072, eps=1e-5)
-    f["hidden_act"] = gated_activation(d, arch)
-    f.update(rope_fields(d, f["max_position_embeddings"]))
+    f = llama_fields(d, arch, max_positions=131072, eps=1e-5, mlp_bias=False)
     experts, top_k = pos_int(d, "num_local_experts"), pos_int(d, "num_experts_per_tok")
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) exceeds num_local_experts "

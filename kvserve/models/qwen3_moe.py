@@ -16,16 +16,13 @@ from typing import Any
 
 from kvserve.models.base import Family, decoder_model, transformers_config
 from kvserve.models.deepseek_config import MoEConfig
-from kvserve.models.fields import decoder_fields, gated_activation, pos_int, rope_fields
+from kvserve.models.fields import llama_fields, pos_int
 from kvserve.models.weights import Layout, decoder_weights
 
 
 def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    f = decoder_fields(d, arch, max_positions=32768)
-    f["hidden_act"] = gated_activation(d, arch)
-    f.update(rope_fields(d, f["max_position_embeddings"]))
-    bias = bool(d.get("attention_bias", False))
-    f.update(attention_bias=bias, o_proj_bias=bias, qk_norm=True)
+    f = llama_fields(d, arch, max_positions=32768, mlp_bias=False)
+    f["qk_norm"] = True
     layers = f["num_hidden_layers"]
     # (transformers 5 writes num_local_experts, earlier versions and the Hub's num_experts)
     key = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
