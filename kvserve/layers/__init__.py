@@ -1,13 +1,18 @@
-"""The model's building blocks, and how their kernels are chosen and bound.
+"""The model's building blocks, and how a model's methods are chosen before it is built.
 
-Kernel-free (what the model code imports): `linear` (projections as `LinearMethod` objects:
-`apply(x)`, `apply_add(x, residual)`; `Dense`), `norm` (RMSNorm), `rotary` (RoPE tables and
-rotation), `activation` (the gated MLP's act(gate) * up), `block` (a decoder layer's methods
-for one row bucket, `LayerMethods`, and the dense ones it starts with), `buckets` (the row
-buckets a kernel choice is made for).
+Kernel-free (what the model code imports): `plan` (the `ExecutionPlan` every constructor is
+handed, and `MethodSource`, the dense methods of a platform), `methods` (a layer's
+`DecoderMethod`, the head's `HeadMethod`, `Embedding`, `Projection`, tensor parallelism's
+variants), `linear` (projections as `LinearMethod` objects: `apply(x)`,
+`apply_add(x, residual)`; `Dense`), `norm` (RMSNorm), `rotary` (RoPE tables and rotation),
+`activation` (the gated MLP's act(gate) * up), `block` (a decoder layer's methods for one row
+bucket, `LayerMethods`, and the dense ones), `buckets` (the row buckets a kernel choice is
+made for).
 
-Kernel choice (the model code never imports these; tests/test_architecture.py): `cpu_linear`
-(the CPU's linear methods: oneDNN, the panel GEMM, the GEMV), `cpu_layer_ops` (a layer's
-projections on each kernel), `gemm_select` (measures and decides the GEMM plan),
-`selection` (binds the plan's methods onto a model, or the GPU's Triton ops), `fast_decode`
-(the one-call C++ decode step the plan may install)."""
+The kernels' side (the model code never imports these; tests/test_architecture.py):
+`selection` (`plan_for`: the plan a load asks for, the GEMM plan's measurement, dtype
+resolution, oneDNN warm-up), `cpu_methods` (the CPU's methods: the measured GEMM plan,
+quantized weights, the one-call decode steps), `cpu_linear` and `cpu_layer_ops` (the CPU
+kernels as methods and layer ops), `gemm_select` (measures and decides the GEMM plan),
+`quant_linear`, `quant_decode`, `quantize_at_load`, `qgemm_select` (GGUF blocks),
+`fast_decode` (the one-call float decode step)."""

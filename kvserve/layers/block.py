@@ -1,8 +1,8 @@
 """A decoder layer's methods for one row bucket (`LayerMethods`): its four projections, each
 with the element-wise work around it, as the layer's forward calls them. The model holds one
 per bucket and never asks which kernel is behind them; `dense_methods` are the kernel-free
-ones a layer starts with (and the GPU runs), `kvserve.layers.selection` binds the CPU's per
-the GEMM plan."""
+ones (F.linear, or the GPU's with its Triton ops), `cpu_methods.PlannedDecoder` makes the
+CPU's per the GEMM plan."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A DecoderLayer's projections on each CPU kernel, as `kvserve.layers.selection` binds them
+"""A DecoderLayer's projections on each CPU kernel, as `cpu_methods.PlannedDecoder` runs them
 (and times them, for the GEMM plan): `kernel_ops(layer, kernel, projs, fused)` ->
 projection -> callable, made from the kernel's linear methods (`kvserve.layers.cpu_linear`)
 with the element-wise work around them.

@@ -3,7 +3,7 @@ blocked layout (`OneDNN`, `OneDNNGated`, with the gate's activation, the gated p
 residual add as fused epilogues), and the C++ kernels of `kvserve.kernels.cpu`: the panel GEMM
 (`Panel`) and the small-batch GEMV (`Gemv`), each wrapping a kernel bound to its weight.
 Which of them a projection runs, per row bucket, is the GEMM plan's choice
-(`kvserve.layers.gemm_select`), bound by `kvserve.layers.selection`."""
+(`kvserve.layers.gemm_select`), run by `cpu_methods.PlannedDecoder` / `PlannedHead`."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ projections). The gate | up projection's methods compute the gated activation to
 (`apply(x)` -> act(x Wg^T + bg) * (x Wu^T + bu)), since several kernels fuse it as an
 epilogue. Here are the kernel-free methods the model runs without a GEMM plan (`Dense`,
 `DenseGated`) and the output-norm wrapper; the CPU's kernels (oneDNN, the panel GEMM, the
-GEMV) are methods in `kvserve.layers.cpu_linear`, and `kvserve.layers.selection` binds them
-onto the layers as the measured GEMM plan says. A new kind of kernel (e.g. a quantized GEMM)
-is a new method here or beside it; the model code does not change."""
+GEMV) are methods in `kvserve.layers.cpu_linear`, which a layer's `PlannedDecoder` runs as
+the measured GEMM plan says. A new kind of kernel (e.g. a quantized GEMM) is a new method
+here or beside it; the model code does not change."""
 
 from __future__ import annotations
 

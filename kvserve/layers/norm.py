@@ -1,6 +1,7 @@
 """RMSNorm as Hugging Face computes it (`rms_norm`), the one norm every architecture here uses;
 the CPU's C++ norm (kvserve.kernels.cpu.gemv) and the GPU's Triton one
-(kvserve.kernels.gpu.ops) compute the same and are bound in by `kvserve.layers.selection`."""
+(kvserve.kernels.gpu.ops) compute the same; the plan's `MethodSource` says which one a model
+runs."""
 
 from __future__ import annotations
 
