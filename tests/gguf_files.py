@@ -48,7 +48,7 @@ def _hf_to_gguf_name(name: str, arch: str) -> str:
                       "mlp.gate_up_proj.weight": "ffn_up.weight",
                       "mlp.gate.weight": "ffn_gate_inp.weight",
                       "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"})
-    if arch in ("gemma3", "olmo2"):
+    if arch in ("gemma3", "gemma2", "olmo2"):
         per_layer.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
                           "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                           "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
@@ -118,8 +118,8 @@ def _add_tokenizer(writer, tokenizer_dir: Path, pre: str) -> None:
 def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
                          pre: str = "qwen2") -> Path:
     """A float32 GGUF of a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma3_text,
-    phi3, olmo2, granite, qwen3_moe, mixtral), with plain RoPE (a GGUF states no Llama 3
-    scaling without rope_freqs)."""
+    gemma2, phi3, olmo2, granite, qwen3_moe, mixtral), with plain RoPE (a GGUF states no
+    Llama 3 scaling without rope_freqs)."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -146,6 +146,10 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
         writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     rotary = (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
     writer.add_rope_dimension_count(int(rotary * head_dim))
+    if arch == "gemma2":  # llama.cpp's Gemma 2 keys
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+        writer.add_sliding_window(cfg["sliding_window"])
     if arch == "granite":  # llama.cpp's names for Granite's four multipliers
         writer.add_float32("granite.attention.scale", cfg["attention_multiplier"])
         writer.add_float32("granite.embedding_scale", cfg["embedding_multiplier"])
@@ -168,7 +172,7 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
             w = _permute(w, heads)
         elif arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             w = _permute(w, kv_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma3", "gemma2") and name.endswith("norm.weight"):
             w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
         gguf_name = name if name.startswith("blk.") else _hf_to_gguf_name(name, arch)
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))

@@ -185,7 +185,7 @@ def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "mistral", "phi3",
-                                  "olmo2", "granite", "qwen3_moe", "mixtral"])
+                                  "olmo2", "granite", "qwen3_moe", "mixtral", "gemma2"])
 def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     """A GGUF written from a checkpoint as llama.cpp's converter writes it (q/k rows permuted
     for Llama, Mistral, Mixtral and Granite, Gemma's norms stored as 1 + w, the tied head left
@@ -209,21 +209,25 @@ def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
 
 def test_transformers_reads_our_test_files_too(tmp_path):
     """The writer above is checked by a third reader: transformers' GGUF loader gives the same
-    logits for the Llama (permuted), Qwen2, Phi-3 (fused projections) and Qwen3-MoE (stacked
-    experts) files as transformers on the original (the architectures it reads)."""
+    logits for the Llama (permuted), Qwen2, Phi-3 (fused projections), Qwen3-MoE (stacked
+    experts) and Gemma 2 files as transformers on the original (the architectures it reads)."""
     import transformers
 
     from kvserve.model_loader.make_model import make_model
 
-    for arch in ("llama", "qwen2", "phi3", "qwen3_moe"):
+    for arch in ("llama", "qwen2", "phi3", "qwen3_moe", "gemma2"):
         src = make_model(tmp_path / arch, arch=arch, size="tiny")
         if arch == "llama":
             plain_rope(src)
         gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
         direct = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-        # (transformers' GGUF reader leaves llama.cpp's expert_feed_forward_length unread)
-        extra = {"moe_intermediate_size": json.loads((src / "config.json").read_text())[
-            "moe_intermediate_size"]} if arch == "qwen3_moe" else {}
+        # (transformers' GGUF reader leaves llama.cpp's expert_feed_forward_length and Gemma 2's
+        # soft-caps unread, and has no query scale to read: given from the original)
+        cfg = json.loads((src / "config.json").read_text())
+        unread = {"qwen3_moe": ("moe_intermediate_size",),
+                  "gemma2": ("attn_logit_softcapping", "final_logit_softcapping",
+                             "query_pre_attn_scalar")}.get(arch, ())
+        extra = {k: cfg[k] for k in unread}
         via_gguf = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path, gguf_file=f"{arch}.gguf", dtype=torch.float32, **extra)
         ids = torch.tensor([[5, 17, 99, 240, 31, 7, 300, 12]])

@@ -9,7 +9,6 @@ the attention scores soft-capped by `attn_logit_softcapping` (the attention back
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from kvserve.models import gemma3
@@ -37,7 +36,13 @@ def _weights(model: Any, config: Any) -> dict:
     return decoder_weights(model, config, gemma3._LAYOUT)
 
 
-GEMMA2 = Family(config=_config, model=decoder_model, weights=_weights,
-                make_config=partial(transformers_config, "Gemma2Config", sliding_window=64,
-                                    query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
-                                    final_logit_softcapping=30.0))
+def _make_config(size: str, shape: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """Gemma2Config's, with head_dim hidden / heads (its default is 256) and the query scale
+    from it, as the 2B and 9B models have it (and llama.cpp assumes for a GGUF of them)."""
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return transformers_config("Gemma2Config", size, shape, common, head_dim=head_dim,
+                               query_pre_attn_scalar=head_dim, sliding_window=64,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+
+
+GEMMA2 = Family(config=_config, model=decoder_model, weights=_weights, make_config=_make_config)

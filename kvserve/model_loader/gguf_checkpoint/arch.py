@@ -13,8 +13,8 @@ What llama.cpp's converter does to a checkpoint, and so what is undone here:
 * Llama (Mistral and Mixtral, which it writes as "llama", and Granite): the rows of q and k
   are permuted from Hugging Face's rotate-half RoPE layout to interleaved pairs
   (`unpermute_rows`).
-* Gemma 3: every `*norm.weight` is written as 1 + w (its norms scale by 1 + w); kvserve stores
-  norms that way too, so they are taken as they are (`NORMS_HOLD_ONE_PLUS_W`).
+* Gemma 3 and Gemma 2: every `*norm.weight` is written as 1 + w (their norms scale by 1 + w);
+  kvserve stores norms that way too, so they are taken as they are (`NORMS_HOLD_ONE_PLUS_W`).
 * A tied LM head is written once, as `token_embd.weight` (no `output.weight`).
 """
 
@@ -30,12 +30,12 @@ from kvserve.models import registry
 
 # Architectures whose q/k rows llama.cpp permutes (its LlamaModel.undo_permute).
 _PERMUTED = ("llama", "granite")
-NORMS_HOLD_ONE_PLUS_W = ("gemma3",)
+NORMS_HOLD_ONE_PLUS_W = ("gemma3", "gemma2")
 # GGUF architecture -> config.json model_type (the architecture class is the registry's; a
 # "llama" file with experts is Mixtral)
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
-               "qwen3moe": "qwen3_moe"}
+               "qwen3moe": "qwen3_moe", "gemma2": "gemma2"}
 # llama.cpp hard-codes Gemma 3's layout: five sliding layers per full one, local RoPE base 10k.
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
@@ -133,6 +133,8 @@ def _family_keys(arch: str, model_type: str, metadata: dict[str, Any], config: d
             raise ValueError("GGUF Phi-3 long-context RoPE factors (rope_factors_long/short) "
                              "are not supported; load the Hugging Face checkpoint instead")
         out["sliding_window"] = key("attention.sliding_window")
+    elif arch == "gemma2":
+        out.update(_gemma2(metadata, config))
     elif arch == "granite":
         out.update(attention_multiplier=float(key("attention.scale", 1.0)),
                    embedding_multiplier=float(key("embedding_scale", 1.0)),
@@ -164,6 +166,28 @@ def _rope_scaling(arch: str, metadata: dict[str, Any],
         return {"rope_type": "linear",
                 "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
     raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (none, linear)")
+
+
+# Gemma 2 27B's layer count: llama.cpp scales its queries by 1/sqrt(hidden / heads), the other
+# sizes by 1/sqrt(head_dim) (the GGUF states no query_pre_attn_scalar)
+_GEMMA2_27B_LAYERS = 46
+
+
+def _gemma2(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp runs a GGUF of it: soft-capped attention and logits, every other
+    layer sliding from the first, GELU-tanh, the query scale by model size."""
+    layers = config["num_hidden_layers"]
+    window = metadata.get("gemma2.attention.sliding_window")
+    scalar = config["hidden_size"] // config["num_attention_heads"] \
+        if layers == _GEMMA2_27B_LAYERS else config["head_dim"]
+    return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": scalar,
+            "attn_logit_softcapping": metadata.get("gemma2.attn_logit_softcapping"),
+            "final_logit_softcapping": metadata.get("gemma2.final_logit_softcapping"),
+            "sliding_window": None if window is None else int(window),
+            "layer_types": ["sliding_attention" if i % 2 == 0 and window is not None
+                            else "full_attention" for i in range(layers)],
+            "tie_word_embeddings": config["tie_word_embeddings"]}
 
 
 def _gemma3(metadata: dict[str, Any], config: dict[str, Any],
