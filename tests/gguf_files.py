@@ -44,6 +44,14 @@ def _hf_to_gguf_name(name: str, arch: str) -> str:
     }
     # Phi-3 keeps its fused projections; MoE layers' routers (the experts are stacked by
     # gguf_from_checkpoint and named there)
+    # DeepSeek's MLA projections and norms, its router bias and shared experts
+    per_layer.update({f"self_attn.{hf}.weight": f"{gg}.weight" for hf, gg in (
+        ("q_a_proj", "attn_q_a"), ("q_a_layernorm", "attn_q_a_norm"), ("q_b_proj", "attn_q_b"),
+        ("kv_a_proj_with_mqa", "attn_kv_a_mqa"), ("kv_a_layernorm", "attn_kv_a_norm"),
+        ("kv_b_proj", "attn_kv_b"))})
+    per_layer.update({f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+                      for p in ("gate", "up", "down")})
+    per_layer["mlp.gate.e_score_correction_bias"] = "exp_probs_b.bias"
     per_layer.update({"self_attn.qkv_proj.weight": "attn_qkv.weight",
                       "mlp.gate_up_proj.weight": "ffn_up.weight",
                       "mlp.gate.weight": "ffn_gate_inp.weight",
@@ -125,7 +133,8 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
     cfg = json.loads((model_dir / "config.json").read_text())
     model_type = cfg["model_type"]
     arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-            "mistral": "llama"}.get(model_type, model_type)
+            "mistral": "llama", "deepseek_v2": "deepseek2",
+            "deepseek_v3": "deepseek2"}.get(model_type, model_type)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -135,8 +144,15 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") \
+        or cfg.get("partial_rotary_factor") or 1.0
+    key_len, value_len, rope_dims = head_dim, head_dim, int(rotary * head_dim)
+    if arch == "deepseek2":  # MLA: nope + RoPE keys, its own value head
+        rope_dims = cfg["qk_rope_head_dim"]
+        key_len, value_len = cfg["qk_nope_head_dim"] + rope_dims, cfg["v_head_dim"]
+        _deepseek2_keys(writer, cfg)
+    writer.add_key_length(key_len)
+    writer.add_value_length(value_len)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     if arch == "gemma3":
@@ -144,8 +160,7 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
         writer.add_sliding_window(cfg["sliding_window"])
     else:
         writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    rotary = (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
-    writer.add_rope_dimension_count(int(rotary * head_dim))
+    writer.add_rope_dimension_count(rope_dims)
     if arch == "gemma2":  # llama.cpp's Gemma 2 keys
         writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
@@ -176,8 +191,34 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
             w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
         gguf_name = name if name.startswith("blk.") else _hf_to_gguf_name(name, arch)
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        if arch == "deepseek2" and gguf_name.endswith("attn_kv_b.weight"):
+            # as llama.cpp's converter: kv_b also split per head, k_b transposed, for MLA
+            nope, rank = cfg["qk_nope_head_dim"], cfg["kv_lora_rank"]
+            per_head = w.reshape(heads, -1, rank)
+            writer.add_tensor(gguf_name.replace("attn_kv_b", "attn_k_b"),
+                              np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)))
+            writer.add_tensor(gguf_name.replace("attn_kv_b", "attn_v_b"),
+                              np.ascontiguousarray(per_head[:, nope:]))
     finish(writer)
     return out
+
+
+def _deepseek2_keys(writer, cfg: dict) -> None:
+    """llama.cpp's DeepSeek-V2/V3 metadata (its DeepseekV2Model.set_gguf_parameters)."""
+    writer.add_uint32("deepseek2.attention.q_lora_rank", cfg.get("q_lora_rank") or 0)
+    writer.add_uint32("deepseek2.attention.kv_lora_rank", cfg["kv_lora_rank"])
+    writer.add_uint32("deepseek2.leading_dense_block_count", cfg["first_k_dense_replace"])
+    writer.add_uint32("deepseek2.expert_count", cfg["n_routed_experts"])
+    writer.add_uint32("deepseek2.expert_used_count", cfg["num_experts_per_tok"])
+    writer.add_uint32("deepseek2.expert_shared_count", cfg["n_shared_experts"])
+    writer.add_uint32("deepseek2.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    writer.add_float32("deepseek2.expert_weights_scale", cfg["routed_scaling_factor"])
+    v3 = cfg["model_type"] == "deepseek_v3"
+    writer.add_bool("deepseek2.expert_weights_norm", bool(cfg.get("norm_topk_prob")) and v3)
+    writer.add_uint32("deepseek2.expert_gating_func", 2 if v3 else 1)
+    if (cfg.get("n_group") or 1) > 1:
+        writer.add_uint32("deepseek2.expert_group_count", cfg["n_group"])
+        writer.add_uint32("deepseek2.expert_group_used_count", cfg["topk_group"])
 
 
 def requantize(src: Path, out: Path, qtype_name: str) -> Path:

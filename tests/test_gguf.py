@@ -185,7 +185,8 @@ def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "mistral", "phi3",
-                                  "olmo2", "granite", "qwen3_moe", "mixtral", "gemma2"])
+                                  "olmo2", "granite", "qwen3_moe", "mixtral", "gemma2",
+                                  "deepseek_v2", "deepseek_v3"])
 def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     """A GGUF written from a checkpoint as llama.cpp's converter writes it (q/k rows permuted
     for Llama, Mistral, Mixtral and Granite, Gemma's norms stored as 1 + w, the tied head left

@@ -117,6 +117,8 @@ class GGUFCheckpoint:
         heads = {"attn_q": self.config["num_attention_heads"],
                  "attn_k": self.config["num_key_value_heads"]}
         for gguf_name, info in self.index.tensors.items():
+            if _arch.derived(self.architecture, gguf_name, self.index.tensors):
+                continue
             stacked = "_exps." in gguf_name and len(info.shape) == 3
             for expert in range(info.shape[0]) if stacked else (None,):
                 names = _arch.hf_names(self.architecture, gguf_name, expert)

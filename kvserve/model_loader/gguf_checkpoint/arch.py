@@ -35,7 +35,7 @@ NORMS_HOLD_ONE_PLUS_W = ("gemma3", "gemma2")
 # "llama" file with experts is Mixtral)
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
-               "qwen3moe": "qwen3_moe", "gemma2": "gemma2"}
+               "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "deepseek2": "deepseek_v2"}
 # llama.cpp hard-codes Gemma 3's layout: five sliding layers per full one, local RoPE base 10k.
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
@@ -73,6 +73,8 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
     experts = metadata.get(f"{arch}.expert_count")
     if arch == "llama" and experts:
         model_type = "mixtral"
+    if arch == "deepseek2" and metadata.get("deepseek2.expert_gating_func") == _SIGMOID:
+        model_type = "deepseek_v3"
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [registry.by_model_type(model_type).name],
@@ -94,16 +96,16 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
     }
     value_length = key("attention.value_length", config["head_dim"], required=False)
-    if int(value_length) != config["head_dim"]:
+    if int(value_length) != config["head_dim"] and arch != "deepseek2":
         raise ValueError(f"GGUF key length {config['head_dim']} != value length {value_length}:"
                          " not supported")
     rope_dims = key("rope.dimension_count", config["head_dim"], required=False)
-    if int(rope_dims) != config["head_dim"] and arch != "phi3":
+    if int(rope_dims) != config["head_dim"] and arch not in ("phi3", "deepseek2"):
         raise ValueError(f"partial rotary embeddings ({rope_dims} of {config['head_dim']} "
                          "dimensions) are not supported")
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0,
                                                             required=False))}
-    if int(rope_dims) != config["head_dim"]:  # Phi-3's partial_rotary_factor
+    if int(rope_dims) != config["head_dim"] and arch == "phi3":  # partial_rotary_factor
         rope["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
     rope.update(_rope_scaling(arch, metadata, tensor_shapes))
     if arch == "qwen2":
@@ -135,6 +137,8 @@ def _family_keys(arch: str, model_type: str, metadata: dict[str, Any], config: d
         out["sliding_window"] = key("attention.sliding_window")
     elif arch == "gemma2":
         out.update(_gemma2(metadata, config))
+    elif arch == "deepseek2":
+        out.update(_deepseek2(metadata, config, tensor_shapes))
     elif arch == "granite":
         out.update(attention_multiplier=float(key("attention.scale", 1.0)),
                    embedding_multiplier=float(key("embedding_scale", 1.0)),
@@ -165,7 +169,60 @@ def _rope_scaling(arch: str, metadata: dict[str, Any],
     if kind == "linear":
         return {"rope_type": "linear",
                 "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn" and arch == "deepseek2":
+        # DeepSeek's YaRN; llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier (and
+        # the checkpoints have mscale == mscale_all_dim)
+        mscale = float(metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        return {"rope_type": "yarn", "factor": float(metadata[f"{arch}.rope.scaling.factor"]),
+                "original_max_position_embeddings": int(
+                    metadata[f"{arch}.rope.scaling.original_context_length"]),
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": mscale,
+                "mscale_all_dim": mscale}
     raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (none, linear)")
+
+
+# llama.cpp's expert_gating_func values
+_SOFTMAX, _SIGMOID = 1, 2
+
+
+def _deepseek2(metadata: dict[str, Any], config: dict[str, Any],
+               tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """DeepSeek-V2/V3's MLA and MoE keys from llama.cpp's: key_length is the nope + RoPE
+    head, value_length the value head, rope.dimension_count the RoPE part; the gating
+    function tells V3 (sigmoid) from V2 (softmax)."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"deepseek2.{name}", default)
+
+    if "blk.0.attn_kv_b.weight" not in tensor_shapes and \
+            "blk.0.attn_k_b.weight" in tensor_shapes:
+        raise ValueError("this DeepSeek GGUF stores kv_b split as attn_k_b / attn_v_b (newer "
+                         "llama.cpp converters) without attn_kv_b; not supported yet: load "
+                         "the Hugging Face checkpoint, or a GGUF with attn_kv_b")
+    rope = int(key("rope.dimension_count"))
+    q_lora = int(key("attention.q_lora_rank", 0) or 0)
+    groups = int(key("expert_group_count", 1) or 1)
+    v3 = key("expert_gating_func") == _SIGMOID
+    out: dict[str, Any] = {
+        "kv_lora_rank": int(key("attention.kv_lora_rank")),
+        "q_lora_rank": q_lora or None,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(key("attention.key_length")) - rope,
+        "v_head_dim": int(key("attention.value_length")),
+        "head_dim": rope,
+        "n_routed_experts": int(key("expert_count", 0) or 0),
+        "num_experts_per_tok": int(key("expert_used_count", 0) or 0),
+        "n_shared_experts": int(key("expert_shared_count", 0) or 0),
+        "moe_intermediate_size": int(key("expert_feed_forward_length", 0) or 0),
+        "first_k_dense_replace": int(key("leading_dense_block_count", 0) or 0),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0) or 1.0),
+        "n_group": groups, "topk_group": int(key("expert_group_used_count", 1) or 1),
+    }
+    if v3:
+        out.update(scoring_func="sigmoid", topk_method="noaux_tc",
+                   norm_topk_prob=bool(key("expert_weights_norm", True)))
+    else:
+        out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return out
 
 
 # Gemma 2 27B's layer count: llama.cpp scales its queries by 1/sqrt(hidden / heads), the other
@@ -249,7 +306,20 @@ def hf_names(arch: str, gguf_name: str, expert: int | None = None) -> tuple[str,
     if expert is not None:
         names = tuple(n.replace(".experts.", f".experts.{expert}.", 1) for n in names
                       if ".experts." in n)
-    return tuple(n + suffix for n in names)
+    # (DeepSeek-V3's router bias: the converter renames e_score_correction_bias to
+    # e_score_correction.bias before it looks the name up)
+    return tuple((n + suffix).replace(".e_score_correction.bias", ".e_score_correction_bias")
+                 for n in names)
+
+
+def derived(arch: str, gguf_name: str, names: Any) -> bool:
+    """Whether a tensor restates others the file also holds, and is skipped: DeepSeek's
+    attn_k_b / attn_v_b, which llama.cpp's converter writes beside attn_kv_b (its split, for
+    the absorbed attention)."""
+    if arch != "deepseek2" or not (".attn_k_b." in gguf_name or ".attn_v_b." in gguf_name):
+        return False
+    block = gguf_name.split(".")[1]
+    return f"blk.{block}.attn_kv_b.weight" in names
 
 
 def needs_unpermute(arch: str, gguf_name: str) -> bool:
