@@ -222,6 +222,9 @@ class QuantizedHead(m.HeadMethod):
         elif self.cpp:  # the float GEMV at a few rows, as a measured plan has it on most CPUs
             self.buckets[0] = Gemv(gemv.load().bind(head))
             self.kernels[0] = "gemv"
+        kernel = qgemv.load()
+        logger.info("quantized projections (%s kernel): %s",
+                    kernel.isa if kernel is not None else "none", model.gemm_plan.describe())
 
 
 # -- single projections and the one-call decode steps ---------------------------------------
