@@ -132,10 +132,12 @@ def measure_gemms(config: Any, dtype: torch.dtype, scratch: Callable[[], Any],
                   remeasure: bool = False) -> GemmPlan:
     """Time the candidates on a scratch DecoderLayer of the model's shapes (`scratch()`:
     dense, random weights) and a random LM head (or read the cache: nothing is built then).
-    On DeepSeek's layers oneDNN for every projection and the LM head, as before the
-    per-bucket choice (which times DecoderLayer's projections, not MLA's or MoE's)."""
+    With MLA or routed experts oneDNN for every projection and the LM head where it packs
+    (dense where it does not), as before the per-bucket choice (which times DecoderLayer's
+    projections, not MLA's or MoE's)."""
     if config.mla is not None or config.moe is not None:
-        return gemm_select.forced_plan("onednn")
+        packs = onednn_available(dtype, torch.device("cpu"))
+        return gemm_select.forced_plan("onednn" if packs else "dense")
     c = config
     h = c.hidden_size
     shapes = {"qkv": (c.q_size + 2 * c.kv_size, h), "o": (h, c.q_size),
