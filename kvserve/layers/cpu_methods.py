@@ -178,9 +178,9 @@ class QuantizedEmbeddingMethod(m.Embedding):
         if blocks is not None:
             self.weight = file_weight(blocks)
             self._fn = QuantizedEmbedding(self.weight)
-        else:
-            table = model.embed_tokens
-            self._fn = lambda ids: torch.nn.functional.embedding(ids, table)
+        else:  # the float table, as the dense method reads it
+            self._fn = m.DenseEmbedding()
+            self._fn.prepare(model)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self._fn(ids)
