@@ -126,8 +126,7 @@ def _add_tokenizer(writer, tokenizer_dir: Path, pre: str) -> None:
 def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
                          pre: str = "qwen2") -> Path:
     """A float32 GGUF of a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma3_text,
-    gemma2, phi3, olmo2, granite, qwen3_moe, mixtral), with plain RoPE (a GGUF states no
-    Llama 3 scaling without rope_freqs)."""
+    gemma2, phi3, olmo2, granite, qwen3_moe, mixtral), Llama 3 RoPE scaling as rope_freqs."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -178,6 +177,8 @@ def gguf_from_checkpoint(model_dir: Path, out: Path, tokenizer: bool = True,
         writer.add_uint32("qwen3moe.expert_feed_forward_length", cfg["moe_intermediate_size"])
     if tokenizer:
         _add_tokenizer(writer, model_dir, pre)
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: the divisors
+        writer.add_tensor("rope_freqs.weight", llama3_divisors(rope, rope_dims))
     tensors = _stack_experts(load_file(str(model_dir / "model.safetensors")))
     for name, t in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
@@ -257,6 +258,21 @@ def copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
 
 
+def llama3_divisors(rope: dict, dim: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as per-frequency divisors of the inverse frequencies (the
+    `rope_freqs` tensor a GGUF carries), from transformers' rule: 1 for wavelengths under
+    original / high_freq_factor, `factor` above original / low_freq_factor, between them
+    1 / ((1 - smooth) / factor + smooth)."""
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], \
+        rope["high_freq_factor"]
+    wavelen = 2 * np.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    out = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, rope["factor"], out))
+    return out.astype(np.float32)
+
+
 def plain_rope(model_dir: Path) -> Path:
     """A checkpoint's config.json rewritten to plain RoPE at its own base (a GGUF states no
     Llama 3 scaling without rope_freqs, so both sides of a comparison use plain RoPE)."""
@@ -276,7 +292,7 @@ def finish(writer) -> None:
 
 
 def quantize_k(w: np.ndarray, qtype_name: str) -> np.ndarray:
-    """A simple Q4_K / Q6_K encoder (gguf.quants has none for the K-quants): w float [n, k],
+    """A simple Q4_K / Q5_K / Q6_K encoder (gguf.quants has none for the K-quants): w float [n, k],
     k a multiple of 256, -> the blocks as uint8 [n, k / 256 * block bytes], in ggml's public
     layouts as gguf.quants.dequantize reads them (the tests check the round trip there).
     Not llama.cpp's search for the best scales: the plain amax / range ones."""
@@ -298,10 +314,11 @@ def quantize_k(w: np.ndarray, qtype_name: str) -> np.ndarray:
                               sc.astype(np.int8).view(np.uint8), d.reshape(-1, 1).view(np.uint8)],
                              axis=1)
         return np.ascontiguousarray(out).reshape(n, -1)
-    assert qtype_name == "Q4_K", qtype_name
+    assert qtype_name in ("Q4_K", "Q5_K"), qtype_name
+    top = 15 if qtype_name == "Q4_K" else 31  # the largest code
     g = b.reshape(-1, 8, 32)
     lo = np.minimum(g.min(axis=2), 0)  # value = d sc q - dmin m, m >= 0
-    scale = (g.max(axis=2) - lo) / 15
+    scale = (g.max(axis=2) - lo) / top
     mins = -lo
     d = (scale.max(axis=1) / 63).astype(np.float16)
     dmin = (mins.max(axis=1) / 63).astype(np.float16)
@@ -309,15 +326,18 @@ def quantize_k(w: np.ndarray, qtype_name: str) -> np.ndarray:
     sc = np.clip(np.rint(scale / np.where(df > 0, df, 1)[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(mins / np.where(mf > 0, mf, 1)[:, None]), 0, 63).astype(np.uint8)
     eff, meff = df[:, None] * sc, mf[:, None] * m
-    q = np.clip(np.rint((g + meff[..., None]) / np.where(eff > 0, eff, 1)[..., None]), 0, 15)
-    q = np.where(eff[..., None] > 0, q, 0).astype(np.uint8).reshape(-1, 4, 2, 32)
+    q = np.clip(np.rint((g + meff[..., None]) / np.where(eff > 0, eff, 1)[..., None]), 0, top)
+    q = np.where(eff[..., None] > 0, q, 0).astype(np.uint8)  # [blocks, sub-block, 32]
+    qh = (((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(
+        axis=1, dtype=np.uint8)  # Q5_K: bit j of byte i is value i of sub-block j's fifth bit
+    q = (q & 0x0F).reshape(-1, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     s = np.empty((b.shape[0], 12), dtype=np.uint8)
     s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     s[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
     out = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8),
-                          s, qs], axis=1)
+                          s, *((qh,) if qtype_name == "Q5_K" else ()), qs], axis=1)
     return np.ascontiguousarray(out).reshape(n, -1)
 
 

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from gguf_files import gguf_from_checkpoint, plain_rope, requantize, smollm2_path
@@ -191,14 +192,15 @@ def test_tiny_gguf_matches_its_checkpoint(arch, tmp_path):
     """A GGUF written from a checkpoint as llama.cpp's converter writes it (q/k rows permuted
     for Llama, Mistral, Mixtral and Granite, Gemma's norms stored as 1 + w, the tied head left
     out, Phi-3's fused projections kept, Granite's multipliers and the experts' counts as its
-    metadata, Qwen3-MoE's and Mixtral's experts stacked) loads to the same model: greedy
-    tokens and logits against transformers on the original checkpoint (issue 47, item 5)."""
+    metadata, Qwen3-MoE's and Mixtral's experts stacked, Llama 3's RoPE scaling as rope_freqs)
+    loads to the same model: greedy tokens and logits against transformers on the original
+    checkpoint (issue 47, item 5; rope_freqs issue 48)."""
     import transformers
 
     from kvserve.model_loader.make_model import make_model
 
     src = make_model(tmp_path / arch, arch=arch, size="tiny")
-    if arch in ("llama", "granite"):
+    if arch == "granite":
         plain_rope(src)
     path = gguf_from_checkpoint(src, tmp_path / f"{arch}.gguf")
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -235,3 +237,37 @@ def test_transformers_reads_our_test_files_too(tmp_path):
         with torch.no_grad():
             a, b = direct(ids).logits, via_gguf(ids).logits
         assert (a - b).abs().max().item() < 1e-4, arch
+
+
+@pytest.mark.parametrize("dim,theta,original", [(128, 500000.0, 8192), (64, 500000.0, 8192),
+                                                (16, 500000.0, 512), (8, 500000.0, 512),
+                                                (16, 10000.0, 256)])
+def test_rope_freqs_become_the_same_frequencies(dim, theta, original):
+    """A GGUF's rope_freqs (llama.cpp divides each inverse frequency by its entry) read into
+    llama3 scaling parameters give kvserve's RoPE exactly those frequencies, for head sizes
+    whose ramp holds many, one or no frequencies (the parameters are then one of several
+    equivalent choices); divisors of another shape are refused."""
+    from gguf_files import llama3_divisors
+
+    from kvserve.layers.rotary import rope_inv_freq
+    from kvserve.model_loader.gguf_checkpoint.arch import _rope_scaling
+    from kvserve.models.registry import config_from_dict
+
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+    divisors = llama3_divisors(rope, dim)
+    meta = {"llama.rope.freq_base": theta}
+    scaling = _rope_scaling("llama", meta, {"rope_freqs.weight": (dim // 2,)}, divisors)
+    config = config_from_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2 * dim,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": dim, "vocab_size": 32, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_theta": theta, **scaling}})
+    plain = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    np.testing.assert_allclose(rope_inv_freq(config).double().numpy(), plain / divisors,
+                               rtol=1e-5)
+    bent = divisors.copy()
+    bent[0] = 2.0  # a short wavelength divided: not llama3's rule
+    with pytest.raises(ValueError, match="not Llama 3-style"):
+        _rope_scaling("llama", meta, {"rope_freqs.weight": (dim // 2,)}, bent)

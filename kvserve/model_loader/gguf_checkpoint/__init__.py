@@ -93,7 +93,12 @@ class GGUFCheckpoint:
         self.architecture = _arch.check_architecture(self.index.metadata)
         check_types(self.index)
         shapes = {name: t.shape for name, t in self.index.tensors.items()}
-        self.config = _arch.hf_config(self.index.metadata, shapes)
+        freqs = self.index.tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            if freqs.type_name != "F32":
+                raise ValueError(f"GGUF rope_freqs of type {freqs.type_name} (F32 expected)")
+            freqs = np.asarray(TensorData(self.index).raw(freqs)).view(np.float32)
+        self.config = _arch.hf_config(self.index.metadata, shapes, freqs)
         self.dir = sidecar_dir(path)
         self._write_sidecar()
 

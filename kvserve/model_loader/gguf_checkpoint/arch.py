@@ -51,8 +51,10 @@ def check_architecture(metadata: dict[str, Any]) -> str:
     return arch
 
 
-def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict:
-    """The config.json a Hugging Face checkpoint of this model would carry."""
+def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+              rope_freqs: np.ndarray | None = None) -> dict:
+    """The config.json a Hugging Face checkpoint of this model would carry (`rope_freqs`:
+    the file's tensor of that name, where it has one)."""
     arch = check_architecture(metadata)
 
     def key(name: str, default: Any = None, required: bool = True) -> Any:
@@ -107,7 +109,7 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
                                                             required=False))}
     if int(rope_dims) != config["head_dim"] and arch == "phi3":  # partial_rotary_factor
         rope["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
-    rope.update(_rope_scaling(arch, metadata, tensor_shapes))
+    rope.update(_rope_scaling(arch, metadata, tensor_shapes, rope_freqs))
     if arch == "qwen2":
         config["use_sliding_window"] = False
     if arch == "gemma3":
@@ -158,12 +160,13 @@ def _family_keys(arch: str, model_type: str, metadata: dict[str, Any], config: d
     return out
 
 
-def _rope_scaling(arch: str, metadata: dict[str, Any],
-                  tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _rope_scaling(arch: str, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                  rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in tensor_shapes:
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style per-frequency RoPE factors) are not "
-                         "supported; load the Hugging Face checkpoint instead")
+        if rope_freqs is None:
+            raise ValueError("GGUF rope_freqs given without its values")
+        return _llama3_from_factors(rope_freqs, metadata, arch)
     if kind in (None, "none"):
         return {}
     if kind == "linear":
@@ -179,6 +182,64 @@ def _rope_scaling(arch: str, metadata: dict[str, Any],
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": mscale,
                 "mscale_all_dim": mscale}
     raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (none, linear)")
+
+
+def _llama3_from_factors(factors: np.ndarray, metadata: dict[str, Any],
+                         arch: str) -> dict[str, Any]:
+    """Llama 3.1's RoPE scaling as transformers states it, from the per-frequency divisors
+    llama.cpp's converter writes instead (`rope_freqs`: 1 for short wavelengths, `factor` for
+    long ones, a smooth ramp between). Every Llama 3.1 / 3.2 GGUF has them.
+
+    Why recover the parameters rather than keep the divisors: the sidecar stays a config.json
+    transformers reads, and the one RoPE code path (`rotary._inv_freq`) serves both. On the
+    ramp 1 / f is linear in 1 / wavelength, which fixes original_max_position_embeddings /
+    (high - low) and low / (high - low); the original context (the file's, else Llama 3's
+    8,192) picks one of the equivalent triples. With fewer than two frequencies on the ramp
+    (a small head_dim) the ramp's edges are put between the neighbouring frequencies. The
+    divisors the triple gives are checked against the file's, so a file whose factors are
+    not of this form is refused, not approximated."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    dim = 2 * f.shape[0]
+    base = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    if np.allclose(f, 1.0):
+        return {}
+    factor = float(f.max())
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2) / dim)  # increasing
+    old_len = float(metadata.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    ramp = np.flatnonzero((f > 1 + 1e-6) & (f < factor - 1e-6))
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)  # 1 at short wavelengths, 0 at long ones
+    ones, full = np.flatnonzero(f <= 1 + 1e-6), np.flatnonzero(f >= factor - 1e-6)
+    short_edge = wavelen[ones[-1]] if ones.size else wavelen[0] / 2
+    long_edge = wavelen[full[0]] if full.size else wavelen[-1] * 2
+    if ramp.size >= 2:  # s = old_len / ((high - low) wavelength) - low / (high - low)
+        slope = (s[ramp[-1]] - s[ramp[0]]) / (1 / wavelen[ramp[-1]] - 1 / wavelen[ramp[0]])
+        width = old_len / slope
+        low = (slope / wavelen[ramp[0]] - s[ramp[0]]) * width
+        high = low + width
+    elif ramp.size == 1:  # in 1 / wavelength u: s_r = (u_r - u_low) / (u_high - u_low)
+        u_r, u_short, u_long = 1 / wavelen[ramp[0]], 1 / short_edge, 1 / long_edge
+        grow = (u_r - u_long) * (1 / s[ramp[0]] - 1)  # u_high - u_r per unit t below
+        t = min(0.5, 0.5 * (u_short - u_r) / grow) if grow > 0 else 0.5
+        u_low = u_r - t * (u_r - u_long)  # the long edge between the point and the next
+        low, high = old_len * u_low, old_len * (u_low + (u_r - u_low) / s[ramp[0]])
+    else:  # a step: both edges between the last 1 and the first full factor
+        high = old_len / (short_edge ** (2 / 3) * long_edge ** (1 / 3))
+        low = old_len / (short_edge ** (1 / 3) * long_edge ** (2 / 3))
+    out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": round(float(low), 6),
+           "high_freq_factor": round(float(high), 6),
+           "original_max_position_embeddings": int(old_len)}
+    if not 0 < low < high or not np.allclose(_llama3_divisors(wavelen, out), f, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs are not Llama 3-style RoPE scaling (1, a smooth "
+                         f"ramp, then one factor): {np.round(f, 4).tolist()}")
+    return out
+
+
+def _llama3_divisors(wavelen: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    """What the llama3 rule divides each frequency by (transformers' formula)."""
+    old, low, high = p["original_max_position_embeddings"], p["low_freq_factor"], \
+        p["high_freq_factor"]
+    smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - smooth) / p["factor"] + smooth)
 
 
 # llama.cpp's expert_gating_func values
@@ -313,9 +374,11 @@ def hf_names(arch: str, gguf_name: str, expert: int | None = None) -> tuple[str,
 
 
 def derived(arch: str, gguf_name: str, names: Any) -> bool:
-    """Whether a tensor restates others the file also holds, and is skipped: DeepSeek's
-    attn_k_b / attn_v_b, which llama.cpp's converter writes beside attn_kv_b (its split, for
-    the absorbed attention)."""
+    """Whether a tensor restates what the file also holds, and is skipped: rope_freqs (in the
+    config as RoPE scaling), DeepSeek's attn_k_b / attn_v_b, which llama.cpp's converter
+    writes beside attn_kv_b (its split, for the absorbed attention)."""
+    if gguf_name == "rope_freqs.weight":  # the RoPE scaling, read into the config
+        return True
     if arch != "deepseek2" or not (".attn_k_b." in gguf_name or ".attn_v_b." in gguf_name):
         return False
     block = gguf_name.split(".")[1]
