@@ -11,9 +11,10 @@ from typing import Any
 
 # ggml's block layouts: (values per block, bytes per block). Q8_0: f16 d + 32 int8; Q4_0: f16
 # d + 16 bytes of nibbles; Q4_1: f16 d, f16 m + 16; Q4_K: f16 d, f16 dmin, 12 bytes of packed
-# 6-bit sub-block scales and mins, 128 of nibbles; Q6_K: 128 + 64 + 16 int8 scales + f16 d.
+# 6-bit sub-block scales and mins, 128 of nibbles; Q5_K: Q4_K's with 32 bytes of fifth bits
+# before the nibbles; Q6_K: 128 + 64 + 16 int8 scales + f16 d.
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144),
-          "Q6_K": (256, 210)}
+          "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 # quantization= (vLLM's --quantization) values that quantize a float checkpoint's
 # projections at load, and the block format each makes

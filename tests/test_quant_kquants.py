@@ -1,5 +1,6 @@
-"""The K-quants (issue 31): GGUF Q4_K and Q6_K blocks kept in their super-block format and run
-by the C++ kernel (kernels/cpu/qgemv.py), and the embedding lookup on a quantized table.
+"""The K-quants (issue 31; Q5_K issue 48): GGUF Q4_K, Q5_K and Q6_K blocks kept in their
+super-block format and run by the C++ kernel (kernels/cpu/qgemv.py), and the embedding lookup
+on a quantized table.
 
 The references are independent of the kernel: `gguf.quants.dequantize` (the llama.cpp
 project's own numpy reading of the layouts) and float64 products in numpy. The kernel
@@ -22,7 +23,7 @@ from test_quant_linear import ISAS, PLAIN, _bound, _expected_native_isa, _expect
 
 from kvserve.kernels.cpu import qgemv
 
-K_TYPES = ("Q4_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _kblocks(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -31,7 +32,7 @@ def _kblocks(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, n
     rng = np.random.default_rng(seed)
     nb, bb = k // 256, qgemv.BLOCK_BYTES[type_name]
     raw = rng.integers(0, 256, size=(n, nb, bb), dtype=np.uint8)
-    for at in ((0, 2) if type_name == "Q4_K" else (208,)):
+    for at in ((208,) if type_name == "Q6_K" else (0, 2)):
         raw[..., at:at + 2] = rng.uniform(0.5e-3, 2e-3, (n, nb, 1)).astype(np.float16) \
             .view(np.uint8)
     raw = raw.reshape(n, -1)
@@ -103,6 +104,18 @@ def _mutations(type_name: str) -> dict[str, callable]:
     j's scale in byte j (j < 4), its min in j + 4, the high ones' low bits in j + 4 (j >= 4)
     and their top bits in the top 2 bits of bytes j - 4 and j) that a wrong reading of the layout
     would make silently: the nibble halves swapped, one sub-block's scale or min moved."""
+    if type_name == "Q5_K":  # Q4_K's scales, qh at 16..47, the nibbles at 48..175
+        return {
+            "nibbles swapped": lambda r: r[48:176].__setitem__(slice(None),
+                                                              _swap_nibbles(r[48:176])),
+            "fifth bits of sub-blocks 0 and 1 exchanged": lambda r: r[16:48].__setitem__(
+                slice(None), ((r[16:48] & 0xFC) | ((r[16:48] & 1) << 1)
+                              | ((r[16:48] >> 1) & 1)).astype(np.uint8)),
+            "fifth bits of values 0..15 and 16..31 exchanged": lambda r: r[16:48].__setitem__(
+                slice(None), np.roll(r[16:48], 16)),
+            "scale 6 (high bits)": lambda r: r.__setitem__(6, r[6] ^ 0x80),
+            "min 2": lambda r: r.__setitem__(10, r[10] ^ 0x20),
+        }
     if type_name == "Q4_K":
         return {
             "nibbles swapped": lambda r: r[16:144].__setitem__(slice(None),
@@ -182,7 +195,7 @@ def test_simple_k_encoder_round_trip(type_name):
 
     w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
     back = quants.dequantize(quantize_k(w, type_name), gguf.GGMLQuantizationType[type_name])
-    assert np.abs(back - w).mean() < (0.08 if type_name == "Q4_K" else 0.02)
+    assert np.abs(back - w).mean() < {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}[type_name]
 
 
 def _q4_k_m_like(name: str, shape: tuple[int, ...]) -> str:

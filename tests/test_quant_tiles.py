@@ -1,5 +1,5 @@
 """Row tiles (kernels/cpu/csrc/qtiles.h, qtiles_k.h): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks and
-Q4_K/Q6_K super-blocks repacked into tiles of 16 output features, against the same
+Q4_K/Q5_K/Q6_K super-blocks repacked into tiles of 16 output features, against the same
 independent references as the row layout (tests/test_quant_linear.py, test_quant_kquants.py):
 gguf.quants' dequantization of the file's blocks, and PyTorch / numpy on x quantized as the
 kernel quantizes it. Each instruction-set build: the AVX-512 VNNI tile kernel where the CPU
@@ -158,6 +158,16 @@ def _k_mutations(type_name: str) -> dict:
         b = t[at: at + 64]
         t[at: at + 64] = (b >> 4) | ((b & 0x0F) << 4)
 
+    if type_name == "Q5_K":  # Q4_K's header; per group g a chunk at 256 + 320 g
+        return {
+            "d of features 0 and 1": lambda t: _swap(t, 0, 2, 2),
+            "scale 1 read as its min": lambda t: _swap(t, 64 + 16, 64 + 16 * 5, 16),
+            "nibble halves": lambda t: halves(t, 256),
+            "sub-block pairs 0 and 1": lambda t: _swap(t, 256, 256 + 64, 64),
+            "fifth bits of groups 0 and 1": lambda t: _swap(t, 256 + 256, 256 + 320 + 256, 64),
+            "fifth bits of sub-blocks 0 and 1 exchanged": lambda t: t[512:576].copy_(
+                (t[512:576] & 0xFC) | ((t[512:576] & 1) << 1) | ((t[512:576] >> 1) & 1)),
+        }
     if type_name == "Q4_K":
         return {
             "d of features 0 and 1": lambda t: _swap(t, 0, 2, 2),
@@ -167,15 +177,19 @@ def _k_mutations(type_name: str) -> dict:
             "nibble halves": lambda t: halves(t, 256),
             "sub-block pairs 0 and 1": lambda t: _swap(t, 256, 256 + 512, 512),
         }
-    qh = slice(2336, 3360)
-    return {
+    def reverse_qh(t):  # the 2-bit fields of every chunk's qh bytes in reverse order
+        for chunk in range(16):
+            qh = slice(288 + 192 * chunk + 128, 288 + 192 * chunk + 192)
+            t[qh] = ((t[qh] & 0x03) << 6) | ((t[qh] & 0x0C) << 2) | ((t[qh] & 0x30) >> 2) \
+                | ((t[qh] & 0xC0) >> 6)
+
+    return {  # Q6_K: per half and group a chunk of 192 bytes at 288: ql q 0, ql q 1, qh
         "d of features 0 and 1": lambda t: _swap(t, 0, 2, 2),
         "scales of the two halves": lambda t: _swap(t, 32, 48, 16),
-        "ql of q 0 and 1": lambda t: _swap(t, 288, 288 + 512, 512),
+        "ql of q 0 and 1": lambda t: _swap(t, 288, 288 + 64, 64),
         "nibble halves": lambda t: halves(t, 288),
-        "qh 2-bit fields reversed": lambda t: t[qh].copy_(
-            ((t[qh] & 0x03) << 6) | ((t[qh] & 0x0C) << 2) | ((t[qh] & 0x30) >> 2)
-            | ((t[qh] & 0xC0) >> 6)),
+        "chunks of groups 0 and 1": lambda t: _swap(t, 288, 288 + 192, 192),
+        "qh 2-bit fields reversed": reverse_qh,
     }
 
 

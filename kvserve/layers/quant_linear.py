@@ -1,5 +1,5 @@
-"""Linear methods on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) kept as the
-file stores them (issue 31): `QuantizedLinear` (x W^T + b, the residual add) and
+"""Linear methods on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+kept as the file stores them (issue 31): `QuantizedLinear` (x W^T + b, the residual add) and
 `QuantizedGated` (the gate | up projection with act(gate) * up), both on `QuantWeight`s,
 `quantized_methods`, a DecoderLayer's `LayerMethods` on them, and `QuantizedEmbedding`, the
 token lookup on a quantized table (the tied LM head's weight too: one copy for both).

@@ -1,4 +1,4 @@
-"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) kept
+"""Products on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept
 as the file stores them (csrc/qgemv.cpp): the quantized linear layers' kernel.
 
 Why: batch-1 decode reads every weight once per step; Q4_1 is 20 bytes per 32 weights where
@@ -29,15 +29,15 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 7
+ABI_VERSION = 8
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5,
-         "Q5_1": 6}  # the kernel's type codes
+         "Q5_1": 6, "Q5_K": 7}  # the kernel's type codes
 BLOCK = 32  # values per block of x (and of the 32-value weight types)
 BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q5_0": 32,
-                "Q5_1": 32}
+                "Q5_1": 32, "Q5_K": 256}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
-               "Q5_1": 24}
-TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")  # with row tiles
+               "Q5_1": 24, "Q5_K": 176}
+TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # with row tiles
 TILE_ROWS = 16  # output features per tile
 TILED_CODE = 8  # a tiled weight's kernel type code: its block type's + 8
 MODE_STORE, MODE_ADD, MODE_SILU_MUL, MODE_GELU_MUL = 0, 1, 2, 3

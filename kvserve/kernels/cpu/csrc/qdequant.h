@@ -5,23 +5,21 @@
 #pragma once
 
 // One weight row of k values as float32 into y; values as gguf.quants dequantizes them (the
-// same float32 operations in the same order: d q, d (q - 8), d q + m; Q4_K (d sc) q - dmin m,
-// Q6_K (d sc) (q - 32)).
+// same float32 operations in the same order: d q, d (q - 8), d q + m; Q4_K / Q5_K (d sc) q
+// - dmin m, Q6_K (d sc) (q - 32)).
 template <int T>
 void dequant_row(const uint8_t* w, int64_t k, float* y) {
   const int64_t nb = k / values_per_block(T), bb = block_bytes(T);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bb;
-    if constexpr (T == kQ4_K) {
+    if constexpr (has_k_min(T)) {
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
       for (int j = 0; j < 8; ++j) {
         int sc, m;
         q4k_scale_min(blk + 4, j, &sc, &m);
         const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-        const uint8_t* qs = blk + 16 + 32 * (j / 2);
         float* yj = y + b * kQKK + 32 * j;
-        for (int i = 0; i < 32; ++i)
-          yj[i] = dl * static_cast<float>(j % 2 ? qs[i] >> 4 : qs[i] & 0x0f) - ml;
+        for (int i = 0; i < 32; ++i) yj[i] = dl * static_cast<float>(k4_code<T>(blk, j, i)) - ml;
       }
       continue;
     } else if constexpr (T == kQ6_K) {

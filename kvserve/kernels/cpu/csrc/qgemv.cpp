@@ -1,5 +1,5 @@
 // Matrix products on GGUF block-quantized weights, kept in their file layout: y = x W^T (+ b)
-// for W in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K, x float32.
+// for W in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K, x float32.
 //
 // Why: a batch-1 decode step reads every weight once, so its speed is bytes per weight. Q4_1
 // is 5 bits a weight (20 bytes per 32) against fp32's 32: dequantizing at load (what kvserve
@@ -26,6 +26,8 @@
 //   Q4_K (f16 d, f16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j, 128 bytes of nibbles):
 //     sub-block j of 32 is d sc_j q - dmin m_j, its nibbles the low (j even) or high (j odd)
 //     halves of bytes 32 (j / 2) .. + 31  -> d sc_j dx sum(q u) - dmin m_j dx sum(u)
+//   Q5_K (f16 d, f16 dmin, Q4_K's 12 scale bytes, 32 bytes qh, 128 bytes of nibbles): as
+//     Q4_K with a fifth bit: value i of sub-block j has bit j of qh[i] as its bit 4
 //   Q6_K (128 bytes ql, 64 bytes qh, 16 x int8 scales of 16 values, f16 d): d sc (q - 32),
 //     q = 4 low bits from ql | 2 high bits from qh; q - 32 is signed, so as Q8_0 the signs are
 //     moved onto x (|q - 32| <= 32) and each int32 of the dot (4 neighbouring values, one
@@ -62,10 +64,14 @@ constexpr int64_t kQKK = 256;  // values per K-quant super-block
 #define KVQ_PREFETCH_ROWS 8
 #endif
 constexpr int64_t kPrefetchRows = KVQ_PREFETCH_ROWS;  // weight rows prefetched ahead
-enum QType { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6 };
-constexpr int kNumTypes = 7;
+enum QType {
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7
+};
+constexpr int kNumTypes = 8;
 
-constexpr bool is_k(int type) { return type == kQ4_K || type == kQ6_K; }
+constexpr bool is_k(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+// Q4_K and Q5_K: d sc q - dmin m, the same 6-bit scales and mins (Q5_K's fifth bits beside)
+constexpr bool has_k_min(int type) { return type == kQ4_K || type == kQ5_K; }
 
 // f(std::integral_constant<int, T>{}) for the block type code t (checked by the caller): the
 // one switch from a type code to the templates of every entry point.
@@ -77,6 +83,7 @@ inline void with_type(int t, F f) {
     case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
     default: return f(std::integral_constant<int, kQ5_1>{});
   }
@@ -89,6 +96,7 @@ inline int64_t block_bytes(int type) {
     case kQ4_1: return 20;
     case kQ4_K: return 144;
     case kQ6_K: return 210;
+    case kQ5_K: return 176;
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     default: return 0;
@@ -206,7 +214,7 @@ inline __m256i fifth_bits(const uint8_t* p) {
 // of the offset's scalar adds) waited on its own latency, not on memory.
 template <int R, int T>
 inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
-  if constexpr (T == kQ4_K || T == kQ6_K) return row_dots_k<R, T>(w, x, acc);
+  if constexpr (is_k(T)) return row_dots_k<R, T>(w, x, acc);
   __m256 v0[R], v1[R];
   float c0[R], c1[R];
   for (int r = 0; r < R; ++r) {
@@ -254,7 +262,7 @@ inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
 #else
 template <int R, int T>
 inline void row_dots(const uint8_t* w, const QRows& x, float* acc) {
-  if constexpr (T == kQ4_K || T == kQ6_K) return row_dots_k<R, T>(w, x, acc);
+  if constexpr (is_k(T)) return row_dots_k<R, T>(w, x, acc);
   const int64_t bb = block_bytes(T);
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   for (int64_t b = 0; b < x.nb; ++b) {
@@ -441,7 +449,7 @@ int kvserve_qtile_native() {
 #endif
 }
 
-int kvserve_qgemv_abi_version() { return 7; }
+int kvserve_qgemv_abi_version() { return 8; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.

@@ -1,4 +1,4 @@
-// The K-quants (Q4_K, Q6_K) for qgemv.cpp, which includes this inside its anonymous namespace
+// The K-quants (Q4_K, Q5_K, Q6_K) for qgemv.cpp, which includes this inside its anonymous namespace
 // (after QRows, half_to_float, dot_u8s8 and hsum): the packed scales, the Q6_K codes and the
 // row dots on the 8-bit x blocks of 32; the layouts and the arithmetic are in qgemv.cpp's
 // header comment. A file of its own so that qgemv.cpp stays readable; no code of its own
@@ -15,6 +15,16 @@ inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
     *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
     *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// Q4_K's (4-bit) or Q5_K's (5-bit) code of value i (0..31) of sub-block j of a super-block
+// (Q5_K: qh at 16, nibbles at 48; Q4_K: nibbles at 16).
+template <int T>
+inline int k4_code(const uint8_t* blk, int j, int i) {
+  const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16) + 32 * (j / 2);
+  const int nib = j % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
+  if constexpr (T == kQ5_K) return nib | (((blk[16 + i] >> j) & 1) << 4);
+  return nib;
 }
 
 // Q6_K's 6-bit code of value l (0..255) of a super-block, unsigned (0..63).
@@ -42,15 +52,27 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* blk = w + sb * block_bytes(T);
     const int64_t xb = sb * 8;  // the first x block of this super-block
-    if constexpr (T == kQ4_K) {
+    if constexpr (has_k_min(T)) {
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
       for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 (high)
         int sc0, m0, sc1, m1;
         q4k_scale_min(blk + 4, 2 * c, &sc0, &m0);
         q4k_scale_min(blk + 4, 2 * c + 1, &sc1, &m1);
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-        const __m256i q0 = _mm256_and_si256(bytes, low);
-        const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i q0 = _mm256_and_si256(bytes, low);
+        __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        if constexpr (T == kQ5_K) {  // bits 2c and 2c + 1 of qh to bit 4 (2c <= 6: a shift
+          // within 16 bits never carries a neighbour byte's bit into bit 4)
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+          const __m256i five = _mm256_set1_epi8(0x10);
+          const __m256i h0 = c < 2 ? _mm256_slli_epi16(qh, 4 - 2 * c)
+                                   : _mm256_srli_epi16(qh, 2 * c - 4);
+          const __m256i h1 = c < 2 ? _mm256_slli_epi16(qh, 3 - 2 * c)
+                                   : _mm256_srli_epi16(qh, 2 * c - 3);
+          q0 = _mm256_or_si256(q0, _mm256_and_si256(h0, five));
+          q1 = _mm256_or_si256(q1, _mm256_and_si256(h1, five));
+        }
         const float ds0 = d * sc0, ds1 = d * sc1, dm0 = dmin * m0, dm1 = dmin * m1;
         for (int r = 0; r < R; ++r) {
           const int64_t at = r * x.nb + xb + 2 * c;
@@ -116,11 +138,10 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
     for (int t = 0; t < 8; ++t) {  // sub-blocks of 32, one x block each
       int code[kQK];
       float dw[2], mw = 0.f;  // the scale of values 0..15 and 16..31; the min (Q4_K)
-      if constexpr (T == kQ4_K) {
+      if constexpr (has_k_min(T)) {
         int sc, m;
         q4k_scale_min(blk + 4, t, &sc, &m);
-        const uint8_t* qs = blk + 16 + 32 * (t / 2);
-        for (int i = 0; i < kQK; ++i) code[i] = t % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
+        for (int i = 0; i < kQK; ++i) code[i] = k4_code<T>(blk, t, i);
         dw[0] = dw[1] = half_to_float(blk) * sc;
         mw = half_to_float(blk + 2) * m;
       } else {
@@ -137,7 +158,7 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
         for (int i = 0; i < 16; ++i) sum0 += code[i] * xq[i];
         for (int i = 16; i < kQK; ++i) sum1 += code[i] * xq[i];
         acc[r] += x.d[at] * (dw[0] * static_cast<float>(sum0) + dw[1] * static_cast<float>(sum1));
-        if constexpr (T == kQ4_K) acc[r] -= mw * x.s[at];
+        if constexpr (has_k_min(T)) acc[r] -= mw * x.s[at];
       }
     }
   }

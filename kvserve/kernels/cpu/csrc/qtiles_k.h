@@ -1,4 +1,4 @@
-// Row tiles for the K-quants (Q4_K, Q6_K): the super-blocks of 16 output features repacked at
+// Row tiles for the K-quants (Q4_K, Q5_K, Q6_K): the super-blocks of 16 output features repacked at
 // load, as qtiles.h does for the 32-value types. Included by qtiles.h (its tile layout names,
 // QRows, the K-quants' scale helpers of qgemv_kquants.h).
 //
@@ -13,11 +13,21 @@
 //     at 64 + 16 i + c | nibbles: for pair p (0..3: sub-blocks 2p, 2p + 1) and group g (0..7),
 //     feature c's file bytes qs[32p + 4g .. + 3] at 256 + 512 p + (16 g + c) 4: their low
 //     nibbles are values 4g .. 4g + 3 of sub-block 2p, their high ones of sub-block 2p + 1;
-//   Q6_K (3360 bytes): d[16] f16 | scale i (0..15) of feature c at 32 + 16 i + c | ql: for
-//     half h (0..1), q (0..1) and group g, feature c's file bytes ql[64h + 32q + 4g .. + 3] at
-//     288 + ((2h + q) 8 + g) 64 + 4c (low nibbles: value 32 s + 4g .. of half h for s = q, high
-//     nibbles for s = q + 2) | qh: for h and g, feature c's qh[32h + 4g .. + 3] at
-//     2336 + (8h + g) 64 + 4c (bits 2s, 2s + 1: the code's fifth and sixth bits for s).
+//   Q5_K (2816 bytes): d, dmin and the packed scales as Q4_K's | then for group g (0..7) one
+//     chunk of 320 bytes at 256 + 320 g: feature c's file bytes qs[32p + 4g .. + 3] at + 64p
+//     + 4c for pair p (0..3; as Q4_K's: low nibbles sub-block 2p, high ones 2p + 1) and its
+//     qh[4g .. + 3] at + 256 + 4c (bit j: the fifth bit of sub-block j's value). A decode
+//     reads the chunks in order, the fifth bits loaded once for the 8 sub-blocks (Q6_K's
+//     lesson below);
+//   Q6_K (3360 bytes): d[16] f16 | scale i (0..15) of feature c at 32 + 16 i + c | then for
+//     half h (0..1) and group g (0..7) one chunk of 192 bytes at 288 + (8h + g) 192: feature
+//     c's file bytes ql[64h + 4g .. + 3] at + 4c, ql[64h + 32 + 4g .. + 3] at + 64 + 4c (low
+//     nibbles: values 4g .. of sub-blocks 0 and 1 of half h, high nibbles of sub-blocks 2 and
+//     3) and qh[32h + 4g .. + 3] at + 128 + 4c (bits 2s, 2s + 1: the fifth and sixth bits of
+//     sub-block s's codes). The chunks are read in address order, each once: the 4 codes of a
+//     chunk come from its 3 loads (with the codes of one sub-block at a time, as before, the
+//     ql bytes were read twice and the qh bytes four times, out of order, and a decode from
+//     memory ran at a third of its speed from L2: 8 against 24 GB/s on one Zen 4 core).
 // So one 64-byte load is 4 neighbouring values of 16 features, one `dpbusd` against x's 4
 // bytes broadcast, as in qtiles.h. Q6_K's scales cover 16 values and x's blocks 32: the two
 // halves of an x block are accumulated apart, and q - 32 needs the sum of x's first half,
@@ -27,20 +37,27 @@
 // f(file offset in a feature's super-block, tile offset, bytes) for feature c's pieces.
 template <int T, class F>
 inline void for_each_k_piece(int c, F f) {
-  if constexpr (T == kQ4_K) {
+  if constexpr (has_k_min(T)) {
     f(0, 2 * c, 2);
     f(2, 32 + 2 * c, 2);
     for (int i = 0; i < 12; ++i) f(4 + i, 64 + 16 * i + c, 1);
-    for (int p = 0; p < 4; ++p)
-      for (int g = 0; g < 8; ++g) f(16 + 32 * p + 4 * g, 256 + 512 * p + (16 * g + c) * 4, 4);
+    if constexpr (T == kQ4_K) {
+      for (int p = 0; p < 4; ++p)
+        for (int g = 0; g < 8; ++g) f(16 + 32 * p + 4 * g, 256 + 512 * p + (16 * g + c) * 4, 4);
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        for (int p = 0; p < 4; ++p) f(48 + 32 * p + 4 * g, 256 + 320 * g + 64 * p + 4 * c, 4);
+        f(16 + 4 * g, 256 + 320 * g + 256 + 4 * c, 4);
+      }
+    }
   } else {
     f(208, 2 * c, 2);
     for (int i = 0; i < 16; ++i) f(192 + i, 32 + 16 * i + c, 1);
     for (int h = 0; h < 2; ++h)
       for (int g = 0; g < 8; ++g) {
-        for (int q = 0; q < 2; ++q)
-          f(64 * h + 32 * q + 4 * g, 288 + ((2 * h + q) * 8 + g) * 64 + 4 * c, 4);
-        f(128 + 32 * h + 4 * g, 2336 + (8 * h + g) * 64 + 4 * c, 4);
+        const int chunk = 288 + (8 * h + g) * 192;
+        for (int q = 0; q < 2; ++q) f(64 * h + 32 * q + 4 * g, chunk + 64 * q + 4 * c, 4);
+        f(128 + 32 * h + 4 * g, chunk + 128 + 4 * c, 4);
       }
   }
 }
@@ -96,17 +113,52 @@ inline __m512 bytes_to_ps(__m128i v, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// f[r] += the 16 features' dots with x rows r0.. over Q4_K tile super-block `sb`, whose first
-// x block is b8.
-template <int R>
-inline void q4k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
-  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-  const __m512 mv =
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32)));
+// The 16 features' d sc_j and dmin m_j of sub-block j (Q4_K's and Q5_K's packed 6-bit
+// scales: byte i of feature c at 64 + 16 i + c), dv and mv the features' d and dmin.
+inline void k4_scales512(const uint8_t* sb, int j, __m512 dv, __m512 mv, __m512* dsc,
+                         __m512* dm) {
   auto s_row = [&](int i) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 64 + 16 * i));
   };
   const __m128i m6 = _mm_set1_epi8(63), m4 = _mm_set1_epi8(0x0f), top = _mm_set1_epi8(0x30);
+  __m128i sc, m;
+  if (j < 4) {  // q4k_scale_min for 16 features
+    sc = _mm_and_si128(s_row(j), m6);
+    m = _mm_and_si128(s_row(j + 4), m6);
+  } else {
+    sc = _mm_or_si128(_mm_and_si128(s_row(j + 4), m4),
+                      _mm_and_si128(_mm_srli_epi16(s_row(j - 4), 2), top));
+    m = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s_row(j + 4), 4), m4),
+                     _mm_and_si128(_mm_srli_epi16(s_row(j), 2), top));
+  }
+  *dsc = _mm512_mul_ps(dv, bytes_to_ps(sc, false));
+  *dm = _mm512_mul_ps(mv, bytes_to_ps(m, false));
+}
+
+// f[r] += d sc_j dx sum(q u) - dmin m_j dx sum(u) for sub-block j's integer dots acc[r] (x
+// block b = b8 + j of row r0 + r).
+template <int R>
+inline void k4_add512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, int j,
+                      __m512 dv, __m512 mv, const __m512i* acc, __m512* f) {
+  __m512 dsc, dm;
+  k4_scales512(sb, j, dv, mv, &dsc, &dm);
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (r0 + r) * x.nb + b8 + j;
+    f[r] = _mm512_fmadd_ps(dsc, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]),
+                                              _mm512_set1_ps(x.d[at])), f[r]);
+    f[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.s[at]), f[r]);
+  }
+}
+
+inline __m512 ph_to_ps512(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// f[r] += the 16 features' dots with x rows r0.. over Q4_K tile super-block `sb`, whose first
+// x block is b8.
+template <int R>
+inline void q4k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
+  const __m512 dv = ph_to_ps512(sb), mv = ph_to_ps512(sb + 32);
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int p = 0; p < 4; ++p) {
     __m512i lo[R], hi[R];
@@ -127,79 +179,107 @@ inline void q4k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
         hi[r] = _mm512_dpbusd_epi32(hi[r], h, _mm512_set1_epi32(xh[r][g]));
       }
     }
-    __m512 dsc[2], dm[2];
-    for (int s = 0; s < 2; ++s) {  // q4k_scale_min for 16 features
-      const int j = 2 * p + s;
-      __m128i sc, m;
-      if (j < 4) {
-        sc = _mm_and_si128(s_row(j), m6);
-        m = _mm_and_si128(s_row(j + 4), m6);
-      } else {
-        sc = _mm_or_si128(_mm_and_si128(s_row(j + 4), m4),
-                          _mm_and_si128(_mm_srli_epi16(s_row(j - 4), 2), top));
-        m = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s_row(j + 4), 4), m4),
-                         _mm_and_si128(_mm_srli_epi16(s_row(j), 2), top));
-      }
-      dsc[s] = _mm512_mul_ps(dv, bytes_to_ps(sc, false));
-      dm[s] = _mm512_mul_ps(mv, bytes_to_ps(m, false));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (r0 + r) * x.nb + b8 + 2 * p;
-      f[r] = _mm512_fmadd_ps(dsc[0], _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]),
-                                                   _mm512_set1_ps(x.d[at])), f[r]);
-      f[r] = _mm512_fnmadd_ps(dm[0], _mm512_set1_ps(x.s[at]), f[r]);
-      f[r] = _mm512_fmadd_ps(dsc[1], _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]),
-                                                   _mm512_set1_ps(x.d[at + 1])), f[r]);
-      f[r] = _mm512_fnmadd_ps(dm[1], _mm512_set1_ps(x.s[at + 1]), f[r]);
-    }
+    k4_add512<R>(sb, x, r0, b8, 2 * p, dv, mv, lo, f);
+    k4_add512<R>(sb, x, r0, b8, 2 * p + 1, dv, mv, hi, f);
   }
 }
 
-// The same over a Q6_K tile super-block: x block b8 + 4h + s is sub-block s of half h.
+// Bit j of each byte of qh at bit 4 (j <= 7: a shift within 16 bits by at most 4 never moves
+// a neighbour byte's bit there).
+inline __m512i fifth_bit512(__m512i qh, int j) {
+  const __m512i v = j <= 4 ? _mm512_slli_epi16(qh, 4 - j) : _mm512_srli_epi16(qh, j - 4);
+  return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+}
+
+// The same over a Q5_K tile super-block. A decode (R <= 2) walks the chunks in order, the 8
+// sub-blocks' dots in 8 accumulators a row; more rows take one pair of sub-blocks at a time
+// (2 accumulators a row, as Q4_K), rereading the fifth bits from L1.
 template <int R>
-inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
-  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-  const __m512i low = _mm512_set1_epi8(0x0f), bits56 = _mm512_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h)
-    for (int s = 0; s < 4; ++s) {
-      const int64_t j = 4 * h + s;
-      __m512i alo[R], ahi[R];
-      const int32_t* xg[R];
-      for (int r = 0; r < R; ++r) {
-        alo[r] = ahi[r] = _mm512_setzero_si512();
-        xg[r] = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.k + (b8 + j) * kQK);
-      }
-      const uint8_t* ql = sb + 288 + (2 * h + (s & 1)) * 8 * 64;
-      const uint8_t* qh = sb + 2336 + 8 * h * 64;
-      for (int g = 0; g < 8; ++g) {
-        const __m512i q = _mm512_loadu_si512(ql + 64 * g);
-        const __m512i nib = s < 2 ? _mm512_and_si512(q, low)
-                                  : _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-        const __m512i c = _mm512_loadu_si512(qh + 64 * g);
-        __m512i hb;  // bits 2s, 2s + 1 of each byte at bits 4, 5
-        if (s == 0) hb = _mm512_slli_epi16(c, 4);
-        else if (s == 1) hb = _mm512_slli_epi16(c, 2);
-        else if (s == 2) hb = c;
-        else hb = _mm512_srli_epi16(c, 2);
-        const __m512i code = _mm512_or_si512(nib, _mm512_and_si512(hb, bits56));
+inline void q5k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
+  const __m512 dv = ph_to_ps512(sb), mv = ph_to_ps512(sb + 32);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  auto xg = [&](int r, int j, int g) {
+    return _mm512_set1_epi32(
+        reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.k + (b8 + j) * kQK)[g]);
+  };
+  constexpr int kPairs = R <= 2 ? 4 : 1;  // pairs of sub-blocks per pass over the chunks
+  for (int p0 = 0; p0 < 4; p0 += kPairs) {
+    __m512i acc[2 * kPairs][R];
+    for (int j = 0; j < 2 * kPairs; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t* chunk = sb + 256 + 320 * g;
+      const __m512i qh = _mm512_loadu_si512(chunk + 256);
+      for (int i = 0; i < kPairs; ++i) {
+        const int p = p0 + i;
+        const __m512i nib = _mm512_loadu_si512(chunk + 64 * p);
+        const __m512i l = _mm512_or_si512(_mm512_and_si512(nib, low), fifth_bit512(qh, 2 * p));
+        const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), low),
+                                          fifth_bit512(qh, 2 * p + 1));
         for (int r = 0; r < R; ++r) {
-          __m512i& acc = g < 4 ? alo[r] : ahi[r];
-          acc = _mm512_dpbusd_epi32(acc, code, _mm512_set1_epi32(xg[r][g]));
+          acc[2 * i][r] = _mm512_dpbusd_epi32(acc[2 * i][r], l, xg(r, 2 * p, g));
+          acc[2 * i + 1][r] = _mm512_dpbusd_epi32(acc[2 * i + 1][r], h, xg(r, 2 * p + 1, g));
         }
       }
-      const __m128i* scales = reinterpret_cast<const __m128i*>(sb + 32);
-      const __m512 lo_sc = _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j), true));
-      const __m512 hi_sc =
-          _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j + 1), true));
-      for (int r = 0; r < R; ++r) {  // q - 32: minus 32 times each half's sum of x
-        const int64_t at = (r0 + r) * x.nb + b8 + j;
-        const __m512 dx = _mm512_set1_ps(x.d[at]);
-        const __m512 first = _mm512_set1_ps(-32.f * x.h[at]);
-        const __m512 second = _mm512_set1_ps(-32.f * (x.s[at] - x.h[at]));
-        f[r] = _mm512_fmadd_ps(lo_sc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(alo[r]), dx, first),
-                               f[r]);
-        f[r] = _mm512_fmadd_ps(hi_sc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[r]), dx, second),
-                               f[r]);
+    }
+    for (int j = 0; j < 2 * kPairs; ++j)
+      k4_add512<R>(sb, x, r0, b8, 2 * p0 + j, dv, mv, acc[j], f);
+  }
+}
+
+// The same over a Q6_K tile super-block: x block b8 + 4h + s is sub-block s of half h. Per
+// half, the 8 chunks in order, each giving its group's codes of the 4 sub-blocks (a decode:
+// 8 accumulators a row, one per sub-block and 16-value half) or, with more rows, of one
+// sub-block a pass (2 a row).
+template <int R>
+inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
+  const __m512 dv = ph_to_ps512(sb);
+  const __m512i low = _mm512_set1_epi8(0x0f), bits56 = _mm512_set1_epi8(0x30);
+  const __m128i* scales = reinterpret_cast<const __m128i*>(sb + 32);
+  constexpr int kSubs = R <= 2 ? 4 : 1;
+  for (int h = 0; h < 2; ++h)
+    for (int s0 = 0; s0 < 4; s0 += kSubs) {
+      __m512i acc[kSubs][2][R];
+      for (int i = 0; i < kSubs; ++i)
+        for (int r = 0; r < R; ++r) acc[i][0][r] = acc[i][1][r] = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        const uint8_t* chunk = sb + 288 + (8 * h + g) * 192;
+        const __m512i c = _mm512_loadu_si512(chunk + 128);
+        for (int i = 0; i < kSubs; ++i) {
+          const int s = s0 + i;
+          const __m512i q = _mm512_loadu_si512(chunk + 64 * (s & 1));
+          const __m512i nib = s < 2 ? _mm512_and_si512(q, low)
+                                    : _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+          __m512i hb;  // bits 2s, 2s + 1 of each byte of c at bits 4, 5
+          if (s == 0) hb = _mm512_slli_epi16(c, 4);
+          else if (s == 1) hb = _mm512_slli_epi16(c, 2);
+          else if (s == 2) hb = c;
+          else hb = _mm512_srli_epi16(c, 2);
+          const __m512i code = _mm512_or_si512(nib, _mm512_and_si512(hb, bits56));
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xg = reinterpret_cast<const int32_t*>(
+                x.q + (r0 + r) * x.k + (b8 + 4 * h + s) * kQK);
+            __m512i& a = acc[i][g >= 4][r];
+            a = _mm512_dpbusd_epi32(a, code, _mm512_set1_epi32(xg[g]));
+          }
+        }
+      }
+      for (int i = 0; i < kSubs; ++i) {
+        const int64_t j = 4 * h + s0 + i;
+        const __m512 lo_sc =
+            _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j), true));
+        const __m512 hi_sc =
+            _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j + 1), true));
+        for (int r = 0; r < R; ++r) {  // q - 32: minus 32 times each half's sum of x
+          const int64_t at = (r0 + r) * x.nb + b8 + j;
+          const __m512 dx = _mm512_set1_ps(x.d[at]);
+          const __m512 first = _mm512_set1_ps(-32.f * x.h[at]);
+          const __m512 second = _mm512_set1_ps(-32.f * (x.s[at] - x.h[at]));
+          f[r] = _mm512_fmadd_ps(
+              lo_sc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][0][r]), dx, first), f[r]);
+          f[r] = _mm512_fmadd_ps(
+              hi_sc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1][r]), dx, second), f[r]);
+        }
       }
     }
 }
@@ -219,6 +299,7 @@ inline void k_tile_rows(const uint8_t* w, const QRows& x, int64_t tile, int64_t 
       for (int64_t at = 0; at < tb; at += 64) __builtin_prefetch(ahead + at);
     }
     if constexpr (T == kQ4_K) q4k_super512<R>(base + b * tb, x, r0, 8 * b, f);
+    else if constexpr (T == kQ5_K) q5k_super512<R>(base + b * tb, x, r0, 8 * b, f);
     else q6k_super512<R>(base + b * tb, x, r0, 8 * b, f);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTileCols, f[r]);
