@@ -17,10 +17,12 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
@@ -29,7 +31,8 @@ from kvserve.models import registry
 from kvserve.paths import cache_dir
 
 ARCHS = registry.MAKE_ARCHS
-SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b")
+SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b",
+         "llama-3.1-8b", "qwen2.5-1.5b")
 DEFAULT_ARCH = "qwen2"
 DEFAULT_SIZE = "tiny"
 _HF_VERSION = "5.24.0"  # the transformers release whose config.json layout this file follows
@@ -49,7 +52,29 @@ _SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=32768, tie_word_embeddings=False),
+    # The shapes CPU users run as GGUF files (benchmarks/make_gguf_models.py converts them
+    # with llama.cpp's own tools; the speed-at-scale figures are taken on them).
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, max_position_embeddings=131072,
+                         tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256, max_position_embeddings=131072,
+                         tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256, max_position_embeddings=131072,
+                         tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                         vocab_size=151936, max_position_embeddings=32768,
+                         tie_word_embeddings=True),
 }
+# A checkpoint over this many bytes is written in shards of about this size (an 8B model's
+# 16 GB never sits in memory at once), with model.safetensors.index.json as transformers
+# writes it.
+SHARD_BYTES = 2 << 30
 
 
 def hf_config(arch: str, size: str, dtype: str = "float32", bos_token_id: int = 0,
@@ -90,10 +115,16 @@ def _common_config(model_type: str, size: str, dtype: str, bos_token_id: int,
 def random_weights(config: dict[str, Any], seed: int = 0,
                    dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All of `random_tensors` in one dict."""
+    return dict(random_tensors(config, seed, dtype, device))
+
+
+def random_tensors(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors, every one the architecture's weight map names: N(0,
     initializer_range) matrices, zero biases, unit norms (0 where the norm scales by 1 + w),
     drawn in the weight map's order, each in the dtype its parameter has (DeepSeek's router
-    stays float32, as transformers keeps it).
+    stays float32, as transformers keeps it). One at a time, so that a writer can flush them.
 
     The names and shapes come from a model built on the meta device (no memory). `device="cuda"`
     draws on the GPU (a 7B model in seconds instead of minutes; different numbers from the CPU
@@ -103,25 +134,60 @@ def random_weights(config: dict[str, Any], seed: int = 0,
     model = family.model()(model_config, ExecutionPlan.dense(dtype, "meta"))
     gen = torch.Generator(device=device).manual_seed(seed)
     std = config.get("initializer_range", 0.02)
-    out: dict[str, torch.Tensor] = {}
     for name, target in family.weights(model, model_config).items():
         as_dtype = target.dest.dtype
         if len(target.shape) >= 2:
-            out[name] = torch.empty(target.shape, device=device).normal_(
+            yield name, torch.empty(target.shape, device=device).normal_(
                 0.0, std, generator=gen).to(as_dtype).cpu()
         elif name.endswith("bias"):
-            out[name] = torch.zeros(target.shape, dtype=as_dtype)
+            yield name, torch.zeros(target.shape, dtype=as_dtype)
         else:  # a norm weight: 1, stored as 1 - offset
-            out[name] = torch.full(target.shape, 1.0 - target.offset, dtype=as_dtype)
-    return out
+            yield name, torch.full(target.shape, 1.0 - target.offset, dtype=as_dtype)
+
+
+def save_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
+                    shard_bytes: int = SHARD_BYTES) -> None:
+    """model.safetensors, or shards of about `shard_bytes` and their index once the tensors
+    outgrow one (transformers' names: model-00001-of-00004.safetensors)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    written: list[Path] = []
+
+    def flush() -> None:
+        path = out / f"model-{len(written) + 1:05d}.safetensors.part"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        written.append(path)
+        shards[-1] = {}
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+        total += nbytes
+    if not written:
+        save_file(shards[-1], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    flush()
+    weight_map = {}
+    for i, path in enumerate(written, 1):
+        final = out / f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(final)
+        with safe_open(str(final), "pt") as f:
+            weight_map.update({name: final.name for name in f.keys()})
+    _write_json(out / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE,
                seed: int = 0, dtype: str = "float32", with_tokenizer: bool = True,
-               device: str = "cpu") -> Path:
-    """Write config.json, generation_config.json, model.safetensors and (unless
-    `with_tokenizer` is False) tokenizer.json/tokenizer_config.json into `out_dir`.
-    `device` is where the random weights are drawn (see `random_weights`)."""
+               device: str = "cpu", overrides: dict[str, Any] | None = None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors (or its shards) and
+    (unless `with_tokenizer` is False) tokenizer.json/tokenizer_config.json into `out_dir`.
+    `device` is where the random weights are drawn (see `random_tensors`); `overrides` replace
+    config.json keys (a benchmark's vocabulary of another tokenizer's size)."""
     out = Path(out_dir)
     bos, eos = 0, 2
     train_tokenizer = None
@@ -132,11 +198,10 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
 
         train_tokenizer = tok.train_tokenizer
         bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID
-    config = hf_config(arch, size, dtype, bos, eos)
+    config = {**hf_config(arch, size, dtype, bos, eos), **(overrides or {})}
     torch_dtype = to_torch_dtype(dtype)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(config, seed, torch_dtype, device), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_checkpoint(random_tensors(config, seed, torch_dtype, device), out)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "_from_model_config": True,
