@@ -124,7 +124,24 @@ def load_library(source: Path, flags: tuple[str, ...] = CXXFLAGS) -> ctypes.CDLL
         logger.warning("C++ kernel %s unavailable (PyTorch path instead): %s", source.name, e)
         return None
     logger.debug("C++ kernel %s: %s", source.name, path)
+    _share_pool(lib)
     return lib
+
+
+_POOL_OWNER: list[ctypes.CDLL] = []  # the library whose thread pool every library runs on
+
+
+def _share_pool(lib: ctypes.CDLL) -> None:
+    """One worker pool per process (csrc/parallel.h): the first library with a pool keeps
+    its own, each later one is handed the first's `kvserve_pool_run`."""
+    if not hasattr(lib, "kvserve_pool_share"):
+        return
+    if not _POOL_OWNER:
+        _POOL_OWNER.append(lib)
+        return
+    share = lib.kvserve_pool_share
+    share.argtypes, share.restype = [ctypes.c_void_p], None
+    share(ctypes.cast(_POOL_OWNER[0].kvserve_pool_run, ctypes.c_void_p))
 
 
 def load_kernel(source: Path, wrap: Callable[[ctypes.CDLL], K], instead: str) -> K | None:

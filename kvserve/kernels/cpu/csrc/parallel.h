@@ -12,9 +12,13 @@
 //
 // Waiting workers spin for KVSERVE_POOL_SPIN_US microseconds (default 50: a decode step's
 // calls come back to back) and then sleep on a futex, so an idle pool burns no core.
-// One pool per library (each .so including this has its own); a call while the pool is
-// busy (another Python thread's call) runs every chunk on its caller. A child process after
-// fork() gets a fresh pool (the parent's threads are not in it).
+// One pool per process: the first library loaded that includes this keeps it, and every
+// later one is handed its `kvserve_pool_run` (`kvserve_pool_share`, called by cpu_ext.py at
+// load). With a pool per library a decode step's attention (paged_decode) and projections
+// (qgemv) each woke their own worker: three threads on two cores, a pool's worker spinning
+// while the other's ran. A call while the pool is busy (another Python thread's call) runs
+// every chunk on its caller. A child process after fork() gets a fresh pool (the parent's
+// threads are not in it).
 //
 // KVSERVE_CPU_POOL=omp makes parallel_for an OpenMP `parallel for` (static schedule) over
 // the same chunks: the comparison of benchmarks/bench_contention.py.
@@ -179,6 +183,13 @@ void omp_for(int64_t n_chunks, int num_threads, const F& fn) {
   for (int64_t i = 0; i < n_chunks; ++i) fn(i);
 }
 
+using RunFn = void (*)(int64_t n, int threads, ChunkFn fn, void* ctx);
+// Another library's pool, where cpu_ext.py shared it (null: this library's own)
+inline std::atomic<RunFn>& shared_run() {
+  static std::atomic<RunFn> run{nullptr};
+  return run;
+}
+
 // fn(i) for i < n_chunks on up to num_threads threads (the caller included); returns when
 // all are done. fn: any callable taking int64_t.
 template <class F>
@@ -188,9 +199,25 @@ void parallel_for(int64_t n_chunks, int num_threads, const F& fn) {
     omp_for(n_chunks, num_threads, fn);
     return;
   }
-  pool().run(n_chunks, num_threads,
-             [](void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); },
-             const_cast<void*>(static_cast<const void*>(&fn)));
+  const ChunkFn chunk = [](void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); };
+  void* ctx = const_cast<void*>(static_cast<const void*>(&fn));
+  if (const RunFn run = shared_run().load(std::memory_order_acquire)) {
+    run(n_chunks, num_threads, chunk, ctx);
+    return;
+  }
+  pool().run(n_chunks, num_threads, chunk, ctx);
 }
 
 }  // namespace kvpar
+
+// (Defined here, not inline: each library includes this header in its one source file.)
+extern "C" {
+// This library's pool, for another library to run its chunks on (see above).
+__attribute__((used)) void kvserve_pool_run(int64_t n, int threads, kvpar::ChunkFn fn, void* ctx) {
+  kvpar::pool().run(n, threads, fn, ctx);
+}
+// Run this library's parallel_for on `run` (another library's kvserve_pool_run).
+__attribute__((used)) void kvserve_pool_share(kvpar::RunFn run) {
+  kvpar::shared_run().store(run, std::memory_order_release);
+}
+}
