@@ -23,10 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from kvserve import quant_formats
+from kvserve import hugepages, quant_formats
 from kvserve.layers.block import PROJECTION_ATTRS
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.model_loader.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
@@ -278,7 +279,9 @@ def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str
 
 def _stacked(parts: list[tuple], k: int) -> quant_formats.FileBlocks:
     """One projection's checkpoint tensors (in row order) as its file's blocks: consecutive
-    parts of one type in one buffer, a new part where the type changes."""
+    parts of one type in one buffer, a new part where the type changes. The buffers are on
+    2 MiB pages (`hugepages`): a batch-1 decode streams them once a token, and on 4 KiB pages
+    the 1B Q4_K_M model's layers took 24.4 ms a step against 22.3 (Zen 4 EPYC, 2 threads)."""
     runs: list[list] = []
     for tensor, _ in parts:
         if runs and runs[-1][0] == tensor.info.type_name:
@@ -286,17 +289,12 @@ def _stacked(parts: list[tuple], k: int) -> quant_formats.FileBlocks:
         else:
             runs.append([tensor.info.type_name, [tensor]])
     out = []
-    for type_name, ts in runs:  # each tensor copied once, into its rows (no second copy)
-        first = torch.from_numpy(ts[0].raw_rows())
-        if len(ts) == 1:
-            out.append((type_name, first))
-            continue
-        data = first.new_empty((sum(t.shape[0] for t in ts), first.shape[1]))
-        data[: first.shape[0]].copy_(first)
-        row = first.shape[0]
-        del first
-        for t in ts[1:]:
-            data[row: row + t.shape[0]].copy_(torch.from_numpy(t.raw_rows()))
+    for type_name, ts in runs:  # each tensor copied once, from the file into its rows
+        row_bytes = np.asarray(ts[0].raw()).size // ts[0].shape[0]
+        data = hugepages.empty((sum(t.shape[0] for t in ts), row_bytes), torch.uint8)
+        rows, row = data.numpy(), 0
+        for t in ts:
+            t.raw_rows(rows[row: row + t.shape[0]])
             row += t.shape[0]
         out.append((type_name, data))
     return quant_formats.FileBlocks(tuple(out), k)

@@ -55,15 +55,19 @@ class GGUFTensor:
         rows = np.asarray(raw).reshape(self.info.shape[0] * per, -1)
         return rows[self.expert * per: (self.expert + 1) * per]
 
-    def raw_rows(self) -> np.ndarray:
-        """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy), with llama.cpp's
-        q/k row permutation undone: blocks never cross a row, so whole rows move as in
-        `dequantize`."""
+    def raw_rows(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy: into `out`
+        where given, with no copy between), with llama.cpp's q/k row permutation undone:
+        blocks never cross a row, so whole rows move as in `dequantize`."""
         rows = self.shape[0]
         raw = np.asarray(self.raw()).reshape(rows, -1)
-        if self._unpermute_heads is not None:
-            raw = _arch.unpermute_rows(raw, self._unpermute_heads)
-        return np.array(raw)  # contiguous, writable (the file's map is read-only)
+        if out is None:
+            out = np.empty_like(raw)  # contiguous, writable (the file's map is read-only)
+        if self._unpermute_heads is None:
+            out[...] = raw
+        else:
+            _arch.unpermute_rows(raw, self._unpermute_heads, out)
+        return out
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor as float32, dequantizing only those (a

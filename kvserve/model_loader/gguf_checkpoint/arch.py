@@ -389,10 +389,15 @@ def needs_unpermute(arch: str, gguf_name: str) -> bool:
     return arch in _PERMUTED and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
 
 
-def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, heads: int, out: np.ndarray | None = None) -> np.ndarray:
     """Undo llama.cpp's q/k permutation: per head, rows (pair j, member m) at 2j + m go back to
     m * (head_dim / 2) + j, Hugging Face's rotate-half layout. `heads` is the query head count
-    for q and the KV head count for k; a bias (1-D) is permuted like the rows."""
+    for q and the KV head count for k; a bias (1-D) is permuted like the rows. Written into
+    `out` (contiguous, w's shape) where given."""
     rows = w.shape[0]
     half = rows // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    moved = w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2)
+    if out is None:
+        return moved.reshape(w.shape)
+    out.reshape(heads, 2, half, *w.shape[1:])[...] = moved
+    return out

@@ -327,12 +327,15 @@ inline float gelu_tanh(float g) {
 // stays in L2 and the unit's weight rows (16 x 360-1632 bytes) in L1 while the tile runs.
 // At a few rows (decode) there is one x tile and this is the plain row-by-row loop.
 constexpr int64_t kOutTile = 16;
-// At a few rows (decode) a unit is 64 output features: a unit's claim and its done count are
+// At a few rows (decode) a unit is 256 output features: a unit's claim and its done count are
 // two atomics on lines both threads write, and at 16 features (~6 KB of Q4_1) they were a
-// visible part of a small projection's call; measured on SmolLM2 Q4_1 at batch 1 (2-vCPU
-// EPYC), the LM head 1.5-1.8 -> 1.1-1.4 ms, the 30 layers 5.0-6.7 -> 4.6-5.9 ms. Past that
-// the cache tiles keep their 16 (the unit's weight rows stay in L1 while an x tile runs).
-constexpr int64_t kDecodeTile = 64;
+// visible part of a small projection's call (SmolLM2 Q4_1 at batch 1, 2-vCPU EPYC: the 30
+// layers 5.0-6.7 -> 4.6-5.9 ms at 64). At 1B each unit is also one stream the prefetchers
+// follow, and a thread's streams restart at every unit: 64 -> 256 features took the 1B
+// Q4_K_M model's 16 layers from 21.5 to 19.1 ms a step (on 2 MiB pages; Zen 4, 2 threads).
+// Past a few rows the cache tiles keep their 16 (the unit's weight rows stay in L1 while an
+// x tile runs).
+constexpr int64_t kDecodeTile = 256;
 inline int64_t out_unit(int64_t rows) { return rows <= 4 ? kDecodeTile : kOutTile; }
 #ifndef KVQ_XTILE_BYTES
 #define KVQ_XTILE_BYTES (96 << 10)
