@@ -60,12 +60,16 @@ class GGUFTensor:
         where given, with no copy between), with llama.cpp's q/k row permutation undone:
         blocks never cross a row, so whole rows move as in `dequantize`."""
         rows = self.shape[0]
-        raw = np.asarray(self.raw()).reshape(rows, -1)
+        row_bytes = self.info.nbytes // (rows * (1 if self.expert is None
+                                                 else self.info.shape[0]))
         if out is None:
-            out = np.empty_like(raw)  # contiguous, writable (the file's map is read-only)
+            out = np.empty((rows, row_bytes), dtype=np.uint8)
+        start = 0 if self.expert is None else self.expert * rows * row_bytes
         if self._unpermute_heads is None:
-            out[...] = raw
+            self._data.read_into(self.info, start, out)
         else:
+            raw = np.empty_like(out)
+            self._data.read_into(self.info, start, raw)
             _arch.unpermute_rows(raw, self._unpermute_heads, out)
         return out
 

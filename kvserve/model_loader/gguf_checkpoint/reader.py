@@ -186,6 +186,21 @@ class TensorData:
         """The tensor's bytes as stored (a block format's blocks, row by row)."""
         return self._map[info.offset: info.offset + info.nbytes]
 
+    def read_into(self, info: TensorInfo, start: int, out: np.ndarray) -> None:
+        """Bytes start .. start + out.nbytes of the tensor into `out` (contiguous) with pread,
+        not through the map: a mapped page the copy touched counts in the process's RSS until
+        the map goes, so a load through it peaked at twice the file (the blocks kept plus the
+        file's pages), where reads leave the file's pages to the page cache."""
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done, at = 0, info.offset + start
+        with open(self.index.path, "rb", buffering=0) as f:
+            while done < view.nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], at + done)
+                if n <= 0:
+                    raise ValueError(f"GGUF file {str(self.index.path)!r} ends inside "
+                                     f"tensor {info.name!r}")
+                done += n
+
 
 def check_types(index: GGUFIndex) -> None:
     """Refuse, before anything is allocated, a tensor whose type `gguf` cannot dequantize
