@@ -115,8 +115,8 @@ inline __m512 bytes_to_ps(__m128i v, bool is_signed) {
 
 // The 16 features' d sc_j and dmin m_j of sub-block j (Q4_K's and Q5_K's packed 6-bit
 // scales: byte i of feature c at 64 + 16 i + c), dv and mv the features' d and dmin.
-inline void k4_scales512(const uint8_t* sb, int j, __m512 dv, __m512 mv, __m512* dsc,
-                         __m512* dm) {
+__attribute__((always_inline)) inline void k4_scales512(const uint8_t* sb, int j, __m512 dv,
+                                                        __m512 mv, __m512* dsc, __m512* dm) {
   auto s_row = [&](int i) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 64 + 16 * i));
   };
@@ -138,8 +138,9 @@ inline void k4_scales512(const uint8_t* sb, int j, __m512 dv, __m512 mv, __m512*
 // f[r] += d sc_j dx sum(q u) - dmin m_j dx sum(u) for sub-block j's integer dots acc[r] (x
 // block b = b8 + j of row r0 + r).
 template <int R>
-inline void k4_add512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, int j,
-                      __m512 dv, __m512 mv, const __m512i* acc, __m512* f) {
+__attribute__((always_inline)) inline void k4_add512(const uint8_t* sb, const QRows& x,
+                                                     int64_t r0, int64_t b8, int j, __m512 dv,
+                                                     __m512 mv, const __m512i* acc, __m512* f) {
   __m512 dsc, dm;
   k4_scales512(sb, j, dv, mv, &dsc, &dm);
   for (int r = 0; r < R; ++r) {
@@ -184,11 +185,17 @@ inline void q4k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
   }
 }
 
-// Bit j of each byte of qh at bit 4 (j <= 7: a shift within 16 bits by at most 4 never moves
-// a neighbour byte's bit there).
+// Each byte's bits 0..3 from lo and bits 4..7 from hi, then masked to `keep`: two ops where
+// and, and, or were three (vpternlogd 0xE4: the third operand, 0x0f a byte, selects lo).
+inline __m512i merge_nibbles512(__m512i lo, __m512i hi, __m512i keep) {
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0f), 0xE4),
+                          keep);
+}
+
+// qh shifted so that its bit j lies at bit 4 of each byte (j <= 7: a shift within 16 bits by
+// at most 4 never moves a neighbour byte's bit there); the other bits are to be masked off.
 inline __m512i fifth_bit512(__m512i qh, int j) {
-  const __m512i v = j <= 4 ? _mm512_slli_epi16(qh, 4 - j) : _mm512_srli_epi16(qh, j - 4);
-  return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+  return j <= 4 ? _mm512_slli_epi16(qh, 4 - j) : _mm512_srli_epi16(qh, j - 4);
 }
 
 // The same over a Q5_K tile super-block. A decode (R <= 2) walks the chunks in order, the 8
@@ -197,7 +204,7 @@ inline __m512i fifth_bit512(__m512i qh, int j) {
 template <int R>
 inline void q5k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
   const __m512 dv = ph_to_ps512(sb), mv = ph_to_ps512(sb + 32);
-  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i five = _mm512_set1_epi8(0x1f);  // a code's 5 bits
   auto xg = [&](int r, int j, int g) {
     return _mm512_set1_epi32(
         reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.k + (b8 + j) * kQK)[g]);
@@ -213,9 +220,9 @@ inline void q5k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
       for (int i = 0; i < kPairs; ++i) {
         const int p = p0 + i;
         const __m512i nib = _mm512_loadu_si512(chunk + 64 * p);
-        const __m512i l = _mm512_or_si512(_mm512_and_si512(nib, low), fifth_bit512(qh, 2 * p));
-        const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), low),
-                                          fifth_bit512(qh, 2 * p + 1));
+        const __m512i l = merge_nibbles512(nib, fifth_bit512(qh, 2 * p), five);
+        const __m512i h =
+            merge_nibbles512(_mm512_srli_epi16(nib, 4), fifth_bit512(qh, 2 * p + 1), five);
         for (int r = 0; r < R; ++r) {
           acc[2 * i][r] = _mm512_dpbusd_epi32(acc[2 * i][r], l, xg(r, 2 * p, g));
           acc[2 * i + 1][r] = _mm512_dpbusd_epi32(acc[2 * i + 1][r], h, xg(r, 2 * p + 1, g));
@@ -234,7 +241,7 @@ inline void q5k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
 template <int R>
 inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t b8, __m512* f) {
   const __m512 dv = ph_to_ps512(sb);
-  const __m512i low = _mm512_set1_epi8(0x0f), bits56 = _mm512_set1_epi8(0x30);
+  const __m512i six = _mm512_set1_epi8(0x3f);  // a code's 6 bits
   const __m128i* scales = reinterpret_cast<const __m128i*>(sb + 32);
   constexpr int kSubs = R <= 2 ? 4 : 1;
   for (int h = 0; h < 2; ++h)
@@ -248,14 +255,13 @@ inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
         for (int i = 0; i < kSubs; ++i) {
           const int s = s0 + i;
           const __m512i q = _mm512_loadu_si512(chunk + 64 * (s & 1));
-          const __m512i nib = s < 2 ? _mm512_and_si512(q, low)
-                                    : _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+          const __m512i nib = s < 2 ? q : _mm512_srli_epi16(q, 4);
           __m512i hb;  // bits 2s, 2s + 1 of each byte of c at bits 4, 5
           if (s == 0) hb = _mm512_slli_epi16(c, 4);
           else if (s == 1) hb = _mm512_slli_epi16(c, 2);
           else if (s == 2) hb = c;
           else hb = _mm512_srli_epi16(c, 2);
-          const __m512i code = _mm512_or_si512(nib, _mm512_and_si512(hb, bits56));
+          const __m512i code = merge_nibbles512(nib, hb, six);
           for (int r = 0; r < R; ++r) {
             const int32_t* xg = reinterpret_cast<const int32_t*>(
                 x.q + (r0 + r) * x.k + (b8 + 4 * h + s) * kQK);
