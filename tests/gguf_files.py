@@ -357,7 +357,8 @@ def requantize_mixed(src: Path, out: Path, type_of) -> Path:
             writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
             continue
         qtype = gguf.GGMLQuantizationType[name]
-        data = quantize_k(w, name) if name in ("Q4_K", "Q6_K") else gguf.quants.quantize(w, qtype)
+        data = quantize_k(w, name) if name in ("Q4_K", "Q5_K", "Q6_K") \
+            else gguf.quants.quantize(w, qtype)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
     finish(writer)
     return out

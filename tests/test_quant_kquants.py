@@ -251,3 +251,37 @@ def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
     ta = [o.outputs[0].token_ids[:3] for o in quant.generate(PLAIN[:4], sp, use_tqdm=False)]
     tb = [o.outputs[0].token_ids[:3] for o in dense.generate(PLAIN[:4], sp, use_tqdm=False)]
     assert ta == tb
+
+
+@pytest.mark.parametrize("head_type", ["Q6_K", "Q4_K"])
+def test_untied_k_quant_head_is_kept_alone(tmp_path, head_type):
+    """An untied LM head in a K-quant (an 8B Q4_K_M file's output.weight is Q6_K) stays as
+    its blocks alone, at every row bucket: no float copy (it was 806 MB at 8B), the weight
+    count says so, and its logits are the file's dequantized head (gguf.quants) times the
+    hidden states, within the 8-bit activation bound."""
+    from gguf_files import gguf_from_checkpoint, requantize_mixed
+
+    from kvserve import LLM
+    from kvserve.model_loader.make_model import make_model
+    from kvserve.model_loader.weight_bytes import weight_bytes
+
+    if qgemv.load() is None:
+        pytest.skip("no C++ compiler")
+    src = make_model(tmp_path / "llama", "llama", "small", seed=3)  # untied, hidden 512
+    f32 = gguf_from_checkpoint(src, tmp_path / "f32.gguf")
+    path = requantize_mixed(f32, tmp_path / "head.gguf",
+                            lambda name, shape: head_type if name == "output.weight" else "F32")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2)
+    model = llm.engine.model
+    assert model.lm_head.numel() == 0 and model.quant_head.type_name == head_type
+    assert set(model.gemm_plan.kernels["head"]) == {"quant"}
+    counted = weight_bytes(model)
+    assert counted.quantized == model.quant_head.nbytes and counted.types == (head_type,)
+    reader = gguf.GGUFReader(str(path))
+    out = next(t for t in reader.tensors if t.name == "output.weight")
+    w = quants.dequantize(out.data, out.tensor_type).astype(np.float64)
+    h = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+    for rows in (1, 5):  # the decode bucket and a prefill's
+        got = model.compute_logits(h[:rows]).double().numpy()
+        x = h[:rows].numpy()
+        assert (np.abs(got - x.astype(np.float64) @ w.T) <= _bound(x, w)).all(), rows

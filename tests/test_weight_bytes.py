@@ -95,6 +95,20 @@ def test_untied_head_gguf_file(tmp_path, capsys):
     _check(str(path), "gguf", capsys)
 
 
+def test_untied_k_quant_head_gguf_file(tmp_path, capsys):
+    """An untied head in Q6_K (an 8B Q4_K_M file's): its blocks alone, no float table (the
+    planner must predict that too)."""
+    from gguf_files import gguf_from_checkpoint, requantize_mixed
+
+    from kvserve.model_loader.make_model import make_model
+
+    src = make_model(tmp_path / "llama", "llama", "small", seed=3)
+    f32 = gguf_from_checkpoint(src, tmp_path / "llama.f32.gguf")
+    path = requantize_mixed(f32, tmp_path / "llama.head.gguf",
+                            lambda name, shape: "Q6_K" if name == "output.weight" else "F32")
+    _check(str(path), "gguf", capsys)
+
+
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_k", "none"])
 def test_quantize_at_load(hf_checkpoints, quantization, capsys):
     """Quantize-at-load on a safetensors checkpoint (hidden 64: q4_k falls back to Q4_1)."""

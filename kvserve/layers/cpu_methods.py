@@ -191,9 +191,9 @@ class QuantizedHead(m.HeadMethod):
     with x kept in float32 (the float table, else the GEMV, above it): the integer kernel
     there, x quantized to 8 bits, changed the demo's answer ("What is the capital of France?"
     no longer began "The capital of France is Paris"), the final norm's outliers setting each
-    block's scale. Where the table is kept quantized and tied, the head runs its blocks at
-    every bucket (no float table is left): x in float32 on Q8_0, the integer kernel on the
-    other types (no float-x path for them yet; a projection-sized error, bounded by
+    block's scale. Where the table is kept quantized and tied, or untied in a type other than
+    Q8_0, the head runs its blocks at every bucket (no float table is left): x in float32 on
+    Q8_0, the integer kernel on the other types (no float-x path for them yet; a projection-sized error, bounded by
     tests/test_quant_kquants.py)."""
 
     def __init__(self, cpp: bool) -> None:
@@ -211,7 +211,7 @@ class QuantizedHead(m.HeadMethod):
         head = model.head_weight()
         self.buckets = [Dense(head)] * NUM_BUCKETS
         self.kernels = ["dense"] * NUM_BUCKETS
-        if self.weight is not None and embed is not None and model.lm_head is None:
+        if self.weight is not None and head.numel() == 0:  # the blocks alone, tied or not
             fx = self.weight.type_name == "Q8_0"
             self.buckets = [QuantizedLinear(self.weight, None, float("inf"), float_x=fx)
                             ] * NUM_BUCKETS

@@ -304,9 +304,10 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
     """Hand the block-format projections of `work` to their layers (`layer.file_blocks`; the
     float parameter dropped: it was never written, so it never took memory); the embedding
     table, where the plan's methods run its type, to the model (`file_blocks["embed_tokens"]`,
-    `embed_tokens` left empty), which a tied LM head then runs too; an untied head's Q8_0
-    table as `file_blocks["lm_head"]` (beside its float copy). Returns the rest of `work`, to
-    dequantize."""
+    `embed_tokens` left empty), which a tied LM head then runs too; an untied head's table as
+    `file_blocks["lm_head"]`: beside its float copy for Q8_0 (whose x stays float at a few
+    rows), alone for the other types (`lm_head` left empty: an 8B Q4_K_M file's Q6_K head was
+    806 MB in float32). Returns the rest of `work`, to dequantize."""
     accepts = model.plan.source.accepts_blocks
     groups = _quantized_groups(model, work)
     taken = set()
@@ -325,10 +326,15 @@ def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> lis
             (0, tensor.shape[1])), requires_grad=False)
         loaded.add(tensor.name)
         taken.add(id(tensor))
-    for tensor, _ in work:  # a Q8_0 copy of an untied head's table (QuantizedHead)
-        if tensor.name == "lm_head.weight" and tensor.info.type_name == "Q8_0" \
-                and _runs(accepts, tensor, "lm_head"):
-            model.file_blocks["lm_head"] = _stacked([(tensor, None)], tensor.shape[1])
+    for tensor, _ in work:  # an untied head's table (QuantizedHead)
+        if tensor.name != "lm_head.weight" or not _runs(accepts, tensor, "lm_head"):
+            continue
+        model.file_blocks["lm_head"] = _stacked([(tensor, None)], tensor.shape[1])
+        if tensor.info.type_name != "Q8_0":  # the head runs these blocks alone: no float copy
+            model.lm_head = torch.nn.Parameter(model.lm_head.new_empty(
+                (0, tensor.shape[1])), requires_grad=False)
+            loaded.add(tensor.name)
+            taken.add(id(tensor))
     rest = [item for item in work if id(item[0]) not in taken]
     kinds = sorted({item[0].info.type_name for item in rest})
     table = model.file_blocks.get("embed_tokens")

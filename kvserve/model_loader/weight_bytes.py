@@ -70,8 +70,10 @@ def weight_bytes(model: CausalLM) -> WeightBytes:
     held = [w for layer in model.layers for w in (getattr(layer, "quant_weights", None)
                                                    or {}).values()]
     embed = getattr(model, "quant_embed", None)
-    values = [w for w in held + [embed] if w is not None]  # weight values held only as blocks
-    head = getattr(model, "quant_head", None)  # a copy of a float table, or the table itself
+    head = getattr(model, "quant_head", None)  # a copy of a float table, the table, or alone
+    alone = head is not None and head is not embed and model.head_weight().numel() == 0
+    # weight values held only as blocks
+    values = [w for w in held + [embed] + ([head] if alone else []) if w is not None]
     unique = {id(w): w for w in values + ([head] if head is not None else [])}
     quantized = sum(w.nbytes for w in unique.values())
     qparams = sum(w.n * w.k for w in values)
@@ -85,11 +87,13 @@ class GGUFKept:
     """What the loader keeps in block format from a GGUF file (loader._keep_quantized's
     rules): projection -> (its parts' types, bytes in the file) per (layer, attribute); the
     embedding table's (type, bytes) where the kernels run it; an untied head's Q8_0 copy's
-    bytes."""
+    bytes (beside its float table), or its (type, bytes) where it is kept alone (another type
+    the kernels run)."""
     projections: dict[tuple[int, str], tuple[tuple[str, ...], int]] = \
         field(default_factory=dict)
     embed: tuple[str, int] | None = None
     head_copy: int = 0
+    head: tuple[str, int] | None = None
 
 
 # a fused projection's parts under their checkpoint names (a checkpoint that stores the fused
@@ -121,9 +125,11 @@ def gguf_kept(checkpoint) -> GGUFKept:
     embed = (table.type_name, table.nbytes) if table is not None and len(table.shape) == 2 \
         and qgemv.fits(table.type_name, table.shape[1]) else None
     head = info.get("lm_head.weight")
-    head_copy = head.nbytes if head is not None and head.type_name == "Q8_0" \
-        and qgemv.fits("Q8_0", head.shape[1]) else 0
-    return GGUFKept(projections, embed, head_copy)
+    runs = head is not None and len(head.shape) == 2 and qgemv.fits(head.type_name,
+                                                                   head.shape[1])
+    head_copy = head.nbytes if runs and head.type_name == "Q8_0" else 0
+    alone = (head.type_name, head.nbytes) if runs and head.type_name != "Q8_0" else None
+    return GGUFKept(projections, embed, head_copy, alone)
 
 
 def planned_weight_bytes(config, quantization: str | None,
@@ -180,6 +186,8 @@ def planned_weight_bytes(config, quantization: str | None,
         total += kept.head_copy
         quantized += kept.head_copy
         types.add("Q8_0")
+    if gguf and kept.head is not None and model.lm_head is not None:
+        keep(math.prod(model.lm_head.shape), (kept.head[0],), kept.head[1])
     return WeightBytes(total, quantized, qparams, params, tuple(sorted(types)))
 
 
