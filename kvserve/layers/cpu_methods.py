@@ -193,8 +193,8 @@ class QuantizedHead(m.HeadMethod):
     no longer began "The capital of France is Paris"), the final norm's outliers setting each
     block's scale. Where the table is kept quantized and tied, or untied in a type other than
     Q8_0, the head runs its blocks at every bucket (no float table is left): x in float32 on
-    Q8_0, the integer kernel on the other types (no float-x path for them yet; a projection-sized error, bounded by
-    tests/test_quant_kquants.py)."""
+    Q8_0, the integer kernel on the other types (no float-x path for them yet; a
+    projection-sized error, bounded by tests/test_quant_kquants.py)."""
 
     def __init__(self, cpp: bool) -> None:
         super().__init__()
