@@ -13,7 +13,9 @@ and quantized by llama.cpp's own tools). For each file and repeat, engines alter
   (last - first token time)), then a --prefill-len prompt for one token (prefill tok/s =
   tokens / TTFT), then with --depth a prompt of that length and 32 decoded tokens;
 - llama.cpp's `llama-bench` on the same file and threads: `-p 0 -n OUT -d PROMPT` (decode after
-  the same context), `-p PREFILL -n 0`, with --depth `-p 0 -n 32 -d DEPTH`; its default f16
+  the same context), `-p PREFILL -n 0`, with --depth `-p 0 -n 32 -d DEPTH`, with --batch N
+  `llama-batched-bench -npp PROMPT -ntg OUT -npl N` against kvserve's N prompts in one
+  `generate` (output tokens / wall time, prefill included); its default f16
   KV cache against kvserve's float32 one (`--kv-cache-dtype int8` against `-ctk q8_0 -ctv
   q8_0`: --kv8).
 Medians of the repeats and their ratios are printed, with the CPU's flags, and written as JSON.
@@ -75,7 +77,8 @@ def worker(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     kv = {"kv_cache_dtype": "int8"} if args.kv8 else {}
     llm = LLM(args.gguf, max_model_len=max(args.depth, args.prefill_len,
-                                           args.prompt_len + args.output_len) + 64, **kv)
+                                           args.prompt_len + args.output_len) + 64,
+              max_num_seqs=max(args.batch, 16), **kv)
     out = {"load_s": time.perf_counter() - t0,
            "load_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     rng = random.Random(0)
@@ -94,6 +97,14 @@ def worker(args: argparse.Namespace) -> dict:
     out["prefill_tok_s"] = args.prefill_len / ttft
     if args.depth:
         _, out["depth_decode_tok_s"] = run(args.depth, 32)
+    if args.batch:  # N prompts at once: output tokens / wall time, prefill included
+        prompts = [{"prompt_token_ids": [rng.randrange(100, 40000)
+                                         for _ in range(args.prompt_len)]}
+                   for _ in range(args.batch)]
+        sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        out["batch_tok_s"] = args.batch * args.output_len / (time.perf_counter() - t0)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -105,7 +116,7 @@ def run_kvserve(args: argparse.Namespace, gguf: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--gguf", str(gguf), "--threads",
            str(args.threads), "--prompt-len", str(args.prompt_len), "--output-len",
            str(args.output_len), "--prefill-len", str(args.prefill_len), "--depth",
-           str(args.depth)] + (["--kv8"] if args.kv8 else [])
+           str(args.depth), "--batch", str(args.batch)] + (["--kv8"] if args.kv8 else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -148,9 +159,26 @@ def run_llamacpp(args: argparse.Namespace, bin_dir: Path, gguf: Path) -> dict:
         if args.depth:
             out["depth_decode_tok_s"] = llama_bench(args, bin_dir, gguf, [
                 "-p", "0", "-n", "32", "-d", str(args.depth)])
+        if args.batch:
+            out["batch_tok_s"] = batched_bench(args, bin_dir, gguf)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         out["error"] = str(e)
     return out
+
+
+def batched_bench(args: argparse.Namespace, bin_dir: Path, gguf: Path) -> float:
+    """llama-batched-bench's output tok/s for --batch sequences of --prompt-len ->
+    --output-len (its total time T covers prefill and decode: npl * ntg / T)."""
+    npl = args.batch
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(args.threads),
+           "-c", str(npl * (args.prompt_len + args.output_len) + 64), "-b", "2048", "-ub",
+           "512", "-npp", str(args.prompt_len), "-ntg", str(args.output_len), "-npl", str(npl),
+           "--output-format", "jsonl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(proc.stderr.strip()[-2000:])
+    return npl * args.output_len / float(rows[-1]["t"])
 
 
 def peak_rss_llamacpp(args: argparse.Namespace, bin_dir: Path, gguf: Path) -> float:
@@ -165,7 +193,7 @@ def med(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-KEYS = ("decode_tok_s", "prefill_tok_s", "depth_decode_tok_s")
+KEYS = ("decode_tok_s", "prefill_tok_s", "depth_decode_tok_s", "batch_tok_s")
 
 
 def bench_file(args: argparse.Namespace, bin_dir: Path, kind: str, gguf: Path) -> dict:
@@ -221,6 +249,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--depth", type=int, default=0, help="also decode at this context")
+    p.add_argument("--batch", type=int, default=0,
+                   help="also N prompts at once (against llama-batched-bench -npl N)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
