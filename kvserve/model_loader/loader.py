@@ -23,7 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -290,8 +289,7 @@ def _stacked(parts: list[tuple], k: int) -> quant_formats.FileBlocks:
             runs.append([tensor.info.type_name, [tensor]])
     out = []
     for type_name, ts in runs:  # each tensor copied once, from the file into its rows
-        row_bytes = np.asarray(ts[0].raw()).size // ts[0].shape[0]
-        data = hugepages.empty((sum(t.shape[0] for t in ts), row_bytes), torch.uint8)
+        data = hugepages.empty((sum(t.shape[0] for t in ts), ts[0].row_bytes), torch.uint8)
         rows, row = data.numpy(), 0
         for t in ts:
             t.raw_rows(rows[row: row + t.shape[0]])

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvserve.dtypes import DTYPES, to_torch_dtype
@@ -151,12 +150,12 @@ def save_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
     outgrow one (transformers' names: model-00001-of-00004.safetensors)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
-    written: list[Path] = []
+    written: list[tuple[Path, list[str]]] = []  # each shard's file and tensor names
 
     def flush() -> None:
         path = out / f"model-{len(written) + 1:05d}.safetensors.part"
         save_file(shards[-1], str(path), metadata={"format": "pt"})
-        written.append(path)
+        written.append((path, list(shards[-1])))
         shards[-1] = {}
 
     for name, tensor in tensors:
@@ -172,11 +171,10 @@ def save_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
         return
     flush()
     weight_map = {}
-    for i, path in enumerate(written, 1):
+    for i, (path, names) in enumerate(written, 1):
         final = out / f"model-{i:05d}-of-{len(written):05d}.safetensors"
         path.rename(final)
-        with safe_open(str(final), "pt") as f:
-            weight_map.update({name: final.name for name in f.keys()})
+        weight_map.update({name: final.name for name in names})
     _write_json(out / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
 

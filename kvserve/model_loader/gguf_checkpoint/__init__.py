@@ -55,16 +55,20 @@ class GGUFTensor:
         rows = np.asarray(raw).reshape(self.info.shape[0] * per, -1)
         return rows[self.expert * per: (self.expert + 1) * per]
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (of one expert's rows for a stacked experts tensor)."""
+        rows = self.info.shape[0] * (1 if self.expert is None else self.info.shape[1])
+        return self.info.nbytes // rows
+
     def raw_rows(self, out: np.ndarray | None = None) -> np.ndarray:
         """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy: into `out`
         where given, with no copy between), with llama.cpp's q/k row permutation undone:
         blocks never cross a row, so whole rows move as in `dequantize`."""
         rows = self.shape[0]
-        row_bytes = self.info.nbytes // (rows * (1 if self.expert is None
-                                                 else self.info.shape[0]))
         if out is None:
-            out = np.empty((rows, row_bytes), dtype=np.uint8)
-        start = 0 if self.expert is None else self.expert * rows * row_bytes
+            out = np.empty((rows, self.row_bytes), dtype=np.uint8)
+        start = 0 if self.expert is None else self.expert * rows * self.row_bytes
         if self._unpermute_heads is None:
             self._data.read_into(self.info, start, out)
         else:

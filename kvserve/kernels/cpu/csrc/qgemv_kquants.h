@@ -1,4 +1,5 @@
-// The K-quants (Q4_K, Q5_K, Q6_K) for qgemv.cpp, which includes this inside its anonymous namespace
+// The K-quants (Q4_K, Q5_K, Q6_K) for qgemv.cpp, which includes this inside its anonymous
+// namespace
 // (after QRows, half_to_float, dot_u8s8 and hsum): the packed scales, the Q6_K codes and the
 // row dots on the 8-bit x blocks of 32; the layouts and the arithmetic are in qgemv.cpp's
 // header comment. A file of its own so that qgemv.cpp stays readable; no code of its own
@@ -55,6 +56,9 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
     if constexpr (has_k_min(T)) {
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
       const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
+      // Q5_K's fifth bits, once a super-block (bit j of byte i: value i of sub-block j)
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i five = _mm256_set1_epi8(0x10);
       for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 (high)
         int sc0, m0, sc1, m1;
         q4k_scale_min(blk + 4, 2 * c, &sc0, &m0);
@@ -64,8 +68,6 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
         __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
         if constexpr (T == kQ5_K) {  // bits 2c and 2c + 1 of qh to bit 4 (2c <= 6: a shift
           // within 16 bits never carries a neighbour byte's bit into bit 4)
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-          const __m256i five = _mm256_set1_epi8(0x10);
           const __m256i h0 = c < 2 ? _mm256_slli_epi16(qh, 4 - 2 * c)
                                    : _mm256_srli_epi16(qh, 2 * c - 4);
           const __m256i h1 = c < 2 ? _mm256_slli_epi16(qh, 3 - 2 * c)
