@@ -4,9 +4,10 @@ on a quantized table.
 
 The references are independent of the kernel: `gguf.quants.dequantize` (the llama.cpp
 project's own numpy reading of the layouts) and float64 products in numpy. The kernel
-quantizes x to 8-bit blocks of 32 exactly as for the 32-value types, so the bound of
-test_quant_linear.py holds unchanged (`_bound`: each x_i moves by at most d_b / 2), and
-against the same quantization of x done in numpy only float32 rounding of the sums is left.
+quantizes x to 8-bit blocks of 32 as for the 32-value types, with one scale per 256 values
+on its SIMD builds (`_group`), so the bound of test_quant_linear.py holds (`_bound`: each
+x_i moves by at most d_b / 2), and against the same quantization of x done in numpy only
+float32 rounding of the sums is left.
 `gguf.quants.quantize` has no K-quant encoder: the kernel tests use random blocks (random
 bytes, sane f16 scales), the end-to-end test `gguf_files.quantize_k`, whose round trip is
 checked through gguf.quants.dequantize here too."""
@@ -40,9 +41,15 @@ def _kblocks(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, n
     return torch.from_numpy(raw), ref
 
 
-def _tight_ok(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> bool:
+def _group(kern: qgemv.QGemv) -> int:
+    """x's blocks of 32 per scale for the K-quants: 8 on the SIMD builds (the AVX2 row dot sums
+    a super-block as integers), 1 in plain C++."""
+    return 1 if kern.isa == "C++" else 8
+
+
+def _tight_ok(y: np.ndarray, x: np.ndarray, w: np.ndarray, group: int) -> bool:
     """The kernel's products against the same 8-bit quantization of x, to float32 rounding."""
-    xq, _ = _quantized_x(x)
+    xq, _ = _quantized_x(x, group)
     tight = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-6
     return bool((np.abs(y - xq @ w.T) <= tight).all())
 
@@ -58,8 +65,8 @@ def test_kernel_matches_reference(isa, type_name, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = kern.linear(x, wq, type_name, k).double().numpy()
     xn = x.numpy()
-    assert (np.abs(y - xn.astype(np.float64) @ w.T) <= _bound(xn, w)).all()
-    assert _tight_ok(y, xn, w)
+    assert (np.abs(y - xn.astype(np.float64) @ w.T) <= _bound(xn, w, _group(kern))).all()
+    assert _tight_ok(y, xn, w, _group(kern))
 
 
 @pytest.mark.parametrize("isa", ISAS[:2], ids=[i[0] for i in ISAS[:2]])
@@ -149,13 +156,13 @@ def test_mutated_blocks_are_caught(isa, type_name):
     wq, w = _kblocks(type_name, n, k, seed=5)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
     xn = x.numpy()
-    assert _tight_ok(kern.linear(x, wq, type_name, k).double().numpy(), xn, w)
+    assert _tight_ok(kern.linear(x, wq, type_name, k).double().numpy(), xn, w, _group(kern))
     for label, mutate in _mutations(type_name).items():
         bad = wq.numpy().copy()
         mutate(bad[3])  # row 3's first super-block
         bad_t = torch.from_numpy(bad)
         y = kern.linear(x, bad_t, type_name, k).double().numpy()
-        assert not _tight_ok(y, xn, w), label
+        assert not _tight_ok(y, xn, w, _group(kern)), label
         assert not np.array_equal(kern.dequantize(bad_t, type_name, k).numpy(), w), label
         assert np.array_equal(np.delete(kern.dequantize(bad_t, type_name, k).numpy(), 3, 0),
                               np.delete(w, 3, 0)), label  # only row 3 moved

@@ -78,19 +78,21 @@ def _weight(type_name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np
             quants.dequantize(raw, qt).astype(np.float64))
 
 
-def _quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _quantized_x(x: np.ndarray, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """x's rows as the kernel quantizes them (float32 steps as in qgemv.cpp): (dequantized
-    x as float64, per-block scales [rows, k / 32])."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    x as float64, per-block scales [rows, k / 32]); `group` blocks of 32 share one scale (8:
+    the AVX2 K-quant rows)."""
+    b = x.reshape(x.shape[0], -1, 32 * group).astype(np.float32)
     d = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.rint(b * inv[..., None])
-    return (q * d[..., None].astype(np.float64)).reshape(x.shape), d.astype(np.float64)
+    return ((q * d[..., None].astype(np.float64)).reshape(x.shape),
+            np.repeat(d.astype(np.float64), group, axis=1))
 
 
-def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _bound(x: np.ndarray, w: np.ndarray, group: int = 1) -> np.ndarray:
     """The activation-quantization bound above, [rows, n], plus float32 rounding."""
-    _, d = _quantized_x(x)
+    _, d = _quantized_x(x, group)
     wb = np.abs(w).reshape(w.shape[0], -1, 32).sum(axis=2)  # [n, blocks]
     rounding = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
     return d / 2 @ wb.T + rounding

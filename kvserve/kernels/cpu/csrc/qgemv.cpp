@@ -32,6 +32,9 @@
 //     q = 4 low bits from ql | 2 high bits from qh; q - 32 is signed, so as Q8_0 the signs are
 //     moved onto x (|q - 32| <= 32) and each int32 of the dot (4 neighbouring values, one
 //     scale) is scaled by its 16-value group's d sc dx in float.
+// On AVX2 and AVX-512 builds x has one scale per 256 values for these types (llama.cpp's
+// Q8_K does the same), so the AVX2 row dot adds a super-block's sub-blocks as integers
+// (qgemv_kquants.h).
 //
 // Each weight row (a few hundred bytes) is read from memory once and then reused from L1 for
 // every row of x in a cache tile, up to 4 rows at a time in registers (qgemv_rows). Threads
@@ -145,22 +148,25 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// One row of x as 8-bit blocks: q[k], per block the scale d and s = d * sum(q).
-void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < k / kQK; ++b) {
-    const float* xb = x + b * kQK;
+// One row of x as 8-bit blocks: q[k], per block the scale d and s = d * sum(q). `group`
+// blocks share one scale (their amax): 8 for the AVX2 K-quant rows, which sum a super-block's
+// sub-blocks as integers (llama.cpp's Q8_K has one scale per 256 values too); 1 elsewhere.
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int64_t group) {
+  for (int64_t g = 0; g < k / kQK; g += group) {
     float amax = 0.f;
-    for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    for (int64_t i = g * kQK; i < (g + group) * kQK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
     const float db = amax / 127.f;
     const float id = db > 0.f ? 1.f / db : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kQK; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // |v| <= 127
-      q[b * kQK + i] = static_cast<int8_t>(v);
-      sum += v;
+    for (int64_t b = g; b < g + group; ++b) {
+      int sum = 0;
+      for (int64_t i = b * kQK; i < (b + 1) * kQK; ++i) {
+        const int v = static_cast<int>(std::nearbyint(x[i] * id));  // |v| <= 127
+        q[i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[b] = db;
+      s[b] = db * static_cast<float>(sum);
     }
-    d[b] = db;
-    s[b] = db * static_cast<float>(sum);
   }
 }
 
@@ -504,9 +510,17 @@ int kvserve_qgemv(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
   // took ~1 ms on one); the buffers are the caller's thread_locals, by pointer
   int8_t* qp = q.data();
   float *dp = d.data(), *sp = s.data();
+#ifdef KVQ_AVX2
+  // the K-quants' x: one scale per 256 values, as the AVX2 row dot sums a super-block's
+  // sub-blocks as integers; the same on tiles (AVX-512 reads it per block; elsewhere tiles
+  // run the row dot), so every layout of one build computes the same product
+  const int64_t group = is_k(base) ? 8 : 1;
+#else
+  const int64_t group = 1;
+#endif
   kvpar::parallel_for((rows + 7) / 8, rows > 8 ? num_threads : 1, [&](int64_t c) {
     for (int64_t r = c * 8; r < rows && r < (c + 1) * 8; ++r)
-      quantize_row(x + r * x_stride, k, qp + r * k, dp + r * nb, sp + r * nb);
+      quantize_row(x + r * x_stride, k, qp + r * k, dp + r * nb, sp + r * nb, group);
   });
   QRows xr{qp, dp, sp, k, nb};
   if (tiled && base == kQ6_K) {

@@ -38,31 +38,61 @@ inline int q6k_code(const uint8_t* blk, int l) {
 }
 
 #ifdef KVQ_AVX2
-// The K-quants' row dot (see the header): super-block by super-block, each 32-value
-// sub-block one integer dot on one x block, alternating between two sets of accumulators.
+// Q4_K's 8 scales (bytes 0..7 of the low half) and 8 mins (bytes 8..15) from its 12 packed
+// bytes, with 32-bit masks instead of 16 branches (q4k_scale_min's rule, 4 sub-blocks at once).
+inline __m128i q4k_scales_mins(const uint8_t* s) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t sc_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi),
+                        static_cast<int>(m_lo), static_cast<int>(m_hi));
+}
+
+// 16 int16 lanes: lanes 0..7 int8 a of v, lanes 8..15 int8 b: the scale of each int16 pair
+// sum that maddubs gives for 32 values (a: values 0..15, b: values 16..31).
+inline __m256i scale16(__m128i v, int a, int b) {
+  const __m128i idx = _mm_set_epi64x(0x0101010101010101ll * b, 0x0101010101010101ll * a);
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(v, idx));
+}
+
+// The shuffle control that copies int16 lane j (bytes 2j, 2j + 1) into every int16 lane.
+constexpr int16_t pick16(int j) { return static_cast<int16_t>(((2 * j + 1) << 8) | (2 * j)); }
+
+// The K-quants' row dot (see the header), on x quantized with one scale per 256 values
+// (kvserve_qgemv's group of 8 blocks for this path, llama.cpp's Q8_K idea): a super-block's 8
+// sub-blocks are summed as integers, maddubs's pair sums times the int16 sub-block scale
+// (madd), and converted to float once a super-block, instead of a conversion, a float scale
+// and an FMA per sub-block. No overflow: a pair sum is at most 2 * 31 * 127 (Q5_K) or
+// 2 * 32 * 127 (Q6_K), times a scale <= 63 or 128, 8 sub-blocks: < 2^31.
 template <int R, int T>
 inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
-  __m256 v0[R], v1[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) {
-    v0[r] = v1[r] = _mm256_setzero_ps();
-    corr[r] = 0.f;
-  }
+  __m256 v[R], mins[R];
+  for (int r = 0; r < R; ++r) v[r] = mins[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f);
   const int64_t nsb = x.nb / 8;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* blk = w + sb * block_bytes(T);
     const int64_t xb = sb * 8;  // the first x block of this super-block
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    float d;
     if constexpr (has_k_min(T)) {
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      d = half_to_float(blk);
+      const __m128i scm = q4k_scales_mins(blk + 4);
+      const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(half_to_float(blk + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_unpackhi_epi64(scm, scm))));
+      for (int r = 0; r < R; ++r)  // dmin m_j dx_j sum(u_j), the 8 sub-blocks at once
+        mins[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(x.s + r * x.nb + xb), mins[r]);
+      // the 8 scales as int16 in both 128-bit lanes: one shuffle (pick16) broadcasts one
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));
       const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
       // Q5_K's fifth bits, once a super-block (bit j of byte i: value i of sub-block j)
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
       const __m256i five = _mm256_set1_epi8(0x10);
       for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 (high)
-        int sc0, m0, sc1, m1;
-        q4k_scale_min(blk + 4, 2 * c, &sc0, &m0);
-        q4k_scale_min(blk + 4, 2 * c + 1, &sc1, &m1);
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
         __m256i q0 = _mm256_and_si256(bytes, low);
         __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
@@ -75,22 +105,20 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
           q0 = _mm256_or_si256(q0, _mm256_and_si256(h0, five));
           q1 = _mm256_or_si256(q1, _mm256_and_si256(h1, five));
         }
-        const float ds0 = d * sc0, ds1 = d * sc1, dm0 = dmin * m0, dm1 = dmin * m1;
+        const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(pick16(2 * c)));
+        const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(pick16(2 * c + 1)));
         for (int r = 0; r < R; ++r) {
-          const int64_t at = r * x.nb + xb + 2 * c;
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at * kQK));
-          const __m256i x1 =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (at + 1) * kQK));
-          v0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q0, x0)),
-                                  _mm256_set1_ps(ds0 * x.d[at]), v0[r]);
-          v1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q1, x1)),
-                                  _mm256_set1_ps(ds1 * x.d[at + 1]), v1[r]);
-          corr[r] -= dm0 * x.s[at] + dm1 * x.s[at + 1];
+          const int8_t* xq = x.q + (r * x.nb + xb + 2 * c) * kQK;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kQK));
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0), s0);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1), s1);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
         }
       }
     } else {  // Q6_K
-      const float d = half_to_float(blk + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      d = half_to_float(blk + 208);
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       const __m256i hi2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
       for (int h = 0; h < 2; ++h) {  // 128 values: ql bytes 64h.., qh bytes 32h..
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
@@ -111,22 +139,22 @@ inline void row_dots_k(const uint8_t* w, const QRows& x, float* acc) {
           const int t = 4 * h + s;  // the sub-block of 32 in the super-block
           const __m256i wq = _mm256_sub_epi8(q[s], off);  // -32..31
           const __m256i wabs = _mm256_sign_epi8(wq, wq);
-          // int32 lanes 0..3 hold values 0..15 (scale 2t), lanes 4..7 values 16..31 (2t + 1)
-          const __m256 scv = _mm256_set_m128(_mm_set1_ps(d * sc[2 * t + 1]),
-                                             _mm_set1_ps(d * sc[2 * t]));
-          __m256* v = (s & 1) ? v1 : v0;
+          const __m256i s16 = scale16(sc, 2 * t, 2 * t + 1);
           for (int r = 0; r < R; ++r) {
             const int64_t at = r * x.nb + xb + t;
             const __m256i xq = _mm256_sign_epi8(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at * kQK)), wq);
-            v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wabs, xq)),
-                                   _mm256_mul_ps(scv, _mm256_set1_ps(x.d[at])), v[r]);
+            isum[r] = _mm256_add_epi32(
+                isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xq), s16));
           }
         }
       }
     }
+    for (int r = 0; r < R; ++r)
+      v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                             _mm256_set1_ps(d * x.d[r * x.nb + xb]), v[r]);
   }
-  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r])) + corr[r];
+  for (int r = 0; r < R; ++r) acc[r] = hsum(v[r]) - hsum(mins[r]);
 }
 
 #else
