@@ -138,7 +138,8 @@ def llama_bench(args: argparse.Namespace, bin_dir: Path, gguf: Path, extra: list
     appended to `rss`."""
     kv = ["-ctk", "q8_0", "-ctv", "q8_0"] if args.kv8 else []
     cmd = [sys.executable, "-c", _RSS_WRAPPER, str(bin_dir / "llama-bench"), "-m", str(gguf),
-           "-t", str(args.threads), "-r", "1", "-o", "jsonl", *kv, *extra]
+           "-t", str(args.threads), "-r", "1", "-o", "jsonl", "-fa", args.llama_fa, *kv,
+           *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not rows:
@@ -243,6 +244,8 @@ def main() -> int:
     p.add_argument("--types", default="Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0")
     p.add_argument("--isa", choices=("native", "avx2"), default="native")
     p.add_argument("--kv8", action="store_true", help="int8 KV (kvserve) / q8_0 (llama.cpp)")
+    p.add_argument("--llama-fa", choices=("auto", "on", "off"), default="auto",
+                   help="llama-bench's flash attention (auto, its default, picks on for CPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -31,6 +31,9 @@ class NLL:
 
     total: float
     tokens: int
+    # per window, the most likely next token at each predicted position (engine_nll with
+    # top1=True): what a next-token agreement between two engines compares
+    top1: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def per_token(self) -> float:
@@ -75,23 +78,28 @@ def num_predicted(wins: Sequence[Sequence[int]]) -> int:
 
 
 def engine_nll(model_dir: str | Path, wins: Sequence[list[int]], dtype: str = "float32",
-               use_tqdm: bool = True, **engine_kwargs) -> NLL:
+               use_tqdm: bool = True, top1: bool = False, **engine_kwargs) -> NLL:
     """The windows' NLL through kvserve: one request per window with prompt_logprobs=0 (only
-    the actual tokens' logprobs), so the chunked, batched, paged path is what is measured."""
+    the actual tokens' logprobs), so the chunked, batched, paged path is what is measured.
+    With `top1`, prompt_logprobs=1 adds each position's most likely token."""
     from kvserve import LLM, SamplingParams
 
     context = max(len(w) for w in wins)
     engine_kwargs.setdefault("max_num_batched_tokens", max(2048, context + 1))
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=context + 1, **engine_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(top1),
+                            detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": w} for w in wins], params, use_tqdm=use_tqdm)
-    total = 0.0
+    total, best = 0.0, []
     for w, out in zip(wins, outputs):
         entries = out.prompt_logprobs
         assert entries is not None and len(entries) == len(w)
         total -= sum(entries[i][w[i]] for i in range(1, len(w)))
+        if top1:
+            best.append(tuple(max(entries[i], key=entries[i].__getitem__)
+                              for i in range(1, len(w))))
     llm.engine.shutdown()
-    return NLL(total, num_predicted(wins))
+    return NLL(total, num_predicted(wins), tuple(best) if top1 else None)
 
 
 def transformers_nll(model_dir: str | Path, wins: Sequence[list[int]], dtype: str = "float32",
