@@ -257,7 +257,8 @@ def main() -> int:
     p.add_argument("--user-tokens", type=int, default=48)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--arrival-rate", type=float, default=2.0, help="users per second")
-    p.add_argument("--parallel", default="4,8,16,32", help="llama-server --parallel settings")
+    p.add_argument("--parallel", default="1,2,4,8",
+                   help="llama-server --parallel settings (\"\": kvserve alone)")
     p.add_argument("--cache-reuse", type=int, default=256)
     p.add_argument("--slot-ctx", type=int, default=2048, help="context per conversation")
     p.add_argument("--threads", type=int, default=2)
@@ -283,7 +284,7 @@ def main() -> int:
     print("flags: " + " ".join(sorted(f for f in info.flags if f.startswith(("avx", "fma")))))
     print(f"{args.gguf}: {args.users} users x {args.turns} turns, system ~{args.system_tokens}, "
           f"user ~{args.user_tokens}, {args.output_len} out, {args.arrival_rate} users/s")
-    settings = [int(x) for x in args.parallel.split(",")]
+    settings = [int(x) for x in args.parallel.split(",") if x]  # "": kvserve alone
     runs: dict[str, list[dict]] = {}
     for r in range(args.repeats):
         order = [("kvserve", 0)] + [("llama", n) for n in settings]
@@ -291,17 +292,19 @@ def main() -> int:
             res = run_server(args, engine, n)
             runs.setdefault(res["engine"], []).append(res)
     table = {name: medians(rs) for name, rs in runs.items()}
-    llama = {k: v for k, v in table.items() if k != "kvserve"}
-    best = max(llama, key=lambda k: llama[k]["output_tok_s"])
-    kv, ll = table["kvserve"], table[best]
     print(f"\n{'server':<24}" + "".join(f"{k:>14}" for k in KEYS))
     for name, row in table.items():
         print(f"{name:<24}" + "".join(f"{row[k]:>14.1f}" for k in KEYS))
-    print(f"best llama-server setting: {best}")
-    print(f"kvserve / {best}: output throughput {kv['output_tok_s'] / ll['output_tok_s']:.2f}x, "
-          f"TTFT p50 {kv['ttft_p50_ms'] / ll['ttft_p50_ms']:.2f}x, "
-          f"TTFT p99 {kv['ttft_p99_ms'] / ll['ttft_p99_ms']:.2f}x, "
-          f"ITL p99 {kv['itl_p99_ms'] / ll['itl_p99_ms']:.2f}x")
+    llama = {k: v for k, v in table.items() if k != "kvserve"}
+    best = max(llama, key=lambda k: llama[k]["output_tok_s"]) if llama else None
+    if best:
+        kv, ll = table["kvserve"], table[best]
+        print(f"best llama-server setting: {best}")
+        print(f"kvserve / {best}: output throughput "
+              f"{kv['output_tok_s'] / ll['output_tok_s']:.2f}x, "
+              f"TTFT p50 {kv['ttft_p50_ms'] / ll['ttft_p50_ms']:.2f}x, "
+              f"TTFT p99 {kv['ttft_p99_ms'] / ll['ttft_p99_ms']:.2f}x, "
+              f"ITL p99 {kv['itl_p99_ms'] / ll['itl_p99_ms']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"cpu": info.summary(), "gguf": str(args.gguf),
                                          "args": {k: str(v) for k, v in vars(args).items()},
