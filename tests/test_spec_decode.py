@@ -270,3 +270,29 @@ def test_seeded_sampling_is_reproducible_with_speculation(llama_dir):
     second, _ = _run(llama_dir, NGRAM, params)
     assert _ids(first) == _ids(second)
     assert stats.spec_decode["num_drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """SmolLM2 (the embedded default model) without speculation: greedy answers to prompts that
+    quote their context, the drafters' case."""
+    text = ("The KV cache keeps the keys and values of every token a request has computed, in "
+            "blocks of sixteen tokens. A block that fills is published to the prefix index, so "
+            "that a later request with the same prefix reads it instead of computing it again.")
+    convs = [[{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{text}"}],
+             [{"role": "user", "content": f"{text}\n\nWhat is published to the prefix index?"}]]
+    llm = LLM(seed=0)
+    tok = llm.engine.tokenizer
+    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        c, add_generation_prompt=True), add_special_tokens=False)} for c in convs]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    return prompts, params, _ids(generate_checked(llm, prompts, params))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_smollm2_greedy_equals_no_speculation(smollm2_reference, method):
+    prompts, params, expected = smollm2_reference
+    llm = LLM(seed=0, speculative_config={"method": method, "num_speculative_tokens": 4})
+    outs = generate_checked(llm, prompts, params)
+    assert _ids(outs) == expected
+    assert llm.engine.stats().spec_decode["num_accepted_tokens"] > 0
