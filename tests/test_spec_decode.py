@@ -296,3 +296,19 @@ def test_smollm2_greedy_equals_no_speculation(smollm2_reference, method):
     outs = generate_checked(llm, prompts, params)
     assert _ids(outs) == expected
     assert llm.engine.stats().spec_decode["num_accepted_tokens"] > 0
+
+
+def test_prometheus_names_the_spec_decode_counters():
+    from kvserve.server.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m")
+    counts = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5,
+              "accepted_per_pos": [3, 2, 0]}
+    logger._spec_metrics(counts)
+    logger._spec_metrics(dict(counts, num_drafts=4))  # counters grow by the difference
+    text = logger.render().decode()
+    assert 'kvserve:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
+    assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert ('kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+            'position="1"} 2.0') in text
