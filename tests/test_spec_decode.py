@@ -312,3 +312,41 @@ def test_prometheus_names_the_spec_decode_counters():
     assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
     assert ('kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
             'position="1"} 2.0') in text
+
+
+def test_speculation_turns_itself_down():
+    """A request whose drafts are rejected drafts fewer, then pauses; drafting measured slower
+    than plain decoding stops for everyone but seeded requests; a large batch drafts nothing."""
+    from types import SimpleNamespace
+
+    from kvserve.spec.config import SpeculativeConfig
+    from kvserve.spec.speculator import _PAUSE_STEPS, _THROTTLE_STEPS, Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8),
+                      drafter=lambda request, k: [7] * k)
+    assert not spec.active(8) and spec.active(7)
+    req = SimpleNamespace(token_ids=[1, 2], sampling_params=SP(), spec_state=None,
+                          num_draft_tokens=0, num_accepted_tokens=0)
+    widths = []
+    for _ in range(12):
+        draft = spec.propose(req, 10)
+        widths.append(len(draft))
+        if draft:
+            spec.record(req, len(draft), 0)
+    assert widths[0] == 4 and 0 < min(w for w in widths if w) < 4 and widths[-1] == 0
+    assert req.num_draft_tokens == sum(widths) and req.spec_state.pause > _PAUSE_STEPS - 12
+    assert spec.counters.num_drafts == sum(1 for w in widths if w)
+
+    fresh = SimpleNamespace(token_ids=[1, 2], sampling_params=SP(), spec_state=None,
+                            num_draft_tokens=0, num_accepted_tokens=0)
+    seeded = SimpleNamespace(token_ids=[1, 2], sampling_params=SP(seed=1), spec_state=None,
+                             num_draft_tokens=0, num_accepted_tokens=0)
+    for _ in range(4):
+        spec.observe_step(False, 1, 0.01)  # 100 tokens/s without drafts
+        spec.observe_step(True, 2, 0.04)  # 50 with them: it does not pay
+    assert spec.steps.throttled == _THROTTLE_STEPS
+    assert spec.active(1)
+    assert spec.propose(fresh, 10) == [] and spec.propose(seeded, 10) == [7] * 4
+    for _ in range(_THROTTLE_STEPS):
+        spec.active(1)
+    assert not spec.throttled and spec.propose(fresh, 10) == [7] * 4

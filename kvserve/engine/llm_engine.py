@@ -263,6 +263,8 @@ class LLMEngine:
             swap.speeds.observe_prefill(sum(n for n in batch.num_new_tokens if n > 1),
                                         time.perf_counter() - started)
         update = self.scheduler.update_from_output(batch, out)
+        if self.scheduler.spec is not None:
+            self._time_speculation(batch, update, time.perf_counter() - started)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV moves in the plan handed out right after, with the write-through saves of the
         # chunks this forward completed (saved now, not a step later: an engine that goes idle
@@ -275,6 +277,14 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self._forget_finished()  # idle next: no step would tell the worker
         return outputs
+
+    def _time_speculation(self, batch: ScheduledBatch, update: StepUpdate,
+                          seconds: float) -> None:
+        """Tell the speculator how many tokens a decode-only step gave and how fast, with
+        drafts or without (spec/speculator.py decides from it whether drafting pays)."""
+        if not batch.has_prefill:  # a prefill row: the step's time is not a decode's
+            self.scheduler.spec.observe_step(batch.num_drafted > 0, len(update.appended),
+                                             seconds)
 
     def _forget_finished(self) -> None:
         finished = self.scheduler.take_finished()

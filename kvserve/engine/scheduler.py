@@ -55,6 +55,8 @@ class ScheduledBatch:
     num_preempted: int = 0
     step: StepInput = field(default_factory=StepInput)  # seqs[i] is requests[i]'s part
     failed: dict[str, Exception] = field(default_factory=dict)  # by parent id, before the step
+    num_drafted: int = 0  # speculative decoding: drafted tokens in the step
+    has_prefill: bool = False  # a row computes more than one verified token (a prompt chunk)
 
     @property
     def plan(self) -> StepPlan:
@@ -157,16 +159,22 @@ class Scheduler:
         now = time.time()
         prefills: list[tuple[Request, int]] = []
         decodes: list[tuple[Request, int]] = []
+        num_drafted, has_prefill = 0, False
         for chosen_one in chosen:
             r, n = chosen_one
             (prefills if n > 1 else decodes).append(chosen_one)
+            if r.draft_token_ids:
+                num_drafted += len(r.draft_token_ids)
+            else:
+                has_prefill |= n > 1
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
         ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
         requests = [r for r, _ in ordered]
         step = StepInput(self._seq_steps(ordered), plan, self.take_finished())
-        batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step)
+        batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step,
+                               num_drafted=num_drafted, has_prefill=has_prefill)
         if self.vocab_size is not None and any(r.grammar is not None for r in requests):
             self._grammar_bitmask(batch)
         return batch
