@@ -233,6 +233,40 @@ def test_suffix_greedy_equals_no_speculation(llama_dir):
     assert stats.spec_decode["num_accepted_tokens"] > 0, stats.spec_decode
 
 
+@pytest.fixture(scope="module")
+def window_dirs(tmp_path_factory):
+    """Mistral with a window of 8 on every layer (blocks outside it are released) and a Qwen2
+    hybrid (a sliding and a full layer: two KV groups, two tables)."""
+    import transformers
+    from conftest import DECODE_COMMON
+
+    root = tmp_path_factory.mktemp("spec_windows")
+    return {
+        "window": save_random_checkpoint(transformers.MistralConfig(
+            **DECODE_COMMON, tie_word_embeddings=False, rope_theta=1e4, sliding_window=8),
+            root / "mistral_window"),
+        "hybrid": save_random_checkpoint(transformers.Qwen2Config(
+            **DECODE_COMMON, tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+            root / "qwen2_hybrid"),
+    }
+
+
+@pytest.mark.parametrize("case", ["int8", "fp8", "window", "hybrid"])
+def test_greedy_equals_no_speculation_on_quantized_and_windowed_kv(llama_dir, window_dirs,
+                                                                   case):
+    """Quantized KV (a rejected draft's slot is rewritten with the kept token's KV) and
+    sliding windows (blocks released behind the window, one table or one per group)."""
+    path = window_dirs.get(case, llama_dir)
+    kw = {"int8": {"kv_cache_dtype": "int8"}, "fp8": {"kv_cache_dtype": "fp8"},
+          "window": {"block_size": 4}, "hybrid": {"block_size": 4}}[case]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref, _ = _run(path, None, params, **kw)
+    outs, stats = _run(path, NGRAM, params, **kw)
+    assert _ids(outs) == _ids(ref)
+    assert stats.spec_decode["num_accepted_tokens"] > 0, stats.spec_decode
+
+
 def test_stops_logprobs_and_lengths_as_without_speculation(llama_dir):
     ref_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref, _ = _run(llama_dir, None, ref_params)
