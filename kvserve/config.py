@@ -21,6 +21,7 @@ from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
 from kvserve.kv.swap import PREEMPTION_MODES
 from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
+from kvserve.spec.config import load_speculative_config
 
 SUPPORTED_DTYPES = ("auto", *DTYPES)
 DEVICES = ("cpu", "cuda", "auto")
@@ -146,6 +147,13 @@ class EngineConfig:
                                    "(redis_url, chunk_size, transfer_timeout); "
                                    "kvserve/kv/tiers/transfer.py", metavar="JSON")
 
+    # None = no speculation; from Python also a dict or a SpeculativeConfig.
+    speculative_config: Any = _arg(None, "speculative decoding drafted from the KV cache "
+                                   "(vLLM's argument and JSON shape): {\"method\": \"ngram\", "
+                                   "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+                                   "\"prompt_lookup_max\": 5} or method suffix (the prefix "
+                                   "index); kvserve/spec/", metavar="JSON")
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -200,6 +208,7 @@ class EngineConfig:
         if self.kv_tier_config is not None and self.kv_tier_config.chunk_size % self.block_size:
             raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                              f"must be a multiple of block_size ({self.block_size})")
+        self.speculative_config = load_speculative_config(self.speculative_config)
         if (self.bounded_kv_policy is None) != (self.bounded_kv_budget is None):
             raise ValueError("bounded_kv_policy and bounded_kv_budget go together: a bounded "
                              "KV cache needs both a policy and a budget")
@@ -247,6 +256,10 @@ class EngineConfig:
             on.add(F.TENSOR_PARALLEL)
         if self.quantization in AT_LOAD:
             on.add(F.QUANTIZE_AT_LOAD)
+        if self.speculative_config is not None:
+            on.add(F.SPEC_DECODE)
+            if self.speculative_config.method == "suffix":
+                on.add(F.SPEC_SUFFIX)
         return on
 
     def check_features(self, extra: set[str] = frozenset(), **context: Any) -> None:
@@ -254,7 +267,7 @@ class EngineConfig:
         the compatibility table (kvserve/features.py's CONFLICTS) lists."""
         F.check_features(self.features() | extra, **{
             "kv_cache_dtype": self.kv_cache_dtype, "backend": self.attention_backend,
-            **context})
+            "method": getattr(self.speculative_config, "method", None), **context})
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the limits that depend on the loaded model and check them against each other."""

@@ -41,6 +41,8 @@ NO_ATTENTION_WEIGHTS = "no_attention_weights"  # a backend that computes no atte
 SWAP = "swap"  # preemption_mode='swap' (kv/swap.py)
 TENSOR_PARALLEL = "tensor_parallel"  # tensor_parallel_size > 1 (kvserve/parallel/)
 QUANTIZE_AT_LOAD = "quantize_at_load"  # quantization q8_0 / q4_0 / q4_1 / q4_k
+SPEC_DECODE = "spec_decode"  # speculative_config (kvserve/spec/)
+SPEC_SUFFIX = "spec_suffix"  # speculative_config method 'suffix' (drafts from the prefix index)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,19 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(TENSOR_PARALLEL, QUANTIZE_AT_LOAD,
              "quantization at load is not supported with tensor parallelism (the quantized "
              "kernels are not sharded); a GGUF file is dequantized per rank"),
+    Conflict(SPEC_DECODE, INT4,
+             "speculative decoding ({method}) cannot run over an int4 (KIVI) KV cache: a "
+             "rejected draft that completes a block would be quantized into it with the "
+             "block's per-channel scales; use kv_cache_dtype int8 or fp8"),
+    Conflict(SPEC_SUFFIX, NO_PREFIX_CACHING,
+             "speculative_config method 'suffix' drafts from the prefix index, so it needs "
+             "prefix caching (enable_prefix_caching); use method 'ngram' without it"),
+    Conflict(SPEC_DECODE, BOUNDED,
+             "speculative decoding ({method}) does not work with a bounded KV cache (its "
+             "compaction would keep rejected drafts' KV)"),
+    Conflict(SPEC_DECODE, TENSOR_PARALLEL,
+             "speculative decoding ({method}) is not supported with tensor parallelism yet "
+             "(untested across ranks)"),
     Conflict(BOUNDED_BY_ATTENTION, NO_ATTENTION_WEIGHTS,
              "bounded KV policy {policy} selects by attention weights, which only the torch "
              "attention backend computes (this engine runs {backend})"),

@@ -14,6 +14,9 @@ class RequestMetrics:
     finished_time: float | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
+    # Speculative decoding: tokens drafted for the request and of those, kept (0 without it).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

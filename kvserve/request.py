@@ -81,6 +81,13 @@ class Request:
     # Structured outputs: this sample's matcher (kvserve.structured.grammar.GrammarState), which
     # advances with every token it keeps, preemption included (the tokens stay), else None.
     grammar: Any = None
+    # Speculative decoding (kvserve/spec/): the tokens drafted for this step (not in
+    # token_ids: nothing unverified is), the drafted and accepted totals, and the
+    # speculator's per-request state (spec/speculator.py's SpecState).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_state: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

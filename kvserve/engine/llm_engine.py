@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -36,6 +37,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.parallel.build import build_parallel_engine
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
+from kvserve.spec.build import build_speculator, drop_tokens
 from kvserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("kvserve")
@@ -67,6 +69,7 @@ class LLMEngine:
             if config.kv_audit_rate > 0 else None
         self.scheduler.audit = self.audit
         self.scheduler.swap = build_swap_space(config, self.kv, self.tensors)
+        self.scheduler.spec = build_speculator(config.speculative_config, self.kv)
         self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
@@ -260,6 +263,8 @@ class LLMEngine:
             swap.speeds.observe_prefill(sum(n for n in batch.num_new_tokens if n > 1),
                                         time.perf_counter() - started)
         update = self.scheduler.update_from_output(batch, out)
+        if self.scheduler.spec is not None:
+            self._time_speculation(batch, update, time.perf_counter() - started)
         # Bounded caches: pick the kept tokens and move the sequences onto fresh blocks now; the
         # KV moves in the plan handed out right after, with the write-through saves of the
         # chunks this forward completed (saved now, not a step later: an engine that goes idle
@@ -272,6 +277,14 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self._forget_finished()  # idle next: no step would tell the worker
         return outputs
+
+    def _time_speculation(self, batch: ScheduledBatch, update: StepUpdate,
+                          seconds: float) -> None:
+        """Tell the speculator how many tokens a decode-only step gave and how fast, with
+        drafts or without (spec/speculator.py decides from it whether drafting pays)."""
+        if not batch.has_prefill:  # a prefill row: the step's time is not a decode's
+            self.scheduler.spec.observe_step(batch.num_drafted > 0, len(update.appended),
+                                             seconds)
 
     def _forget_finished(self) -> None:
         finished = self.scheduler.take_finished()
@@ -287,20 +300,37 @@ class LLMEngine:
         touched: dict[str, list[Request]] = {parent: self._groups[parent] for parent in failed}
         for parent in update.prefilled:
             touched.setdefault(parent, self._groups[parent])
+        # Speculative decoding appends several tokens a step: one that a stop string ended
+        # drops the tokens after it (by request id: how many of its tokens came after).
+        stopped: dict[str, int] = {}
+        behind = Counter(r.request_id for r, _, _ in update.appended) \
+            if update.speculated else None  # by request: its tokens after this one
         for request, token, text in update.appended:
             parent = request.parent_id or request.request_id
             if parent not in touched:
                 touched[parent] = self._groups[parent]
+            num_output = None
+            if behind is not None:
+                behind[request.request_id] -= 1
+                num_output = request.num_output_tokens - behind[request.request_id]
+                if request.request_id in stopped:
+                    stopped[request.request_id] += 1
+                    continue
             if not text or parent in failed:
                 continue
             try:
-                if self.outputs.stop_string(request, token):  # (also advances the text)
+                if self.outputs.stop_string(request, token, num_output):  # (advances the text)
+                    stopped[request.request_id] = 0
                     if request.finished:  # by length, on the token that hit the stop string
                         request.status = RequestStatus.FINISHED_STOPPED
                     else:
                         self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[parent] = exc
+        for request_id, extra in stopped.items():
+            if extra:
+                drop_tokens(next(r for r, _, _ in update.appended
+                                 if r.request_id == request_id), extra)
         outputs = []
         for parent, children in touched.items():
             if parent in failed or not (parent in self._streaming

@@ -45,16 +45,19 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
 
-    def stop_string(self, request: Request, token: int) -> bool:
+    def stop_string(self, request: Request, token: int, num_output: int | None = None) -> bool:
         """Add the sampled token to the request's text; whether a stop string has ended it
-        (the text is cut there, `stop_reason` set)."""
+        (the text is cut there, `stop_reason` set). `num_output`: the output tokens up to and
+        including this one, when later ones are appended already (speculative decoding)."""
         detok = self._texts.get(request.request_id)
         if detok is None:
             return False
         params = request.sampling_params
         delta = detok.decoder.add(token)
         detok.text += delta
-        if not params.stop_list or request.num_output_tokens < params.min_tokens:
+        if num_output is None:
+            num_output = request.num_output_tokens
+        if not params.stop_list or num_output < params.min_tokens:
             return False
         at = find_stop(detok.text, len(delta), params.stop_list)
         if at is None:
@@ -148,4 +151,6 @@ def _group_metrics(children: list[Request], finished: bool) -> RequestMetrics:
         finished_time=max((c.finished_time or 0.0 for c in children), default=None)
         if finished else None,
         num_cached_tokens=first.num_cached_tokens,
-        num_preemptions=sum(c.num_preemptions for c in children))
+        num_preemptions=sum(c.num_preemptions for c in children),
+        num_draft_tokens=sum(c.num_draft_tokens for c in children),
+        num_accepted_tokens=sum(c.num_accepted_tokens for c in children))

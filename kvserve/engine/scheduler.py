@@ -42,6 +42,7 @@ from kvserve.kv.retention import retain_sequence
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
+from kvserve.spec.speculator import Speculator
 from kvserve.structured.grammar import bitmask_words
 
 
@@ -54,6 +55,8 @@ class ScheduledBatch:
     num_preempted: int = 0
     step: StepInput = field(default_factory=StepInput)  # seqs[i] is requests[i]'s part
     failed: dict[str, Exception] = field(default_factory=dict)  # by parent id, before the step
+    num_drafted: int = 0  # speculative decoding: drafted tokens in the step
+    has_prefill: bool = False  # a row computes more than one verified token (a prompt chunk)
 
     @property
     def plan(self) -> StepPlan:
@@ -76,6 +79,7 @@ class StepUpdate:
     appended: list[tuple[Request, int, bool]] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)  # by parent id
     prefilled: list[str] = field(default_factory=list)  # parents of finished prefill-only ones
+    speculated: bool = False  # some request appended kept drafts: several tokens this step
 
 
 def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
@@ -107,6 +111,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
         self.audit: Auditor | None = None  # hit audits (engine/audit.py), set by the engine
         self.swap: SwapSpace | None = None  # swap preemption (kv/swap.py), set by the engine
+        self.spec: Speculator | None = None  # speculative decoding (kvserve/spec/), likewise
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -126,9 +131,13 @@ class Scheduler:
 
         i = 0
         allocate = self.kv.allocate_slots
+        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) \
+            else None
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(len(request.token_ids) - request.num_computed_tokens, budget)  # uncomputed
+            if spec is not None and n == 1:  # a decode: it may draft (never preempting for it)
+                n += self._draft(spec, request, budget - 1)
             while not allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -150,19 +159,40 @@ class Scheduler:
         now = time.time()
         prefills: list[tuple[Request, int]] = []
         decodes: list[tuple[Request, int]] = []
+        num_drafted, has_prefill = 0, False
         for chosen_one in chosen:
             r, n = chosen_one
             (prefills if n > 1 else decodes).append(chosen_one)
+            if r.draft_token_ids:
+                num_drafted += len(r.draft_token_ids)
+            else:
+                has_prefill |= n > 1
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
         ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
         requests = [r for r, _ in ordered]
         step = StepInput(self._seq_steps(ordered), plan, self.take_finished())
-        batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step)
+        batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step,
+                               num_drafted=num_drafted, has_prefill=has_prefill)
         if self.vocab_size is not None and any(r.grammar is not None for r in requests):
             self._grammar_bitmask(batch)
         return batch
+
+    def _draft(self, spec: Speculator, request: Request, room: int) -> int:
+        """Draft tokens for a decoding request, within `room` (the step's budget), its
+        max_tokens and the context, and only if its blocks can hold them without preempting
+        anyone; returns how many. A request with a grammar or a bounded cache drafts none
+        (not supported yet: it decodes one token a step, exactly as without speculation)."""
+        room = min(room, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        if room <= 0 or request.grammar is not None or request.bounded_kv is not None:
+            return 0
+        draft = spec.propose(request, room)
+        if draft and not self.kv.allocate_slots(request, 1 + len(draft)):
+            draft = []
+        request.draft_token_ids = draft
+        return len(draft)
 
     def _seq_steps(self, chosen: list[tuple[Request, int]]) -> list[SeqStep]:
         """The worker's view of each request's part of the step (for every running request,
@@ -177,6 +207,10 @@ class Scheduler:
             start = request.num_computed_tokens
             end = start + n
             token_ids = request.token_ids
+            draft = request.draft_token_ids
+            if draft:  # n counts them: they follow the one uncomputed token
+                end -= len(draft)
+                token_ids = token_ids + draft
             tables = (table_of(request),) if one_group \
                 else tuple(kv.group_block_tables(request))
             # The common case (no prompt logprobs, no bounded cache) calls nothing.
@@ -184,10 +218,10 @@ class Scheduler:
                 else prompt_rows(request, start, end)
             observe = None if request.bounded_kv is None else observe_rows(request, start, end)
             append(SeqStep(
-                request.request_id, token_ids[start:end], start,
+                request.request_id, token_ids[start:start + n], start,
                 start - request.num_dropped_tokens, tables,
-                end == len(token_ids) and request.max_tokens != 0, rows, observe,
-                None if request.worker_has_state else _sampling_state(request)))
+                end == request.num_tokens and request.max_tokens != 0, rows, observe,
+                None if request.worker_has_state else _sampling_state(request), len(draft)))
         return seqs
 
     def _grammar_bitmask(self, batch: ScheduledBatch) -> None:
@@ -217,6 +251,7 @@ class Scheduler:
         bs = self.kv.block_size
         publish = self.kv.cache_full_blocks
         for request, n in zip(batch.requests, batch.num_new_tokens):
+            n -= len(request.draft_token_ids)  # drafts count once verified (update_from_output)
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
             if n > 1 or computed % bs == 0:  # one token completes a block only at its end
@@ -260,10 +295,42 @@ class Scheduler:
             if token is None or (failed and (request.parent_id or request.request_id) in failed):
                 continue
             try:
+                if request.draft_token_ids:
+                    accepted = out.accepted.get(i)
+                    result.speculated |= accepted is not None
+                    if not self._accept(request, accepted, appended, now):
+                        continue  # a kept draft ended it
                 appended.append((request, token, append(request, token, logprobs, now)))
             except Exception as exc:  # this request's own fault: it alone fails
                 failed[request.parent_id or request.request_id] = exc
+            if request.draft_token_ids:
+                self._settle_drafts(request)
         return result
+
+    def _accept(self, request: Request, accepted: tuple[list[int], list] | None,
+                appended: list[tuple[Request, int, bool]], now: float) -> bool:
+        """Append the drafts the verification kept, each as if sampled in a step of its own
+        (token stops checked; its KV, computed and now verified, counted and published when it
+        completes a block); whether the request goes on."""
+        tokens, logprobs = accepted if accepted is not None else ([], [])
+        assert self.spec is not None
+        self.spec.record(request, len(request.draft_token_ids), len(tokens))
+        bs, publish = self.kv.block_size, self.kv.cache_full_blocks
+        for token, lp in zip(tokens, logprobs):
+            appended.append((request, token, self._append(request, token, lp, now)))
+            if request.finished:
+                return False
+            request.num_computed_tokens += 1
+            if request.num_computed_tokens % bs == 0:
+                publish(request)
+        return True
+
+    def _settle_drafts(self, request: Request) -> None:
+        """After a verification: the blocks that held only rejected drafts go back to the
+        pool (the request's length is its kept tokens' already)."""
+        request.draft_token_ids = []
+        if not request.finished:
+            self.kv.trim(request, request.num_tokens)
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput,
                                 failed: dict[str, Exception]) -> None:
@@ -373,7 +440,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
 
     def _blocks_in_flight(self, chosen: list[tuple[Request, int]]) -> set[int]:
-        return {h for r, n in chosen for h in self.kv.hashes_completed_by(r, n)}
+        return {h for r, n in chosen
+                for h in self.kv.hashes_completed_by(r, n - len(r.draft_token_ids))}
 
     def _waits_for(self, request: Request, match: PrefixMatch, inflight: set[int]) -> bool:
         return bool(inflight) and self.kv.next_block_hash(request, match) in inflight
@@ -397,6 +465,7 @@ class Scheduler:
                 self.kv.plan_swap_out(out)  # read before anything can reuse its blocks
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         self.bounded.reset(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -435,13 +504,15 @@ class Scheduler:
             num_pins=len(kv.pins), num_pinned_blocks=kv.pins.num_pinned_blocks,
             idle_blocks_by_tenant=dict(kv.pool.idle_by_tenant),  # zeros too: gauges go back
             audits=self.audit.stats() if self.audit is not None else {},
-            swap=self.swap.stats.as_dict() if self.swap is not None else {})
+            swap=self.swap.stats.as_dict() if self.swap is not None else {},
+            spec_decode=self.spec.counters.as_dict() if self.spec is not None else {})
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks (and, with the next step,
         what the worker kept of it)."""
         request.status = status
         request.finished_time = time.time()
+        request.draft_token_ids = []
         if request.worker_has_state:
             self._finished_ids.append(request.request_id)
             request.worker_has_state = False

@@ -37,3 +37,6 @@ class EngineStats:
     # Swap preemption (kv/swap.py): swapped_out, swapped_in, bytes_out, bytes_in, and
     # fallback_<reason> (recomputed instead); empty when every preemption recomputes.
     swap: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (kvserve/spec/speculator.py's SpecCounters, vLLM's names):
+    # num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos; empty without it.
+    spec_decode: dict = field(default_factory=dict)

@@ -466,6 +466,17 @@ class KVCacheManager(BlockCounts):
         return self._grow(seq.request_id,  # kv_length(seq), inline: every sequence, every step
                           seq.num_computed_tokens - seq.num_dropped_tokens + num_new_tokens)
 
+    def trim(self, seq: CachedSeq, num_tokens: int) -> None:
+        """Give back the blocks wholly past the sequence's first `num_tokens` (speculative
+        decoding: the slots of rejected drafts; never published, so they go straight back)."""
+        keep = self.blocks_for_tokens(num_tokens - seq.num_dropped_tokens)
+        for g in self.groups:
+            table = g.tables.get(seq.request_id)
+            if table is not None and len(table) > keep:
+                gone = table[keep:]
+                del table[keep:]
+                g.index.mark_idle(self.pool.release(gone))
+
     def free(self, seq: CachedSeq) -> None:
         """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
         in the index, idle, until evicted."""

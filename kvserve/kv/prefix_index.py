@@ -135,6 +135,11 @@ class PrefixIndex:
         """The extra-key namespaces (cache salts) that have a root (the cache report's)."""
         return list(self._roots)
 
+    def nodes_by_block(self) -> dict[int, Node]:
+        """Every cached node by its block (read-only: speculative decoding's suffix drafter
+        indexes their tokens)."""
+        return self._node_of_block
+
     def root(self, extra: bytes) -> Node:
         node = self._roots.get(extra)
         if node is None:

@@ -155,8 +155,19 @@ class PrometheusStatLogger:
                              "fallback_<reason> (recomputed instead).", ["event"])
         self.swap_bytes = counter("kvserve:kv_swap_bytes", "KV bytes swapped to host swap space "
                                   "and back, by direction: out, in.", ["direction"])
+        # Speculative decoding (--speculative-config), vLLM's names.
+        self.spec_decode_num_drafts = counter("kvserve:spec_decode_num_drafts",
+                                              "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("kvserve:spec_decode_num_draft_tokens",
+                                                    "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "kvserve:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_decode_accepted_per_pos = counter(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ["position"])
         self._label = {"model_name": model_name}
-        labelled = {"audits", "swaps", "swap_bytes", "cache_config_info", "request_success",
+        labelled = {"audits", "swaps", "swap_bytes", "spec_decode_accepted_per_pos",
+                    "cache_config_info", "request_success",
                     "hits_by_source",
                     "missed_by_reason", "tenant_idle_blocks",
                     "tier_bytes_saved", "tier_bytes_loaded", "tier_errors", "tier_skipped_saves",
@@ -211,6 +222,21 @@ class PrometheusStatLogger:
                                      "in": swap.get("bytes_in", 0)} if swap else {},
                    direction=None)
         self._tier_metrics(engine, stats)
+        self._spec_metrics(stats.spec_decode)
+
+    def _spec_metrics(self, spec: dict) -> None:
+        """The speculative-decoding counters ({} without speculation)."""
+        if not spec:
+            return
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            mark = ("spec_decode", name)
+            last = self._last_counts.get(mark, 0)
+            if spec[name] > last:
+                self.m("spec_decode_" + name).inc(spec[name] - last)
+            self._last_counts[mark] = spec[name]
+        self._grow(self.spec_decode_accepted_per_pos,
+                   {str(pos): n for pos, n in enumerate(spec["accepted_per_pos"])},
+                   position=None)
 
     def _grow(self, metric: Counter, values: dict, **labels_of) -> None:
         """Add to a labelled counter what a cumulative engine count grew by since last time."""

@@ -160,9 +160,10 @@ class ModelRunner:
                 sl.observe_start, sl.observe_len = seq.observe
                 sl.key = seq.request_id
             (prefills if n > 1 else decodes).append(sl)
-            if seq.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(i)
+            if seq.samples:  # a drafting sequence: its drafts' rows and the one before them
+                last = len(input_ids) - 1
+                sample_rows.extend(range(last - seq.num_draft, last + 1))
+                sampled.extend([i] * (seq.num_draft + 1))
             if seq.prompt_rows is not None:
                 first_token, count = seq.prompt_rows
                 spans.append(PromptSpan(i, first_token, count))

@@ -71,6 +71,9 @@ class SeqStep:
     observe: tuple[int, int] | None = None
     # Set in the first step that schedules the request (the worker keeps it), else None.
     sampling: SeqSampling | None = None
+    # Speculative decoding: the last `num_draft` of token_ids are drafted, not yet verified;
+    # each of them, and the token before them, gets a logits row (worker/spec_verify.py).
+    num_draft: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +118,9 @@ class StepOutput:
     # Attention weights observed (SnapKV, H2O): by request id, one [kv_heads, keys] per layer.
     observed: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     tokens: list[int | None] = field(default_factory=list)  # one per `sampled`
+    # Speculative decoding: by seqs index, the drafted tokens the verification kept before
+    # `tokens`' one, and their logprobs (worker/spec_verify.py); empty without drafts.
+    accepted: dict[int, tuple[list[int], list]] = field(default_factory=dict)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)  # one per `sampled`
     # One per prompt span: (logprob entries, ranks) of its prompt tokens.
     prompt_logprobs: list[tuple[list, list]] = field(default_factory=list)

@@ -18,6 +18,7 @@ import torch
 
 from kvserve.worker.step import SeqSampling, StepInput, StepOutput
 from kvserve.sampler import Sampler, SamplingRow
+from kvserve.worker.spec_verify import sample_with_drafts
 
 logger = logging.getLogger("kvserve")
 
@@ -46,6 +47,9 @@ class StepSampler:
         failed = out.failed
         self._prompt_logprobs(step, out, failed)
         if not out.sampled:
+            return
+        if any(step.seqs[i].num_draft for i in out.sampled):  # speculative decoding
+            sample_with_drafts(self.sampler, self.requests, step, out)
             return
         ids = [step.seqs[i].request_id for i in out.sampled]
         rows = [self._row(request_id, step.bitmask_rows.get(i))

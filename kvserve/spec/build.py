@@ -1,0 +1,34 @@
+"""The engine's two hooks into speculation: the speculator its config asks for, and cutting a
+request back to the token a stop string ended it on (a verification may have kept tokens
+after it, which decoding one token at a time would never have produced)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.request import Request
+from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec.speculator import Speculator
+
+
+def build_speculator(config: SpeculativeConfig | None, kv: Any) -> Speculator | None:
+    """None without speculation; `kv` (the KV cache manager) is the suffix drafter's source."""
+    if config is None:
+        return None
+    if config.method == "suffix":
+        from kvserve.spec.suffix import SuffixDrafter
+
+        return Speculator(config, SuffixDrafter(kv, config))
+    return Speculator(config)
+
+
+def drop_tokens(request: Request, count: int) -> None:
+    """Remove the request's last `count` output tokens (with their logprobs)."""
+    if count <= 0:
+        return
+    gone = request.token_ids[-count:]
+    del request.token_ids[-count:]
+    if request.output_logprobs:
+        for token, logprobs in zip(gone, request.output_logprobs[-count:]):
+            request.cumulative_logprob -= logprobs[token]
+        del request.output_logprobs[-count:]
