@@ -9,7 +9,8 @@ tokenized. Error messages never echo a caller's value in full (`shorten`).
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
 
 ECHO_LIMIT = 100  # characters of a caller's value an error message repeats
 MAX_CACHE_SALT_CHARS = 256
@@ -19,6 +20,19 @@ MAX_CACHE_SALT_CHARS = 256
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # sequences (prompts x n) waiting for a slot
 DEFAULT_MAX_SEQS_PER_REQUEST = 1024  # sequences one request may ask for
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024**2  # room for a max_model_len prompt of any model
+
+
+def json_object(source: Any, what: str) -> dict:
+    """A config given as JSON text (a CLI flag's value) or as a dict, as the dict; anything
+    else is a ValueError naming `what` (`--kv-transfer-config`, `--speculative-config`)."""
+    if isinstance(source, str):
+        try:
+            source = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(source, dict):
+        raise ValueError(f"{what} must be a JSON object (a dict), got {type(source).__name__}")
+    return source
 
 
 def shorten(value: object, limit: int = ECHO_LIMIT) -> str:

@@ -14,9 +14,10 @@ message says what is missing rather than that the method does not exist.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvserve.validation import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 BUILT = ("ngram", "suffix")
@@ -71,14 +72,7 @@ def load_speculative_config(value: Any) -> SpeculativeConfig | None:
     keys, a key of another method or a bad value raise ValueError naming it."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("speculative_config must be a JSON object (a dict), "
-                         f"got {type(value).__name__}")
+    value = json_object(value, "speculative_config")
     method = value.get("method", "ngram")
     if method not in METHODS:
         raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")

@@ -19,12 +19,12 @@ that producer (`peer_of`). The prefix cache works on both sides as always.
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.kv.tiers.config import GB, TierConfig, check_keys
+from kvserve.validation import json_object
 
 CONNECTORS = ("kvserve", "redis")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -114,13 +114,7 @@ def load_transfer_config(source: "str | dict[str, Any] | KVTransferConfig | None
     """From JSON (vLLM's `--kv-transfer-config '{...}'`), a dict, or itself (None stays)."""
     if source is None or isinstance(source, KVTransferConfig):
         return source
-    if isinstance(source, str):
-        try:
-            source = json.loads(source)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not JSON: {e}") from None
-    if not isinstance(source, dict):
-        raise ValueError("kv_transfer_config must be a JSON object")
+    source = json_object(source, "kv_transfer_config")
     check_keys(KVTransferConfig, source, "kv_transfer_config")
     missing = [k for k in ("kv_connector", "kv_role") if k not in source]
     if missing:
