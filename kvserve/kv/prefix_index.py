@@ -122,6 +122,9 @@ class PrefixIndex:
         self._pushes = itertools.count()
         self._clock = itertools.count(1)
         self.generation = 0  # bumped by reset(): nodes from before are gone
+        # block -> node entries ever set (insert): a reader that mirrors nodes_by_block (the
+        # suffix drafter) scans the map only when this moved
+        self.num_stored_blocks = 0
         self.num_evicted_blocks = 0
         # Recently evicted hashes, for the cache report's `evicted` (kv/report.py); None: off.
         self.evictions: EvictionRecord | None = EvictionRecord()
@@ -262,6 +265,7 @@ class PrefixIndex:
             if existing.block == NULL_BLOCK:  # hollow: this block fills it again
                 existing.block = block
                 self._node_of_block[block] = existing
+                self.num_stored_blocks += 1
                 self.pool.mark_cached(block, existing.tenant)
                 self.events.record(BLOCK_STORED, block_hash, parent.block_hash)
             self.touch([existing], priority)
@@ -270,6 +274,7 @@ class PrefixIndex:
         parent.children[block_hash] = node
         parent.by_first_token.setdefault(node.tokens[0], []).append(node)
         self._node_of_block[block] = node
+        self.num_stored_blocks += 1
         self.pool.mark_cached(block, tenant)
         self.touch([node], priority)
         self.events.record(BLOCK_STORED, block_hash, parent.block_hash)

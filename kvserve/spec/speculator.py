@@ -78,8 +78,8 @@ class _StepRates:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
-        """`drafter`: the method's (n-gram lookup unless given: the suffix drafter is built
-        over the prefix index by the scheduler)."""
+        """`drafter`: the method's (n-gram lookup unless given: spec/build.py builds the
+        suffix drafter over the prefix index)."""
         self.config = config
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.drafter = drafter or self._ngram

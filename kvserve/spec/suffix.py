@@ -10,8 +10,9 @@ child hit most often (`Node.hit_count`, then the most recently used) is the like
 The drafter keeps its own map from each m-gram (m = prompt_lookup_min) to the places in the
 tree where it ends, built from the blocks the index holds: new ones are found each call by
 comparing the index's block -> node map with what was indexed (a block reused by another node
-counts as new); entries of evicted nodes are dropped when a lookup meets them, and the whole
-map is built anew once the nodes it has seen are more than twice those the index holds. Only the
+counts as new), and only when the index stored a block since the last call; entries of
+evicted nodes are dropped when a lookup meets them, and the whole map is built anew once the
+nodes it has seen are more than twice those the index holds. Only the
 request's own namespace (its cache salt's root) is searched, so one tenant's cached text never
 drafts another's: even though verification keeps outputs exact, acceptance rates would time it.
 """
@@ -41,6 +42,7 @@ class SuffixDrafter:
         self._grams: dict[tuple[bytes, tuple[int, ...]], list[Place]] = {}
         self._namespace: dict[Node, bytes] = {}
         self._generation = -1
+        self._stored = -1  # the index's num_stored_blocks when the map was last brought up
 
     def __call__(self, request: Request, k: int) -> list[int]:
         tokens = request.token_ids
@@ -58,6 +60,9 @@ class SuffixDrafter:
         index = self.kv.groups[0].index
         if not getattr(index, "enabled", False):
             return
+        if index.generation == self._generation and index.num_stored_blocks == self._stored:
+            return  # nothing stored since: no scan of every cached block (every decode step)
+        self._stored = index.num_stored_blocks
         current = index.nodes_by_block()
         # After a reset, or once evicted nodes' entries could outnumber the live ones: anew.
         if index.generation != self._generation or \
