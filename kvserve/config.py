@@ -21,6 +21,7 @@ from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
 from kvserve.kv.swap import PREEMPTION_MODES
 from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
+from kvserve.blend.config import load_blend_config
 from kvserve.spec.config import load_speculative_config
 
 SUPPORTED_DTYPES = ("auto", *DTYPES)
@@ -154,6 +155,13 @@ class EngineConfig:
                                    "\"prompt_lookup_max\": 5} or method suffix (the prefix "
                                    "index); kvserve/spec/", metavar="JSON")
 
+    # None = no document reuse; from Python also a dict or a BlendConfig.
+    blend_config: Any = _arg(None, "document reuse anywhere in the prompt (CacheBlend): "
+                             "spans marked {\"cache_control\": {\"type\": \"document\"}} "
+                             "reuse their stored KV, a share recomputed; JSON with "
+                             "recompute_fraction (0.15), audit_rate, audit_threshold; "
+                             "kvserve/blend/", metavar="JSON")
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -209,6 +217,7 @@ class EngineConfig:
             raise ValueError(f"kv_tier_config chunk_size ({self.kv_tier_config.chunk_size}) "
                              f"must be a multiple of block_size ({self.block_size})")
         self.speculative_config = load_speculative_config(self.speculative_config)
+        self.blend_config = load_blend_config(self.blend_config)
         if (self.bounded_kv_policy is None) != (self.bounded_kv_budget is None):
             raise ValueError("bounded_kv_policy and bounded_kv_budget go together: a bounded "
                              "KV cache needs both a policy and a budget")
@@ -256,6 +265,8 @@ class EngineConfig:
             on.add(F.TENSOR_PARALLEL)
         if self.quantization in AT_LOAD:
             on.add(F.QUANTIZE_AT_LOAD)
+        if self.blend_config is not None:
+            on.add(F.DOC_BLEND)
         if self.speculative_config is not None:
             on.add(F.SPEC_DECODE)
             if self.speculative_config.method == "suffix":

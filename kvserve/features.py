@@ -43,6 +43,7 @@ TENSOR_PARALLEL = "tensor_parallel"  # tensor_parallel_size > 1 (kvserve/paralle
 QUANTIZE_AT_LOAD = "quantize_at_load"  # quantization q8_0 / q4_0 / q4_1 / q4_k
 SPEC_DECODE = "spec_decode"  # speculative_config (kvserve/spec/)
 SPEC_SUFFIX = "spec_suffix"  # speculative_config method 'suffix' (drafts from the prefix index)
+DOC_BLEND = "doc_blend"  # blend_config: document reuse anywhere in the prompt (kvserve/blend/)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,29 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(SPEC_DECODE, TENSOR_PARALLEL,
              "speculative decoding ({method}) is not supported with tensor parallelism yet "
              "(untested across ranks)"),
+    Conflict(DOC_BLEND, NO_PREFIX_CACHING,
+             "document reuse (blend_config) stores documents' KV in the prefix cache, so it "
+             "needs prefix caching (enable_prefix_caching)"),
+    Conflict(DOC_BLEND, MLA,
+             "document reuse (blend_config) re-rotates stored keys to their new positions, "
+             "which MLA's latent KV (a decoupled RoPE part) does not support yet"),
+    Conflict(DOC_BLEND, SLIDING_WINDOW,
+             "document reuse (blend_config) places a document's whole KV, which a sliding "
+             "window (layers {windowed}) would drop and could not recompute"),
+    Conflict(DOC_BLEND, HYBRID,
+             "document reuse (blend_config) needs one block table per request"),
+    Conflict(DOC_BLEND, KV_DTYPE_OTHER,
+             "document reuse (blend_config) rotates stored keys in the model's float type; "
+             "kv_cache_dtype {kv_cache_dtype} stores them otherwise (use kv_cache_dtype auto)"),
+    Conflict(DOC_BLEND, BOUNDED,
+             "document reuse (blend_config) does not combine with a bounded KV cache (its "
+             "compaction moves tokens away from the positions a placement writes)"),
+    Conflict(DOC_BLEND, TENSOR_PARALLEL,
+             "document reuse (blend_config) is not supported with tensor parallelism yet"),
+    Conflict(DOC_BLEND, TRITON_BACKEND,
+             "document reuse (blend_config) needs the attention backend to store every "
+             "prefill row's K/V before any row reads it, which only the torch (CPU) backend "
+             "is tested for; use attention_backend torch"),
     Conflict(BOUNDED_BY_ATTENTION, NO_ATTENTION_WEIGHTS,
              "bounded KV policy {policy} selects by attention weights, which only the torch "
              "attention backend computes (this engine runs {backend})"),

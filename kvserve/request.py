@@ -88,6 +88,15 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_state: Any = None
+    # Document reuse (kvserve/blend/): the [start, end) token spans marked as documents; no
+    # block from `publish_limit` on enters the prefix index (blended KV is not exact); the
+    # runs of positions the admission step computes; (reused, recomputed, computed) tokens;
+    # steps waited for the documents' KV.
+    documents: tuple[tuple[int, int], ...] = ()
+    publish_limit: int | None = None
+    blend_runs: tuple[tuple[int, int], ...] | None = None
+    blend_counts: tuple[int, int, int] | None = None
+    blend_waits: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Union
 
 from kvserve import features as F
+from kvserve.blend.parts import check_spans, tokenize_parts
 from kvserve.config import EngineConfig
 from kvserve.kv.bounded import (
     ATTENTION_POLICIES,
@@ -123,7 +124,16 @@ class InputProcessor:
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         check_token_ids("logit_bias token ids", list(params.logit_bias or ()),
                         self.model_config.vocab_size)
-        text, token_ids = self._tokenize(prompt)
+        documents: tuple[tuple[int, int], ...] = ()
+        if isinstance(prompt, Mapping) and "prompt_parts" in prompt:  # kvserve/blend/parts.py
+            parts = tokenize_parts(self.tokenizer, prompt["prompt_parts"], lambda text:
+                                   check_text_fits(self.tokenizer, text,
+                                                   self.config.max_model_len))
+            text, token_ids, documents = parts.text, parts.token_ids, parts.documents
+        else:
+            text, token_ids = self._tokenize(prompt)
+            if isinstance(prompt, Mapping) and prompt.get("documents") is not None:
+                documents = check_spans(prompt["documents"], len(token_ids))
         grammar: Future | None = None
         if params.structured_outputs is not None:
             grammar = self.grammars.submit(params.structured_outputs)
@@ -144,7 +154,8 @@ class InputProcessor:
                             prompt_token_ids=token_ids, sampling_params=params,
                             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                             arrival_time=arrival, prompt=text, index=i, parent_id=request_id,
-                            cache_salt=cache_salt, priority=priority, bounded_kv=bound)
+                            cache_salt=cache_salt, priority=priority, bounded_kv=bound,
+                            documents=documents)
                     for i in range(params.n)]
         return children, grammar
 
@@ -166,8 +177,9 @@ class InputProcessor:
         elif isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenize(prompt["prompt"])
         else:
-            raise ValueError("a prompt must be a string, {'prompt': str} or "
-                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError("a prompt must be a string, {'prompt': str}, "
+                             "{'prompt_token_ids': [...]} or {'prompt_parts': [...]}, "
+                             f"got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         return text, ids

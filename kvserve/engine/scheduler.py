@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.blend.blender import Blender
 from kvserve.engine.audit import Auditor
 from kvserve.engine.bounded_kv import BoundedCaches
 from kvserve.engine.stats import EngineStats
@@ -112,6 +113,7 @@ class Scheduler:
         self.audit: Auditor | None = None  # hit audits (engine/audit.py), set by the engine
         self.swap: SwapSpace | None = None  # swap preemption (kv/swap.py), set by the engine
         self.spec: Speculator | None = None  # speculative decoding (kvserve/spec/), likewise
+        self.blend: Blender | None = None  # document reuse (kvserve/blend/), likewise
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -172,7 +174,13 @@ class Scheduler:
         ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
         requests = [r for r, _ in ordered]
-        step = StepInput(self._seq_steps(ordered), plan, self.take_finished())
+        seqs = self._seq_steps(ordered)
+        if self.blend is not None:
+            self.blend.end_step(plan)
+            for i, r in enumerate(requests):
+                if r.blend_runs is not None:
+                    seqs[i] = self.blend.seq_step(seqs[i], r)
+        step = StepInput(seqs, plan, self.take_finished())
         batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step,
                                num_drafted=num_drafted, has_prefill=has_prefill)
         if self.vocab_size is not None and any(r.grammar is not None for r in requests):
@@ -252,6 +260,7 @@ class Scheduler:
         publish = self.kv.cache_full_blocks
         for request, n in zip(batch.requests, batch.num_new_tokens):
             n -= len(request.draft_token_ids)  # drafts count once verified (update_from_output)
+            request.blend_runs = None  # (a blended admission's runs: this step's only)
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
             if n > 1 or computed % bs == 0:  # one token completes a block only at its end
@@ -277,8 +286,9 @@ class Scheduler:
         for request in batch.requests:
             if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens \
                     and not request.finished:  # a prefill-only request whose prompt is done
-                if self.audit is not None and self.audit.complete(request):
-                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # compared: freed
+                if self.audit is not None and self.audit.complete(request) or \
+                        self.blend is not None and self.blend.complete(request):
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # internal: no output
                     continue
                 parent = request.parent_id or request.request_id
                 if parent not in failed:
@@ -406,8 +416,15 @@ class Scheduler:
                 match = self.swap.resume(request, self.kv.device_match(request)) or match
             if not self.running:  # nothing will free a block: a partial hit must not block it
                 match = self.kv.unblock(match, request.num_tokens) or match
+            blend = None
+            if request.documents and self.blend is not None:  # kvserve/blend/
+                verdict, blend, documents = self.blend.consider(request, match, budget)
+                if verdict == "wait":  # its documents are computed first
+                    deferred.append(self.waiting.popleft())
+                    self.waiting.extendleft(reversed(documents))
+                    continue
             remaining = request.num_tokens - match.num_tokens
-            n = min(remaining, budget)
+            n = min(remaining, budget) if blend is None else remaining
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             # The cache report, for a request that asked: decided here, before admission
@@ -429,13 +446,15 @@ class Scheduler:
                 if report is not None:
                     request.cache_report = report
                     self.missed_tokens[report.reason] += report.missed_tokens
+            if blend is not None:
+                self.blend.admitted(request, blend)
             if self.audit is not None:
                 self.audit.sample(request, match)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, n))
-            budget -= n
+            budget -= n if blend is None else blend.cost
             inflight.update(self.kv.hashes_completed_by(request, n))
         self.waiting.extendleft(reversed(deferred))
 

@@ -532,6 +532,9 @@ class KVCacheManager(BlockCounts):
             del g.cursors[seq.request_id]
             return
         full = seq.num_computed_tokens // self.block_size
+        limit = getattr(seq, "publish_limit", None)  # document reuse: blended KV stays out
+        if limit is not None:
+            full = min(full, limit // self.block_size)
         if full <= cursor.num_blocks:
             return
         hashes = self.block_hashes(seq, full)

@@ -10,6 +10,9 @@ one fixed order, before the forward:
 2. loads:  chunks found in the tiers are written into the blocks given to them;
 3. copies: partially matched blocks are copied into the requester's own block (copy-on-write) —
            after the loads, because the source may be a block that a load fills in this step;
+   placements: a stored document's KV is copied token by token into a blended request's slots,
+           its keys rotated to their new positions (kvserve/blend/) — after the copies, which
+           may fill the block a placement writes part of;
 4. compactions: a bounded cache's kept tokens move from the blocks it let go to its fresh ones
            (kvserve.engine.bounded_kv) — in the plan handed out right after the forward that
            chose them, before anything can allocate the old blocks again.
@@ -62,6 +65,16 @@ class KVMove:
     dst_table: list[int]
 
 
+@dataclass(frozen=True)
+class TokenPlacement:
+    """Copy the KV of slots `src` into slots `dst` (one int64 index each, same length), every
+    layer, the keys rotated by RoPE through `shift` positions (document reuse)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    shift: int
+
+
 @dataclass
 class StepPlan:
     saves: list[ChunkSave] = field(default_factory=list)
@@ -70,7 +83,8 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
     compactions: list[KVMove] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    placements: list[TokenPlacement] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.saves or self.swap_outs or self.loads or self.copies or self.compactions
-                    or self.released)
+                    or self.released or self.placements)

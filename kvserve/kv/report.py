@@ -64,6 +64,8 @@ class CacheReport:
     detail: dict[str, Any] = field(default_factory=dict)
     # token ids that `to_dict` turns into text (a divergence's two sides)
     texts: dict[str, list[int]] = field(default_factory=dict)
+    # Document reuse (kvserve/blend/): reused, recomputed and computed tokens of its spans
+    documents: dict[str, int] | None = None
 
     def to_dict(self, decode=None) -> dict[str, Any]:
         detail = dict(self.detail)
@@ -73,7 +75,8 @@ class CacheReport:
                 "cached_tokens_by_source": dict(self.by_source),
                 "first_miss": None if self.reason is None else
                 {"position": self.first_miss, "reason": self.reason, **detail},
-                "missed_tokens": self.missed_tokens}
+                "missed_tokens": self.missed_tokens,
+                **({} if self.documents is None else {"documents": dict(self.documents)})}
 
 
 def _by_source(kv, match: PrefixMatch) -> dict[str, int]:

@@ -9,8 +9,9 @@ in the same LM-head call, and samples them (worker/step_sampler.py): what comes 
 and logprobs.
 
 It is also the one place where KV memory is moved: the step's plan (saves read out for the
-storage tiers and swap-outs for host swap space, loads from them, copy-on-write copies, bounded-cache compactions, per-block state
-of released blocks dropped) runs here, in that order, before the forward.
+storage tiers and swap-outs for host swap space, loads from them, copy-on-write copies,
+document placements, bounded-cache compactions, per-block state of released blocks dropped)
+runs here, in that order, before the forward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from kvserve.worker.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
+from kvserve.worker.placement import place_tokens
 from kvserve.worker.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
@@ -107,6 +109,11 @@ class ModelRunner:
                 raise StepFailed("load", saved) from e
         if plan.copies:
             self.backend.copy_blocks([s for s, _ in plan.copies], [d for _, d in plan.copies])
+        if plan.placements:  # after the copies: one may fill a block a placement writes into
+            model = self.model
+            tables = [model.rope_cos_sin] if model.rope_cos_sin_local is None \
+                else [model.rope_cos_sin, model.rope_cos_sin_local]
+            place_tokens(self.tensors, tables, model.rope_of_layer, plan.placements)
         for move in plan.compactions:
             self.tensors.compact_tokens(move.src_table, move.keep, move.dst_table)
         if plan.released:  # last: a copy above may still read a released block's state
@@ -135,6 +142,18 @@ class ModelRunner:
         meta.groups = metas
         return meta
 
+    def _runs(self, seq: SeqStep, flat_start: int, positions: list[int], slots: list[int],
+              prefills: list[SequenceSlice]) -> None:
+        """A blended request's runs as prefill slices over its one table: each attends to
+        every position before its own, the rows of the other runs included, whose K/V the
+        backend stores (prefill rows first, all of them) before any slice reads."""
+        bs, table, at = self.block_size, seq.block_tables[0], flat_start
+        for first, length in seq.runs:
+            positions.extend(range(first, first + length))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + length))
+            prefills.append(SequenceSlice(at, length, first + length, table))
+            at += length
+
     def forward(self, seqs: list[SeqStep]) -> StepOutput:
         """The forward over the step's sequences (its plan applied already)."""
         bs = self.block_size
@@ -152,14 +171,17 @@ class ModelRunner:
             table = seq.block_tables[0]
             flat_start = len(input_ids)
             input_ids.extend(seq.token_ids)
-            positions.extend(range(start, start + n))  # true positions, bounded cache or not
-            # KV indices: a bounded cache (kvserve.kv.bounded) compacted its dropped tokens away.
-            slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
-            sl = SequenceSlice(flat_start, n, kv_start + n, table)
-            if seq.observe is not None:
-                sl.observe_start, sl.observe_len = seq.observe
-                sl.key = seq.request_id
-            (prefills if n > 1 else decodes).append(sl)
+            if seq.runs is not None:  # a blended request: several slices of one table
+                self._runs(seq, flat_start, positions, slots, prefills)
+            else:
+                positions.extend(range(start, start + n))  # true positions, bounded or not
+                # KV indices: a bounded cache (kvserve.kv.bounded) compacted dropped tokens.
+                slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
+                sl = SequenceSlice(flat_start, n, kv_start + n, table)
+                if seq.observe is not None:
+                    sl.observe_start, sl.observe_len = seq.observe
+                    sl.key = seq.request_id
+                (prefills if n > 1 else decodes).append(sl)
             if seq.samples:  # a drafting sequence: its drafts' rows and the one before them
                 last = len(input_ids) - 1
                 sample_rows.extend(range(last - seq.num_draft, last + 1))

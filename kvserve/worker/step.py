@@ -74,6 +74,9 @@ class SeqStep:
     # Speculative decoding: the last `num_draft` of token_ids are drafted, not yet verified;
     # each of them, and the token before them, gets a logits row (worker/spec_verify.py).
     num_draft: int = 0
+    # Document reuse (kvserve/blend/): the token_ids are these runs of positions, each
+    # (first position, length), one after another; None: one run from `start`.
+    runs: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

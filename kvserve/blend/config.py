@@ -1,0 +1,61 @@
+"""`blend_config`: document reuse (CacheBlend) switched on, checked once at start-up.
+
+    {"recompute_fraction": 0.15, "audit_rate": 0.0, "audit_threshold": 0.5}
+
+Why a JSON object of its own, as `speculative_config`: the keys belong together, and an
+unknown key is refused by name rather than silently ignored.
+
+* `recompute_fraction`: the share of each reused span's tokens whose KV is recomputed in the
+  request's own context (the paper's ~15%; 0 reuses the stored KV as it is). The tokens chosen
+  are each span's first ones (kvserve/blend/select.py says why that rule and how it compares).
+* `audit_rate`: the fraction of blended requests whose first token's distribution is also
+  computed without blending and compared (kvserve/blend/audit.py); 0 turns audits off.
+* `audit_threshold`: the audited divergence (KL of the blended next-token distribution from
+  the exact one, nats, averaged over the audits so far) past which blending turns itself off.
+* `min_audits`: audits needed before the threshold can turn blending off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvserve.validation import json_object
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    recompute_fraction: float = 0.15
+    audit_rate: float = 0.0
+    audit_threshold: float = 0.5
+    min_audits: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("recompute_fraction", "audit_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0.0 <= value <= 1.0:
+                raise ValueError(f"blend_config {name} must be a number in [0, 1], "
+                                 f"got {value!r}")
+        if isinstance(self.audit_threshold, bool) \
+                or not isinstance(self.audit_threshold, (int, float)) \
+                or self.audit_threshold <= 0:
+            raise ValueError("blend_config audit_threshold must be a positive number, "
+                             f"got {self.audit_threshold!r}")
+        if isinstance(self.min_audits, bool) or not isinstance(self.min_audits, int) \
+                or self.min_audits < 1:
+            raise ValueError("blend_config min_audits must be a positive integer, "
+                             f"got {self.min_audits!r}")
+
+
+def load_blend_config(value: Any) -> BlendConfig | None:
+    """None, a BlendConfig, a dict or a JSON string (the CLI's) -> the config; unknown keys
+    or bad values raise ValueError naming them."""
+    if value is None or isinstance(value, BlendConfig):
+        return value
+    value = json_object(value, "blend_config")
+    known = {f.name for f in fields(BlendConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"blend_config: unknown key(s) {unknown}; known: {sorted(known)}")
+    return BlendConfig(**value)
