@@ -76,8 +76,10 @@ def tokenize_parts(tokenizer, parts: Sequence[Any],
         check(whole)
     ids: list[int] = []
     documents: list[tuple[int, int]] = []
+    first = True
     for text, document in read:
-        tokens = tokenizer.encode(text, add_special_tokens=not ids) if text else []
+        tokens = tokenizer.encode(text, add_special_tokens=first) if text else []
+        first = False
         if document and tokens:
             documents.append((len(ids), len(ids) + len(tokens)))
         ids.extend(tokens)

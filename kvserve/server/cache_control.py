@@ -32,8 +32,8 @@ def message_control(message: Any) -> dict | None:
     if message.cache_control is not None:
         return message.cache_control
     if isinstance(message.content, list):
-        for part in reversed(message.content):
-            if part.cache_control is not None:
+        for part in reversed(message.content):  # (a document mark is no breakpoint)
+            if part.cache_control is not None and part.cache_control.get("type") != "document":
                 return part.cache_control
     return None
 

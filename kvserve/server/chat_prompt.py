@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.structured_request import history_tool_calls
+from kvserve.server.documents import part_text
 
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
 
@@ -22,7 +23,7 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> str:
         elif isinstance(m.content, str):
             content = m.content
         else:
-            content = "\n".join(part.text for part in m.content)
+            content = "\n".join(part_text(part) for part in m.content)  # (documents marked)
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name

@@ -117,23 +117,26 @@ class _SamplingFields(_Strict):
     guided_decoding_backend: Optional[Any] = None
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[dict[str, Any]] = None  # a breakpoint at its message's end
+    # (or {"type": "document"}: a reusable document, server/documents.py)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Union[Annotated[str, Field(min_length=1)],
                   Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]]
+                  Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  # one prompt as text parts, some marked as documents (server/documents.py)
+                  Annotated[list[TextPart], Field(min_length=1)]]
     # 0 is allowed with echo or prompt_logprobs (score the prompt, generate nothing)
     max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16
     logprobs: Optional[NumLogprobs] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-    cache_control: Optional[dict[str, Any]] = None  # a breakpoint at its message's end
 
 
 class ChatMessage(_Strict):

@@ -26,8 +26,9 @@ from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from kvserve.kv.retention import Retention
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.server.documents import tokenized
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     StreamOptions)
+                                     StreamOptions, TextPart)
 from kvserve.server.auth import AccessPolicy, caller_of
 from kvserve.server.cache_control import request_retention
 from kvserve.server.streaming import (event_stream, reports_field, sse, transfer_field,
@@ -411,6 +412,8 @@ class OpenAIServing:
         for item in _prompt_items(prompt):
             if isinstance(item, str):
                 out.append({"prompt": item, "prompt_token_ids": self._encode(item)})
+            elif item and isinstance(item[0], TextPart):  # server/documents.py
+                out.append(tokenized(self.tokenizer, item, True, self.engine.max_model_len))
             else:
                 out.append({"prompt_token_ids": list(item)})
         return out
@@ -566,7 +569,7 @@ def _prompt_items(prompt) -> list:
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
+    if isinstance(prompt[0], (int, TextPart)):
         return [prompt]
     return list(prompt)
 

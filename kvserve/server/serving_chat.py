@@ -33,6 +33,7 @@ from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Pr
                                     engine_error, finite_logprob, off_loop, text_size)
 from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
+from kvserve.server.documents import has_documents, split_rendered, tokenized
 
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
 
@@ -146,6 +147,9 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # a template is user-supplied code: any failure is a 400
             raise APIError(400, f"chat template error: {type(exc).__name__}: {exc}",
                            param="messages") from exc
+        if has_documents(req.messages):  # kvserve/server/documents.py
+            return tokenized(self.tokenizer, split_rendered(text), False,
+                             self.engine.max_model_len, "the chat prompt")
         return {"prompt": text,
                 "prompt_token_ids": self._encode(text, False, "the chat prompt")}
 
