@@ -239,3 +239,32 @@ def test_preemption_and_a_small_pool_lose_nothing(llama_dir):
     assert [o.outputs[0].token_ids for o in outs] == want * 2
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 or llm.engine.scheduler.blend.counters.fallbacks > 0
+
+
+def test_audits_measure_divergence_and_turn_blending_off(llama_dir):
+    """Every blended request audited: its twins return nothing, the divergence is recorded
+    (KL against the exact distribution, checked here from the twins' own logprobs' formula on
+    a made-up pair), and past the threshold blending stops: later requests compute exactly."""
+    from kvserve.blend.audit import kl_top
+
+    assert kl_top({1: 0.0}, {1: 0.0}) == 0.0
+    assert kl_top({1: -0.1, 2: -2.4}, {1: -0.5, 3: -1.0}) == pytest.approx(
+        0.9048 * 0.4 + 0.0907 * (-2.4 + 1.0), abs=1e-3)
+    prompts = _rag(seed=7)
+    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+              blend_config={"recompute_fraction": 0.0, "audit_rate": 1.0,
+                            "audit_threshold": 1e-9, "min_audits": 1})
+    outs = generate_checked(llm, prompts[:2], GREEDY)
+    assert len(outs) == 2
+    stats = llm.engine.stats().blend
+    assert stats["audits"] >= 1 and stats["audit_divergence_mean"] > 0
+    assert stats["enabled"] == 0
+    blended = stats["blended_requests"]
+    generate_checked(llm, prompts[2:], GREEDY)
+    assert llm.engine.stats().blend["blended_requests"] == blended  # off: computed exactly
+    # A generous threshold keeps it on.
+    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+              blend_config={"recompute_fraction": 0.0, "audit_rate": 1.0,
+                            "audit_threshold": 1e6, "min_audits": 1})
+    generate_checked(llm, prompts, GREEDY)
+    assert llm.engine.stats().blend["enabled"] == 1 and llm.engine.stats().blend["audits"] >= 1

@@ -73,3 +73,14 @@ def test_completion_prompt_parts_and_bad_marks(server):
     with pytest.raises(openai.BadRequestError, match="cache_control must be"):
         client.completions.create(model=model, max_tokens=1, prompt=[
             {"type": "text", "text": "x", "cache_control": {"type": "forever"}}])
+
+
+def test_metrics_count_blended_requests(server):
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("kvserve:doc_blend")]
+    blended = [ln for ln in lines if 'event="blended_requests"' in ln and "_total" in ln]
+    assert blended and float(blended[0].split()[-1]) >= 2, lines
+    assert any(ln.startswith("kvserve:doc_blend_enabled") and ln.endswith(" 1.0")
+               for ln in lines), lines

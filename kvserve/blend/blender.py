@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.blend.audit import AuditTwin, BlendAuditor
 from kvserve.blend.config import BlendConfig
 from kvserve.blend.select import BlendPlan, plan_blend
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.plan import StepPlan, TokenPlacement
 from kvserve.kv.prefix_index import PrefixMatch
-from kvserve.request import Request
+from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 
 DOC_ID_PREFIX = "kvserve-doc-"
@@ -93,6 +94,8 @@ class Blender:
         self._placements: list[TokenPlacement] = []
         self._pending: dict[str, dict[int, list[int]]] = {}  # chosen, not yet admitted
         self._next_id = 0
+        self.auditor = BlendAuditor(config.audit_rate, config.audit_threshold,
+                                    config.min_audits) if config.audit_rate > 0 else None
 
     # -- admission ------------------------------------------------------------------------
     def consider(self, request: Request, match: PrefixMatch, budget: int
@@ -142,6 +145,8 @@ class Blender:
         request.publish_limit = min(a for a, _, _ in plan.placed)
         request.blend_runs = plan.runs
         request.blend_counts = (plan.reused, plan.recomputed, plan.computed)
+        if self.auditor is not None:
+            self.auditor.sample(request)
         c = self.counters
         c.blended_requests += 1
         c.reused_tokens += plan.reused
@@ -207,6 +212,36 @@ class Blender:
         seq.runs = tuple((a, b - a) for a, b in runs)
         return seq
 
+    def internal(self, request: Request) -> bool:
+        """Whether `request` is the engine's own (a document request or an audit twin)."""
+        return isinstance(request, (DocumentRequest, AuditTwin))
+
+    def take_spawned(self) -> list[Request]:
+        """Audit twins queued since the last step (they wait behind user requests)."""
+        return self.auditor.take_spawned() if self.auditor is not None else []
+
+    def observe(self, twin: AuditTwin, logprobs: dict[int, float] | None) -> None:
+        """An audit twin sampled its token (the scheduler finished it, without output)."""
+        if self.auditor is not None and self.auditor.observe(twin, logprobs) is False:
+            self.enabled = False
+
+    def drop_failed(self, scheduler, requests: list[Request], failed: dict) -> None:
+        """Internal requests that failed in a step: finished here, never reported."""
+        for request in requests:
+            if self.internal(request) and request.request_id in failed:
+                del failed[request.request_id]
+                self.forget(request)
+                if not request.finished:
+                    scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+
+    def stats(self) -> dict:
+        out: dict = self.counters.as_dict()
+        out["enabled"] = int(self.enabled)
+        if self.auditor is not None:
+            out["audits"] = self.auditor.state.audits
+            out["audit_divergence_mean"] = self.auditor.state.mean
+        return out
+
     def complete(self, request: Request) -> bool:
         """Whether `request` is a document request (whose blocks are now published): the
         caller finishes it, without output."""
@@ -217,9 +252,12 @@ class Blender:
         return True
 
     def forget(self, request: Request) -> None:
-        """A document request that ended otherwise (aborted): it may be asked again."""
+        """An internal request that ended otherwise (aborted, failed): a document may be
+        asked for again, an audit is dropped."""
         if isinstance(request, DocumentRequest):
             self.inflight.pop(request.key, None)
+        elif isinstance(request, AuditTwin) and self.auditor is not None:
+            self.auditor.forget(request)
 
 
 def build_blender(config: BlendConfig | None, kv: KVCacheManager, tokenizer) -> Blender | None:

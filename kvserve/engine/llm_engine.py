@@ -37,6 +37,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.parallel.build import build_parallel_engine
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
+from kvserve.blend.audit import TWIN_ID_PREFIX
 from kvserve.blend.blender import DOC_ID_PREFIX, build_blender
 from kvserve.spec.build import build_speculator, drop_tokens
 from kvserve.structured.grammar import GrammarCompiler
@@ -133,7 +134,7 @@ class LLMEngine:
             self._next_id += 1
         elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        elif request_id.startswith(DOC_ID_PREFIX):
+        elif request_id.startswith((DOC_ID_PREFIX, TWIN_ID_PREFIX)):
             raise ValueError(f"request ids starting with {DOC_ID_PREFIX!r} are the engine's "
                              "own (document reuse)")
         elif self.audit is not None and request_id.startswith(AUDIT_ID_PREFIX):

@@ -155,6 +155,8 @@ class Scheduler:
 
         if not preempted:
             self._admit(chosen, budget)
+            if self.blend is not None:
+                self.waiting.extend(self.blend.take_spawned())  # audit twins, behind users
             if self.audit is not None:
                 self.audit.schedule(self, chosen)  # with what the step has left
 
@@ -304,6 +306,10 @@ class Scheduler:
             request = requests[i]
             if token is None or (failed and (request.parent_id or request.request_id) in failed):
                 continue
+            if self.blend is not None and self.blend.internal(request):  # an audit twin
+                append(request, token, logprobs, now)  # (max_tokens 1: this finishes it)
+                self.blend.observe(request, logprobs)
+                continue
             try:
                 if request.draft_token_ids:
                     accepted = out.accepted.get(i)
@@ -315,6 +321,8 @@ class Scheduler:
                 failed[request.parent_id or request.request_id] = exc
             if request.draft_token_ids:
                 self._settle_drafts(request)
+        if self.blend is not None and failed:
+            self.blend.drop_failed(self, batch.requests, failed)  # its own: no output
         return result
 
     def _accept(self, request: Request, accepted: tuple[list[int], list] | None,
@@ -524,7 +532,8 @@ class Scheduler:
             idle_blocks_by_tenant=dict(kv.pool.idle_by_tenant),  # zeros too: gauges go back
             audits=self.audit.stats() if self.audit is not None else {},
             swap=self.swap.stats.as_dict() if self.swap is not None else {},
-            spec_decode=self.spec.counters.as_dict() if self.spec is not None else {})
+            spec_decode=self.spec.counters.as_dict() if self.spec is not None else {},
+            blend=self.blend.stats() if self.blend is not None else {})
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks (and, with the next step,

@@ -40,3 +40,5 @@ class EngineStats:
     # Speculative decoding (kvserve/spec/speculator.py's SpecCounters, vLLM's names):
     # num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos; empty without it.
     spec_decode: dict = field(default_factory=dict)
+    # Document reuse (kvserve/blend/): its counters, audits and whether it is on ({}: off).
+    blend: dict = field(default_factory=dict)

@@ -165,8 +165,18 @@ class PrometheusStatLogger:
         self.spec_decode_accepted_per_pos = counter(
             "kvserve:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", ["position"])
+        # Document reuse (--blend-config): counters by event, the audits' mean divergence
+        self.blend = counter("kvserve:doc_blend", "Document reuse (--blend-config), by event: "
+                             "blended_requests, reused_tokens, recomputed_tokens, "
+                             "computed_tokens, documents_computed, fallbacks, audits.",
+                             ["event"])
+        self.blend_divergence = gauge("kvserve:doc_blend_audit_divergence",
+                                      "Mean KL divergence (nats) of audited blended requests' "
+                                      "next-token distributions from exact ones.")
+        self.blend_enabled = gauge("kvserve:doc_blend_enabled",
+                                   "1 while document reuse is on, 0 once an audit turned it off.")
         self._label = {"model_name": model_name}
-        labelled = {"audits", "swaps", "swap_bytes", "spec_decode_accepted_per_pos",
+        labelled = {"audits", "blend", "swaps", "swap_bytes", "spec_decode_accepted_per_pos",
                     "cache_config_info", "request_success",
                     "hits_by_source",
                     "missed_by_reason", "tenant_idle_blocks",
@@ -223,6 +233,11 @@ class PrometheusStatLogger:
                    direction=None)
         self._tier_metrics(engine, stats)
         self._spec_metrics(stats.spec_decode)
+        if stats.blend:
+            blend = dict(stats.blend)
+            self.m("blend_divergence").set(blend.pop("audit_divergence_mean", 0.0))
+            self.m("blend_enabled").set(blend.pop("enabled"))
+            self._grow(self.blend, blend, event=None)
 
     def _spec_metrics(self, spec: dict) -> None:
         """The speculative-decoding counters ({} without speculation)."""
