@@ -146,7 +146,8 @@ def test_recomputing_every_reused_token_equals_transformers(llama_dir):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypatch):
+@pytest.mark.parametrize("anchor", ["prefix", "separator"])
+def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypatch, anchor):
     """With nothing recomputed, the request's KV at a document's positions is the document
     request's stored KV, keys turned by RoPE from their stored positions to their new ones
     (computed here from transformers' cos/sin, not kvserve's table)."""
@@ -165,10 +166,12 @@ def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypat
         return finish(self, request, status)
 
     monkeypatch.setattr(scheduler_module.Scheduler, "finish", capture)
-    llm = _blend_llm(llama_dir, 0.0)
+    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+              blend_config={"recompute_fraction": 0.0, "anchor": anchor})
     prompt = _rag(seed=3)[0]
     generate_checked(llm, [prompt], SamplingParams(max_tokens=1))
-    sep = llm.engine.scheduler.blend.separator
+    sep = llm.engine.scheduler.blend.separator if anchor == "separator" \
+        else prompt["prompt_token_ids"][:prompt["documents"][0][0]]
     doc_ids = sorted(k for k in captured if k.startswith("kvserve-doc-"))
     request_kv = captured[next(k for k in captured if not k.startswith("kvserve-doc-"))]
     cfg = transformers.AutoConfig.from_pretrained(llama_dir)
@@ -216,16 +219,17 @@ def test_blended_kv_is_never_published_and_reused_tokens_are_counted(llama_dir):
     generate_checked(llm, prompts[:1], GREEDY)
     params = SamplingParams(max_tokens=4, kv_cache_report=True)
     out = generate_checked(llm, prompts[1:2], params)[0]
-    first_doc = prompts[1]["documents"][0][0]
+    first_doc_end = prompts[1]["documents"][0][1]
     report = out.kv_cache_report["documents"]
     assert report["reused_tokens"] > 0 and report["recomputed_tokens"] > 0
     assert out.num_cached_tokens == out.kv_cache_report["cached_tokens"] + report["reused_tokens"]
-    # The same tokens unmarked find at most the exact blocks before the first document.
+    # The same tokens unmarked find at most exact blocks: the anchor (the text before the
+    # first document) and that document, as its document request computed them.
     from kvserve.request import Request
 
     probe = Request("probe", out.prompt_token_ids + out.outputs[0].token_ids, params, 1)
     match = llm.engine.kv.device_match(probe)
-    assert match.num_full_blocks * 8 <= first_doc
+    assert match.num_full_blocks * 8 <= first_doc_end
 
 
 def test_preemption_and_a_small_pool_lose_nothing(llama_dir):
@@ -248,8 +252,12 @@ def test_audits_measure_divergence_and_turn_blending_off(llama_dir):
     from kvserve.blend.audit import kl_top
 
     assert kl_top({1: 0.0}, {1: 0.0}) == 0.0
+    # over tokens 1, 2: exact (0.9048, 0.0907) and blended (0.6065, 0.3679: token 2 missing,
+    # given the blended floor e^-1), each renormalised
+    e = torch.tensor([0.9048, 0.0907]) / 0.9955
+    b = torch.tensor([0.6065, 0.3679]) / 0.9744
     assert kl_top({1: -0.1, 2: -2.4}, {1: -0.5, 3: -1.0}) == pytest.approx(
-        0.9048 * 0.4 + 0.0907 * (-2.4 + 1.0), abs=1e-3)
+        float((e * (e / b).log()).sum()), abs=1e-3)
     prompts = _rag(seed=7)
     llm = LLM(model=str(llama_dir), block_size=8, seed=0,
               blend_config={"recompute_fraction": 0.0, "audit_rate": 1.0,

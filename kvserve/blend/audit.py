@@ -12,9 +12,9 @@ How: at a sampled request's admission two internal twins of its prompt are queue
 waiting requests, each max_tokens 1 with the top `TOP_K` logprobs: one blended as the request
 was, one exact under a salt of its own (it reads no document and no blended block, and what it
 publishes no other request can read). They return no output; once both have sampled, the
-divergence is KL(exact || blended) over the exact distribution's top tokens (a token missing
-from the blended top-k is given the blended k-th logprob, an upper bound on its probability,
-so the estimate errs towards larger divergence).
+divergence is KL(exact || blended) over the exact distribution's top tokens, both renormalised
+over them (a token missing from the blended top-k is given the blended k-th logprob, an upper
+bound on its probability).
 """
 
 from __future__ import annotations
@@ -53,9 +53,19 @@ class AuditState:
 
 
 def kl_top(exact: dict[int, float], blended: dict[int, float]) -> float:
-    """KL(exact || blended) in nats over the exact top-k (see the module docstring)."""
+    """KL(exact || blended) in nats over the exact top-k tokens, both distributions
+    renormalised over them (so the estimate is a true KL, >= 0; see the module docstring)."""
     floor = min(blended.values())
-    return sum(math.exp(lp) * (lp - blended.get(t, floor)) for t, lp in exact.items())
+    tokens = list(exact)
+    e = _normalised([exact[t] for t in tokens])
+    b = _normalised([blended.get(t, floor) for t in tokens])
+    return max(0.0, sum(math.exp(x) * (x - y) for x, y in zip(e, b)))
+
+
+def _normalised(logprobs: list[float]) -> list[float]:
+    top = max(logprobs)
+    total = top + math.log(sum(math.exp(x - top) for x in logprobs))
+    return [x - total for x in logprobs]
 
 
 class BlendAuditor:

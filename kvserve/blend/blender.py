@@ -2,12 +2,13 @@
 are their KV stored, where do they go, and which positions does its step compute.
 
 Where a document's KV lives: in the prefix index, as an ordinary cached prefix. A document's KV
-"as if it started at position 0 after a fixed short separator" is exactly the KV of the prompt
-`separator + document`, so an internal prefill-only request (`DocumentRequest`) computes that
-prompt (padded to whole blocks) and publishes its blocks like any request; they are then
-content-addressed by their chained token hashes under the requester's cache salt (tenants stay
-apart), evicted by the pool's policy, saved to and loaded from the storage tiers, and counted
-by the same pool: one prefix cache serves prefixes and documents.
+computed behind its anchor (the request's text before its first document, or a fixed short
+separator: blend_config `anchor`) is exactly the KV of the prompt `anchor + document`, so an
+internal prefill-only request (`DocumentRequest`) computes that prompt (padded to whole blocks;
+the anchor is mostly a prefix-cache hit) and publishes its blocks like any request; they are
+then content-addressed by their chained token hashes under the requester's cache salt (tenants
+stay apart), evicted by the pool's policy, saved to and loaded from the storage tiers, and
+counted by the same pool: one prefix cache serves prefixes and documents.
 
 Admission of a request with documents past its prefix hit:
 1. each document's blocks are looked up on the device (`KVCacheManager.device_match`); for a
@@ -125,7 +126,7 @@ class Blender:
     def admitted(self, request: Request, plan: BlendPlan) -> None:
         """After `KVCacheManager.admit` gave the request its blocks: hold the stored blocks,
         plan the placements, keep the request from publishing blended blocks."""
-        bs, sep = self.kv.block_size, len(self.separator)
+        bs, sep = self.kv.block_size, len(self._separator(request))
         table = self.kv.block_table(request)
         held = self._pending.pop(request.request_id)
         for first, end, origin in plan.placed:
@@ -176,8 +177,15 @@ class Blender:
             self._held = []
 
     # -- documents ------------------------------------------------------------------------
+    def _separator(self, request: Request) -> list[int]:
+        """What a document is computed behind (blend_config anchor, config.py says why)."""
+        first = request.documents[0][0]
+        if self.config.anchor == "prefix" and first > 0:
+            return request.token_ids[:first]
+        return self.separator
+
     def _padded(self, request: Request, start: int, end: int) -> list[int]:
-        tokens = self.separator + request.token_ids[start:end]
+        tokens = self._separator(request) + request.token_ids[start:end]
         bs = self.kv.block_size
         return tokens + [self.pad] * (-len(tokens) % bs)
 
