@@ -135,14 +135,23 @@ def _blend_llm(path, fraction: float, **kw) -> LLM:
                seed=0, **kw)
 
 
-def test_recomputing_every_reused_token_equals_transformers(llama_dir):
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    from conftest import _hf_config
+
+    return save_random_checkpoint(_hf_config("qwen2"), tmp_path_factory.mktemp("blend") / "q")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_recomputing_every_reused_token_equals_transformers(arch, request):
+    model_dir = request.getfixturevalue(f"{arch}_dir")
     prompts = _rag(seed=2)
-    llm = _blend_llm(llama_dir, 1.0)
+    llm = _blend_llm(model_dir, 1.0)
     generate_checked(llm, prompts[:1], GREEDY)  # its documents stored, then reused below
     outs = generate_checked(llm, prompts, GREEDY)
     counters = llm.engine.scheduler.blend.counters
     assert counters.blended_requests >= 3 and counters.recomputed_tokens > 0
-    want = hf_greedy(llama_dir, [p["prompt_token_ids"] for p in prompts], GREEDY.max_tokens)
+    want = hf_greedy(model_dir, [p["prompt_token_ids"] for p in prompts], GREEDY.max_tokens)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
