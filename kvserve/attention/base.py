@@ -35,6 +35,10 @@ class SequenceSlice:
     observe_start: int = 0
     observe_len: int = 0
     key: str | None = None
+    # Document reuse (kvserve/blend/): the rows' positions when they are not the last
+    # query_len of seq_len (a blended request computes runs of positions; each row sees every
+    # stored position up to its own). None: the usual contiguous rows.
+    positions: torch.Tensor | None = None
 
 
 @dataclass

@@ -220,6 +220,13 @@ class TorchAttentionBackend(AttentionBackend):
         """`over_cache`: gather the stored K/V even without context (the codec path: a
         quantized pool, or one stored in another float type than the model's)."""
         context = seq.seq_len - seq.query_len
+        if seq.positions is not None:  # rows at given positions (document reuse)
+            first, last = _block_span(int(seq.positions[0]), seq.seq_len, window,
+                                      self.block_size)
+            blocks = torch.tensor(seq.block_table[first:last], dtype=torch.long)
+            k_pos = torch.arange(first * self.block_size, last * self.block_size)
+            return _PrefillPlan(seq, blocks, _window_mask(seq.positions, k_pos, window),
+                                self.pool.state_lookup(blocks))
         if context == 0 and not over_cache:
             if window is None or seq.query_len <= window:
                 return _PrefillPlan(seq, None, None)  # plain causal over the new tokens

@@ -144,15 +144,17 @@ class ModelRunner:
 
     def _runs(self, seq: SeqStep, flat_start: int, positions: list[int], slots: list[int],
               prefills: list[SequenceSlice]) -> None:
-        """A blended request's runs as prefill slices over its one table: each attends to
-        every position before its own, the rows of the other runs included, whose K/V the
-        backend stores (prefill rows first, all of them) before any slice reads."""
-        bs, table, at = self.block_size, seq.block_tables[0], flat_start
-        for first, length in seq.runs:
-            positions.extend(range(first, first + length))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + length))
-            prefills.append(SequenceSlice(at, length, first + length, table))
-            at += length
+        """A blended request's runs as one prefill slice over its table whose rows carry
+        their positions: each row attends to every stored position up to its own, the rows of
+        the other runs included (the backend stores every prefill row's K/V before any row
+        reads), in one gather and one attention call per layer."""
+        bs, table = self.block_size, seq.block_tables[0]
+        mine = [p for first, length in seq.runs for p in range(first, first + length)]
+        positions.extend(mine)
+        slots.extend(table[p // bs] * bs + p % bs for p in mine)
+        sl = SequenceSlice(flat_start, len(mine), mine[-1] + 1, table)
+        sl.positions = torch.tensor(mine, dtype=torch.long)
+        prefills.append(sl)
 
     def forward(self, seqs: list[SeqStep]) -> StepOutput:
         """The forward over the step's sequences (its plan applied already)."""
