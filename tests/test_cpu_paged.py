@@ -104,6 +104,32 @@ def test_kernel_stores_the_new_token_then_reads_it(dtype, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("context", [5, 700], ids=["short", "threaded"])
+def test_rows_of_one_sequence_read_each_others_new_tokens(context, threads):
+    """A speculative verification (worker/model_runner.py's _draft_rows): five rows of one
+    block table at consecutive positions, row j attending to the context and rows 0..j. Every
+    row's new K/V must be stored before any row reads, also when threads share the rows out
+    (700 tokens of context: past the kernel's threading threshold)."""
+    h, hkv, d, bs = 8, 2, 64, 16
+    rows = 5
+    q, k, v, tables = _case(torch.float32, h, hkv, d, bs, [context + rows], seed=5)
+    q = torch.randn(rows, h, d, generator=torch.Generator().manual_seed(6))
+    new_k, new_v = torch.randn(rows, hkv, d), torch.randn(rows, hkv, d)
+    want_k, want_v = k.clone(), v.clone()
+    for j in range(rows):
+        block, row = tables[0][(context + j) // bs], (context + j) % bs
+        want_k[block, row], want_v[block, row] = new_k[j], new_v[j]
+    lens = [context + j + 1 for j in range(rows)]
+    table_t = torch.tensor(tables * rows)
+    out = kernel.step(table_t, torch.tensor(lens)).run(
+        q, cpu_paged.PagedKV(cpu_paged.F32, k, v, d), 0.125, new_k=new_k, new_v=new_v)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    for j, n in enumerate(lens):
+        ref = reference_paged_attention(q[j: j + 1], want_k, want_v, tables[0], n, 0.125)[0]
+        torch.testing.assert_close(out[j], ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_reads_strided_queries():
     """q as the model hands it over: a view into the fused [T, H + Hkv, D] q/k tensor."""
     lens = [9, 30]

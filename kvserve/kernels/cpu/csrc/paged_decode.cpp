@@ -30,7 +30,8 @@
 //   out      [n, H, D] float32, contiguous
 //   new_k, new_v  (float kinds, optional) the step's new K/V row per sequence, [n, Hkv, D] in
 //            the cache's own type, row strides new_k_stride / new_v_stride (elements): each is
-//            stored at position lens[s] - 1 of its sequence before that sequence is read
+//            stored at position lens[s] - 1 of its sequence, all of them before any row is
+//            read (rows may share a table: a sequence's verification rows read each other's)
 //            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
 // (running max and sum per head, flash-attention style) in float32, a tile of whole blocks
@@ -472,23 +473,27 @@ void decode(const Args& a) {
   const bool threaded = a.n * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
   // Items are claimed from parallel.h's pool (OpenMP's team, after its region, spun on the
   // cores the quantized kernels' pool needed: batch-32 steps ~20% slower than passive).
+  // Every row's new K/V first, then any row reads: rows of one sequence (speculative
+  // decoding's verification, a row per drafted token at consecutive positions) read each
+  // other's, so a row stored by the item that reads it would race with the threads reading
+  // it as context. A token row of all heads is contiguous (a few hundred bytes).
+  if constexpr (K == F32 || K == BF16 || K == F16) {
+    if (a.new_k) {
+      const int64_t bytes = Hkv * row_width * esize;
+      for (int64_t s = 0; s < a.n; ++s) {
+        const int64_t pos = a.lens[s] - 1;
+        const int64_t at = a.tables[s * a.table_stride + pos / bs] * block_stride +
+                           pos % bs * token_stride;
+        std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + at * esize,
+                    static_cast<const char*>(a.new_k) + s * a.new_k_stride * esize, bytes);
+        std::memcpy(static_cast<char*>(const_cast<void*>(a.v)) + at * esize,
+                    static_cast<const char*>(a.new_v) + s * a.new_v_stride * esize, bytes);
+      }
+    }
+  }
   const auto run_item = [&](int64_t item) {
     const int64_t s = item / parts;
     const int64_t hk0 = item % parts * per_item;
-    if constexpr (K == F32 || K == BF16 || K == F16) {
-      if (a.new_k) {  // this item's heads of the sequence's new token, then read them
-        const int64_t pos = a.lens[s] - 1;
-        const int64_t at = a.tables[s * a.table_stride + pos / bs] * block_stride +
-                           pos % bs * token_stride + hk0 * row_width;
-        const int64_t bytes = per_item * row_width * esize;
-        std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + at * esize,
-                    static_cast<const char*>(a.new_k) + (s * a.new_k_stride + hk0 * D) * esize,
-                    bytes);
-        std::memcpy(static_cast<char*>(const_cast<void*>(a.v)) + at * esize,
-                    static_cast<const char*>(a.new_v) + (s * a.new_v_stride + hk0 * D) * esize,
-                    bytes);
-      }
-    }
     // Per query head h of the item (query head hk0 * G + h of the sequence): its running
     // softmax max and sum, value accumulator, scaled query (int4: in nibble order), this
     // tile's scores (at h * kScoreStride).
