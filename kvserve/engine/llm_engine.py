@@ -69,7 +69,7 @@ class LLMEngine:
             if config.kv_audit_rate > 0 else None
         self.scheduler.audit = self.audit
         self.scheduler.swap = build_swap_space(config, self.kv, self.tensors)
-        self.scheduler.spec = build_speculator(config.speculative_config, self.kv)
+        self.scheduler.spec = build_speculator(config.speculative_config, self.kv, self.model)
         self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
