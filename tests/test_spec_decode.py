@@ -458,3 +458,47 @@ def test_speculation_turns_itself_down():
     for _ in range(_THROTTLE_STEPS):
         spec.active(1)
     assert not spec.throttled and spec.propose(fresh, 10) == [7] * 4
+
+
+# -- the server --------------------------------------------------------------------------------
+def _serve_and_ask(tmp_path, name: str, args: list[str]) -> list:
+    """Start `kvserve serve` on SmolLM2 with `args`, ask it two greedy questions through the
+    official openai client (chat and completions), stop it; the responses."""
+    import openai
+    from gguf_files import smollm2_path
+    from server_process import ServerProcess
+
+    text = ("The KV cache keeps the keys and values of every token a request has computed, in "
+            "blocks of sixteen tokens. A block that fills is published to the prefix index.")
+    proc = ServerProcess(name, [str(smollm2_path()), "--served-model-name", "m", *args],
+                         tmp_path, max_model_len=1024)
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        chat = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Repeat exactly:\n\n{text}"}],
+            temperature=0.0, max_tokens=64)
+        completion = client.completions.create(model="m", prompt=f"{text}\n\n{text[:60]}",
+                                               temperature=0.0, max_tokens=48)
+        return [chat, completion]
+    finally:
+        assert proc.stop() is None, proc.log()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_server_outputs_and_usage_with_speculation(tmp_path):
+    """A real `kvserve serve --speculative-config` against the same server without it: the
+    same greedy text, and the usage carries the drafted and accepted token counts (absent
+    without speculation)."""
+    off = _serve_and_ask(tmp_path, "spec-off", [])
+    on = _serve_and_ask(tmp_path, "spec-on", [
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert on[0].choices[0].message.content == off[0].choices[0].message.content
+    assert on[1].choices[0].text == off[1].choices[0].text
+    for a, b in zip(off, on):
+        assert "num_draft_tokens" not in (a.usage.model_extra or {})
+        extra = b.usage.model_extra
+        assert extra["num_draft_tokens"] > 0 and 0 < extra["num_accepted_tokens"] \
+            <= extra["num_draft_tokens"], extra
+        assert b.usage.completion_tokens == a.usage.completion_tokens

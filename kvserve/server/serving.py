@@ -324,9 +324,14 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        if drafted:  # speculative decoding (kvserve's extension, RequestMetrics' names)
+            usage.update(num_draft_tokens=drafted, num_accepted_tokens=sum(
+                o.metrics.num_accepted_tokens for o in outs))
+        return usage
 
     @staticmethod
     def _choice_usage(num_prompt_tokens: int, c: CompletionOutput | None) -> dict[str, int]:
