@@ -618,6 +618,18 @@ void decode(const Args& a) {
         return buf;
       }
     };
+    // add(p, acc, nt) over the item's query heads of KV head hk, nt <= 4 of one row at a time
+    // (a row's heads of hk are consecutive): the V pass's value sums, p at tile position `at`
+    const auto value_heads = [&](int64_t hk, int64_t at, auto&& add) {
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t end = r * heads + (hk - hk0 + 1) * G;
+        for (int64_t h = end - G; h < end; h += 4) {
+          ahead.ask(ask_per_call);
+          add(scores + h * kScoreStride + at, acc + h * D,
+              static_cast<int>(std::min<int64_t>(4, end - h)));
+        }
+      }
+    };
     // Tiles of whole blocks, up to kTile tokens: all the tile's scores first (K pass), one
     // softmax update per head, then the value sums (V pass). Why tiles, not blocks: the
     // online softmax's per-head work (max, rescale of the accumulator, sum) ran once per block
@@ -743,36 +755,23 @@ void decode(const Args& a) {
               if (D == 64 || D == 128) {  // strided rows
                 const float* r0 = static_cast<const float*>(a.v) + block * block_stride +
                                   (lo + j0) * token_stride + hk * D;
-                for (int64_t r = 0; r < R; ++r) {
-                  const int64_t end = r * heads + (hk - hk0 + 1) * G;
-                  for (int64_t h = end - G; h < end; h += 4) {
-                    ahead.ask(ask_per_call);
-                    const float* p = scores + h * kScoreStride + pos + j0;
-                    float* ah = acc + h * D;
-                    const int nt = static_cast<int>(std::min<int64_t>(4, end - h));
-                    if (D == 64) add_values_strided_n<64>(nt, ah, p, r0, token_stride, mrows);
-                    else add_values_strided_n<128>(nt, ah, p, r0, token_stride, mrows);
-                  }
-                }
+                value_heads(hk, pos + j0, [&](const float* p, float* ah, int nt) {
+                  if (D == 64) add_values_strided_n<64>(nt, ah, p, r0, token_stride, mrows);
+                  else add_values_strided_n<128>(nt, ah, p, r0, token_stride, mrows);
+                });
                 continue;
               }
             }
             for (int64_t j = 0; j < mrows; ++j)
               rows[j] = value_row(block, hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t end = r * heads + (hk - hk0 + 1) * G;
-              for (int64_t h = end - G; h < end; h += 4) {
-                ahead.ask(ask_per_call);
-                const float* p = scores + h * kScoreStride + pos + j0;
-                float* ah = acc + h * D;
-                switch (std::min<int64_t>(4, end - h)) {
-                  case 4: add_values<4>(ah, D, p, kScoreStride, rows, mrows); break;
-                  case 3: add_values<3>(ah, D, p, kScoreStride, rows, mrows); break;
-                  case 2: add_values<2>(ah, D, p, kScoreStride, rows, mrows); break;
-                  default: add_values<1>(ah, D, p, kScoreStride, rows, mrows); break;
-                }
+            value_heads(hk, pos + j0, [&](const float* p, float* ah, int nt) {
+              switch (nt) {
+                case 4: add_values<4>(ah, D, p, kScoreStride, rows, mrows); break;
+                case 3: add_values<3>(ah, D, p, kScoreStride, rows, mrows); break;
+                case 2: add_values<2>(ah, D, p, kScoreStride, rows, mrows); break;
+                default: add_values<1>(ah, D, p, kScoreStride, rows, mrows); break;
               }
-            }
+            });
           }
         }
         pos += count;
