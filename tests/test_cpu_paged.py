@@ -104,6 +104,39 @@ def test_kernel_stores_the_new_token_then_reads_it(dtype, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context", [5, 251, 700], ids=["short", "tile-edge", "threaded"])
+def test_rows_of_one_sequence_read_each_others_new_tokens(dtype, context, threads):
+    """A speculative verification (worker/model_runner.py's _draft_rows): five rows of one
+    block table at consecutive positions, row j attending to the context and rows 0..j. Every
+    row's new K/V must be stored before any row reads, also when threads share the rows out
+    (700 tokens of context: past the kernel's threading threshold); the kernel reads the
+    shared keys once for all five rows, and each row must still get the very bits it gets
+    alone (the rows cross a chunk, a block and, from 251, a 256-token tile)."""
+    h, hkv, d, bs = 9, 3, 64, 16
+    rows = 5
+    q, k, v, tables = _case(dtype, h, hkv, d, bs, [context + rows], seed=5)
+    q = torch.randn(rows, h, d, generator=torch.Generator().manual_seed(6))
+    new_k, new_v = torch.randn(rows, hkv, d).to(dtype), torch.randn(rows, hkv, d).to(dtype)
+    want_k, want_v = k.clone(), v.clone()
+    for j in range(rows):
+        block, row = tables[0][(context + j) // bs], (context + j) % bs
+        want_k[block, row], want_v[block, row] = new_k[j], new_v[j]
+    lens = [context + j + 1 for j in range(rows)]
+    table_t = torch.tensor(tables * rows)
+    kind = cpu_paged.FLOAT_KINDS[dtype]
+    out = kernel.step(table_t, torch.tensor(lens)).run(
+        q, cpu_paged.PagedKV(kind, k, v, d), 0.125, new_k=new_k, new_v=new_v)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    for j, n in enumerate(lens):
+        ref = reference_paged_attention(q[j: j + 1], want_k, want_v, tables[0], n, 0.125)[0]
+        torch.testing.assert_close(out[j], ref, atol=2e-5, rtol=1e-5)
+        alone = kernel.step(table_t[:1], torch.tensor([n])).run(
+            q[j: j + 1], cpu_paged.PagedKV(kind, k, v, d), 0.125)
+        assert torch.equal(out[j], alone[0]), f"row {j} differs from its decode alone"
+
+
+@needs_kernel
 def test_kernel_reads_strided_queries():
     """q as the model hands it over: a view into the fused [T, H + Hkv, D] q/k tensor."""
     lens = [9, 30]

@@ -162,6 +162,58 @@ def test_seeded_verification_is_reproducible():
     assert runs[0] == runs[1]
 
 
+# -- the decode kernels a verification's rows run -----------------------------------------------
+# A verification's k + 1 rows run beside each other in one decode step (worker/model_runner.py's
+# _draft_rows); greedy with speculation equals greedy without only if a row's result does not
+# depend on how many rows share the call. Each kernel's rows alone against the same rows in
+# calls of 2 to 9 and 16 rows, bit for bit.
+_ROW_COUNTS = (2, 3, 4, 5, 6, 7, 8, 9, 16)
+
+
+def _rows_alone_and_together(op, k: int, seed: int) -> None:
+    x = torch.randn(max(_ROW_COUNTS), k, generator=torch.Generator().manual_seed(seed)) * 3
+    alone = torch.cat([op(x[r:r + 1].clone()) for r in range(x.shape[0])])
+    for rows in _ROW_COUNTS:
+        together = op(x[:rows].clone())
+        bad = [r for r in range(rows) if not torch.equal(together[r], alone[r])]
+        assert not bad, f"{rows} rows: rows {bad} differ from the same rows alone"
+
+
+def test_float_gemv_rows_are_independent():
+    from kvserve.kernels.cpu import gemv
+
+    kern = gemv.load()
+    if kern is None:
+        pytest.skip("no C++ compiler")
+    w = torch.randn(70, 320, generator=torch.Generator().manual_seed(1))  # n not of 4
+    for mode in (gemv.MODE_STORE, gemv.MODE_SILU_MUL):
+        _rows_alone_and_together(kern.bind(w, None, mode), 320, seed=2)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("layout", ["rows", "tiles", "float_x"])
+def test_quantized_gemv_rows_are_independent(isa, type_name, layout):
+    from test_quant_kquants import K_TYPES, _kblocks
+    from test_quant_linear import ISAS, _kernel, _weight
+
+    from kvserve.kernels.cpu import qgemv
+
+    if layout == "float_x" and type_name != "Q8_0":
+        pytest.skip("float x: Q8_0 only (the LM head's)")
+    kern = _kernel(dict(ISAS)[isa])
+    n, k = 64, 256 * 3 if type_name in K_TYPES else 32 * 19
+    wq, _ = (_kblocks if type_name in K_TYPES else _weight)(type_name, n, k, seed=3)
+    tiled = layout == "tiles"
+    if tiled:
+        wq = kern.pack_tiles(wq, type_name, k)
+    for mode in (qgemv.MODE_STORE, qgemv.MODE_SILU_MUL):
+        if layout == "float_x" and mode != qgemv.MODE_STORE:
+            continue
+        op = kern.bind(wq, type_name, k, None, mode, layout == "float_x", tiled)
+        _rows_alone_and_together(op, k, seed=4)
+
+
 # -- the engine --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
@@ -308,27 +360,49 @@ def test_seeded_sampling_is_reproducible_with_speculation(llama_dir):
 
 @pytest.fixture(scope="module")
 def smollm2_reference():
-    """SmolLM2 (the embedded default model) without speculation: greedy answers to prompts that
-    quote their context, the drafters' case."""
+    """SmolLM2 (the embedded default model, its quantized GGUF kernels) without speculation:
+    greedy answers, with each token's logprob, to prompts that quote their context (the
+    drafters' case): a paragraph to repeat, a question on it, and a Python file to rewrite with
+    one change (where the multi-row kernels of the first verification path once turned near
+    ties the other way)."""
+    from pathlib import Path
+
     text = ("The KV cache keeps the keys and values of every token a request has computed, in "
             "blocks of sixteen tokens. A block that fills is published to the prefix index, so "
             "that a later request with the same prefix reads it instead of computing it again.")
+    source = (Path(__file__).resolve().parent.parent / "kvserve" / "spec" / "ngram.py"
+              ).read_text()
     convs = [[{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{text}"}],
-             [{"role": "user", "content": f"{text}\n\nWhat is published to the prefix index?"}]]
-    llm = LLM(seed=0)
+             [{"role": "user", "content": f"{text}\n\nWhat is published to the prefix index?"}],
+             [{"role": "user", "content": "Rewrite this Python file, renaming `ngram_draft` to "
+               f"`lookup_draft`. Output the whole file.\n\n```python\n{source}```"}]]
+    llm = LLM(seed=0, max_model_len=4096)
+    assert llm.engine.model.decode_step.max_rows is not None  # the one-call quantized step
     tok = llm.engine.tokenizer
     prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
         c, add_generation_prompt=True), add_special_tokens=False)} for c in convs]
-    params = SamplingParams(temperature=0.0, max_tokens=64)
-    return prompts, params, _ids(generate_checked(llm, prompts, params))
+    params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=0)
+    outs = generate_checked(llm, prompts, params)
+    return prompts, params, _ids(outs), _logprobs(outs)
+
+
+def _logprobs(outs) -> list[list[float]]:
+    """Each kept token's logprob: equal floats only where its logits row has the same bits."""
+    return [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in outs]
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_smollm2_greedy_equals_no_speculation(smollm2_reference, method):
-    prompts, params, expected = smollm2_reference
-    llm = LLM(seed=0, speculative_config={"method": method, "num_speculative_tokens": 4})
+    """Token for token, and each token's logprob bit for bit: a verification's rows run as
+    one-token decode rows (the one-call quantized step, the paged kernel, the head's one-row
+    kernel), so they compute what decoding one token at a time computes."""
+    prompts, params, expected, logprobs = smollm2_reference
+    llm = LLM(seed=0, max_model_len=4096,
+              speculative_config={"method": method, "num_speculative_tokens": 4})
     outs = generate_checked(llm, prompts, params)
     assert _ids(outs) == expected
+    assert _logprobs(outs) == logprobs
     assert llm.engine.stats().spec_decode["num_accepted_tokens"] > 0
 
 
@@ -384,3 +458,47 @@ def test_speculation_turns_itself_down():
     for _ in range(_THROTTLE_STEPS):
         spec.active(1)
     assert not spec.throttled and spec.propose(fresh, 10) == [7] * 4
+
+
+# -- the server --------------------------------------------------------------------------------
+def _serve_and_ask(tmp_path, name: str, args: list[str]) -> list:
+    """Start `kvserve serve` on SmolLM2 with `args`, ask it two greedy questions through the
+    official openai client (chat and completions), stop it; the responses."""
+    import openai
+    from gguf_files import smollm2_path
+    from server_process import ServerProcess
+
+    text = ("The KV cache keeps the keys and values of every token a request has computed, in "
+            "blocks of sixteen tokens. A block that fills is published to the prefix index.")
+    proc = ServerProcess(name, [str(smollm2_path()), "--served-model-name", "m", *args],
+                         tmp_path, max_model_len=1024)
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        chat = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Repeat exactly:\n\n{text}"}],
+            temperature=0.0, max_tokens=64)
+        completion = client.completions.create(model="m", prompt=f"{text}\n\n{text[:60]}",
+                                               temperature=0.0, max_tokens=48)
+        return [chat, completion]
+    finally:
+        assert proc.stop() is None, proc.log()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_server_outputs_and_usage_with_speculation(tmp_path):
+    """A real `kvserve serve --speculative-config` against the same server without it: the
+    same greedy text, and the usage carries the drafted and accepted token counts (absent
+    without speculation)."""
+    off = _serve_and_ask(tmp_path, "spec-off", [])
+    on = _serve_and_ask(tmp_path, "spec-on", [
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert on[0].choices[0].message.content == off[0].choices[0].message.content
+    assert on[1].choices[0].text == off[1].choices[0].text
+    for a, b in zip(off, on):
+        assert "num_draft_tokens" not in (a.usage.model_extra or {})
+        extra = b.usage.model_extra
+        assert extra["num_draft_tokens"] > 0 and 0 < extra["num_accepted_tokens"] \
+            <= extra["num_draft_tokens"], extra
+        assert b.usage.completion_tokens == a.usage.completion_tokens

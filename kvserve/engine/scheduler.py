@@ -135,11 +135,15 @@ class Scheduler:
         allocate = self.kv.allocate_slots
         spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) \
             else None
+        # drafted rows the step may add (Speculator.draft_rows: the one-call decode's limit)
+        spare = spec.draft_rows(len(self.running)) if spec is not None else 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(len(request.token_ids) - request.num_computed_tokens, budget)  # uncomputed
-            if spec is not None and n == 1:  # a decode: it may draft (never preempting for it)
-                n += self._draft(spec, request, budget - 1)
+            if spare > 0 and n == 1:  # a decode: it may draft (never preempting for it)
+                drafted = self._draft(spec, request, min(budget - 1, spare))
+                n += drafted
+                spare -= drafted
             while not allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -166,7 +170,9 @@ class Scheduler:
         num_drafted, has_prefill = 0, False
         for chosen_one in chosen:
             r, n = chosen_one
-            (prefills if n > 1 else decodes).append(chosen_one)
+            # a verification is decode rows (worker/model_runner.py): with the decodes, after
+            # every prefill chunk
+            (prefills if n > 1 and not r.draft_token_ids else decodes).append(chosen_one)
             if r.draft_token_ids:
                 num_drafted += len(r.draft_token_ids)
             else:

@@ -254,6 +254,11 @@ class FastDecodeStep:
             self.impl = FastDecode(ops, c.num_attention_heads, c.num_key_value_heads,
                                    c.head_dim)
 
+    @property
+    def max_rows(self) -> int | None:
+        """The most rows a step it serves has (None: it serves none)."""
+        return None if self.impl is None or self.impl.max_rows < 1 else self.impl.max_rows
+
     def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object):
         return None if self.impl is None else self.impl.run(hidden, cos_sin, attn)
 

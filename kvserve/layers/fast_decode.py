@@ -65,7 +65,7 @@ class FastDecode:
         self._out = torch.empty(gemv.MAX_ROWS, heads * head_dim, dtype=torch.float32)
         self._fn = gemv.load().decode_layers
         # the GEMV runs the first row bucket only (the plan's ops beyond it are others)
-        self._max_rows = min(gemv.MAX_ROWS, int(BUCKETS[0][0]))
+        self.max_rows = min(gemv.MAX_ROWS, int(BUCKETS[0][0]))
         n = len(ops)
         self._qkv_args = (ctypes.c_void_p * n)()
         self._mlp_args = (ctypes.c_void_p * n)()
@@ -75,7 +75,7 @@ class FastDecode:
         """hidden [rows, hidden] (the residual stream, updated in place) through every layer;
         None (nothing run) where the step is not one this path serves."""
         rows = hidden.shape[0]
-        if not isinstance(attn, BoundAttention) or rows > self._max_rows \
+        if not isinstance(attn, BoundAttention) or rows > self.max_rows \
                 or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
                 or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1:
             return None

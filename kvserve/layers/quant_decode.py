@@ -92,7 +92,7 @@ class QuantDecode:
         # the rows the layer path runs on the integer kernel (its methods read the same
         # override when they are built): beyond them it is F.linear on dequantized weights
         forced = env_rows()
-        self._max_rows = int(min(rows, forced if forced is not None else rows))
+        self.max_rows = int(min(rows, forced if forced is not None else rows))
         self._ops: list[tuple] = []
         self._layer_args = []
         for layer in model.layers:
@@ -133,7 +133,7 @@ class QuantDecode:
         """hidden [rows, hidden] (the residual stream, updated in place) through every layer;
         None (nothing run) where the step is not one this path serves."""
         rows = hidden.shape[0]
-        if not isinstance(attn, BoundAttention) or rows > self._max_rows or rows == 0 \
+        if not isinstance(attn, BoundAttention) or rows > self.max_rows or rows == 0 \
                 or hidden.dtype != torch.float32 or hidden.stride(1) != 1 \
                 or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1 \
                 or cos_sin.shape[1] != self._d:

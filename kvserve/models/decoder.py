@@ -253,9 +253,14 @@ class CausalLM(nn.Module):
                 hidden = layer(hidden, tables[rope], attn, bucket)
         return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        logits = self.head.buckets[bucket_of(hidden.shape[0])].apply(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, bucket_rows: int | None = None
+                       ) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]. `bucket_rows`: the row
+        count whose bucket's kernel runs (default N): a speculative verification's rows are
+        one sequence's, so the runner gives the step's sequences, and a verification at batch
+        1 runs the head a one-token decode runs (the same bits, near ties included)."""
+        rows = hidden.shape[0] if bucket_rows is None else bucket_rows
+        logits = self.head.buckets[bucket_of(rows)].apply(hidden).float()
         if self._logit_divisor is not None:
             logits = logits.div_(self._logit_divisor)
         if self._softcap is not None:

@@ -27,6 +27,7 @@ from kvserve.kv.retention import Retention
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.documents import tokenized
+from kvserve.server.offload import off_loop, text_size
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      StreamOptions, TextPart)
 from kvserve.server.auth import AccessPolicy, caller_of
@@ -40,9 +41,6 @@ from kvserve.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
 
-# Text longer than this is rendered and tokenized in a worker thread, keeping the event loop
-# (and /health) responsive; shorter text costs less than the thread hop.
-_TOKENIZE_INLINE_CHARS = 8192
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
@@ -325,9 +323,14 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        if drafted:  # speculative decoding (kvserve's extension, RequestMetrics' names)
+            usage.update(num_draft_tokens=drafted, num_accepted_tokens=sum(
+                o.metrics.num_accepted_tokens for o in outs))
+        return usage
 
     @staticmethod
     def _choice_usage(num_prompt_tokens: int, c: CompletionOutput | None) -> dict[str, int]:
@@ -576,22 +579,3 @@ def _prompt_items(prompt) -> list:
 
 def _num_prompts(prompt) -> int:
     return len(_prompt_items(prompt))
-
-
-def text_size(value) -> int:
-    """Characters of text in a prompt or message contents (token ids count one each)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        if value and isinstance(value[0], int):  # token ids: no walk over 100k items
-            return len(value)
-        return sum(map(text_size, value)) + len(value)
-    return len(getattr(value, "text", "") or "")
-
-
-async def off_loop(size: int, fn, *args):
-    """`fn(*args)` in a worker thread when the input is large (rendering and tokenizing 1 MB
-    holds the event loop for long), inline when it is small (the thread hop costs more)."""
-    if size > _TOKENIZE_INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)

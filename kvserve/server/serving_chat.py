@@ -29,8 +29,9 @@ from kvserve.server.cache_control import chat_message_ends, message_control, req
 from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinRequest, \
     ChatCompletionRequest, StreamOptions
+from kvserve.server.offload import off_loop, text_size
 from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
-                                    engine_error, finite_logprob, off_loop, text_size)
+                                    engine_error, finite_logprob)
 from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 from kvserve.server.documents import has_documents, split_rendered, tokenized

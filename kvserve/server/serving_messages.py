@@ -36,7 +36,7 @@ from kvserve.anthropic_errors import anthropic_error
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, Tool
 from kvserve.server.cache_control import message_control
 from kvserve.server.protocol import APIError, ChatCompletionRequest
-from kvserve.server.serving import off_loop, text_size
+from kvserve.server.offload import off_loop, text_size
 from kvserve.server.streaming import event_stream
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}

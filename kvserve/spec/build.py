@@ -11,15 +11,20 @@ from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.speculator import Speculator
 
 
-def build_speculator(config: SpeculativeConfig | None, kv: Any) -> Speculator | None:
-    """None without speculation; `kv` (the KV cache manager) is the suffix drafter's source."""
+def build_speculator(config: SpeculativeConfig | None, kv: Any, model: Any = None
+                     ) -> Speculator | None:
+    """None without speculation; `kv` (the KV cache manager) is the suffix drafter's source;
+    `model` (in this process; None elsewhere) says how many rows its one-call decode step
+    runs (`Speculator.draft_rows`)."""
     if config is None:
         return None
+    step = getattr(model, "decode_step", None)
+    max_rows = getattr(step, "max_rows", None)
     if config.method == "suffix":
         from kvserve.spec.suffix import SuffixDrafter
 
-        return Speculator(config, SuffixDrafter(kv, config))
-    return Speculator(config)
+        return Speculator(config, SuffixDrafter(kv, config), max_rows)
+    return Speculator(config, max_rows=max_rows)
 
 
 def drop_tokens(request: Request, count: int) -> None:

@@ -77,10 +77,13 @@ class _StepRates:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None,
+                 max_rows: int | None = None) -> None:
         """`drafter`: the method's (n-gram lookup unless given: spec/build.py builds the
-        suffix drafter over the prefix index)."""
+        suffix drafter over the prefix index). `max_rows`: the most rows the model's one-call
+        decode step runs (None: no such step, no limit); see `draft_rows`."""
         self.config = config
+        self.max_rows = max_rows
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.drafter = drafter or self._ngram
         self.steps = _StepRates()
@@ -100,6 +103,16 @@ class Speculator:
                 self.steps.rate[True], self.steps.samples[True] = 0.0, 0
         limit = self.config.disable_by_batch_size
         return limit is None or num_running < limit
+
+    def draft_rows(self, num_running: int) -> float:
+        """How many drafted tokens a step with this many running requests may hold in all:
+        the one-call decode step's rows less a row per request. Why: a verification pays and
+        is exact because its rows run as one-token decodes do, on that step (gemv.cpp,
+        qdecode.cpp); rows beyond it take the layer-by-layer path, whose multi-row kernels
+        cost more and round otherwise (a greedy near tie would then go the other way)."""
+        if self.max_rows is None:
+            return float("inf")
+        return max(0, self.max_rows - num_running)
 
     def observe_step(self, drafted: bool, num_tokens: int, seconds: float) -> None:
         """A decode-only step (no prefill rows) appended `num_tokens` in `seconds`; with drafts

@@ -123,7 +123,8 @@ class ModelRunner:
     def _group_metadata(self, seqs: list[SeqStep], meta: AttentionMetadata
                         ) -> AttentionMetadata:
         """Per-group tables (a hybrid layout): group 0's metadata is `meta` as built from group
-        0's tables; every other group gets the same slices over its own tables and slots."""
+        0's tables; every other group gets the same slices over its own tables and slots.
+        `seqs`: the sequence of each slice in flat order (a verification has several)."""
         bs = self.block_size
         slices = sorted(meta.prefills + meta.decodes, key=lambda s: s.start)
         metas = [meta]
@@ -168,13 +169,21 @@ class ModelRunner:
         sampled: list[int] = []  # index into seqs
         prompt_rows: list[int] = []  # flat token index of each prompt-logprob row
         spans: list[PromptSpan] = []
+        owners: list[int] = []  # the index into seqs of each slice, in flat order
+        drafted = 0  # sampled rows that verify a draft
         for i, seq in enumerate(seqs):
             n, start, kv_start = seq.num_tokens, seq.start, seq.kv_start
             table = seq.block_tables[0]
             flat_start = len(input_ids)
             input_ids.extend(seq.token_ids)
-            if seq.runs is not None:  # a blended request: several slices of one table
+            if seq.runs is not None:  # a blended request: one slice of rows at positions
                 self._runs(seq, flat_start, positions, slots, prefills)
+                owners.append(i)
+            elif seq.num_draft:  # a verification: one decode row per token (see _draft_rows)
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
+                decodes.extend(_draft_rows(flat_start, n, kv_start, table))
+                owners.extend([i] * n)
             else:
                 positions.extend(range(start, start + n))  # true positions, bounded or not
                 # KV indices: a bounded cache (kvserve.kv.bounded) compacted dropped tokens.
@@ -184,15 +193,20 @@ class ModelRunner:
                     sl.observe_start, sl.observe_len = seq.observe
                     sl.key = seq.request_id
                 (prefills if n > 1 else decodes).append(sl)
+                owners.append(i)
             if seq.samples:  # a drafting sequence: its drafts' rows and the one before them
                 last = len(input_ids) - 1
                 sample_rows.extend(range(last - seq.num_draft, last + 1))
                 sampled.extend([i] * (seq.num_draft + 1))
+                drafted += seq.num_draft
             if seq.prompt_rows is not None:
                 first_token, count = seq.prompt_rows
                 spans.append(PromptSpan(i, first_token, count))
                 first_row = flat_start + first_token - 1 - start
                 prompt_rows.extend(range(first_row, first_row + count))
+        if prefills and decodes and decodes[0].start < prefills[-1].start:
+            raise ValueError("a step's decode rows must follow its prefill chunks "
+                             "(AttentionMetadata's layout)")
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefills=prefills,
@@ -200,7 +214,7 @@ class ModelRunner:
             num_prefill_tokens=sum(s.query_len for s in prefills),
         )
         if len(seqs[0].block_tables) > 1:
-            meta = self._group_metadata(seqs, meta)
+            meta = self._group_metadata([seqs[i] for i in owners], meta)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         if self.graphs is not None and not prefills and self.graphs.can_run(len(decodes)):
@@ -216,8 +230,23 @@ class ModelRunner:
             return StepOutput(observed=observed)
         if prompt_rows or len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
-        logits = self.model.compute_logits(hidden)
+        # the head's kernel: a verification's rows count once (CausalLM.compute_logits)
+        logits = self.model.compute_logits(hidden, len(rows) - drafted) if drafted \
+            else self.model.compute_logits(hidden)
         n = len(sample_rows)
         if not prompt_rows:
             return StepOutput(logits, sampled, observed=observed)
         return StepOutput(logits[:n], sampled, logits[n:], spans, observed=observed)
+
+
+def _draft_rows(flat_start: int, n: int, kv_start: int, table: list[int]
+                ) -> list[SequenceSlice]:
+    """A verification's n tokens (the last verified one, then the drafts) as n decode rows of
+    one block table: row j at KV position kv_start + j attends to kv_start + j + 1 tokens,
+    its own and the rows' before it included. Why decode rows and not one n-token prefill
+    chunk: each row then runs the very kernels a one-token decode step runs (the one-call
+    decode, the paged kernel, the GEMV), so its logits are the bits decoding one token at a
+    time computes (greedy with speculation equals greedy without, near ties included), and a
+    verification costs about one decode step instead of a prefill's multi-row path. Every
+    backend stores all the step's K/V before any row reads (the paged kernel included)."""
+    return [SequenceSlice(flat_start + j, 1, kv_start + j + 1, table) for j in range(n)]

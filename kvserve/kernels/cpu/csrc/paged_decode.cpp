@@ -30,7 +30,8 @@
 //   out      [n, H, D] float32, contiguous
 //   new_k, new_v  (float kinds, optional) the step's new K/V row per sequence, [n, Hkv, D] in
 //            the cache's own type, row strides new_k_stride / new_v_stride (elements): each is
-//            stored at position lens[s] - 1 of its sequence before that sequence is read
+//            stored at position lens[s] - 1 of its sequence, all of them before any row is
+//            read (rows may share a table: a sequence's verification rows read each other's)
 //            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
 // (running max and sum per head, flash-attention style) in float32, a tile of whole blocks
@@ -41,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <omp.h>
 
@@ -443,6 +445,34 @@ struct Ahead {
 
 constexpr int64_t kThreadBytes = int64_t{1} << 20;  // see decode's parallel region
 
+// Speculative decoding's verification rows: consecutive rows of one sequence at consecutive
+// positions (lengths one apart, the same window start, the same blocks as far as the shorter
+// reads). Each run of such rows (at most `most`, the work item's room for query heads) is one
+// work item, its rows' query heads side by side, so every key and value row is read once for
+// all of them instead of once a row: at 4,000 tokens of context a row's keys and values are
+// most of a decode step. Each row's result keeps the bits it has alone: its scores and value
+// sums are the same operations in the same order, the keys past its own length get -inf
+// (weight 0: adding 0 * v to a sum, or a tile of them, changes no bit). `group_start` gets
+// the first row of each run, then n.
+inline void verification_rows(const Args& a, bool allowed, int64_t most,
+                              std::vector<int64_t>& group_start) {
+  group_start.clear();
+  for (int64_t s = 0; s < a.n; ++s) {
+    const int64_t p = s - 1;
+    bool joins = allowed && s > 0 && s - group_start.back() < most &&
+                 a.lens[s] == a.lens[p] + 1 && (!a.starts || a.starts[s] == a.starts[p]);
+    if (joins) {
+      const int64_t from = (a.starts ? a.starts[s] : 0) / a.block_size;
+      const int64_t used = (a.lens[p] + a.block_size - 1) / a.block_size;
+      joins = std::memcmp(a.tables + p * a.table_stride + from,
+                          a.tables + s * a.table_stride + from,
+                          static_cast<size_t>(used - from) * sizeof(int64_t)) == 0;
+    }
+    if (!joins) group_start.push_back(s);
+  }
+  group_start.push_back(a.n);
+}
+
 template <int K>
 void decode(const Args& a) {
   const int64_t H = a.H, Hkv = a.Hkv, D = a.D, bs = a.block_size, groups = a.groups;
@@ -469,29 +499,45 @@ void decode(const Args& a) {
   // one-call quantized step: 8.4 -> 5.5-6.9 ms of SmolLM2's 30 layers on a 2-core EPYC).
   int64_t tokens = 0;
   for (int64_t s = 0; s < a.n; ++s) tokens += a.lens[s];
-  const bool threaded = a.n * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
+  // Rows that share their keys (verification_rows): row g of the work items' groups is
+  // rows [group_start[g], group_start[g + 1]).
+  thread_local std::vector<int64_t> group_start;
+  verification_rows(a, K != INT4, std::min(kMaxGroup / heads, kMaxGroupDim / (heads * D)),
+                    group_start);
+  const int64_t n_groups = static_cast<int64_t>(group_start.size()) - 1;
+  // (the items read it through this pointer: by its name a pool thread would get its own)
+  const int64_t* const groups_at = group_start.data();
+  const bool threaded = n_groups * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
   // Items are claimed from parallel.h's pool (OpenMP's team, after its region, spun on the
   // cores the quantized kernels' pool needed: batch-32 steps ~20% slower than passive).
-  const auto run_item = [&](int64_t item) {
-    const int64_t s = item / parts;
-    const int64_t hk0 = item % parts * per_item;
-    if constexpr (K == F32 || K == BF16 || K == F16) {
-      if (a.new_k) {  // this item's heads of the sequence's new token, then read them
+  // Every row's new K/V first, then any row reads: rows of one sequence (speculative
+  // decoding's verification, a row per drafted token at consecutive positions) read each
+  // other's, so a row stored by the item that reads it would race with the threads reading
+  // it as context. A token row of all heads is contiguous (a few hundred bytes).
+  if constexpr (K == F32 || K == BF16 || K == F16) {
+    if (a.new_k) {
+      const int64_t bytes = Hkv * row_width * esize;
+      for (int64_t s = 0; s < a.n; ++s) {
         const int64_t pos = a.lens[s] - 1;
         const int64_t at = a.tables[s * a.table_stride + pos / bs] * block_stride +
-                           pos % bs * token_stride + hk0 * row_width;
-        const int64_t bytes = per_item * row_width * esize;
+                           pos % bs * token_stride;
         std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + at * esize,
-                    static_cast<const char*>(a.new_k) + (s * a.new_k_stride + hk0 * D) * esize,
-                    bytes);
+                    static_cast<const char*>(a.new_k) + s * a.new_k_stride * esize, bytes);
         std::memcpy(static_cast<char*>(const_cast<void*>(a.v)) + at * esize,
-                    static_cast<const char*>(a.new_v) + (s * a.new_v_stride + hk0 * D) * esize,
-                    bytes);
+                    static_cast<const char*>(a.new_v) + s * a.new_v_stride * esize, bytes);
       }
     }
-    // Per query head h of the item (query head hk0 * G + h of the sequence): its running
-    // softmax max and sum, value accumulator, scaled query (int4: in nibble order), this
-    // tile's scores (at h * kScoreStride).
+  }
+  const auto run_item = [&](int64_t item) {
+    // rows s0 .. s0 + R - 1, the last the longest (its table and length are read)
+    const int64_t s0 = groups_at[item / parts];
+    const int64_t R = groups_at[item / parts + 1] - s0;
+    const int64_t s = s0 + R - 1;
+    const int64_t hk0 = item % parts * per_item;
+    const int64_t nh = R * heads;  // query heads of the item, row r's at r * heads ..
+    // Per query head h of the item (query head hk0 * G + h % heads of row s0 + h / heads):
+    // its running softmax max and sum, value accumulator, scaled query (int4: in nibble
+    // order), this tile's scores (at h * kScoreStride).
     float m[kMaxGroup], l[kMaxGroup];
     float acc[kMaxGroupDim];
     float qs[kMaxGroupDim];
@@ -501,13 +547,13 @@ void decode(const Args& a) {
     float tmp[kMaxDim];
     float ks[kMaxDim], kz[kMaxDim];  // int4: the block's per-channel key scale and zero
     const float* rows[kChunk];
-    const float* qrow = a.q + s * a.q_stride + hk0 * G * D;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qrow = a.q + (s0 + h / heads) * a.q_stride + (hk0 * G + h % heads) * D;
       m[h] = -INFINITY;
       l[h] = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         const int64_t at = K == INT4 ? nibble_order(d, D) : d;
-        qs[h * D + at] = qrow[h * D + d] * q_mul;
+        qs[h * D + at] = qrow[d] * q_mul;
         acc[h * D + d] = 0.f;
       }
     }
@@ -572,6 +618,18 @@ void decode(const Args& a) {
         return buf;
       }
     };
+    // add(p, acc, nt) over the item's query heads of KV head hk, nt <= 4 of one row at a time
+    // (a row's heads of hk are consecutive): the V pass's value sums, p at tile position `at`
+    const auto value_heads = [&](int64_t hk, int64_t at, auto&& add) {
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t end = r * heads + (hk - hk0 + 1) * G;
+        for (int64_t h = end - G; h < end; h += 4) {
+          ahead.ask(ask_per_call);
+          add(scores + h * kScoreStride + at, acc + h * D,
+              static_cast<int>(std::min<int64_t>(4, end - h)));
+        }
+      }
+    };
     // Tiles of whole blocks, up to kTile tokens: all the tile's scores first (K pass), one
     // softmax update per head, then the value sums (V pass). Why tiles, not blocks: the
     // online softmax's per-head work (max, rescale of the accumulator, sum) ran once per block
@@ -593,7 +651,7 @@ void decode(const Args& a) {
                                                           : -1;
         // next: the tile's next K block, else its first V block
         start_ahead(b + 1 < b1 ? a.k : a.v, b + 1 < b1 ? b + 1 : b0,
-                    (count + kChunk - 1) / kChunk * heads);
+                    (count + kChunk - 1) / kChunk * nh);
         for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
           const int64_t mrows = std::min(kChunk, count - j0);
           for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
@@ -606,26 +664,41 @@ void decode(const Args& a) {
                 }
               }
             }
+            // Rows whose scores of this chunk came from the strided kernel (bit r). A row
+            // takes the kernel its decode alone takes: the strided one where it sees the whole
+            // chunk (or none of it: masked), else chunk_scores (their bits differ).
+            uint64_t strided = 0;
             if constexpr (K == F32) {
               if (mrows == kChunk && (D == 64 || D == 128)) {  // a whole chunk: strided rows
                 const float* r0 = static_cast<const float*>(a.k) + block * block_stride +
                                   (lo + j0) * token_stride + hk * D;
-                for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
-                  ahead.ask(ask_per_call);
-                  storev(scores + h * kScoreStride + pos + j0,
-                         D == 64 ? chunk_scores_strided<64>(qs + h * D, r0, token_stride)
-                                 : chunk_scores_strided<128>(qs + h * D, r0, token_stride));
+                const int64_t chunk_first = b * bs + lo + j0;  // token of the chunk's row 0
+                for (int64_t r = 0; r < R; ++r) {
+                  const int64_t seen = a.lens[s0 + r] - chunk_first;
+                  if (seen > 0 && seen < kChunk) continue;
+                  strided |= uint64_t{1} << r;
+                  for (int64_t h = r * heads + (hk - hk0) * G;
+                       h < r * heads + (hk - hk0 + 1) * G; ++h) {
+                    ahead.ask(ask_per_call);
+                    storev(scores + h * kScoreStride + pos + j0,
+                           D == 64 ? chunk_scores_strided<64>(qs + h * D, r0, token_stride)
+                                   : chunk_scores_strided<128>(qs + h * D, r0, token_stride));
+                  }
                 }
-                continue;
+                if (strided == (R == 64 ? ~uint64_t{0} : (uint64_t{1} << R) - 1)) continue;
               }
             }
             for (int64_t j = 0; j < mrows; ++j)
               rows[j] = key_row(block, res_row, hk, lo + j0 + j,
                                 bufs + (K == F32 ? 0 : j * kMaxDim));
             for (int64_t j = mrows; j < kChunk; ++j) rows[j] = rows[0];  // lanes overwritten
-            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; ++h) {
-              ahead.ask(ask_per_call);
-              storev(scores + h * kScoreStride + pos + j0, chunk_scores(qs + h * D, rows, D));
+            for (int64_t r = 0; r < R; ++r) {
+              if (strided >> r & 1) continue;
+              for (int64_t h = r * heads + (hk - hk0) * G; h < r * heads + (hk - hk0 + 1) * G;
+                   ++h) {
+                ahead.ask(ask_per_call);
+                storev(scores + h * kScoreStride + pos + j0, chunk_scores(qs + h * D, rows, D));
+              }
             }
           }
         }
@@ -633,9 +706,15 @@ void decode(const Args& a) {
       }
       const int64_t n_rows = pos;
       if (n_rows == 0) continue;
-      // Online softmax, once per tile: rescale what the earlier tiles accumulated.
-      for (int64_t h = 0; h < heads; ++h) {
+      // Online softmax, once per tile: rescale what the earlier tiles accumulated. A row
+      // shorter than the item's longest hides the tile's keys past its own length (-inf: no
+      // weight, and a tile it sees none of leaves its max, sum and values as they were).
+      const int64_t tile_first = std::max(b0 * bs, first);  // token of the tile's score 0
+      for (int64_t h = 0; h < nh; ++h) {
         float* sh = scores + h * kScoreStride;
+        for (int64_t j = std::max<int64_t>(0, a.lens[s0 + h / heads] - tile_first); j < n_rows;
+             ++j)
+          sh[j] = -INFINITY;
         for (int64_t j = n_rows; j % kChunk != 0; ++j) sh[j] = -INFINITY;  // padding lanes
         vf vmax = loadv(sh);
         for (int64_t j0 = kChunk; j0 < n_rows; j0 += kChunk) {
@@ -668,7 +747,7 @@ void decode(const Args& a) {
         const int64_t block = table[b];
         // next: the tile's next V block, else the next tile's first K block
         start_ahead(b + 1 < b1 ? a.v : a.k, b + 1 < end_block ? b + 1 : -1,
-                    (count + kChunk - 1) / kChunk * per_item * ((G + 3) / 4));
+                    (count + kChunk - 1) / kChunk * per_item * R * ((G + 3) / 4));
         for (int64_t j0 = 0; j0 < count; j0 += kChunk) {
           const int64_t mrows = std::min(kChunk, count - j0);
           for (int64_t hk = hk0; hk < hk0 + per_item; ++hk) {
@@ -676,46 +755,39 @@ void decode(const Args& a) {
               if (D == 64 || D == 128) {  // strided rows
                 const float* r0 = static_cast<const float*>(a.v) + block * block_stride +
                                   (lo + j0) * token_stride + hk * D;
-                for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
-                  ahead.ask(ask_per_call);
-                  const float* p = scores + h * kScoreStride + pos + j0;
-                  float* ah = acc + h * D;
-                  const int nt = static_cast<int>(std::min<int64_t>(4, (hk - hk0 + 1) * G - h));
+                value_heads(hk, pos + j0, [&](const float* p, float* ah, int nt) {
                   if (D == 64) add_values_strided_n<64>(nt, ah, p, r0, token_stride, mrows);
                   else add_values_strided_n<128>(nt, ah, p, r0, token_stride, mrows);
-                }
+                });
                 continue;
               }
             }
             for (int64_t j = 0; j < mrows; ++j)
               rows[j] = value_row(block, hk, lo + j0 + j, bufs + (K == F32 ? 0 : j * kMaxDim));
-            for (int64_t h = (hk - hk0) * G; h < (hk - hk0 + 1) * G; h += 4) {
-              ahead.ask(ask_per_call);
-              const float* p = scores + h * kScoreStride + pos + j0;
-              float* ah = acc + h * D;
-              switch (std::min<int64_t>(4, (hk - hk0 + 1) * G - h)) {
+            value_heads(hk, pos + j0, [&](const float* p, float* ah, int nt) {
+              switch (nt) {
                 case 4: add_values<4>(ah, D, p, kScoreStride, rows, mrows); break;
                 case 3: add_values<3>(ah, D, p, kScoreStride, rows, mrows); break;
                 case 2: add_values<2>(ah, D, p, kScoreStride, rows, mrows); break;
                 default: add_values<1>(ah, D, p, kScoreStride, rows, mrows); break;
               }
-            }
+            });
           }
         }
         pos += count;
       }
     }
-    float* orow = a.out + (s * H + hk0 * G) * D;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* orow = a.out + ((s0 + h / heads) * H + hk0 * G + h % heads) * D;
       const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
       for (int64_t d = 0; d < D; ++d)
-        orow[h * D + d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
+        orow[d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
     }
   };
   if (threaded)
-    kvpar::parallel_for(a.n * parts, omp_get_max_threads(), run_item);
+    kvpar::parallel_for(n_groups * parts, omp_get_max_threads(), run_item);
   else
-    for (int64_t item = 0; item < a.n * parts; ++item) run_item(item);
+    for (int64_t item = 0; item < n_groups * parts; ++item) run_item(item);
 }
 
 }  // namespace
