@@ -3,6 +3,7 @@ log in a file, stopped with SIGINT as a user would."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -64,3 +65,15 @@ class ServerProcess:
                 self.proc.wait(5)
         self._log.close()
         return None if alive else self.proc.returncode
+
+
+@contextlib.contextmanager
+def running(proc: ServerProcess):
+    """A module fixture's server: ready, handed out, stopped; it must still have been alive
+    (a crash during the tests fails them with its log)."""
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        code = proc.stop()
+    assert code is None, proc.log()[-3000:]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import transformers
 from helpers import kv_bytes_per_token, save_random_checkpoint
-from server_process import ServerProcess
+from server_process import ServerProcess, running
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.bounded import BoundedKVConfig
@@ -49,12 +49,8 @@ def server(tmp_path_factory):
     proc = ServerProcess("report", [tiny, "--block-size", str(BS), "--kv-cache-memory-bytes",
                                     str(24 * BS * kv_bytes_per_token(tiny)), "--dtype",
                                     "float32"], tmp_path_factory.mktemp("report-logs"))
-    try:
-        proc.wait_ready()
+    with running(proc):
         yield proc
-    finally:
-        code = proc.stop()
-    assert code is None, proc.log()[-3000:]
 
 
 def complete(server, prompt, **fields) -> dict:

@@ -9,7 +9,7 @@ import random
 
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, running
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,8 @@ def server(tmp_path_factory):
     proc = ServerProcess("blend", [str(ensure_default_model()), "--dtype", "float32",
                                    "--blend-config", '{"recompute_fraction": 0.2}'],
                          tmp_path_factory.mktemp("blend-logs"), max_model_len=2048)
-    try:
-        proc.wait_ready()
+    with running(proc):
         yield proc
-    finally:
-        code = proc.stop()
-    assert code is None, proc.log()[-3000:]
 
 
 def _docs() -> list[str]:

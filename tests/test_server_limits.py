@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+from server_process import running
 from test_server import ServerProcess, _assert_error_shape
 
 from kvserve import LLM, SamplingParams
@@ -173,12 +174,8 @@ def server(tmp_path_factory):
                                     "--max-waiting-requests", "32",
                                     "--max-request-body-bytes", str(BODY_LIMIT)],
                          tmp_path_factory.mktemp("limits-logs"))
-    try:
-        proc.wait_ready()
+    with running(proc):
         yield proc
-    finally:
-        code = proc.stop()
-    assert code is None, proc.log()[-3000:]
 
 
 def _post(server, path: str, body, **kwargs) -> httpx.Response:
