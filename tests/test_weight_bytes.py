@@ -200,3 +200,20 @@ def test_resident_memory_is_the_files_tensor_bytes(fmt, tmp_path):
                          text=True, timeout=300, check=True)
     gained = json.loads(out.stdout.strip().splitlines()[-1])["gained"]
     assert 0.9 * file_bytes <= gained <= 1.1 * file_bytes, (gained, file_bytes)
+
+
+def test_packed_weights_are_counted(hf_checkpoints):
+    """A float model packed for oneDNN holds its projections only in the packed layout (the
+    row-major parameters freed): the start-up line still counts them, as the planner does,
+    and a tied head's packed copy of the table is named beside them."""
+    from kvserve.model_loader.weight_bytes import planned_for_checkpoint, weight_bytes
+    from kvserve.worker.model_build import load_model
+
+    path = str(hf_checkpoints["qwen2"])
+    model, config = load_model(path, dtype="float32", gemm="onednn")
+    held = weight_bytes(model)
+    assert model.layers[0].qkv_proj is None  # packed, the parameter freed
+    assert held == planned_for_checkpoint(path, "none")
+    table = model.embed_tokens.numel() * 4
+    assert held.copies == (table if config.tie_word_embeddings else 0)
+    assert ("packed copies" in held.line()) == config.tie_word_embeddings
