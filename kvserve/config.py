@@ -29,6 +29,10 @@ DEVICES = ("cpu", "cuda", "auto")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
+# A CPU step's activations are float32 for every token it computes: an 8,192-token prompt in
+# one step held ~300 MB of them beside its KV on the 1B Llama shape (~37 KB a token); in chunks
+# of 2,048 the peak fell by 126 MB and the prefill ran no slower (docs/benchmarks.md, issue 48).
+CPU_LONG_PREFILL_TOKENS = 2048
 # On a CPU the "device memory" is the machine's RAM, shared with everything else; vLLM's CPU
 # backend reserves a fixed KV space (4 GiB by default) instead of a fraction for the same reason.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
@@ -59,6 +63,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _arg(None, "most tokens in one step (default: "
                                               "max(8192, max_model_len))")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int | None = _arg(
+        None, "most tokens of one prompt in one step, with chunked prefill (vLLM's name; "
+        f"default: {CPU_LONG_PREFILL_TOKENS} on cpu, no limit on cuda; 0: no limit)")
     kv_cache_memory_bytes: int | None = _arg(None, "exact KV pool size in bytes; overrides "
                                              "--gpu-memory-utilization")
     gpu_memory_utilization: float = _arg(0.9, "fraction of device memory for the model and the "
@@ -181,6 +188,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise ValueError("long_prefill_token_threshold must be a non-negative integer, "
+                             f"got {threshold!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
@@ -289,6 +301,9 @@ class EngineConfig:
                              f"max_position_embeddings={model_max_len}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = CPU_LONG_PREFILL_TOKENS \
+                if self.device == "cpu" else 0
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) must be >= max_model_len "

@@ -44,10 +44,18 @@ def test_torch_decoding_equals_gguf_quants(type_name, seed):
 
 def test_f32_is_read_as_stored_and_owned():
     raw = encoded("F32", 2)
+    raw.flags.writeable = False  # as a view of the file's map is
     got = dequantize(raw, "F32", SHAPE, "w")
     assert np.array_equal(got.numpy(), raw.view(np.float32).reshape(SHAPE))
     got += 1  # a copy of the (read-only) file bytes, not a view
     assert not np.array_equal(got.numpy(), raw.view(np.float32).reshape(SHAPE))
+
+
+def test_a_buffer_read_for_it_is_taken_without_a_copy():
+    """GGUFTensor.read's own buffer becomes the tensor: no second copy beside it at load."""
+    raw = encoded("F32", 2).copy()
+    got = dequantize(raw, "F32", SHAPE, "w")
+    assert got.data_ptr() == raw.ctypes.data
 
 
 def test_other_block_formats_go_through_gguf():

@@ -139,7 +139,8 @@ class Scheduler:
         spare = spec.draft_rows(len(self.running)) if spec is not None else 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(len(request.token_ids) - request.num_computed_tokens, budget)  # uncomputed
+            n = min(len(request.token_ids) - request.num_computed_tokens, budget,
+                    self._prefill_cap())  # uncomputed
             if spare > 0 and n == 1:  # a decode: it may draft (never preempting for it)
                 drafted = self._draft(spec, request, min(budget - 1, spare))
                 n += drafted
@@ -404,6 +405,13 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_STOPPED)  # its grammar has ended
         return True
 
+    def _prefill_cap(self) -> int | float:
+        """The most tokens of one prompt a step computes (long_prefill_token_threshold, with
+        chunked prefill): a long prompt's activations are then bounded by the cap's rows,
+        not the prompt's length, while the step's budget still fills with other requests."""
+        cap = self.config.long_prefill_token_threshold
+        return cap if cap and self.config.enable_chunked_prefill else float("inf")
+
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         """Admit waiting requests while budget, sequence slots and blocks last.
 
@@ -438,7 +446,7 @@ class Scheduler:
                     self.waiting.extendleft(reversed(documents))
                     continue
             remaining = request.num_tokens - match.num_tokens
-            n = min(remaining, budget) if blend is None else remaining
+            n = min(remaining, budget, self._prefill_cap()) if blend is None else remaining
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             # The cache report, for a request that asked: decided here, before admission

@@ -107,7 +107,9 @@ class PlannedDecoder(m.DecoderMethod):
         # free the dense weights no bucket reads (the methods hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
-            if not any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR):
+            kept = any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR)
+            self.packed.add(getattr(layer, name), _packs(plan, proj), kept)
+            if not kept:
                 setattr(layer, name, None)
 
 
@@ -132,9 +134,18 @@ class PlannedHead(m.HeadMethod):
                      "panel": Panel(panel_gemm.load().bind(panel_gemm.load().pack(dense)))
                      if plan.uses("head", "panel") else None}
         self.buckets = [by_kernel[k] for k in plan.kernels["head"]]
-        if model.lm_head is not None and \
-                not any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR):
+        row_major = any(plan.uses("head", k) for k in gemm_select.ROW_MAJOR)
+        # a tied head's table stays for the lookups: its packed layouts are copies
+        self.packed.add(dense, _packs(plan, "head"), row_major or model.lm_head is None)
+        if model.lm_head is not None and not row_major:
             model.lm_head = None  # the packed copy is the head now
+
+
+def _packs(plan: GemmPlan, proj: str) -> int:
+    """How many packed layouts (oneDNN's, the panel GEMM's) of `proj`'s weight the plan
+    makes."""
+    return sum(plan.uses(proj, k) for k in gemm_select.KERNELS
+               if k not in gemm_select.ROW_MAJOR)
 
 
 # -- quantized weights (issue 31) -----------------------------------------------------------

@@ -27,16 +27,20 @@ class WeightBytes:
     quantized_params: int  # values held in blocks
     params: int  # every weight value
     types: tuple[str, ...]  # the block formats held
+    # packed kernels' copies of weights held beside them as well (a tied head's copy of the
+    # table): memory the engine holds that no plan predicts (it depends on measured kernels)
+    copies: int = field(default=0, compare=False)
 
     def line(self) -> str:
         """"weights 96.6 MB (q4_1/q8_0 blocks 96.4 MB, ...)" (the start-up line)."""
+        copies = f"; packed copies beside them {_mb(self.copies)}" if self.copies else ""
         if not self.quantized:
-            return f"weights {_mb(self.total)} (float)"
+            return f"weights {_mb(self.total)} (float{copies})"
         share = 100 * self.quantized_params / max(1, self.params)
         kinds = "/".join(t.lower() for t in self.types)
         return (f"weights {_mb(self.total)} ({kinds} blocks {_mb(self.quantized)}, {share:.0f}% "
                 f"of params in quantized projections; float tensors "
-                f"{_mb(self.total - self.quantized)})")
+                f"{_mb(self.total - self.quantized)}{copies})")
 
 
 def _mb(n: int) -> str:
@@ -78,8 +82,12 @@ def weight_bytes(model: CausalLM) -> WeightBytes:
     quantized = sum(w.nbytes for w in unique.values())
     qparams = sum(w.n * w.k for w in values)
     types = {t for w in unique.values() for t in getattr(w, "type_names", (w.type_name,))}
+    packed = [getattr(layer, "method", None) for layer in model.layers] + [model.head]
+    packed = [p.packed for p in packed if getattr(p, "packed", None) is not None]
+    total += sum(p.bytes for p in packed)
+    params += sum(p.values for p in packed)
     return WeightBytes(total + quantized, quantized, qparams, params + qparams,
-                       tuple(sorted(types)))
+                       tuple(sorted(types)), sum(p.copies for p in packed))
 
 
 @dataclass(frozen=True)

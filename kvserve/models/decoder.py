@@ -210,6 +210,16 @@ class CausalLM(nn.Module):
         if self.decode_step is not None:
             self.decode_step.prepare(self)
 
+    def limit_positions(self, n: int) -> None:
+        """Keep only the RoPE tables' first `n` rows (the engine's max_model_len, which no
+        position reaches). Built for max_position_embeddings, Llama 3's 131,072 positions
+        are 33.5 MB of float32 at head_dim 64 (67 MB at 128) that a 4,096-token engine
+        never reads: memory beside the weights that a user could not predict."""
+        for name in ("rope_cos_sin", "rope_cos_sin_local"):
+            table = getattr(self, name)
+            if table is not None and table.shape[0] > n:
+                setattr(self, name, table[:n].clone())
+
     def head_weight(self) -> torch.Tensor:
         """The LM head's float weight (the embedding table where they are tied)."""
         return self.lm_head if self.lm_head is not None else self.embed_tokens

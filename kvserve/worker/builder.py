@@ -101,6 +101,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                      == "triton" else "torch")
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
+    model.limit_positions(config.max_model_len)
     dtype = next(model.parameters()).dtype
     check_model_features(config, model_config, dtype)  # before any memory is sized
     kv_spec = engine_kv_spec(model_config, dtype, config.block_size, config.kv_cache_dtype)

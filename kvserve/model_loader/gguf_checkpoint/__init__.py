@@ -61,6 +61,20 @@ class GGUFTensor:
         rows = self.info.shape[0] * (1 if self.expert is None else self.info.shape[1])
         return self.info.nbytes // rows
 
+    def read(self) -> np.ndarray:
+        """The tensor's bytes (one expert's for a stacked experts tensor) in a new buffer,
+        read with pread: a load that read the file's map kept every page it touched in the
+        process's RSS until the map went (a BF16 file peaked at its float32 model plus the
+        whole file), where a read leaves the file's pages to the page cache."""
+        if self.expert is None:
+            out = np.empty(self.info.nbytes, dtype=np.uint8)
+            self._data.read_into(self.info, 0, out)
+            return out
+        rows = self.info.shape[1]
+        out = np.empty(rows * self.row_bytes, dtype=np.uint8)
+        self._data.read_into(self.info, self.expert * rows * self.row_bytes, out)
+        return out
+
     def raw_rows(self, out: np.ndarray | None = None) -> np.ndarray:
         """The blocks of a 2-D tensor as uint8 [rows, bytes per row] (a copy: into `out`
         where given, with no copy between), with llama.cpp's q/k row permutation undone:
@@ -91,8 +105,7 @@ class GGUFTensor:
         above: the planner reads GGUF headers without it)."""
         from kvserve.model_loader.gguf_checkpoint.dequant import dequantize
 
-        w = dequantize(np.ascontiguousarray(self.raw()).reshape(-1), self.info.type_name,
-                       self.shape, self.info.name)
+        w = dequantize(self.read(), self.info.type_name, self.shape, self.info.name)
         if self._unpermute_heads is not None:
             w = _arch.unpermute_rows(w, self._unpermute_heads)
         return w
@@ -110,7 +123,9 @@ class GGUFCheckpoint:
             if freqs.type_name != "F32":
                 raise ValueError(f"GGUF rope_freqs of type {freqs.type_name} (F32 expected)")
             freqs = np.asarray(TensorData(self.index).raw(freqs)).view(np.float32)
-        self.config = _arch.hf_config(self.index.metadata, shapes, freqs)
+        types = {name: (t.type_name, t.shape) for name, t in self.index.tensors.items()}
+        self.config = _arch.hf_config(self.index.metadata, shapes, freqs,
+                                      _arch.checkpoint_dtype(types))
         self.dir = sidecar_dir(path)
         self._write_sidecar()
 

@@ -51,10 +51,21 @@ def check_architecture(metadata: dict[str, Any]) -> str:
     return arch
 
 
+def checkpoint_dtype(tensor_types: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+    """The sidecar's torch_dtype, what dtype "auto" loads into (`tensor_types`: GGUF name ->
+    (type, shape)): "bfloat16" where every tensor of two or more dimensions is BF16, as a
+    bf16 safetensors checkpoint says, so that on a CPU with bf16 instructions the weights stay
+    at the file's bytes (float32 held a BF16 file's weights at twice them); "float32"
+    otherwise: the block formats' kernels take float32 activations, and an F16 file in bf16
+    would lose three bits of every weight."""
+    matrices = [t for t, shape in tensor_types.values() if len(shape) >= 2]
+    return "bfloat16" if matrices and all(t == "BF16" for t in matrices) else "float32"
+
+
 def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
-              rope_freqs: np.ndarray | None = None) -> dict:
+              rope_freqs: np.ndarray | None = None, torch_dtype: str = "float32") -> dict:
     """The config.json a Hugging Face checkpoint of this model would carry (`rope_freqs`:
-    the file's tensor of that name, where it has one)."""
+    the file's tensor of that name, where it has one; `torch_dtype`: `checkpoint_dtype`)."""
     arch = check_architecture(metadata)
 
     def key(name: str, default: Any = None, required: bool = True) -> Any:
@@ -90,7 +101,7 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         # what the loader dequantizes into with dtype "auto" (and what the planner sizes)
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
         "vocab_size": int(embed[0]),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),

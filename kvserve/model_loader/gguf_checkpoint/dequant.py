@@ -36,7 +36,8 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], name: st
                          f"bytes, expected {expected}")
     if type_name not in TORCH_TYPES:
         return torch.from_numpy(_by_gguf(raw, type_name, shape, name))
-    data = torch.from_numpy(np.array(raw))  # a copy: the file's map is read-only
+    # a read-only array (a view of the file's map) is copied; a buffer of our own is not
+    data = torch.from_numpy(raw if raw.flags.writeable else np.array(raw))
     if type_name == "F32":
         return data.view(torch.float32).view(shape)
     if type_name in ("F16", "BF16"):

@@ -27,7 +27,7 @@ logger = logging.getLogger("kvserve")
 
 GGUF_MAGIC = b"GGUF"
 # Bump when what the index holds, or how the sidecar files are written, changes.
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 # Metadata arrays kept whole (the tokenizer's); every other array is kept only when short.
 _KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                 "tokenizer.ggml.scores")

@@ -1,0 +1,82 @@
+"""Resident memory of GGUF weights against the file's tensor bytes (issue 48, item 2).
+
+For each file, a fresh process imports kvserve, builds the kernels, and loads the model as the
+engine does (`load_model`, then `limit_positions` at --max-model-len); resident weights are
+the VmRSS the load gained (/proc/self/status, after gc), the peak the process's VmHWM. Why a
+process per file: RSS once grown stays, so one process would measure the first file only.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_gguf_memory.py FILE.gguf [FILE.gguf ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+
+
+def status_mb() -> dict[str, float]:
+    """VmRSS and VmHWM of this process in MB (10^6 bytes)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024 / 1e6
+    return out
+
+
+def worker(path: str, max_model_len: int) -> dict:
+    """One file's figures, measured in this (fresh) process."""
+    import torch
+
+    torch.set_num_threads(2)
+    from kvserve.kernels.cpu import qgemv
+    from kvserve.model_loader.gguf_checkpoint import open_gguf
+    from kvserve.model_loader.weight_bytes import weight_bytes
+    from kvserve.worker.model_build import load_model
+
+    qgemv.load()  # the extension's own pages are not weights
+    tensor_bytes = sum(t.nbytes for t in open_gguf(path).index.tensors.values())
+    gc.collect()
+    before = status_mb()
+    t0 = time.perf_counter()
+    model, _ = load_model(path)
+    model.limit_positions(max_model_len)
+    load_s = time.perf_counter() - t0
+    gc.collect()
+    after = status_mb()
+    resident = after["VmRSS"] - before["VmRSS"]
+    return {"file": path, "tensor_mb": tensor_bytes / 1e6, "resident_mb": resident,
+            "ratio": resident * 1e6 / tensor_bytes, "peak_mb": after["VmHWM"],
+            "baseline_mb": before["VmRSS"], "load_s": load_s,
+            "line": weight_bytes(model).line()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.files[0], args.max_model_len)))
+        return
+    for path in args.files:
+        proc = subprocess.run([sys.executable, __file__, "--worker", path, "--max-model-len",
+                               str(args.max_model_len)], capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            print(f"{path}: failed\n{proc.stderr[-2000:]}")
+            continue
+        r = json.loads(lines[-1])
+        print(f"{r['file']}: tensors {r['tensor_mb']:,.1f} MB, resident {r['resident_mb']:,.1f} "
+              f"MB ({r['ratio']:.3f}x), peak {r['peak_mb']:,.0f} MB (baseline "
+              f"{r['baseline_mb']:,.0f}), load {r['load_s']:.1f} s; {r['line']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
