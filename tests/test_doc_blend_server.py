@@ -80,3 +80,24 @@ def test_metrics_count_blended_requests(server):
     assert blended and float(blended[0].split()[-1]) >= 2, lines
     assert any(ln.startswith("kvserve:doc_blend_enabled") and ln.endswith(" 1.0")
                for ln in lines), lines
+
+
+def test_hostile_document_parts_are_refused_and_lose_nothing(server):
+    """A document carrying the template markers, a non-text part, a malformed mark: each a
+    400 naming the problem, and the server serves the next request as before."""
+    import httpx
+
+    bad_chat = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a \ue000 b", "cache_control": {"type": "document"}}]}],
+        "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=bad_chat, timeout=60)
+    assert r.status_code == 400 and "U+E000" in r.text, r.text
+    for part in ({"type": "image_url", "image_url": "x"},
+                 {"type": "text", "text": "x", "cache_control": "document"}):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"prompt": [part], "max_tokens": 1})
+        assert r.status_code == 400, r.text
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": [{"type": "text", "text": "fine",
+                                     "cache_control": {"type": "document"}}], "max_tokens": 1})
+    assert r.status_code == 200, r.text

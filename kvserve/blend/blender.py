@@ -27,7 +27,7 @@ to another request as a prefix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,21 +51,6 @@ class DocumentRequest(Request):
     so that its blocks enter the prefix index; it returns no output."""
 
     key: tuple = ()
-
-
-@dataclass
-class _Probe:
-    """What the prefix index is asked for a document: its padded tokens and one more token
-    (the index never serves a sequence's last token)."""
-
-    request_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    priority: int = 0
-    num_computed_tokens: int = 0
-    num_dropped_tokens: int = 0
-    skip_reading_prefix_cache: bool = False
-    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -192,7 +177,9 @@ class Blender:
     def _stored(self, request: Request, start: int, end: int) -> PrefixMatch | None:
         """The device blocks holding the document's KV (all of them), or None."""
         tokens = self._padded(request, start, end)
-        probe = _Probe("probe", tokens + [self.pad], request.cache_salt)
+        # (the index never serves a sequence's last token: one more is asked for)
+        probe = Request("probe", tokens + [self.pad], _PREFILL_ONLY, 0,
+                        cache_salt=request.cache_salt)
         match = self.kv.device_match(probe)
         need = len(tokens) // self.kv.block_size
         return match if len(match.nodes) >= need else None
