@@ -13,8 +13,8 @@ Modes, each its own engine, each warmed by the same requests (every passage once
 system prompt; off the clock):
   none     enable_prefix_caching=False: every prompt computed whole;
   prefix   the prefix cache (the system prompt hits; passages in a new order miss);
-  blend    blend_config {"recompute_fraction": F}: stored passages placed, F of each
-           recomputed, the question computed.
+  blend    blend_config {"recompute_fraction": F, "selection": S}: stored passages placed,
+           F of each recomputed (chosen by --selection), the question computed.
 
 TTFT: first-token time minus arrival, max_tokens 1, at batch 1 (one request at a time) and
 with --users closed-loop users (each sends its next question when its last one is answered).
@@ -200,12 +200,12 @@ def forced_logprobs(llm: LLM, q: Question, answer: list[int], start: int) -> lis
     return out
 
 
-def build(model: str | None, mode: str, fraction: float) -> LLM:
+def build(model: str | None, mode: str, fraction: float, selection: str = "deviation") -> LLM:
     kwargs: dict = {} if model is None else {"model": model}
     if mode == "none":
         kwargs["enable_prefix_caching"] = False
     if mode == "blend":
-        kwargs["blend_config"] = {"recompute_fraction": fraction}
+        kwargs["blend_config"] = {"recompute_fraction": fraction, "selection": selection}
     return LLM(**kwargs)
 
 
@@ -215,7 +215,7 @@ def run_ttft(args, tokenizer, pool, qs) -> dict:
     results = {}
     later = questions(tokenizer, pool, len(qs), args.seed + 1)
     for mode in ("none", "prefix", "blend"):
-        llm = build(args.model, mode, args.fraction)
+        llm = build(args.model, mode, args.fraction, args.selection)
         warm_up(llm, tokenizer, pool)
         row = {}
         for users, batch in ((1, qs), (args.users, later)):
@@ -244,7 +244,7 @@ def run_quality(args, tokenizer, pool, qs) -> dict:
     exact_nll = statistics.mean(-statistics.mean(lps) for _, lps in exact)
     results = {"exact_nll_per_token": exact_nll}
     for fraction in args.fractions:
-        llm = build(args.model, "blend", fraction)
+        llm = build(args.model, "blend", fraction, args.selection)
         warm_up(llm, tokenizer, pool)
         blended = answers(llm, qs, True, args.answer_tokens)
         same, nlls = 0, []
@@ -273,6 +273,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--fraction", type=float, default=0.15, help="TTFT runs' fraction")
     ap.add_argument("--quality", action="store_true", help="measure answer quality instead")
+    ap.add_argument("--selection", choices=("deviation", "first"), default="deviation",
+                    help="blend_config selection (the paper's, or the first tokens)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.0])
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)

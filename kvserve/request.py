@@ -95,6 +95,7 @@ class Request:
     documents: tuple[tuple[int, int], ...] = ()
     publish_limit: int | None = None
     blend_runs: tuple[tuple[int, int], ...] | None = None
+    blend_choose: tuple[tuple[int, int, int], ...] | None = None
     blend_counts: tuple[int, int, int] | None = None
     blend_waits: int = 0
     first_scheduled_time: float | None = None

@@ -39,6 +39,12 @@ def test_plan_computes_the_text_between_documents_and_each_documents_first_share
     assert plan_blend(40, 50, ((0, 40),), 0.1) is None  # the prefix cache holds it all
     # a document the prefix hit covers in part is placed from where the hit ends
     assert plan_blend(30, 60, ((20, 40),), 0.0).placed == ((30, 40, 20),)
+    # CacheBlend's selection: every position in the first layers, each document's share
+    # chosen after them
+    plan = plan_blend(10, 100, ((20, 40), (45, 70)), 0.15, "deviation")
+    assert plan.runs == ((10, 100),) and plan.cost == 90
+    assert plan.choose == ((20, 40, 3), (45, 70, 4))
+    assert (plan.reused, plan.recomputed, plan.computed) == (38, 7, 45)
 
 
 @settings(max_examples=200, deadline=None)
@@ -176,7 +182,8 @@ def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypat
 
     monkeypatch.setattr(scheduler_module.Scheduler, "finish", capture)
     llm = LLM(model=str(llama_dir), block_size=8, seed=0,
-              blend_config={"recompute_fraction": 0.0, "anchor": anchor})
+              blend_config={"recompute_fraction": 0.0, "anchor": anchor,
+                            "selection": "first"})
     prompt = _rag(seed=3)[0]
     generate_checked(llm, [prompt], SamplingParams(max_tokens=1))
     sep = llm.engine.scheduler.blend.separator if anchor == "separator" \
@@ -188,21 +195,104 @@ def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypat
     positions = torch.arange(1024)[None]
     cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = cos[0], sin[0]
-    half = cos.shape[-1] // 2
     for doc_id, (a, b) in zip(doc_ids, prompt["documents"]):
         stored = captured[doc_id]
         for layer, (k_req, v_req) in enumerate(request_kv):
             k_doc, v_doc = stored[layer][0], stored[layer][1]
             src = torch.arange(len(sep), len(sep) + b - a)
-            # un-rotate from the stored position, rotate to the new one: angle difference
-            angle_cos = cos[a:b] * cos[src] + sin[a:b] * sin[src]
-            angle_sin = sin[a:b] * cos[src] - cos[a:b] * sin[src]
-            k = k_doc[src]
-            x1, x2 = k[..., :half], k[..., half:]
-            c, s = angle_cos[:, None, :half], angle_sin[:, None, :half]
-            want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+            want = _turned(k_doc[src], src, torch.arange(a, b), cos, sin)
             torch.testing.assert_close(k_req[a:b], want, atol=2e-5, rtol=1e-4)
             assert torch.equal(v_req[a:b], v_doc[src])
+
+
+def _turned(k: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+    """Keys [n, heads, dim] computed at positions `src`, rotated to positions `dst` by the
+    angle difference of transformers' cos/sin rows (rotate-half convention)."""
+    half = cos.shape[-1] // 2
+    angle_cos = cos[dst] * cos[src] + sin[dst] * sin[src]
+    angle_sin = sin[dst] * cos[src] - cos[dst] * sin[src]
+    x1, x2 = k[..., :half], k[..., half:]
+    c, s = angle_cos[:, None, :half], angle_sin[:, None, :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+
+@pytest.fixture(scope="module")
+def llama4_dir(tmp_path_factory):
+    """The random Llama with 4 layers: rows can leave the forward after layer 1."""
+    from conftest import _hf_config
+
+    config = _hf_config("llama")
+    config.num_hidden_layers = 4
+    return save_random_checkpoint(config, tmp_path_factory.mktemp("blend") / "l4")
+
+
+def _capture_kv(monkeypatch, engine_of) -> dict[str, list[torch.Tensor]]:
+    """Each finishing request's KV (per layer, [2, positions, heads, dim]) by request id."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    finish = scheduler_module.Scheduler.finish
+
+    def capture(self, request, status):
+        table = self.kv.block_table(request)
+        bs = self.kv.block_size
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(request.num_tokens - 1)])
+        captured[request.request_id] = [torch.stack([t.view(-1, *t.shape[2:])[slots]
+                                                     for t in layer]).clone()
+                                        for layer in engine_of().tensors.layers]
+        return finish(self, request, status)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "finish", capture)
+    return captured
+
+
+def test_deviation_selection_recomputes_the_rows_whose_kv_moved_most(llama4_dir, monkeypatch):
+    """CacheBlend's selection against transformers: in layers 0-1 every row's KV is the exact
+    KV of the whole prompt (transformers' cache); after layer 1 each document keeps exactly
+    its rows whose exact layer-1 K/V lie farthest from the stored K/V turned to their
+    positions (the reference computes that choice itself), and only those are recomputed:
+    every other row keeps the stored KV in layers 2-3."""
+    import transformers
+
+    llm = None
+    captured = _capture_kv(monkeypatch, lambda: llm.engine)
+    llm = LLM(model=str(llama4_dir), block_size=8, seed=0,
+              blend_config={"recompute_fraction": 0.25, "anchor": "separator",
+                            "selection": "deviation", "check_layer": 1})
+    prompt = _rag(seed=3)[0]
+    generate_checked(llm, [prompt], SamplingParams(max_tokens=1))
+    sep = len(llm.engine.scheduler.blend.separator)
+    request_kv = captured[next(k for k in captured if not k.startswith("kvserve-doc-"))]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama4_dir, dtype=torch.float32)
+    with torch.no_grad():
+        cache = hf(torch.tensor([prompt["prompt_token_ids"]]), use_cache=True).past_key_values
+    exact = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+             for layer in cache.layers]
+    for layer in (0, 1):
+        torch.testing.assert_close(request_kv[layer][0], exact[layer][0], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(request_kv[layer][1], exact[layer][1], atol=1e-4, rtol=1e-3)
+    rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf.config)
+    cos, sin = (t[0] for t in rope(torch.zeros(1), torch.arange(1024)[None]))
+    doc_ids = sorted(k for k in captured if k.startswith("kvserve-doc-"))
+    recomputed = 0
+    for doc_id, (a, b) in zip(doc_ids, prompt["documents"]):
+        src, dst = torch.arange(sep, sep + b - a), torch.arange(a, b)
+        placed = [(_turned(captured[doc_id][layer][0][src], src, dst, cos, sin),
+                   captured[doc_id][layer][1][src]) for layer in range(4)]
+        k1, v1 = exact[1][0][a:b], exact[1][1][a:b]
+        distance = (k1 - placed[1][0]).square().sum((1, 2)) \
+            + (v1 - placed[1][1]).square().sum((1, 2))
+        keep = -(-(b - a) // 4)
+        want = set(torch.topk(distance, keep).indices.tolist())
+        recomputed += keep
+        for layer in (2, 3):
+            moved = (request_kv[layer][0][a:b] - placed[layer][0]).abs().amax((1, 2)) > 1e-4
+            assert set(moved.nonzero().squeeze(1).tolist()) == want
+            kept = torch.tensor(sorted(set(range(b - a)) - want))
+            torch.testing.assert_close(request_kv[layer][0][a:b][kept], placed[layer][0][kept],
+                                       atol=2e-5, rtol=1e-4)
+            assert torch.equal(request_kv[layer][1][a:b][kept], placed[layer][1][kept])
+    counters = llm.engine.scheduler.blend.counters
+    assert counters.recomputed_tokens == recomputed
 
 
 def test_unmarked_prompts_and_their_neighbours_are_unchanged(llama_dir):
@@ -241,6 +331,29 @@ def test_blended_kv_is_never_published_and_reused_tokens_are_counted(llama_dir):
     assert match.num_full_blocks * 8 <= first_doc_end
 
 
+def test_documents_come_back_from_a_storage_tier(llama_dir, tmp_path):
+    """A document's KV saved to disk (write-through) serves later requests after the device
+    cache and host memory are wiped: the document requests load it from disk. The prompts
+    share no 16-token chunk but through their documents (each starts with another document
+    after a 12-token system text), so every disk hit is a document's. With every reused token
+    recomputed the outputs stay transformers'."""
+    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+              blend_config={"recompute_fraction": 1.0},
+              kv_tier_config={"chunk_size": 16, "local_cpu": True,
+                              "local_disk": str(tmp_path), "max_local_disk_size": 0.01,
+                              "write_policy": "write_through"})
+    prompts = _rag(seed=8)
+    generate_checked(llm, prompts[:1], GREEDY)
+    assert llm.engine.tiers.flush()
+    llm.reset_prefix_cache()
+    llm.engine.tiers.clear(["host"])
+    outs = generate_checked(llm, prompts[1:], GREEDY)
+    assert llm.engine.stats().hit_tokens["disk"] >= 16
+    assert llm.engine.scheduler.blend.counters.blended_requests >= 2
+    want = hf_greedy(llama_dir, [p["prompt_token_ids"] for p in prompts[1:]], GREEDY.max_tokens)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_preemption_and_a_small_pool_lose_nothing(llama_dir):
     """Blended requests that preempt each other (recompute) and documents evicted before
     their request is admitted: with everything recomputed the outputs stay exact."""
@@ -254,7 +367,7 @@ def test_preemption_and_a_small_pool_lose_nothing(llama_dir):
     assert stats.num_preemptions > 0 or llm.engine.scheduler.blend.counters.fallbacks > 0
 
 
-def test_audits_measure_divergence_and_turn_blending_off(llama_dir):
+def test_audits_measure_divergence_and_turn_blending_off(llama4_dir):
     """Every blended request audited: its twins return nothing, the divergence is recorded
     (KL against the exact distribution, checked here from the twins' own logprobs' formula on
     a made-up pair), and past the threshold blending stops: later requests compute exactly."""
@@ -268,7 +381,7 @@ def test_audits_measure_divergence_and_turn_blending_off(llama_dir):
     assert kl_top({1: -0.1, 2: -2.4}, {1: -0.5, 3: -1.0}) == pytest.approx(
         float((e * (e / b).log()).sum()), abs=1e-3)
     prompts = _rag(seed=7)
-    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+    llm = LLM(model=str(llama4_dir), block_size=8, seed=0,
               blend_config={"recompute_fraction": 0.0, "audit_rate": 1.0,
                             "audit_threshold": 1e-9, "min_audits": 1})
     outs = generate_checked(llm, prompts[:2], GREEDY)
@@ -280,7 +393,7 @@ def test_audits_measure_divergence_and_turn_blending_off(llama_dir):
     generate_checked(llm, prompts[2:], GREEDY)
     assert llm.engine.stats().blend["blended_requests"] == blended  # off: computed exactly
     # A generous threshold keeps it on.
-    llm = LLM(model=str(llama_dir), block_size=8, seed=0,
+    llm = LLM(model=str(llama4_dir), block_size=8, seed=0,
               blend_config={"recompute_fraction": 0.0, "audit_rate": 1.0,
                             "audit_threshold": 1e6, "min_audits": 1})
     generate_checked(llm, prompts, GREEDY)

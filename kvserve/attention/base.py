@@ -19,6 +19,9 @@ from kvserve.kv.tensors import KVTensorPool
 
 # (layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer_idx, hidden [T, hidden]) after that layer -> None, or (the rows the later layers
+# run, the AttentionFn for those rows): CausalLM.forward's `between`
+RowCut = Callable[[int, torch.Tensor], "tuple[torch.Tensor, AttentionFn] | None"]
 
 
 @dataclass

@@ -90,8 +90,7 @@ class Blender:
         now; ("blend", plan, []): admit the plan's positions at its cost."""
         if not request.documents or not self.enabled or request.skip_reading_prefix_cache:
             return "exact", None, []
-        plan = plan_blend(match.num_tokens, request.num_tokens, request.documents,
-                          self.config.recompute_fraction)
+        plan = self._plan(request, match.num_tokens, budget)
         if plan is None:
             return "exact", None, []
         stored = {a: self._stored(request, a, b) for _, _, a in plan.placed
@@ -107,6 +106,18 @@ class Blender:
             return "exact", None, []
         return "wait", None, [d for d in (self._document(request, a, b) for a, b in missing)
                               if d is not None]
+
+    def _plan(self, request: Request, start: int, budget: int) -> BlendPlan | None:
+        """The step's plan; a "deviation" plan runs every position through the first layers,
+        and where the step's budget cannot take them all (chunked prefill's small steps)
+        the "first" rule's plan, which computes only the chosen rows, goes instead."""
+        c = self.config
+        plan = plan_blend(start, request.num_tokens, request.documents, c.recompute_fraction,
+                          c.selection)
+        if plan is not None and plan.cost > budget and c.selection != "first":
+            return plan_blend(start, request.num_tokens, request.documents,
+                              c.recompute_fraction, "first")
+        return plan
 
     def admitted(self, request: Request, plan: BlendPlan) -> None:
         """After `KVCacheManager.admit` gave the request its blocks: hold the stored blocks,
@@ -130,6 +141,7 @@ class Blender:
                                                   "computed_tokens": plan.computed}
         request.publish_limit = min(a for a, _, _ in plan.placed)
         request.blend_runs = plan.runs
+        request.blend_choose = plan.choose or None
         request.blend_counts = (plan.reused, plan.recomputed, plan.computed)
         if self.auditor is not None:
             self.auditor.sample(request)
@@ -196,15 +208,18 @@ class Blender:
         self.inflight[key] = doc
         return doc
 
-    @staticmethod
-    def seq_step(seq, request: Request):
+    def seq_step(self, seq, request: Request):
         """The worker's view (worker/step.py's SeqStep, not imported: the worker package sits
         above this one) of a blended request's step: its runs' tokens, one after another, and
-        the runs (worker/model_runner.py makes a slice of each)."""
+        the runs (worker/model_runner.py makes a slice of each), and with "deviation" the
+        spans chosen from after the check layer (worker/row_select.py)."""
         tokens = request.token_ids
         runs = request.blend_runs
         seq.token_ids = [t for a, b in runs for t in tokens[a:b]]
         seq.runs = tuple((a, b - a) for a, b in runs)
+        if request.blend_choose is not None:
+            seq.choose = request.blend_choose
+            seq.check_layer = self.config.check_layer
         return seq
 
     def internal(self, request: Request) -> bool:

@@ -1,14 +1,19 @@
 """`blend_config`: document reuse (CacheBlend) switched on, checked once at start-up.
 
-    {"recompute_fraction": 0.15, "anchor": "prefix", "audit_rate": 0.0,
-     "audit_threshold": 0.5}
+    {"recompute_fraction": 0.15, "selection": "deviation", "check_layer": 1,
+     "anchor": "prefix", "audit_rate": 0.0, "audit_threshold": 0.5}
 
 Why a JSON object of its own, as `speculative_config`: the keys belong together, and an
 unknown key is refused by name rather than silently ignored.
 
 * `recompute_fraction`: the share of each reused span's tokens whose KV is recomputed in the
-  request's own context (the paper's ~15%; 0 reuses the stored KV as it is). The tokens chosen
-  are each span's first ones (kvserve/blend/select.py says why that rule and how it compares).
+  request's own context (the paper's ~15%; 0 reuses the stored KV as it is).
+* `selection`: how those tokens are chosen. "deviation" (the default, the paper's): every
+  token of the step runs through the first layers, and after layer `check_layer` each span
+  keeps the tokens whose fresh K/V differ most from the stored; "first": each span's first
+  tokens, chosen before the forward (cheaper; measured worse, docs/benchmarks.md).
+* `check_layer` (LMCache's `blend_check_layers`, one layer): the layer whose K/V deviation
+  chooses (0 would see none: a token's first-layer K/V do not depend on its context).
 * `anchor`: what a document is computed behind. "prefix" (the default): the request's own
   text before its first document (in RAG, the shared system prompt), so a stored document has
   seen the instructions every request puts before it and lacks only the other documents;
@@ -33,6 +38,8 @@ from kvserve.validation import json_object
 @dataclass(frozen=True)
 class BlendConfig:
     recompute_fraction: float = 0.15
+    selection: str = "deviation"
+    check_layer: int = 1
     anchor: str = "prefix"
     audit_rate: float = 0.0
     audit_threshold: float = 0.5
@@ -45,6 +52,13 @@ class BlendConfig:
                     or not 0.0 <= value <= 1.0:
                 raise ValueError(f"blend_config {name} must be a number in [0, 1], "
                                  f"got {value!r}")
+        if self.selection not in ("deviation", "first"):
+            raise ValueError("blend_config selection must be 'deviation' or 'first', "
+                             f"got {self.selection!r}")
+        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) \
+                or self.check_layer < 1:
+            raise ValueError("blend_config check_layer must be an integer >= 1 (layer 0's "
+                             f"K/V do not depend on the context), got {self.check_layer!r}")
         if self.anchor not in ("prefix", "separator"):
             raise ValueError("blend_config anchor must be 'prefix' or 'separator', "
                              f"got {self.anchor!r}")

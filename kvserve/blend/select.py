@@ -1,17 +1,20 @@
 """Which positions a blended request computes: every token outside the reused documents (the
-text between them and the question after them) and the first share of each document's.
+text between them and the question after them) and a share of each document's tokens, chosen
+one of two ways (blend_config `selection`).
 
-Why the first tokens (kvserve's rule, not the paper's): CacheBlend (Yao et al., EuroSys 2025)
-runs the first layers over every token and recomputes the ones whose KV deviates most from the
-stored KV. The deviation comes from what a stored document never saw: the text before it. A
-token's attention spreads over everything before it, so the earlier the token sits in its
-document, the larger the share of its attention that the unseen context takes, and the more its
-KV moves: the deviation is largest at a document's start and falls along it (the paper's own
-figure of per-token deviation shows it; `benchmarks/bench_doc_blend.py --oracle` measures the
-rule against choosing the truly most-deviating tokens on the same prompts). The first tokens
-also sit where the stored KV saw only the separator: they carry the attention-sink role
-that only the real first token should have. Choosing them costs nothing before the forward,
-while the paper's selection needs a pass of the first layers over every token.
+"deviation" (CacheBlend's, Yao et al., EuroSys 2025): the step runs every position through the
+first layers; after layer `check_layer` the worker (kvserve/worker/row_select.py) compares each
+placed token's fresh K/V with the stored ones and keeps, per document, the tokens that deviate
+most; the other rows leave the forward there and keep their stored K/V in the later layers.
+The deviation comes from what a stored document never saw, the text before it, and where it is
+large depends on the text: no rule fixed before the forward finds it as well (measured against
+the "first" rule in docs/benchmarks.md).
+
+"first" (kvserve's cheaper rule): each document's first tokens, chosen before the forward, so
+the step computes only them and the text outside documents. The earlier a token sits in its
+document, the larger the share of its attention the unseen context takes, and the first tokens
+carry the attention-sink role that only the real first token should have; but the deviation is
+spread over the whole document, and this rule keeps fewer answers exact at the same share.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ Span = tuple[int, int]
 @dataclass(frozen=True)
 class BlendPlan:
     """A blended request's step: positions [start, end) are made ready, `placed` from stored
-    documents (each (first position, end, the document's own start)), `runs` computed."""
+    documents (each (first position, end, the document's own start)), `runs` computed (in the
+    first layers, with "deviation"), `choose` the placed spans whose rows after the check layer
+    are chosen by deviation, each (first position, end, how many to keep); () with "first"."""
 
     start: int
     end: int
@@ -34,15 +39,16 @@ class BlendPlan:
     reused: int  # placed tokens kept as stored
     recomputed: int  # placed tokens recomputed
     computed: int  # tokens outside any document, computed
+    choose: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def cost(self) -> int:
-        """Tokens the forward computes (what the step's budget pays)."""
-        return self.recomputed + self.computed
+        """Rows the forward starts with (what the step's budget pays: its activations)."""
+        return sum(b - a for a, b in self.runs)
 
 
-def plan_blend(start: int, end: int, documents: tuple[Span, ...], fraction: float
-               ) -> BlendPlan | None:
+def plan_blend(start: int, end: int, documents: tuple[Span, ...], fraction: float,
+               selection: str = "first") -> BlendPlan | None:
     """The plan for positions [start, end) (start: what the prefix cache already holds), or
     None when no document lies there (nothing to place). The last position is always
     computed (its logits sample), and no run is a single token where a neighbour can join
@@ -55,6 +61,12 @@ def plan_blend(start: int, end: int, documents: tuple[Span, ...], fraction: floa
             placed.append((a, b - 1, origin))
     if not placed:
         return None
+    if selection == "deviation":
+        choose = tuple((a, b, _recomputed(b - a, fraction)) for a, b, _ in placed)
+        kept = sum(n for _, _, n in choose)
+        total = sum(b - a for a, b, _ in placed)
+        return BlendPlan(start, end, tuple(placed), ((start, end),), total - kept, kept,
+                         end - start - total, choose)
     keep = [(a + _recomputed(b - a, fraction), b) for a, b, _ in placed]
     keep = [(a, b) for a, b in keep if a < b]
     runs = _gaps(start, end, keep)

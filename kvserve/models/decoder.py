@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.attention.base import AttentionFn
+from kvserve.attention.base import AttentionFn, RowCut
 from kvserve.layers.buckets import bucket_of
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.layers.rotary import identity_rope_cache, rope_cache
@@ -248,19 +248,28 @@ class CausalLM(nn.Module):
         return [self.layers[0]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionFn) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size]."""
+                attn: AttentionFn, between: RowCut | None = None) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size].
+        `between(i, hidden)`, called after each layer i, may return (rows to keep, the
+        attention for the rows kept): the later layers run those rows only (document reuse's
+        selective recompute, kvserve/worker/row_select.py); the result has those rows."""
         hidden = self.embed(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
-        if self.decode_step is None or self.decode_step.run(
-                hidden, tables[self.rope_of_layer[0]], attn) is None:
-            bucket = bucket_of(hidden.shape[0])
-            for layer, rope in zip(self.layers, self.rope_of_layer):
-                hidden = layer(hidden, tables[rope], attn, bucket)
+        if between is None and self.decode_step is not None and self.decode_step.run(
+                hidden, tables[self.rope_of_layer[0]], attn) is not None:
+            return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
+        bucket = bucket_of(hidden.shape[0])
+        for i, (layer, rope) in enumerate(zip(self.layers, self.rope_of_layer)):
+            hidden = layer(hidden, tables[rope], attn, bucket)
+            cut = between(i, hidden) if between is not None else None
+            if cut is not None:
+                keep, attn = cut
+                hidden, tables = hidden[keep], [t[keep] for t in tables]
+                bucket = bucket_of(hidden.shape[0])
         return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, bucket_rows: int | None = None

@@ -22,6 +22,7 @@ import torch
 
 from kvserve.worker.step import PromptSpan, SeqStep, StepFailed, StepInput, StepOutput
 from kvserve.worker.placement import place_tokens
+from kvserve.worker.row_select import row_selection
 from kvserve.worker.step_sampler import StepSampler
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.tensors import KVTensorPool
@@ -171,6 +172,7 @@ class ModelRunner:
         spans: list[PromptSpan] = []
         owners: list[int] = []  # the index into seqs of each slice, in flat order
         drafted = 0  # sampled rows that verify a draft
+        choosing: list = []  # blended slices whose rows are chosen mid-forward (row_select.py)
         for i, seq in enumerate(seqs):
             n, start, kv_start = seq.num_tokens, seq.start, seq.kv_start
             table = seq.block_tables[0]
@@ -179,6 +181,8 @@ class ModelRunner:
             if seq.runs is not None:  # a blended request: one slice of rows at positions
                 self._runs(seq, flat_start, positions, slots, prefills)
                 owners.append(i)
+                if seq.choose is not None:
+                    choosing.append((prefills[-1], seq.choose, seq.check_layer))
             elif seq.num_draft:  # a verification: one decode row per token (see _draft_rows)
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(kv_start, kv_start + n))
@@ -223,7 +227,13 @@ class ModelRunner:
             if self.device.type != "cpu":
                 ids = ids.to(self.device, non_blocking=True)
                 pos_t = pos_t.to(self.device, non_blocking=True)
-            hidden = self.model(ids, pos_t, self.backend.bind(meta))
+            select = row_selection(self.backend, meta, choosing, len(input_ids)) \
+                if choosing else None
+            if select is None:
+                hidden = self.model(ids, pos_t, self.backend.bind(meta))
+            else:
+                hidden = self.model(ids, pos_t, self.backend.bind(meta), select)
+                sample_rows, prompt_rows = select.remap(sample_rows), select.remap(prompt_rows)
         observed = self.backend.observed
         rows = sample_rows + prompt_rows
         if not rows:

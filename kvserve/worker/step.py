@@ -77,6 +77,10 @@ class SeqStep:
     # Document reuse (kvserve/blend/): the token_ids are these runs of positions, each
     # (first position, length), one after another; None: one run from `start`.
     runs: tuple[tuple[int, int], ...] | None = None
+    # ... and with selection "deviation": the placed spans (first position, end, rows to keep)
+    # whose rows leave the forward after layer `check_layer` but for the most deviating ones.
+    choose: tuple[tuple[int, int, int], ...] | None = None
+    check_layer: int = 1
 
     @property
     def num_tokens(self) -> int:
