@@ -99,6 +99,10 @@ def test_config_and_feature_table_refusals(tiny_model_dir):
         load_blend_config({"fraction": 0.3})
     with pytest.raises(ValueError, match="recompute_fraction must be a number in"):
         load_blend_config({"recompute_fraction": 1.5})
+    with pytest.raises(ValueError, match="selection must be one of"):
+        load_blend_config({"selection": "random"})
+    with pytest.raises(ValueError, match="check_layer must be an integer >= 1"):
+        load_blend_config({"check_layer": 0})
     with pytest.raises(ValueError, match="rotates stored keys in the model's float type"):
         LLM(model=str(tiny_model_dir), blend_config={}, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="needs prefix caching"):
@@ -168,19 +172,8 @@ def test_placed_kv_is_the_stored_kv_rotated_to_its_position(llama_dir, monkeypat
     (computed here from transformers' cos/sin, not kvserve's table)."""
     import transformers
 
-    captured: dict[str, list[torch.Tensor]] = {}
-    finish = scheduler_module.Scheduler.finish
-
-    def capture(self, request, status):
-        table = self.kv.block_table(request)
-        bs = self.kv.block_size
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(request.num_tokens - 1)])
-        captured[request.request_id] = [torch.stack([t.view(-1, *t.shape[2:])[slots]
-                                                     for t in layer]).clone()
-                                        for layer in llm.engine.tensors.layers]
-        return finish(self, request, status)
-
-    monkeypatch.setattr(scheduler_module.Scheduler, "finish", capture)
+    llm = None
+    captured = _capture_kv(monkeypatch, lambda: llm.engine)
     llm = LLM(model=str(llama_dir), block_size=8, seed=0,
               blend_config={"recompute_fraction": 0.0, "anchor": anchor,
                             "selection": "first"})

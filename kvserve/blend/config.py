@@ -1,6 +1,6 @@
 """`blend_config`: document reuse (CacheBlend) switched on, checked once at start-up.
 
-    {"recompute_fraction": 0.15, "selection": "deviation", "check_layer": 1,
+    {"recompute_fraction": 0.15, "selection": "first", "check_layer": 1,
      "anchor": "prefix", "audit_rate": 0.0, "audit_threshold": 0.5}
 
 Why a JSON object of its own, as `speculative_config`: the keys belong together, and an
@@ -8,10 +8,12 @@ unknown key is refused by name rather than silently ignored.
 
 * `recompute_fraction`: the share of each reused span's tokens whose KV is recomputed in the
   request's own context (the paper's ~15%; 0 reuses the stored KV as it is).
-* `selection`: how those tokens are chosen. "deviation" (the default, the paper's): every
-  token of the step runs through the first layers, and after layer `check_layer` each span
-  keeps the tokens whose fresh K/V differ most from the stored; "first": each span's first
-  tokens, chosen before the forward (cheaper; measured worse, docs/benchmarks.md).
+* `selection`: how those tokens are chosen. "first" (the default): each span's first tokens,
+  chosen before the forward; "deviation" (the paper's): every token of the step runs through
+  the first layers, and after layer `check_layer` each span keeps the tokens whose fresh K/V
+  differ most from the stored. On SmolLM2's RAG workload "first" kept as many answers
+  identical or more, and the exact answers' log-likelihood closer, at a lower cost
+  (docs/benchmarks.md); kvserve/blend/select.py says why.
 * `check_layer` (LMCache's `blend_check_layers`, one layer): the layer whose K/V deviation
   chooses (0 would see none: a token's first-layer K/V do not depend on its context).
 * `anchor`: what a document is computed behind. "prefix" (the default): the request's own
@@ -38,7 +40,7 @@ from kvserve.validation import json_object
 @dataclass(frozen=True)
 class BlendConfig:
     recompute_fraction: float = 0.15
-    selection: str = "deviation"
+    selection: str = "first"
     check_layer: int = 1
     anchor: str = "prefix"
     audit_rate: float = 0.0
@@ -52,25 +54,27 @@ class BlendConfig:
                     or not 0.0 <= value <= 1.0:
                 raise ValueError(f"blend_config {name} must be a number in [0, 1], "
                                  f"got {value!r}")
-        if self.selection not in ("deviation", "first"):
-            raise ValueError("blend_config selection must be 'deviation' or 'first', "
-                             f"got {self.selection!r}")
-        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) \
-                or self.check_layer < 1:
-            raise ValueError("blend_config check_layer must be an integer >= 1 (layer 0's "
-                             f"K/V do not depend on the context), got {self.check_layer!r}")
-        if self.anchor not in ("prefix", "separator"):
-            raise ValueError("blend_config anchor must be 'prefix' or 'separator', "
-                             f"got {self.anchor!r}")
+        _choice("selection", self.selection, ("deviation", "first"))
+        _choice("anchor", self.anchor, ("prefix", "separator"))
+        _integer("check_layer", self.check_layer, 1, " (layer 0's K/V do not depend on the "
+                 "context)")
+        _integer("min_audits", self.min_audits, 1)
         if isinstance(self.audit_threshold, bool) \
                 or not isinstance(self.audit_threshold, (int, float)) \
                 or self.audit_threshold <= 0:
             raise ValueError("blend_config audit_threshold must be a positive number, "
                              f"got {self.audit_threshold!r}")
-        if isinstance(self.min_audits, bool) or not isinstance(self.min_audits, int) \
-                or self.min_audits < 1:
-            raise ValueError("blend_config min_audits must be a positive integer, "
-                             f"got {self.min_audits!r}")
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"blend_config {name} must be one of {options}, got {value!r}")
+
+
+def _integer(name: str, value: Any, low: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"blend_config {name} must be an integer >= {low}{why}, "
+                         f"got {value!r}")
 
 
 def load_blend_config(value: Any) -> BlendConfig | None:
