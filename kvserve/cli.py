@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.bench.cli import add_bench_parser
 
-    add_bench_parser(sub, add_engine_args)
+    add_bench_parser(sub, add_engine_args, engine_kwargs)
     return parser
 
 

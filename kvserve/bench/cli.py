@@ -27,7 +27,10 @@ def _run(module: str) -> Callable[[argparse.Namespace], int]:
     return cmd
 
 
-def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                     engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
+    """The subcommands under `sub`; the offline ones with kvserve.cli's engine flags
+    (`add_engine_args`, read back by `engine_kwargs`: this package does not import the CLI)."""
     from kvserve.bench.latency import add_latency_args
     from kvserve.bench.prefix import add_prefix_args
     from kvserve.bench.serve import add_serve_args
@@ -48,4 +51,4 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
         add(p)
         if offline:
             add_engine_args(p)
-        p.set_defaults(func=_run(name))
+        p.set_defaults(func=_run(name), engine_kwargs=engine_kwargs)

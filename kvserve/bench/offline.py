@@ -14,9 +14,8 @@ def load_llm(args: argparse.Namespace, **overrides):
     """`LLM(**engine flags)` (what `kvserve generate` builds), and its load time in seconds;
     `overrides` win over the flags (a benchmark's own sizing)."""
     from kvserve import LLM
-    from kvserve.cli import engine_kwargs
 
-    kwargs = engine_kwargs(args)
+    kwargs = args.engine_kwargs(args)  # kvserve.cli's, set by add_bench_parser
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
