@@ -48,6 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_throughput as bt  # noqa: E402  (checkpoint, worker runner, noise, stats helpers)
 
+from kvserve.bench.results import plot_prefix  # noqa: E402
+
 TTFT_MODES = ("cold", "cached")
 SHARED_ENGINES = ("kvserve", "kvserve-nocache", "transformers")
 SHARED_LABEL = {"kvserve": "kvserve, prefix cache on", "kvserve-nocache":
@@ -282,53 +284,7 @@ def fmt_pct(s: dict | None) -> str:
     return f"{100 * s['median']:.1f}% [{100 * s['min']:.1f}-{100 * s['max']:.1f}]"
 
 
-def plot_ttft(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    rows = [r for r in rows if r.get("cold") and r.get("cached")]
-    if not rows:
-        return
-    x = list(range(len(rows)))
-    width = 0.38
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for off, mode, color, label in ((-width / 2, "cold", "#c44e52", "cold (prefix cache reset)"),
-                                    (width / 2, "cached", "#4c72b0", "cached prefix")):
-        med = [1e3 * r[mode]["median"] for r in rows]
-        err = [[m - 1e3 * r[mode]["min"] for m, r in zip(med, rows)],
-               [1e3 * r[mode]["max"] - m for m, r in zip(med, rows)]]
-        bars = ax.bar([i + off for i in x], med, width, yerr=err, capsize=3, color=color,
-                      label=label, error_kw={"elinewidth": 1, "ecolor": "#333333"})
-        for b, m in zip(bars, med):
-            ax.text(b.get_x() + b.get_width() / 2, m / 1.6, f"{m:.0f} ms" if m >= 10 else
-                    f"{m:.1f} ms", ha="center", va="top", fontsize=8, color="white",
-                    fontweight="bold")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-    top = max(1e3 * r["cold"]["max"] for r in rows)
-    ax.set_ylim(min(1e3 * r["cached"]["min"] for r in rows) / 3, top * 4)
-    for i, r in enumerate(rows):
-        change = "lower" if r["reduction"] >= 0 else "higher"
-        ax.annotate(f"{abs(100 * r['reduction']):.1f}% {change}\n({r['speedup']:.1f}x faster)",
-                    xy=(i, 1e3 * r["cold"]["max"] * 1.25), ha="center", va="bottom",
-                    fontsize=10, fontweight="bold")
-    ax.set_xticks(x)
-    ax.set_xticklabels([f"{r['prefix_len']:,}" for r in rows])
-    ax.set_xlabel(f"cached prefix length (tokens), + {rows[0].get('suffix_len', 64)}-token "
-                  "unique suffix, 1 generated token")
-    ax.set_ylabel("TTFT (ms, log scale)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", fontsize=9)
-    ax.grid(axis="y", which="both", alpha=0.25)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+plot_ttft = plot_prefix  # the figure of docs/prefix_ttft.png, drawn by `kvserve bench prefix` too
 
 
 # ------------------------------------------------------------------------------------------

@@ -42,8 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvserve.sim.trace import Trace, load_trace, write_trace  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import pct  # noqa: E402  (percentiles, as the serving benchmark takes them)
+from kvserve.bench.stats import percentile as pct  # noqa: E402  (as `kvserve bench serve`)
 
 POLICIES = ("round_robin", "least_loaded", "consistent_hash", "cache_aware")
 

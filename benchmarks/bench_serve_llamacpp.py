@@ -8,7 +8,8 @@ is); every turn sends the whole conversation so far (system, earlier user messag
 answers the server gave) plus a new user message of about --user-tokens tokens, streams
 --output-len tokens back (greedy, ignore_eos) and sends the next turn as soon as the answer
 ends. Users arrive as a Poisson process of --arrival-rate users/s, so both servers see the same
-ramp and then stay busy.
+ramp and then stay busy. The client is `kvserve bench serve --dataset-name multi_turn`
+(kvserve/bench/).
 
 Reported for each server: time to first token p50/p99, inter-token latency (gaps between
 streamed chunks) p50/p99, output throughput (output tokens / wall time of the whole load),
@@ -26,209 +27,59 @@ and the ratios are taken against it. Engines alternate when --repeats > 1; media
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import random
-import signal
-import socket
+import shlex
 import statistics
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import make_gguf_models  # noqa: E402
-from bench_serving import pct  # noqa: E402
 
-# Short common words: about one token each in byte-level BPE vocabularies.
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
-         "which but have an they you were her she there one all we their can has been if more "
-         "when will would who so no time out up into could new than some these two may first "
-         "then do any like my now over such our man me even most made after also did many off "
-         "before must well back through years much where your way down should because each just "
-         "those people how too little state good very make world still own see men work long "
-         "here get both between life being under never day same another know while last might "
-         "us great old year come since against go came right used take three").split()
-
-
-@dataclass
-class Turn:
-    """One streamed answer as the client saw it."""
-    ok: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # what the server's usage says it reused
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-async def one_turn(http: httpx.AsyncClient, url: str, messages: list[dict],
-                   output_len: int) -> tuple[Turn, str]:
-    body = {"messages": messages, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    turn, text, chunks = Turn(), [], 0
-    start = last = time.perf_counter()
-    try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                turn.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return turn, ""
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line[6:].strip() == "[DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    turn.error = str(chunk["error"])[:200]
-                    return turn, ""
-                delta = "".join((c.get("delta") or {}).get("content") or ""
-                                for c in chunk.get("choices") or [])
-                if delta:
-                    now = time.perf_counter()
-                    if not turn.ttft:
-                        turn.ttft = now - start
-                    else:
-                        turn.itl.append(now - last)
-                    last, chunks = now, chunks + 1
-                    text.append(delta)
-                if chunk.get("usage"):
-                    turn.output_tokens = chunk["usage"]["completion_tokens"]
-                    turn.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    turn.cached_tokens = (chunk["usage"].get("prompt_tokens_details")
-                                          or {}).get("cached_tokens") or 0
-        turn.output_tokens = turn.output_tokens or chunks
-        turn.ok = turn.ttft > 0
-    except Exception as exc:  # counted as a failure; the load goes on
-        turn.error = f"{type(exc).__name__}: {exc}"
-    return turn, "".join(text)
-
-
-async def warm_up(url: str, timeout: float) -> None:
-    async with httpx.AsyncClient(timeout=timeout) as http:
-        turn, _ = await one_turn(http, url, [{"role": "user", "content": "hello"}], 4)
-    if not turn.ok:
-        raise RuntimeError(f"warm-up failed: {turn.error}")
-
-
-async def user(http: httpx.AsyncClient, url: str, args: argparse.Namespace, system: str,
-               uid: int, delay: float) -> list[Turn]:
-    await asyncio.sleep(delay)
-    rng = random.Random(args.seed * 1000 + uid)
-    messages = [{"role": "system", "content": system}]
-    turns = []
-    for _ in range(args.turns):
-        messages.append({"role": "user", "content": words(rng, args.user_tokens)})
-        turn, answer = await one_turn(http, url, messages, args.output_len)
-        turns.append(turn)
-        if not turn.ok:
-            break
-        messages.append({"role": "assistant", "content": answer})
-    return turns
-
-
-async def drive(url: str, args: argparse.Namespace) -> tuple[list[Turn], float]:
-    rng = random.Random(args.seed)
-    system = words(random.Random(args.seed - 1), args.system_tokens)
-    delays, t = [], 0.0
-    for _ in range(args.users):
-        delays.append(t)
-        t += rng.expovariate(args.arrival_rate) if args.arrival_rate != float("inf") else 0.0
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
-        t0 = time.perf_counter()
-        per_user = await asyncio.gather(*(user(http, url, args, system, i, d)
-                                          for i, d in enumerate(delays)))
-        return [t for ts in per_user for t in ts], time.perf_counter() - t0
-
-
-def summarize(turns: list[Turn], duration: float, expected: int) -> dict:
-    ok = [t for t in turns if t.ok]
-    ttft = [t.ttft * 1000 for t in ok]
-    itl = [x * 1000 for t in ok for x in t.itl]
-    out = sum(t.output_tokens for t in ok)
-    prompt = sum(t.prompt_tokens for t in ok)
-    return {"turns_ok": len(ok), "turns_failed": expected - len(ok), "duration_s": duration,
-            "output_tok_s": out / duration, "ttft_p50_ms": pct(ttft, 50),
-            "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-            "first_prompt_tokens": next((t.prompt_tokens for t in ok if t.prompt_tokens), 0),
-            "prompt_tokens": prompt,
-            "cached_fraction": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
-            "errors": [t.error for t in turns if not t.ok][:3]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s")
+from kvserve.bench import serve, spawn  # noqa: E402
 
 
 def server_cmd(args: argparse.Namespace, engine: str, parallel: int, port: int) -> list[str]:
     ctx = args.slot_ctx
     if engine == "kvserve":
-        return [sys.executable, "-m", "kvserve.cli", "serve", str(args.gguf), "--port",
-                str(port), "--num-threads", str(args.threads), "--max-model-len", str(ctx),
-                "--max-num-seqs", str(args.users), "--disable-log-stats",
-                *args.kvserve_args.split()]
+        return spawn.kvserve_command(port, str(args.gguf), [
+            "--num-threads", str(args.threads), "--max-model-len", str(ctx),
+            "--max-num-seqs", str(args.users), "--disable-log-stats",
+            *shlex.split(args.kvserve_args)])
     return [str(args.llama_bin / "llama-server"), "-m", str(args.gguf), "--port", str(port),
             "-t", str(args.threads), "-np", str(parallel), "-kvu", "-c", str(parallel * ctx),
-            "--cache-reuse", str(args.cache_reuse), *args.llama_args.split()]
+            "--cache-reuse", str(args.cache_reuse), *shlex.split(args.llama_args)]
+
+
+def load_args(args: argparse.Namespace) -> argparse.Namespace:
+    """This script's load as `kvserve bench serve` flags: multi_turn chats."""
+    p = argparse.ArgumentParser()
+    serve.add_serve_args(p)
+    return p.parse_args([
+        "--dataset-name", "multi_turn", "--num-prompts", str(args.users),
+        "--multi-turn-turns", str(args.turns), "--multi-turn-system-len",
+        str(args.system_tokens), "--multi-turn-user-len", str(args.user_tokens),
+        "--multi-turn-output-len", str(args.output_len), "--request-rate",
+        str(args.arrival_rate), "--seed", str(args.seed), "--timeout", str(args.timeout),
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm"])
 
 
 def run_server(args: argparse.Namespace, engine: str, parallel: int = 0) -> dict:
-    """Start one server, warm it with one short chat, drive the load, stop it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    cmd = server_cmd(args, engine, parallel, port)
-    print(f"  starting: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                            stderr=sys.stderr if args.server_log else subprocess.DEVNULL,
-                            env=env, start_new_session=True)
-    try:
-        wait_healthy(proc, url, args.timeout)
-        asyncio.run(warm_up(url, args.timeout))
-        turns, duration = asyncio.run(drive(url, args))
-        res = summarize(turns, duration, args.users * args.turns)
-        res["peak_rss_mb"] = peak_rss_mb(proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """Start one server, drive the load through `kvserve bench serve`, stop it."""
+    port = spawn.free_port()
+    log = sys.stderr if args.server_log else None
+    with spawn.server(server_cmd(args, engine, parallel, port), port, args.timeout, log,
+                      env={"OMP_NUM_THREADS": str(args.threads)}) as (url, proc):
+        out = serve.bench_url(url, load_args(args))
+        rss = spawn.peak_rss_mb(proc.pid)
+    res = {"output_tok_s": out["output_throughput"], "ttft_p50_ms": out["p50_ttft_ms"],
+           "ttft_p99_ms": out["p99_ttft_ms"], "itl_p50_ms": out["p50_itl_ms"],
+           "itl_p99_ms": out["p99_itl_ms"], "peak_rss_mb": rss, "duration_s": out["duration"],
+           "turns_failed": args.users * args.turns - out["completed"],
+           "cached_fraction": out["cached_tokens_fraction"],
+           "errors": [e for e in out["errors"] if e][:3]}
     res["engine"] = engine if engine == "kvserve" else f"llama-server -np {parallel}"
     print(f"  {res['engine']}: {json.dumps({k: v for k, v in res.items() if k != 'engine'})}",
           flush=True)

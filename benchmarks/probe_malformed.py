@@ -30,8 +30,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,8 +41,7 @@ from typing import Any
 import httpx
 import openai
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_serving  # noqa: E402  (start_server)
+from kvserve.bench import spawn
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -57,20 +54,17 @@ MB = 1024**2
 # ------------------------------------------------------------------------------------------
 
 def start_server(threads: int, show_log: bool) -> tuple[subprocess.Popen, str]:
-    """bench_serving's start-up, with the default model and limits on 127.0.0.1."""
-    return bench_serving.start_server(argparse.Namespace(
-        server_model=None, server_args=f"--host 127.0.0.1 --num-threads {threads}",
-        server_log=show_log))
+    """`kvserve serve` with the default model on a free port of 127.0.0.1, ready."""
+    port = spawn.free_port()
+    cmd = spawn.kvserve_command(port, None, ["--num-threads", str(threads)])
+    proc = subprocess.Popen(cmd, stdout=sys.stderr if show_log else subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    spawn.wait_healthy(proc, url, 300)
+    return proc, url
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+stop_server = spawn.stop
 
 
 def proc_status_kb(pid: int, key: str) -> int:

@@ -1,5 +1,5 @@
-"""`kvserve make-model | generate | demo | serve | route | plan | simulate | diagnose`: the command
-line, with vLLM's flag names."""
+"""`kvserve make-model | generate | demo | serve | route | plan | simulate | diagnose | bench`: the
+command line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                           epilog=DIAG_EPILOG, formatter_class=raw)
     add_diagnose_args(diag)
     diag.set_defaults(func=cmd_diagnose)
+
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args, engine_kwargs)
     return parser
 
 

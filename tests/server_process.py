@@ -9,10 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from kvserve.bench.spawn import wait_healthy
 
 MAX_MODEL_LEN = 512
 
@@ -41,18 +40,10 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} server not ready in {timeout} s:\n{self.log()}")
+        try:
+            wait_healthy(self.proc, self.url, timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: {exc}:\n{self.log()}") from None
 
     def stop(self) -> int | None:
         alive = self.proc.poll() is None
