@@ -65,9 +65,7 @@ def cpu_flags() -> str:
     sys.path.insert(0, str(ROOT))
     from kvserve.kernels.cpu.cpu_features import cpu_info
 
-    info = cpu_info()
-    flags = " ".join(sorted(f for f in info.flags if f.startswith(("avx", "fma", "f16c", "amx"))))
-    return f"{info.summary()}\nflags: {flags}"
+    return cpu_info().flags_line()
 
 
 def run_kvserve(args: argparse.Namespace, pool: str) -> float | None:

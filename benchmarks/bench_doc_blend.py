@@ -82,9 +82,7 @@ class Question:
 def cpu_flags() -> str:
     from kvserve.kernels.cpu.cpu_features import cpu_info
 
-    info = cpu_info()
-    flags = " ".join(sorted(f for f in info.flags if f.startswith(("avx", "fma", "amx"))))
-    return f"{info.summary()}; flags: {flags}"
+    return cpu_info().flags_line()
 
 
 def passages(tokenizer, count: int = 40, low: int = 150, high: int = 300) -> list[str]:

@@ -6,6 +6,12 @@ the VmRSS the load gained (/proc/self/status, after gc), the peak the process's 
 process per file: RSS once grown stays, so one process would measure the first file only.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_gguf_memory.py FILE.gguf [FILE.gguf ...]
+
+With --llama-server PATH it also times start-up against llama.cpp's: seconds from launching
+`kvserve serve FILE` and `llama-server -m FILE` (same threads, same context) until /health
+answers 200, the file in the page cache (read once first), engines alternating, --repeats
+each, medians. That is what a user waits for; it includes each server's own set-up (Python's
+imports and the KV pool for kvserve, the context and a warm-up decode for llama-server).
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def status_mb() -> dict[str, float]:
@@ -56,15 +64,45 @@ def worker(path: str, max_model_len: int) -> dict:
             "line": weight_bytes(model).line()}
 
 
+def time_to_ready(cmd: list[str], port: int) -> float:
+    """Seconds from launching a server to its first /health 200 (then it is stopped)."""
+    from kvserve.bench.spawn import server
+
+    t0 = time.perf_counter()
+    with server(cmd, port, timeout=600):
+        return time.perf_counter() - t0
+
+
+def startup(path: str, llama_server: str, max_model_len: int, repeats: int) -> dict:
+    from kvserve.bench.spawn import free_port, kvserve_command
+
+    Path(path).read_bytes()  # into the page cache
+    times: dict[str, list[float]] = {"kvserve": [], "llama-server": []}
+    for _ in range(repeats):
+        port = free_port()
+        times["kvserve"].append(time_to_ready(kvserve_command(
+            port, path, ["--max-model-len", str(max_model_len)]), port))
+        port = free_port()
+        times["llama-server"].append(time_to_ready(
+            [llama_server, "-m", path, "-t", "2", "-c", str(max_model_len), "--host",
+             "127.0.0.1", "--port", str(port)], port))
+    return {k: statistics.median(v) for k, v in times.items()} | {"runs": times}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--llama-server", default=None, help="also time start-up against it")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.files[0], args.max_model_len)))
         return
+    from kvserve.kernels.cpu.cpu_features import cpu_info
+
+    print(cpu_info().flags_line(), flush=True)
     for path in args.files:
         proc = subprocess.run([sys.executable, __file__, "--worker", path, "--max-model-len",
                                str(args.max_model_len)], capture_output=True, text=True)
@@ -76,6 +114,11 @@ def main() -> None:
         print(f"{r['file']}: tensors {r['tensor_mb']:,.1f} MB, resident {r['resident_mb']:,.1f} "
               f"MB ({r['ratio']:.3f}x), peak {r['peak_mb']:,.0f} MB (baseline "
               f"{r['baseline_mb']:,.0f}), load {r['load_s']:.1f} s; {r['line']}", flush=True)
+        if args.llama_server:
+            t = startup(path, args.llama_server, args.max_model_len, args.repeats)
+            print(f"  start-up to /health (median of {args.repeats}): kvserve "
+                  f"{t['kvserve']:.1f} s, llama-server {t['llama-server']:.1f} s "
+                  f"({t['kvserve'] / t['llama-server']:.2f}x); runs {t['runs']}", flush=True)
 
 
 if __name__ == "__main__":

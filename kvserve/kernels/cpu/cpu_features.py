@@ -93,6 +93,11 @@ class CpuInfo:
                 f"AMX {yes('amx_bf16', 'amx_tile')}"
                 + (f" (capped to {self.isa_cap.upper()} by {ISA_ENV})" if self.isa_cap else ""))
 
+    def flags_line(self) -> str:
+        """The summary and the SIMD flags, as a benchmark prints them beside its figures."""
+        simd = sorted(f for f in self.flags if f.startswith(("avx", "fma", "f16c", "amx")))
+        return f"{self.summary()}; flags: {' '.join(simd)}"
+
 
 def parse_cpuinfo(text: str) -> CpuInfo:
     """CpuInfo from the text of /proc/cpuinfo (the first processor's model name and flags)."""
