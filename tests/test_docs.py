@@ -71,7 +71,7 @@ def test_readme_is_short_and_opens_with_the_two_commands():
 
 def test_mkdocs_build_strict(tmp_path):
     built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+        [sys.executable, "-m", "mkdocs", "build", "--strict",
          "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
