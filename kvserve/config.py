@@ -120,13 +120,14 @@ class EngineConfig:
     remeasure_kernels: bool = _arg(False, "CPU: time the GEMM kernels again instead of using "
                                    "the choice cached for this machine and model shape "
                                    "(kvserve/layers/gemm_select.py)")
-    quantization: str | None = _arg(None, "gguf: a GGUF file's Q8_0/Q4_0/Q4_1 projections "
-                                    "stay in their block format (quantized kernels); none: "
+    quantization: str | None = _arg(None, "gguf: a GGUF file's block-quantized projections "
+                                    "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in "
+                                    "their block format (quantized kernels); none: "
                                     "every tensor dequantized at load; q8_0, q4_0, q4_1, q4_k: "
                                     "a float checkpoint's projections quantized at load into "
                                     "that GGUF block format (CPU, float32); default: gguf for "
                                     "a GGUF file on the CPU (vLLM's name; "
-                                    "kvserve/model_loader/quantize_at_load.py)",
+                                    "kvserve/layers/quantize_at_load.py)",
                                     choices=QUANTIZATIONS)
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "keep every KV block of a sliding-window layer for the request's life instead "
@@ -134,7 +135,8 @@ class EngineConfig:
     bounded_kv_policy: str | None = _arg(None, "LOSSY: keep a bounded KV cache per request "
                                          "(full-attention models only): streaming_llm keeps "
                                          "the first sink tokens and the most recent ones; "
-                                         "snapkv selects per head after the prompt "
+                                         "snapkv selects per head after the prompt; h2o keeps "
+                                         "the most attended tokens and a recent half "
                                          "(kvserve/kv/bounded.py). Off by default")
     bounded_kv_budget: float | None = _arg(None, "tokens of KV a bounded request keeps: a whole "
                                            "number, or a fraction of max_model_len in (0, 1)")

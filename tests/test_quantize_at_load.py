@@ -1,5 +1,5 @@
 """Quantize at load (issue 31): quantization="q8_0" | "q4_0" | "q4_1" | "q4_k" quantizes a
-float checkpoint's projections into ggml's block layouts (kvserve/model_loader/quantize_at_load.py).
+float checkpoint's projections into ggml's block layouts (kvserve/layers/quantize_at_load.py).
 
 The references are independent of kvserve's kernels: the Q4_K blocks are decoded by
 `gguf.quants.dequantize` (ggml's reference decoder) and must lie within a bound derived from

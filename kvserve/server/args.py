@@ -15,8 +15,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) the API answers to (default: MODEL, or 'default' "
-                        "for the embedded default model); the first one is used in responses")
+                        help="model name(s) the API answers to (default: MODEL as given, or "
+                        "SmolLM2-135M-Instruct for the embedded default model); the first one "
+                        "is used in responses")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* (as vLLM; /health, "
                         "/metrics, /version and the API docs stay open unless "

@@ -5,8 +5,8 @@ Why apart from LLMEngine: sizing the KV pool (the memory budget on the CPU, a pr
 GPU), choosing the layout (one block table, per-group tables for hybrid models, a released
 window), the fp8 scales, the tiers' chunk identity and the CUDA graphs are decided once, at
 start-up, and read nothing of the step loop; the engine keeps the parts (`EngineParts`) and
-runs steps over them. A multi-process executor would build the worker half of this in each
-worker process.
+runs steps over them. Under tensor parallelism kvserve/parallel/build.py builds the core's
+half here and each worker process (kvserve/parallel/worker.py) its model and KV pool.
 """
 
 from __future__ import annotations
