@@ -146,28 +146,35 @@ def _ceiling(decoded: int, drafts: int, accepted: int, speedup: float) -> str:
             f"{cost:.2f} one-row steps")
 
 
-def _overhead(decoded: int, seconds: float, drafts: int, drafted: int, accepted: int,
-              draft_seconds: float, plain_step: float) -> str:
-    """draft_model: per verification step, its decode time, the draft model's part, and what
-    the verification costs beyond a plain one-token step, per drafted token."""
-    steps = decoded - accepted
-    if not drafts or steps <= 0:
+def _overhead(runs: list, plain_step: float) -> str:
+    """draft_model: per verification step (medians over the repeats), its decode time, the
+    draft model's part, and what the verification costs beyond a plain one-token step, per
+    drafted token: (step - draft - plain step) / drafts per step."""
+    rows = []
+    for r in runs:
+        steps = r.decoded - r.accepted
+        if r.drafts and steps > 0:
+            step, draft = r.seconds / steps, r.draft_seconds / steps
+            rows.append((step, draft, (step - draft - plain_step) / (r.drafted / r.drafts)))
+    if not rows:
         return "no drafts"
-    step, draft = seconds / steps, draft_seconds / steps
-    per_token = (step - draft - plain_step) / (drafted / drafts)
+    step, draft, per_token = (statistics.median(col) for col in zip(*rows))
+    each = ", ".join(f"{row[2] * 1e3:.2f}" for row in rows)
     return (f"step {step * 1e3:.1f} ms, draft model {draft * 1e3:.1f} ms, plain step "
             f"{plain_step * 1e3:.1f} ms: verification overhead {per_token * 1e3:.2f} ms per "
-            f"drafted token ({per_token / plain_step:.2f} plain steps)")
+            f"drafted token ({per_token / plain_step:.2f} plain steps; each repeat: {each})")
 
 
-def _spec(method: str, k: int, draft: str | None = None) -> dict | None:
+def _spec(method: str, k: int, draft: str | None = None, batch_limit: int | None = None
+          ) -> dict | None:
     if method == "off":
         return None
     if method == "draft_model":
         from kvserve.model_loader.default import embedded_model_path
 
-        return {"method": method, "num_speculative_tokens": k,
+        spec = {"method": method, "num_speculative_tokens": k,
                 "model": draft or str(embedded_model_path())}
+        return spec if batch_limit is None else {**spec, "disable_by_batch_size": batch_limit}
     return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}
 
@@ -180,7 +187,8 @@ def _load(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts, rates = None, {}
     for method in args.methods:
-        llm = LLM(speculative_config=_spec(method, args.k, args.draft), max_model_len=8192)
+        llm = LLM(speculative_config=_spec(method, args.k, args.draft, args.batch_limit),
+                  max_model_len=8192)
         if prompts is None:
             tok = llm.engine.tokenizer
             chats = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
@@ -189,10 +197,12 @@ def _load(args: argparse.Namespace) -> None:
             rng, vocab = random.Random(1), llm.engine.model_config.vocab_size
             prompts = (chats + [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(
                 rng.randrange(100, 400))]} for _ in range(args.load)])[:args.load]
+        run_params = params if method != "draft_model" else SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)  # drafting
         for _ in range(args.repeats):
             llm.engine.reset_prefix_cache()
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, run_params, use_tqdm=False)
             seconds = time.perf_counter() - start
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             rates.setdefault(method, []).append(made / seconds)
@@ -260,9 +270,7 @@ def _report(results: dict[str, dict[str, list[_Repeat]]], methods: list[str],
                 speedup = _median(runs, lambda r: r.rate) / off
                 print(f"{name:10s}{m:12s}{_ceiling(decoded, drafts, accepted, speedup)}")
             if m == "draft_model":
-                lines = [_overhead(r.decoded, r.seconds, r.drafts, r.drafted, r.accepted,
-                                   r.draft_seconds, plain_step) for r in runs]
-                print(f"{name:10s}{m:12s}" + " | ".join(lines))
+                print(f"{name:10s}{m:12s}{_overhead(runs, plain_step)}")
 
 
 def main() -> None:
@@ -278,6 +286,8 @@ def main() -> None:
                     help="comma-separated, 'off' first (default: all)")
     ap.add_argument("--draft", default=None,
                     help="draft_model's checkpoint (default: SmolLM2 itself)")
+    ap.add_argument("--batch-limit", type=int, default=None,
+                    help="draft_model's disable_by_batch_size (--load: where drafting stops)")
     args = ap.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
     assert args.methods[0] == "off" and set(args.methods) <= set(METHODS), args.methods
