@@ -275,3 +275,32 @@ def test_generate_command_takes_a_draft_model(llama_dir, capsys):
     assert main(["generate", str(llama_dir), "--speculative-config", spec,
                  "--prompt", "hello world", "--max-tokens", "8"]) == 0
     assert "8 generated" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_server_serves_with_a_draft_model(llama_dir, tmp_path):
+    """`kvserve serve --speculative-config` with a draft model: the greedy completion of the
+    engine without speculation, and the usage counts the drafts."""
+    import openai
+    from server_process import ServerProcess
+
+    prompt = {"prompt_token_ids": [11, 12, 13, 14, 15, 16, 17] * 4}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(llama_dir), seed=0, max_model_len=512)
+    expected = _ids(generate_checked(ref, [prompt], params))[0]
+    spec = json.dumps(_draft(llama_dir, k=3))
+    proc = ServerProcess("draft", [str(llama_dir), "--served-model-name", "m",
+                                   "--speculative-config", spec], tmp_path, max_model_len=512)
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        out = client.completions.create(model="m", prompt=prompt["prompt_token_ids"],
+                                        temperature=0.0, max_tokens=24, logprobs=0,
+                                        extra_body={"ignore_eos": True})
+    finally:
+        assert proc.stop() is None, proc.log()[-3000:]
+    extra = out.usage.model_extra
+    assert extra["num_draft_tokens"] > 0 and extra["num_accepted_tokens"] > 0, extra
+    assert out.usage.completion_tokens == len(expected)
+    assert out.choices[0].text == ref.engine.tokenizer.decode(expected)
