@@ -18,7 +18,8 @@ attention, so the draft runs its layers one by one (`CausalLM.forward` falls bac
 
 Memory: per running request, layers x 2 x kv_heads x head_dim values per token in the draft's
 dtype (SmolLM2-135M in float32: 46 KB a token), freed when the request finishes
-(`release`, called by the scheduler's finish) and never shared between requests.
+(`release`, called by the scheduler's finish) and never shared between requests. A preempted
+request keeps it (its tokens stay, so it is still valid when the request runs again).
 """
 
 from __future__ import annotations
