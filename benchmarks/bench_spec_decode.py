@@ -1,6 +1,15 @@
 #!/usr/bin/env python
-"""Speculative decoding drafted from the KV cache: decode tokens/s with ngram and suffix
-drafting against no speculation, SmolLM2-135M (the embedded default model), batch 1, greedy.
+"""Speculative decoding drafted from the KV cache: decode tokens/s with ngram, suffix and
+draft_model drafting against no speculation, SmolLM2-135M (the embedded default model), batch
+1, greedy.
+
+draft_model drafts with SmolLM2 itself by default (--draft: another checkpoint of the same
+tokenizer): every draft is the target's own greedy token, so every draft is accepted and the
+run measures what a verification costs beside what the draft model costs. Its extra lines
+give, per verification step, the decode time, the draft model's time, and the verification
+overhead per drafted token: (step time - draft time - a plain one-token step) / drafts per
+step. (Its requests carry a seed, which keeps them drafting where the speculator would stop
+everyone's drafts for being slower than plain decoding: a draft as large as its target is.)
 
 Workloads (the issue's):
   rewrite   a ~300-line Python file (kvserve/engine/audit.py, this repository's) to be rewritten
@@ -20,6 +29,7 @@ same engine also checks that each method's greedy tokens equal "off"'s (the exac
     .venv/bin/python benchmarks/bench_spec_decode.py --quick          # 64 tokens, 1 repeat
     .venv/bin/python benchmarks/bench_spec_decode.py --json out.json --k 4
     .venv/bin/python benchmarks/bench_spec_decode.py --load 64 --max-tokens 64  # throughput
+    .venv/bin/python benchmarks/bench_spec_decode.py --methods off,draft_model --max-tokens 128
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +47,7 @@ import torch
 from kvserve import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("off", "ngram", "suffix")
+METHODS = ("off", "ngram", "suffix", "draft_model")
 
 
 def _rewrite() -> list[list[dict]]:
@@ -76,24 +87,29 @@ def _random(vocab: int) -> list[dict]:
             for n in (200, 600)]
 
 
-def _decode_rate(outs) -> tuple[float, list[list[int]]]:
-    tokens = seconds = 0.0
+def _decode_time(outs) -> tuple[int, float]:
+    """(tokens decoded after the first, seconds from the first token to the last)."""
+    tokens, seconds = 0, 0.0
     for o in outs:
         m = o.metrics
         tokens += len(o.outputs[0].token_ids) - 1
         seconds += (m.last_token_time or 0.0) - (m.first_token_time or 0.0)
-    return tokens / seconds if seconds > 0 else 0.0, [o.outputs[0].token_ids for o in outs]
+    return tokens, seconds
 
 
-def _one(llm: LLM, prompts, params: SamplingParams, chat: bool) -> tuple[float, list]:
-    rates, ids = [], []
+def _one(llm: LLM, prompts, params: SamplingParams, chat: bool
+         ) -> tuple[float, list, float]:
+    """(mean decode tokens/s, each request's tokens, decode seconds in all)."""
+    rates, ids, total = [], [], 0.0
     for p in prompts:  # batch 1: one request at a time
         llm.engine.reset_prefix_cache()  # every request starts from a cold cache
         outs = llm.chat(p, params, use_tqdm=False) if chat else \
             llm.generate(p, params, use_tqdm=False)
-        rates.append(_decode_rate(outs)[0])
+        tokens, seconds = _decode_time(outs)
+        rates.append(tokens / seconds if seconds > 0 else 0.0)
         ids.append(outs[0].outputs[0].token_ids)
-    return statistics.fmean(rates), ids
+        total += seconds
+    return statistics.fmean(rates), ids, total
 
 
 def _cpu() -> str:
@@ -133,10 +149,37 @@ def _ceiling(decoded: int, drafts: int, accepted: int, speedup: float) -> str:
             f"{cost:.2f} one-row steps")
 
 
-def _spec(method: str, k: int) -> dict | None:
-    return None if method == "off" else {
-        "method": method, "num_speculative_tokens": k, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5}
+def _overhead(runs: list, plain_step: float) -> str:
+    """draft_model: per verification step (medians over the repeats), its decode time, the
+    draft model's part, and what the verification costs beyond a plain one-token step, per
+    drafted token: (step - draft - plain step) / drafts per step."""
+    rows = []
+    for r in runs:
+        steps = r.decoded - r.accepted
+        if r.drafts and steps > 0:
+            step, draft = r.seconds / steps, r.draft_seconds / steps
+            rows.append((step, draft, (step - draft - plain_step) / (r.drafted / r.drafts)))
+    if not rows:
+        return "no drafts"
+    step, draft, per_token = (statistics.median(col) for col in zip(*rows))
+    each = ", ".join(f"{row[2] * 1e3:.2f}" for row in rows)
+    return (f"step {step * 1e3:.1f} ms, draft model {draft * 1e3:.1f} ms, plain step "
+            f"{plain_step * 1e3:.1f} ms: verification overhead {per_token * 1e3:.2f} ms per "
+            f"drafted token ({per_token / plain_step:.2f} plain steps; each repeat: {each})")
+
+
+def _spec(method: str, k: int, draft: str | None = None, batch_limit: int | None = None
+          ) -> dict | None:
+    if method == "off":
+        return None
+    if method == "draft_model":
+        from kvserve.model_loader.default import embedded_model_path
+
+        spec = {"method": method, "num_speculative_tokens": k,
+                "model": draft or str(embedded_model_path())}
+        return spec if batch_limit is None else {**spec, "disable_by_batch_size": batch_limit}
+    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}
 
 
 def _load(args: argparse.Namespace) -> None:
@@ -146,8 +189,9 @@ def _load(args: argparse.Namespace) -> None:
     copies of one prompt would give the suffix drafter the first copy's answer to draft."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts, rates = None, {}
-    for method in METHODS:
-        llm = LLM(speculative_config=_spec(method, args.k), max_model_len=8192)
+    for method in args.methods:
+        llm = LLM(speculative_config=_spec(method, args.k, args.draft, args.batch_limit),
+                  max_model_len=8192)
         if prompts is None:
             tok = llm.engine.tokenizer
             chats = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
@@ -156,10 +200,12 @@ def _load(args: argparse.Namespace) -> None:
             rng, vocab = random.Random(1), llm.engine.model_config.vocab_size
             prompts = (chats + [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(
                 rng.randrange(100, 400))]} for _ in range(args.load)])[:args.load]
+        run_params = params if method != "draft_model" else SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)  # drafting
         for _ in range(args.repeats):
             llm.engine.reset_prefix_cache()
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, run_params, use_tqdm=False)
             seconds = time.perf_counter() - start
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             rates.setdefault(method, []).append(made / seconds)
@@ -172,6 +218,64 @@ def _load(args: argparse.Namespace) -> None:
                       for m, r in rates.items()))
 
 
+@dataclass
+class _Repeat:
+    """One pass over a workload: decode tokens/s (the mean over its requests), the tokens
+    decoded and their seconds, the speculation counters' and the drafter's time's growth."""
+
+    rate: float
+    ids: list
+    decoded: int
+    seconds: float
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+
+
+def _repeat(llm: LLM, prompts, params: SamplingParams, chat: bool) -> _Repeat:
+    spec = llm.engine.scheduler.spec
+    before = llm.engine.stats().spec_decode
+    drafting = spec.draft_seconds if spec is not None else 0.0
+    rate, ids, seconds = _one(llm, prompts, params, chat)
+    counts = _counts(before, llm.engine.stats().spec_decode)
+    return _Repeat(rate, ids, sum(len(t) - 1 for t in ids), seconds, *counts,
+                   (spec.draft_seconds - drafting) if spec is not None else 0.0)
+
+
+def _median(runs: list[_Repeat], key) -> float:
+    return statistics.median(key(r) for r in runs)
+
+
+def _report(results: dict[str, dict[str, list[_Repeat]]], methods: list[str],
+            args: argparse.Namespace) -> None:
+    print(f"\ndecode tokens/s, SmolLM2-135M, batch 1, greedy, k={args.k}, "
+          f"max_tokens={args.max_tokens}, median of {args.repeats}")
+    print(f"{'workload':10s}" + "".join(f"{m:>18s}" for m in methods))
+    for name, by_method in results.items():
+        off = _median(by_method["off"], lambda r: r.rate)
+        cells = []
+        for m in methods:
+            med = _median(by_method[m], lambda r: r.rate)
+            same = "" if m == "off" else \
+                (" =" if by_method[m][-1].ids == by_method["off"][-1].ids else " !=")
+            cells.append(f"{med:8.1f} ({med / off:4.2f}x){same}")
+        print(f"{name:10s}" + "".join(f"{c:>18s}" for c in cells))
+    print("(=: greedy tokens equal to off's, !=: they differ)")
+    for name, by_method in results.items():
+        off = _median(by_method["off"], lambda r: r.rate)
+        plain_step = _median(by_method["off"], lambda r: r.seconds / max(1, r.decoded))
+        for m in methods[1:]:
+            runs = by_method[m]
+            decoded, drafts, accepted = (sum(getattr(r, f) for r in runs)
+                                         for f in ("decoded", "drafts", "accepted"))
+            if drafts:
+                speedup = _median(runs, lambda r: r.rate) / off
+                print(f"{name:10s}{m:12s}{_ceiling(decoded, drafts, accepted, speedup)}")
+            if m == "draft_model":
+                print(f"{name:10s}{m:12s}{_overhead(runs, plain_step)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -181,7 +285,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--load", type=int, default=0,
                     help="N concurrent requests: throughput instead of batch-1 decode speed")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated, 'off' first (default: all)")
+    ap.add_argument("--draft", default=None,
+                    help="draft_model's checkpoint (default: SmolLM2 itself)")
+    ap.add_argument("--batch-limit", type=int, default=None,
+                    help="draft_model's disable_by_batch_size (--load: where drafting stops)")
     args = ap.parse_args()
+    args.methods = [m for m in args.methods.split(",") if m]
+    assert args.methods[0] == "off" and set(args.methods) <= set(METHODS), args.methods
     if args.quick:
         args.max_tokens, args.repeats = 64, 1
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -189,51 +301,31 @@ def main() -> None:
     if args.load:
         _load(args)
         return
-    results: dict[str, dict[str, list[float]]] = {}
-    tokens: dict[str, dict[str, list]] = {}
-    counts: dict[tuple[str, str], tuple[int, int, int, int]] = {}  # decoded, drafts, ...
+    results: dict[str, dict[str, list[_Repeat]]] = {}
     workloads = None
-    for method in METHODS:
-        llm = LLM(speculative_config=_spec(method, args.k), max_model_len=8192)
+    for method in args.methods:
+        llm = LLM(speculative_config=_spec(method, args.k, args.draft), max_model_len=8192)
         if workloads is None:  # the chat's turns come from the reference engine's answers
             vocab = llm.engine.model_config.vocab_size
             workloads = {"rewrite": (_rewrite(), True), "document": (_document(), True),
                          "chat": (_chat(llm, params), True), "random": (_random(vocab), False)}
+        # (greedy either way; a seed keeps the draft model's requests drafting, see above)
+        run_params = params if method != "draft_model" else \
+            SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)
         for name, (prompts, chat) in workloads.items():
-            before = llm.engine.stats().spec_decode
-            decoded = 0
+            runs = results.setdefault(name, {}).setdefault(method, [])
             for _ in range(args.repeats):
-                rate, ids = _one(llm, prompts, params, chat)
-                results.setdefault(name, {}).setdefault(method, []).append(rate)
-                tokens.setdefault(name, {})[method] = ids
-                decoded += sum(len(t) - 1 for t in ids)  # the first token is the prefill's
-            counts[name, method] = (decoded, *_counts(before, llm.engine.stats().spec_decode))
-            print(f"{method:7s} {name:9s} {statistics.median(results[name][method]):7.1f} "
-                  f"tok/s  {_acceptance(*counts[name, method][1:])}", flush=True)
+                runs.append(_repeat(llm, prompts, run_params, chat))
+            last = runs[-1]
+            print(f"{method:11s} {name:9s} {_median(runs, lambda r: r.rate):7.1f} tok/s  "
+                  f"{_acceptance(last.drafts, last.drafted, last.accepted)}", flush=True)
         llm.engine.shutdown()
-    print(f"\ndecode tokens/s, SmolLM2-135M, batch 1, greedy, k={args.k}, "
-          f"max_tokens={args.max_tokens}, median of {args.repeats}")
-    print(f"{'workload':10s}" + "".join(f"{m:>18s}" for m in METHODS))
-    for name, by_method in results.items():
-        off = statistics.median(by_method["off"])
-        cells = []
-        for m in METHODS:
-            med = statistics.median(by_method[m])
-            same = "" if m == "off" else (" =" if tokens[name][m] == tokens[name]["off"] else
-                                          " !=")
-            cells.append(f"{med:8.1f} ({med / off:4.2f}x){same}")
-        print(f"{name:10s}" + "".join(f"{c:>18s}" for c in cells))
-    print("(=: greedy tokens equal to off's, !=: they differ)")
-    for (name, method), (decoded, drafts, _, accepted) in counts.items():
-        speedup = statistics.median(results[name][method]) / statistics.median(
-            results[name]["off"])
-        if drafts:
-            print(f"{name:10s}{method:8s}"
-                  f"{_ceiling(decoded, drafts, accepted, speedup)}")
+    _report(results, args.methods, args)
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "k": args.k,
-                                         "max_tokens": args.max_tokens,
-                                         "time": time.time()}, indent=1))
+        args.json.write_text(json.dumps({
+            "results": {n: {m: [r.rate for r in runs] for m, runs in by.items()}
+                        for n, by in results.items()},
+            "k": args.k, "max_tokens": args.max_tokens, "time": time.time()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -161,8 +161,10 @@ class EngineConfig:
     speculative_config: Any = _arg(None, "speculative decoding drafted from the KV cache "
                                    "(vLLM's argument and JSON shape): {\"method\": \"ngram\", "
                                    "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
-                                   "\"prompt_lookup_max\": 5} or method suffix (the prefix "
-                                   "index); kvserve/spec/", metavar="JSON")
+                                   "\"prompt_lookup_max\": 5}, method suffix (the prefix "
+                                   "index) or method draft_model with \"model\": a draft "
+                                   "checkpoint of the same tokenizer; kvserve/spec/",
+                                   metavar="JSON")
 
     # None = no document reuse; from Python also a dict or a BlendConfig.
     blend_config: Any = _arg(None, "document reuse anywhere in the prompt (CacheBlend): "

@@ -37,7 +37,7 @@ def test_config_shape_and_refusals():
         load_speculative_config({"method": "ngram", "prompt_lookup_maximum": 3})
     with pytest.raises(ValueError, match="unknown key.*'model'"):
         load_speculative_config({"method": "ngram", "model": "x"})
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="draft model 'x.gguf' does not exist"):
         load_speculative_config({"method": "draft_model", "model": "x.gguf"})
     with pytest.raises(ValueError, match="method must be one of"):
         load_speculative_config({"method": "eagle"})

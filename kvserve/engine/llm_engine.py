@@ -71,7 +71,8 @@ class LLMEngine:
             if config.kv_audit_rate > 0 else None
         self.scheduler.audit = self.audit
         self.scheduler.swap = build_swap_space(config, self.kv, self.tensors)
-        self.scheduler.spec = build_speculator(config.speculative_config, self.kv, self.model)
+        self.scheduler.spec = build_speculator(config.speculative_config, self.kv, self.model,
+                                               parts.drafter)
         self.scheduler.blend = build_blender(config.blend_config, self.kv, self.tokenizer)
         self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(

@@ -565,6 +565,8 @@ class Scheduler:
         self.kv.free(request)
         if self.swap is not None:
             self.swap.drop(request.request_id)
+        if self.spec is not None:
+            self.spec.release(request)
 
 
 def _sampling_state(request: Request) -> SeqSampling:

@@ -11,11 +11,12 @@ from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.speculator import Speculator
 
 
-def build_speculator(config: SpeculativeConfig | None, kv: Any, model: Any = None
-                     ) -> Speculator | None:
+def build_speculator(config: SpeculativeConfig | None, kv: Any, model: Any = None,
+                     drafter: Any = None) -> Speculator | None:
     """None without speculation; `kv` (the KV cache manager) is the suffix drafter's source;
     `model` (in this process; None elsewhere) says how many rows its one-call decode step
-    runs (`Speculator.draft_rows`)."""
+    runs (`Speculator.draft_rows`); `drafter`: method draft_model's, loaded with the engine
+    (worker/builder.py's load_drafter)."""
     if config is None:
         return None
     step = getattr(model, "decode_step", None)
@@ -24,6 +25,10 @@ def build_speculator(config: SpeculativeConfig | None, kv: Any, model: Any = Non
         from kvserve.spec.suffix import SuffixDrafter
 
         return Speculator(config, SuffixDrafter(kv, config), max_rows)
+    if config.method == "draft_model":
+        if drafter is None:
+            raise ValueError("speculative_config method 'draft_model': no draft model loaded")
+        return Speculator(config, drafter, max_rows)
     return Speculator(config, max_rows=max_rows)
 
 

@@ -8,19 +8,30 @@ be refused by name (a misspelt `prompt_lookup_max` silently ignored would be a s
 nobody can explain). `disable_by_batch_size` is vLLM's idea too: speculation costs compute that
 a large batch already uses well, so from that many running requests on no request drafts.
 
-Not built yet: "draft_model" (a second, small model drafting) is named and refused, so the
-message says what is missing rather than that the method does not exist.
+"draft_model" drafts with a second, smaller model of the same tokenizer (vLLM's shape:
+`{"method": "draft_model", "model": PATH_OR_GGUF, "num_speculative_tokens": 4}`, with
+`quantization` and `max_model_len` for the draft); spec/draft_model.py runs it. Its path is
+checked here, at start-up, before the target model loads: a typo fails in a second, not after
+the target's minutes of loading.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
+from kvserve.quant_formats import QUANTIZATIONS
 from kvserve.validation import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
-BUILT = ("ngram", "suffix")
+BUILT = METHODS
+# draft_model's default disable_by_batch_size: drafting costs k draft forwards per request and
+# step, run request by request, so its cost grows with the batch while the target's step grows
+# far less (docs/benchmarks.md, "draft_model": SmolLM2 drafting for itself fell from 0.68x at
+# 2 requests to 0.24x at 8). A conservative limit, not a measured crossing (no smaller draft of
+# SmolLM2's tokenizer was at hand); the step timer stops drafting that does not pay below it.
+DRAFT_MODEL_BATCH_LIMIT = 4
 # Keys every method takes, and each method's own.
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size",
            "acceptance_floor"}
@@ -45,15 +56,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     acceptance_floor: float = 0.3
-    model: str | None = None  # draft_model only (refused for now)
+    # draft_model only: the draft checkpoint (a directory or a GGUF file), its quantization
+    # (load_model's; None: the file's default) and the longest sequence it drafts for (None:
+    # its max_position_embeddings, capped by the engine's max_model_len)
+    model: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, "
                              f"got {self.method!r}")
-        if self.method not in BUILT:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported yet "
-                             f"(kvserve drafts from the KV cache: {BUILT})")
+        if self.method == "draft_model":
+            self._check_draft()
         _positive("num_speculative_tokens", self.num_speculative_tokens)
         _positive("prompt_lookup_min", self.prompt_lookup_min)
         _positive("prompt_lookup_max", self.prompt_lookup_max)
@@ -65,6 +80,22 @@ class SpeculativeConfig:
         if not 0.0 <= self.acceptance_floor < 1.0:
             raise ValueError("speculative_config acceptance_floor must be in [0, 1), "
                              f"got {self.acceptance_floor!r}")
+
+
+    def _check_draft(self) -> None:
+        """The draft's own keys; the default batch limit (see DRAFT_MODEL_BATCH_LIMIT)."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs \"model\": the "
+                             "draft checkpoint's directory or GGUF file")
+        if not Path(self.model).exists():
+            raise ValueError(f"speculative_config draft model {self.model!r} does not exist")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"speculative_config quantization must be one of {QUANTIZATIONS} "
+                             f"(or null), got {self.quantization!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", DRAFT_MODEL_BATCH_LIMIT)
 
 
 def load_speculative_config(value: Any) -> SpeculativeConfig | None:

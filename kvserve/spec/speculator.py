@@ -16,6 +16,7 @@ again (the text, and with it the acceptance, changes as requests go on).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,6 +89,10 @@ class Speculator:
         self.drafter = drafter or self._ngram
         self.steps = _StepRates()
         self.throttled = False  # drafting measured not to pay: only seeded requests draft
+        # Seconds the drafter took: this step's (counted into the step's time by
+        # `observe_step`: a draft model's forwards run before the step's own) and in all.
+        self.step_draft_seconds = 0.0
+        self.draft_seconds = 0.0
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         c = self.config
@@ -97,6 +102,7 @@ class Speculator:
         """Whether anyone drafts in a step with this many running requests (called once a
         step: it also counts the throttle down)."""
         self.throttled = self.steps.throttled > 0
+        self.step_draft_seconds = 0.0
         if self.throttled:
             self.steps.throttled -= 1
             if self.steps.throttled == 0:  # measure drafted steps anew
@@ -117,6 +123,7 @@ class Speculator:
     def observe_step(self, drafted: bool, num_tokens: int, seconds: float) -> None:
         """A decode-only step (no prefill rows) appended `num_tokens` in `seconds`; with drafts
         or not. Throttles drafting when it is measured not to pay."""
+        seconds += self.step_draft_seconds  # (the drafting happened while scheduling)
         if seconds <= 0.0 or num_tokens <= 0:
             return
         steps = self.steps
@@ -136,7 +143,20 @@ class Speculator:
             state.pause -= 1
             return []
         k = min(room, self._width(state))
-        return self.drafter(request, k) if k > 0 else []
+        if k <= 0:
+            return []
+        started = time.perf_counter()
+        draft = self.drafter(request, k)
+        spent = time.perf_counter() - started
+        self.step_draft_seconds += spent
+        self.draft_seconds += spent
+        return draft
+
+    def release(self, request: Request) -> None:
+        """A request finished: the drafter drops what it kept of it (a draft model's KV)."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(request)
 
     def _width(self, state: SpecState) -> int:
         """k, scaled down with the acceptance rate under the floor."""

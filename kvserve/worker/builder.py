@@ -65,6 +65,7 @@ class EngineParts:
     kv: KVCacheManager
     runner: ModelRunner
     executor: InProcessExecutor
+    drafter: Any = None  # speculative_config method draft_model: its DraftModelDrafter
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
@@ -117,8 +118,50 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     capture_graphs(config, runner, model, backend, tensors, groups, model_config)
     _log_capacity(config, kv, model_config, kv_spec, model, groups)
+    drafter = load_drafter(config, model_config, tokenizer)
     return EngineParts(model, model_config, tokenizer, dtype, kv_spec, groups, tensors, backend,
-                       tiers, kv, runner, InProcessExecutor(runner))
+                       tiers, kv, runner, InProcessExecutor(runner), drafter)
+
+
+def load_drafter(config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer
+                 ) -> Any:
+    """speculative_config method draft_model: the draft model, loaded as the target is
+    (`load_model`: a directory or a GGUF file, its quantization), checked against the target
+    (the same tokenizer, an attention the drafter computes) and logged as the target's
+    start-up lines are (load time, weight bytes, draft KV per token); None otherwise."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    import time
+
+    from kvserve.model_loader.weight_bytes import weight_bytes
+    from kvserve.spec.draft_model import DraftModelDrafter, check_same_vocabulary
+
+    started = time.perf_counter()
+    model, draft_config = load_model(spec.model, config.dtype, config.device,
+                                     quantization=spec.quantization)
+    seconds = time.perf_counter() - started
+    check_same_vocabulary(draft_config, model_config, _vocabulary(spec.model),
+                          tokenizer.backend.get_vocab(with_added_tokens=True))
+    max_len = min(spec.max_model_len or draft_config.max_position_embeddings,
+                  draft_config.max_position_embeddings, config.max_model_len)
+    model.limit_positions(max_len)
+    drafter = DraftModelDrafter(model, draft_config, max_len)
+    per_token = 2 * draft_config.num_hidden_layers * draft_config.kv_size * \
+        drafter.dtype.itemsize
+    logger.info("draft model %s (%s, %d layers): loaded in %.2f s; %s; draft KV %.1f KB per "
+                "token of each running request, up to %d tokens", spec.model,
+                draft_config.architecture, draft_config.num_hidden_layers, seconds,
+                weight_bytes(model).line(), per_token / 1e3, max_len)
+    return drafter
+
+
+def _vocabulary(model: str) -> dict[str, int] | None:
+    """A checkpoint's token -> id map, None where it carries no tokenizer."""
+    try:
+        return Tokenizer.from_dir(tokenizer_dir(model)).backend.get_vocab(with_added_tokens=True)
+    except ValueError:
+        return None
 
 
 def make_kv_manager(config: EngineConfig, kv_spec: KVCacheSpec, model_config: ModelConfig,
