@@ -117,7 +117,7 @@ def test_write_record_to_an_area_fills_in_this_machine_and_command(tmp_path, mon
     monkeypatch.setattr(record, "DATA", tmp_path)
     monkeypatch.setattr("sys.argv", ["benchmarks/bench_x.py", "--repeats", "3", "--record"])
     path = write_record("made-up", title="T", peer="P", rows=[Row("f", ratio=1.0)])
-    assert path == tmp_path / "made-up" / "bench_x.json"
+    assert path == tmp_path / "made-up" / "bench-x.json"
     rec = load_record(path)
     assert rec.command == "python benchmarks/bench_x.py --repeats 3 --record"
     assert "(" in rec.machine and "AVX2" in rec.machine  # cpu_info().flags_line()

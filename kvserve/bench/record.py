@@ -24,7 +24,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -141,16 +141,18 @@ def write_record(path_or_area: str | Path, *, title: str, peer: str, rows: list,
                  when: str | None = None, area: str | None = None,
                  name: str | None = None) -> Path:
     """Write one run's figures. `path_or_area` is a .json path or an area slug (the record
-    then goes to docs/figures/data/<area>/<name>.json, name defaulting to the script's).
+    then goes to docs/figures/data/<area>/<name>.json, name defaulting to the script's, so
+    that a re-run replaces its record).
     The machine, command and date default to this process's. Validated before writing, so a
     record that the figures script would refuse is never written."""
     target = Path(path_or_area)
     if target.suffix != ".json":
         area = area or str(path_or_area)
-        stem = name or Path(sys.argv[0]).stem or "record"
+        stem = name or Path(sys.argv[0]).stem.replace("_", "-") or "record"
         target = DATA / area / f"{stem}.json"
     area = area or target.parent.name
-    record = Record(area=area, title=title, date=when or date.today().isoformat(),
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M")  # UTC, to the minute
+    record = Record(area=area, title=title, date=when or now,
                     machine=machine or current_machine(), command=command or current_command(),
                     peer=peer, rows=[_row(r) for r in rows], notes=notes)
     parse_record(json.loads(record.to_json()), str(target))
