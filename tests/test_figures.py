@@ -155,3 +155,18 @@ def test_every_area_page_is_in_the_nav():
     nav = (ROOT / "mkdocs.yml").read_text()
     for area in figures.load_records():
         assert f"figures/{area}.md" in nav
+
+
+def test_record_flag_takes_a_json_path_or_an_area():
+    import argparse
+
+    from kvserve.bench.record import add_record_arg
+
+    p = argparse.ArgumentParser()
+    p.add_argument("files", nargs="*")
+    add_record_arg(p, "startup-memory")
+    assert p.parse_args([]).record is None
+    assert p.parse_args(["--record"]).record == "startup-memory"
+    assert p.parse_args(["--record", "out/run.json"]).record == "out/run.json"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--record", "Q4_K_M.gguf"])

@@ -18,6 +18,7 @@ A benchmark writes one with `write_record(args.record, ...)` after `add_record_a
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -162,10 +163,20 @@ def write_record(path_or_area: str | Path, *, title: str, peer: str, rows: list,
     return target
 
 
+def record_target(value: str) -> str:
+    """--record's value: a .json path or an area slug. Checked when the flags are parsed, not
+    after the run: `--record FILE.gguf` (a positional swallowed) fails at once."""
+    if value.endswith(".json") or _SLUG.match(value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a .json path nor an area name "
+                                     "(a-z, 0-9, -)")
+
+
 def add_record_arg(parser, area: str) -> None:
     """--record [PATH]: write the run's figures as a record (default: the area's directory
     under docs/figures/data/, named after the script)."""
     parser.add_argument("--record", nargs="?", const=area, default=None, metavar="PATH",
+                        type=record_target,
                         help="write the figures as a record for the figures pages: a .json "
                              f"path, or with no value docs/figures/data/{area}/ "
                              "(then run python -m kvserve.bench.figures)")
