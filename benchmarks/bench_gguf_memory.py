@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvserve.bench.record import Row, add_record_arg, ratio, write_record
+
 
 def status_mb() -> dict[str, float]:
     """VmRSS and VmHWM of this process in MB (10^6 bytes)."""
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="also time start-up against it")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_record_arg(ap, "startup-memory")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.files[0], args.max_model_len)))
@@ -103,6 +106,7 @@ def main() -> None:
     from kvserve.kernels.cpu.cpu_features import cpu_info
 
     print(cpu_info().flags_line(), flush=True)
+    loaded, started = [], []
     for path in args.files:
         proc = subprocess.run([sys.executable, __file__, "--worker", path, "--max-model-len",
                                str(args.max_model_len)], capture_output=True, text=True)
@@ -114,11 +118,47 @@ def main() -> None:
         print(f"{r['file']}: tensors {r['tensor_mb']:,.1f} MB, resident {r['resident_mb']:,.1f} "
               f"MB ({r['ratio']:.3f}x), peak {r['peak_mb']:,.0f} MB (baseline "
               f"{r['baseline_mb']:,.0f}), load {r['load_s']:.1f} s; {r['line']}", flush=True)
+        loaded.append(r)
         if args.llama_server:
             t = startup(path, args.llama_server, args.max_model_len, args.repeats)
             print(f"  start-up to /health (median of {args.repeats}): kvserve "
                   f"{t['kvserve']:.1f} s, llama-server {t['llama-server']:.1f} s "
                   f"({t['kvserve'] / t['llama-server']:.2f}x); runs {t['runs']}", flush=True)
+            started.append((path, t))
+    if args.record:
+        record(args, loaded, started)
+
+
+def _label(path: str) -> str:
+    """`llama-3.2-1b Q4_K_M` for ~/.cache/kvserve/gguf-models/llama-3.2-1b/Q4_K_M.gguf."""
+    p = Path(path)
+    return f"{p.parent.name} {p.stem}"
+
+
+def record(args, loaded: list[dict], started: list[tuple[str, dict]]) -> None:
+    """The figures page's records: resident weights over the file's tensor bytes (the issue's
+    <= 1.1x), and with --llama-server the start-up beside llama-server's."""
+    target = Path(args.record)
+    json_path = target.suffix == ".json"
+    if loaded:
+        write_record(target if json_path else args.record, name="gguf-memory",
+                     title="Resident weights per GGUF format against the file's tensor bytes",
+                     peer="none: the file's tensor bytes (the issue's rule: resident weights "
+                     "<= 1.1x)", notes="Resident = the VmRSS the load gained; peak = VmHWM.",
+                     rows=[Row(f"{_label(r['file'])} resident weights", "MB",
+                               round(r["resident_mb"], 1), round(r["tensor_mb"], 1),
+                               round(r["ratio"], 3), "<= 1.1x", r["ratio"] <= 1.1)
+                           for r in loaded])
+    if started:
+        write_record(target.with_name(target.stem + "-startup.json") if json_path
+                     else args.record, name="gguf-startup",
+                     title="Start-up to a ready server beside llama-server's",
+                     peer=f"llama-server ({args.llama_server}) -t 2 -c {args.max_model_len}",
+                     notes=f"Seconds from launch to the first /health 200, medians of "
+                     f"{args.repeats}, engines alternating, the file in the page cache.",
+                     rows=[Row(f"{_label(p)}: launch to the first /health 200", "s",
+                               round(t["kvserve"], 2), round(t["llama-server"], 2),
+                               ratio(t["kvserve"], t["llama-server"])) for p, t in started])
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.bench.record import add_record_arg
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=8)
     c.add_argument("--rounds", type=int, default=5)
     c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_record_arg(p, "kv-quant")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -449,7 +452,68 @@ def main(argv: list[str] | None = None) -> int:
         result = speed(args) if args.what == "speed" else attention(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.record:
+        record(args, result)
     return 0
+
+
+# Issue 14's targets: perplexity within 1% (fp8 e4m3, int8) or 5% (int4) of the float cache's;
+# at 8 x 4,096 (the long case) fp8 and int8 decode at least as fast as the unquantized cache.
+PPL_TARGET = {"fp8_e4m3 (scale 1.0)": 1.0, "fp8_e4m3 (calculated)": 1.0, "int8": 1.0,
+              "int4 (KIVI)": 5.0}
+SPEED_TARGET = ("fp8", "fp8_e5m2", "int8")
+
+
+def record(args, result: dict) -> None:
+    """The figures page's record of one subcommand's run (attention has none: it times one
+    layer's kernels, not a figure of the issue)."""
+    from kvserve.bench.record import Row, write_record
+
+    what, rows = args.what, []
+    threads = f"{torch.get_num_threads()} threads"
+    if what == "accuracy":
+        for n, r in result["rows"].items():
+            if n == "auto":
+                continue
+            t = PPL_TARGET.get(n)
+            rows.append(Row(f"{n}: perplexity change (top-1 {100 * r['top1_agreement']:.1f}%)",
+                            "%", f"{r['ppl_change_pct']:+.3f}%", "float32 cache", None,
+                            None if t is None else f"within {t:g}%",
+                            None if t is None else abs(r["ppl_change_pct"]) <= t))
+        title = f"Perplexity change per cache format, {result['corpus']} text"
+        peer = "none: kvserve's float32 cache on the same text"
+        name = f"bench-kv-quant-accuracy-{result['corpus']}" + \
+            "".join(f"-{n}" for n in args.only or [] if n != "auto")
+        notes = (f"{result['windows']} windows of {result['context']} tokens "
+                 f"({result['predicted_tokens']:,} predicted), model {result['model']}, "
+                 f"{threads}.")
+    elif what == "capacity":
+        base = result["rows"]["bf16"]["tokens"]
+        rows = [Row(n, "tokens", r["tokens"], base, round(r["tokens"] / base, 3))
+                for n, r in result["rows"].items() if n != "bf16"]
+        title, peer = ("Tokens a pool holds per cache format",
+                       "none: kvserve's bf16 cache in the same pool")
+        name = "bench-kv-quant-capacity"
+        notes = f"Pool {result['pool_bytes']:,} bytes, block 16."
+    elif what == "speed":
+        for case, label in (("long", f"batch {args.long_batch} x {args.long_context:,}"),
+                            ("decode", f"batch {args.batch} x {args.prompt_len}")):
+            runs = result.get(case, {})
+            base = runs.get("auto", {}).get("median_tok_s")
+            for n, r in runs.items():
+                if n == "auto":
+                    continue
+                aim = case == "long" and n in SPEED_TARGET
+                rows.append(Row(f"{n}, {label}", "tok/s", round(r["median_tok_s"], 1),
+                                None if base is None else round(base, 1),
+                                round(r["vs_auto"], 3), ">= 1.0x" if aim else None,
+                                r["vs_auto"] >= 1.0 if aim else None))
+        title = f"Decode throughput per cache format, {args.dtype} model"
+        peer, name = "none: kvserve against itself (the unquantized cache, auto)", \
+            "bench-kv-quant-speed"
+        notes = f"Medians of {args.rounds} interleaved rounds, {threads}."
+    if rows:
+        write_record(args.record, name=name, title=title, peer=peer, rows=rows, notes=notes)
 
 
 if __name__ == "__main__":

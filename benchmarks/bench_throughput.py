@@ -695,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", metavar="FILE",
                    help="worker only: torch-profile the timed generate, write the top ops here")
     p.add_argument("--profile-rows", type=int, default=30, help=argparse.SUPPRESS)
+    add_record_arg(p, "offline-throughput")
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -918,7 +919,42 @@ def main(argv: list[str] | None = None) -> int:
                "elapsed_s": elapsed}
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"\nwrote {args.json}")
+    if args.record and "kvserve" in engines:
+        record(args, table, engines)
     return 1 if errors and not any("error" not in r for r in results) else 0
+
+
+def record(args: argparse.Namespace, table: list[dict], engines: list[str]) -> None:
+    """The figures page's record: kvserve over transformers per workload and dtype (issue
+    18's >= 1.3x on the main float32 workload), the main workload's share of the in-run GEMM
+    ceiling (>= 90%) and batch-1 decode's share of the read limit (>= 70%)."""
+    from kvserve.bench.record import Row, write_record
+
+    rows = []
+    for row in table:
+        k, main32 = row["kvserve"], row["workload"] == "main" and row["dtype"] == "float32"
+        hf = row.get("transformers", {}).get("tok_s") if "transformers" in engines else None
+        if k["tok_s"]:
+            r = row.get("ratio")
+            rows.append(Row(f"{row['shape']}, {row['dtype']}", "tok/s",
+                            round(k["tok_s"]["median"], 1),
+                            round(hf["median"], 1) if hf else None,
+                            None if r is None else round(r, 2), ">= 1.3x" if main32 else None,
+                            r >= 1.3 if main32 and r is not None else None))
+        if k.get("frac_gemm_ceiling") is not None:
+            f = 100 * k["frac_gemm_ceiling"]
+            rows.append(Row(f"{row['shape']}: share of the in-run GEMM ceiling", "%",
+                            round(f, 1), None, None, ">= 90%", f >= 90))
+        if k.get("frac_bandwidth_limit") is not None:
+            f = 100 * k["frac_bandwidth_limit"]
+            rows.append(Row(f"{row['shape']} decode: share of the in-run read limit", "%",
+                            round(f, 1), None, None, ">= 70%", f >= 70))
+    if rows:
+        write_record(args.record, rows=rows,
+                     title="Offline throughput against transformers, the reference model",
+                     peer="transformers generate, in the same run" if "transformers" in engines
+                     else "none: kvserve alone", notes=f"Medians, {args.threads} threads; "
+                     "ratios of medians kvserve / transformers.")
 
 
 if __name__ == "__main__":
