@@ -443,11 +443,33 @@ void tile_gemv(const QRows& x, int64_t rows, const uint8_t* w, const float* bias
   kvpar::parallel_for((tiles + per_unit - 1) / per_unit, num_threads, [&](int64_t unit) {
     alignas(64) float acc[kTileRows * kTileCols], up[kTileRows * kTileCols];
     const int64_t t1 = (unit + 1) * per_unit < tiles ? (unit + 1) * per_unit : tiles;
+#ifdef KVQ_TILE512
+    // K-quants past one register tile of rows: the unit's one tile (per_unit is 1 here)
+    // decoded once for all rows (qtiles_k.h's KCodes)
+    const bool decoded = is_k(T) && rows > kTileRows;
+    KCodes codes[2];
+    if constexpr (is_k(T)) {
+      for (int part = 0; decoded && part < (gated ? 2 : 1); ++part) {
+        codes[part] = k_codes_buffer(part, x.k);
+        k_decode_tile<T>(w, x.k, unit + part * tiles, codes[part]);
+      }
+    }
+#endif
     for (int64_t x0 = 0; x0 < rows; x0 += xt) {
       const int64_t x1 = x0 + xt < rows ? x0 + xt : rows;
       for (int64_t t = unit * per_unit; t < t1; ++t) {
         for (int64_t r0 = x0; r0 < x1; r0 += kTileRows) {
           const int64_t cnt = x1 - r0 < kTileRows ? x1 - r0 : kTileRows;
+#ifdef KVQ_TILE512
+          if constexpr (is_k(T)) {
+            if (decoded) {
+              k_codes_chunk<T>(codes[0], x, r0, cnt, acc);
+              if (gated) k_codes_chunk<T>(codes[1], x, r0, cnt, up);
+              tile_epilogue(acc, up, cnt, bias, n, t, out + r0 * out_stride, out_stride, mode);
+              continue;
+            }
+          }
+#endif
           tile_chunk<T>(w, x, t, r0, cnt, acc);
           if (gated) tile_chunk<T>(w, x, t + tiles, r0, cnt, up);
           tile_epilogue(acc, up, cnt, bias, n, t, out + r0 * out_stride, out_stride, mode);
