@@ -67,26 +67,6 @@ struct Args {
   float eps;          // the norm's epsilon
 };
 
-constexpr int32_t kSignBit = INT32_MIN;
-
-// x * sigmoid(x) = x / (1 + e^-x), with e = exp(-|x|) <= 1 (expv's range): sigmoid(|x|) =
-// 1 / (1 + e), sigmoid(-|x|) = e / (1 + e).
-inline vf silu(vf x) {
-  const vf e = expv((vf)((vi)x | kSignBit));  // -|x|: the sign bit set
-  const vf s = 1.f / (1.f + e);
-  const vi neg = x < 0.f;
-  return x * (vf)(((vi)(e * s) & neg) | ((vi)s & ~neg));
-}
-
-// 0.5 x (1 + tanh(y)), y = c (x + 0.044715 x^3); tanh(y) = sign(y) (1 - e) / (1 + e) with
-// e = exp(-2|y|).
-inline vf gelu_tanh(vf x) {
-  const vf y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  const vf e = expv((vf)((vi)(y + y) | kSignBit));
-  const vf t = (1.f - e) / (1.f + e);  // tanh(|y|)
-  return 0.5f * x * (1.f + (vf)((vi)t | ((vi)y & kSignBit)));
-}
-
 // Rows m0 .. m0 + R of panel p; asks for up to next_bytes of `next` on the way.
 template <int R>
 void tile(const Args& a, int64_t m0, int64_t p, int part, const char* next,

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

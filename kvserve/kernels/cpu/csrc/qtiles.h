@@ -408,6 +408,31 @@ inline void tile_chunk(const uint8_t* w, const QRows& x, int64_t tile, int64_t r
   }
 }
 
+// The bias, residual add or gated activation of a register tile's cnt x 16 sums (acc; up:
+// the up half's) into out's rows, kLanes outputs a vector op: one output at a time (the
+// scalar std::exp of SiLU, a branch on the mode) was ~10% of a 512-row gate | up projection.
+inline void tile_epilogue(const float* acc, const float* up, int64_t cnt, const float* bias,
+                          int64_t n, int64_t t, float* out, int64_t out_stride, int mode) {
+  static_assert(kTileCols % kLanes == 0, "a tile's outputs are whole vectors");
+  const int64_t o0 = t * kTileCols;
+  for (int64_t r = 0; r < cnt; ++r) {
+    float* y = out + r * out_stride + o0;
+    for (int c = 0; c < kTileCols; c += kLanes) {
+      vf v = loadv(acc + r * kTileCols + c);
+      if (bias != nullptr) v += loadv(bias + o0 + c);
+      if (mode == 0) {
+        storev(y + c, v);
+      } else if (mode == 1) {
+        storev(y + c, loadv(y + c) + v);
+      } else {
+        vf u = loadv(up + r * kTileCols + c);
+        if (bias != nullptr) u += loadv(bias + n + o0 + c);
+        storev(y + c, (mode == 2 ? silu(v) : gelu_tanh(v)) * u);
+      }
+    }
+  }
+}
+
 // qgemv_rows on a tiled weight (n a multiple of 16; gated: gate tiles then up tiles).
 template <int T>
 void tile_gemv(const QRows& x, int64_t rows, const uint8_t* w, const float* bias, int64_t n,
@@ -418,26 +443,36 @@ void tile_gemv(const QRows& x, int64_t rows, const uint8_t* w, const float* bias
   kvpar::parallel_for((tiles + per_unit - 1) / per_unit, num_threads, [&](int64_t unit) {
     alignas(64) float acc[kTileRows * kTileCols], up[kTileRows * kTileCols];
     const int64_t t1 = (unit + 1) * per_unit < tiles ? (unit + 1) * per_unit : tiles;
+#ifdef KVQ_TILE512
+    // K-quants past one register tile of rows: the unit's one tile (per_unit is 1 here)
+    // decoded once for all rows (qtiles_k.h's KCodes)
+    const bool decoded = is_k(T) && rows > kTileRows;
+    KCodes codes[2];
+    if constexpr (is_k(T)) {
+      for (int part = 0; decoded && part < (gated ? 2 : 1); ++part) {
+        codes[part] = k_codes_buffer(part, x.k);
+        k_decode_tile<T>(w, x.k, unit + part * tiles, codes[part]);
+      }
+    }
+#endif
     for (int64_t x0 = 0; x0 < rows; x0 += xt) {
       const int64_t x1 = x0 + xt < rows ? x0 + xt : rows;
       for (int64_t t = unit * per_unit; t < t1; ++t) {
         for (int64_t r0 = x0; r0 < x1; r0 += kTileRows) {
           const int64_t cnt = x1 - r0 < kTileRows ? x1 - r0 : kTileRows;
-          tile_chunk<T>(w, x, t, r0, cnt, acc);
-          if (gated) tile_chunk<T>(w, x, t + tiles, r0, cnt, up);
-          for (int64_t r = 0; r < cnt; ++r) {
-            float* y = out + (r0 + r) * out_stride + t * kTileCols;
-            for (int c = 0; c < kTileCols; ++c) {
-              const int64_t o = t * kTileCols + c;
-              const float v = acc[r * kTileCols + c] + (bias != nullptr ? bias[o] : 0.f);
-              if (!gated) {
-                y[c] = mode == 0 ? v : y[c] + v;
-                continue;
-              }
-              const float u = up[r * kTileCols + c] + (bias != nullptr ? bias[n + o] : 0.f);
-              y[c] = (mode == 2 ? silu(v) : gelu_tanh(v)) * u;
+#ifdef KVQ_TILE512
+          if constexpr (is_k(T)) {
+            if (decoded) {
+              k_codes_chunk<T>(codes[0], x, r0, cnt, acc);
+              if (gated) k_codes_chunk<T>(codes[1], x, r0, cnt, up);
+              tile_epilogue(acc, up, cnt, bias, n, t, out + r0 * out_stride, out_stride, mode);
+              continue;
             }
           }
+#endif
+          tile_chunk<T>(w, x, t, r0, cnt, acc);
+          if (gated) tile_chunk<T>(w, x, t + tiles, r0, cnt, up);
+          tile_epilogue(acc, up, cnt, bias, n, t, out + r0 * out_stride, out_stride, mode);
         }
       }
     }

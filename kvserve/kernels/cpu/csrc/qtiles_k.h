@@ -249,6 +249,9 @@ inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
       __m512i acc[kSubs][2][R];
       for (int i = 0; i < kSubs; ++i)
         for (int r = 0; r < R; ++r) acc[i][0][r] = acc[i][1][r] = _mm512_setzero_si512();
+      // unrolled: acc[i][g >= 4] must name registers (a loop over g kept the 16
+      // accumulators on the stack, a load and a store around each dpbusd: half the speed)
+#pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const uint8_t* chunk = sb + 288 + (8 * h + g) * 192;
         const __m512i c = _mm512_loadu_si512(chunk + 128);
@@ -288,6 +291,141 @@ inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
         }
       }
     }
+}
+
+// Many rows (a prefill): tile `tile`'s super-blocks decoded once a call into 8-bit codes and
+// float scales (KCodes), then every 8 rows of x run on them as on Q8_0's tiles: loads and
+// dpbusd, no bit work. Why: inline, each 8 rows redid the unpacking (Q5_K's fifth bits, Q6_K's
+// high bits: 5-7 ops a 64-byte vector against Q4_K's 3) and at 512 rows Q5_K / Q6_K ran 25%
+// below Q4_K; decoded, it is done once for all rows, and Q4_K sheds its nibble masks too.
+// q: sub-block j's group g (values 32j + 4g .. + 3 of the 16 features) at (8j + g) 64, its
+// unsigned codes (Q6_K's before - 32); sc: per sub-block two vectors of 16 floats: d sc_j and
+// dmin m_j (Q4_K, Q5_K), or d sc of its first and second 16 values (Q6_K).
+struct KCodes {
+  uint8_t* q;
+  float* sc;
+};
+
+inline void put_sc(float* sc, int64_t j, __m512 a, __m512 b) {
+  _mm512_storeu_ps(sc + 32 * j, a);
+  _mm512_storeu_ps(sc + 32 * j + 16, b);
+}
+
+template <int T>
+void k_decode_tile(const uint8_t* w, int64_t k, int64_t tile, const KCodes& c) {
+  const int64_t nsb = k / kQKK, tb = tile_block_bytes(T);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* sb = w + (tile * nsb + b) * tb;
+    uint8_t* q = c.q + b * 8 * 8 * 64;
+    auto put = [&](int j, int g, __m512i v) { _mm512_storeu_si512(q + (8 * j + g) * 64, v); };
+    if constexpr (T == kQ6_K) {
+      const __m512 dv = ph_to_ps512(sb);
+      const __m128i* scales = reinterpret_cast<const __m128i*>(sb + 32);
+      for (int j = 0; j < 8; ++j)
+        put_sc(c.sc, 8 * b + j,
+               _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j), true)),
+               _mm512_mul_ps(dv, bytes_to_ps(_mm_loadu_si128(scales + 2 * j + 1), true)));
+      const __m512i six = _mm512_set1_epi8(0x3f);
+      for (int h = 0; h < 2; ++h)
+        for (int g = 0; g < 8; ++g) {
+          const uint8_t* chunk = sb + 288 + (8 * h + g) * 192;
+          const __m512i hb = _mm512_loadu_si512(chunk + 128);
+          const __m512i q0 = _mm512_loadu_si512(chunk), q1 = _mm512_loadu_si512(chunk + 64);
+          put(4 * h, g, merge_nibbles512(q0, _mm512_slli_epi16(hb, 4), six));
+          put(4 * h + 1, g, merge_nibbles512(q1, _mm512_slli_epi16(hb, 2), six));
+          put(4 * h + 2, g, merge_nibbles512(_mm512_srli_epi16(q0, 4), hb, six));
+          put(4 * h + 3, g,
+              merge_nibbles512(_mm512_srli_epi16(q1, 4), _mm512_srli_epi16(hb, 2), six));
+        }
+    } else {
+      const __m512 dv = ph_to_ps512(sb), mv = ph_to_ps512(sb + 32);
+      for (int j = 0; j < 8; ++j) {
+        __m512 dsc, dm;
+        k4_scales512(sb, j, dv, mv, &dsc, &dm);
+        put_sc(c.sc, 8 * b + j, dsc, dm);
+      }
+      const __m512i five = _mm512_set1_epi8(0x1f);
+      for (int g = 0; g < 8; ++g)
+        for (int p = 0; p < 4; ++p) {
+          if constexpr (T == kQ4_K) {
+            const __m512i nib = _mm512_loadu_si512(sb + 256 + 512 * p + 64 * g);
+            put(2 * p, g, _mm512_and_si512(nib, low));
+            put(2 * p + 1, g, _mm512_and_si512(_mm512_srli_epi16(nib, 4), low));
+          } else {
+            const uint8_t* chunk = sb + 256 + 320 * g;
+            const __m512i qh = _mm512_loadu_si512(chunk + 256);
+            const __m512i nib = _mm512_loadu_si512(chunk + 64 * p);
+            put(2 * p, g, merge_nibbles512(nib, fifth_bit512(qh, 2 * p), five));
+            put(2 * p + 1, g, merge_nibbles512(_mm512_srli_epi16(nib, 4),
+                                               fifth_bit512(qh, 2 * p + 1), five));
+          }
+        }
+    }
+  }
+}
+
+// out[r][0..16) = the decoded tile's 16 features against x rows r0 .. r0 + R - 1: per
+// sub-block 8 dpbusd a row (Q6_K: its two halves apart), then its scales as the inline
+// kernels apply them.
+template <int T, int R>
+void k_codes_rows(const KCodes& c, const QRows& x, int64_t r0, float* out) {
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  constexpr int kHalves = T == kQ6_K ? 2 : 1;
+  for (int64_t j = 0; j < x.nb; ++j) {
+    __m512i acc[kHalves][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[kHalves - 1][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i v = _mm512_loadu_si512(c.q + (8 * j + g) * 64);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.k + j * kQK);
+        __m512i& a = acc[kHalves == 2 && g >= 4][r];
+        a = _mm512_dpbusd_epi32(a, v, _mm512_set1_epi32(xg[g]));
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(c.sc + 32 * j), s1 = _mm512_loadu_ps(c.sc + 32 * j + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * x.nb + j;
+      const __m512 dx = _mm512_set1_ps(x.d[at]);
+      if constexpr (T == kQ6_K) {  // q - 32: minus 32 times each half's sum of x
+        const __m512 first = _mm512_set1_ps(-32.f * x.h[at]);
+        const __m512 second = _mm512_set1_ps(-32.f * (x.s[at] - x.h[at]));
+        f[r] = _mm512_fmadd_ps(s0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][r]), dx, first),
+                               f[r]);
+        f[r] = _mm512_fmadd_ps(s1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1][r]), dx, second),
+                               f[r]);
+      } else {
+        f[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[0][r]), dx), f[r]);
+        f[r] = _mm512_fnmadd_ps(s1, _mm512_set1_ps(x.s[at]), f[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTileCols, f[r]);
+}
+
+template <int T>
+void k_codes_chunk(const KCodes& c, const QRows& x, int64_t r0, int64_t cnt, float* out) {
+  switch (cnt) {
+    case 8: k_codes_rows<T, 8>(c, x, r0, out); break;
+    case 7: k_codes_rows<T, 7>(c, x, r0, out); break;
+    case 6: k_codes_rows<T, 6>(c, x, r0, out); break;
+    case 5: k_codes_rows<T, 5>(c, x, r0, out); break;
+    case 4: k_codes_rows<T, 4>(c, x, r0, out); break;
+    case 3: k_codes_rows<T, 3>(c, x, r0, out); break;
+    case 2: k_codes_rows<T, 2>(c, x, r0, out); break;
+    default: k_codes_rows<T, 1>(c, x, r0, out); break;
+  }
+}
+
+// A thread's decoded tile (part 0: the tile, 1: a gated call's up tile), k wide.
+inline KCodes k_codes_buffer(int part, int64_t k) {
+  thread_local std::vector<uint8_t> q[2];
+  thread_local std::vector<float> sc[2];
+  q[part].resize(static_cast<size_t>(kTileCols * k));
+  sc[part].resize(static_cast<size_t>(k / kQK * 2 * kTileCols));
+  return KCodes{q[part].data(), sc[part].data()};
 }
 #endif
 

@@ -4,7 +4,8 @@
 // through the stack, and the paged decode kernel built for AVX2 ran ~9x slower than for
 // AVX-512 on the same CPU, not ~2x. Included by the kernels' sources (cpu_ext.py hashes it
 // into their build key); internal linkage, so two libraries built for different widths can
-// be loaded side by side. Also expv, which more than one kernel needs.
+// be loaded side by side. Also expv and the gated activations on it (silu, gelu_tanh), which
+// more than one kernel needs (panel_gemm's epilogue, the quantized tiles').
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,26 @@ inline vf expv(vf x) {
   p = p * r * r + r + 1.f;
   const vf scale = (vf)((vu)(ni + 127) << 23);  // 2^n (unsigned: a NaN's n is garbage)
   return (vf)((vi)(p * scale) & ~under);
+}
+
+constexpr int32_t kSignBit = INT32_MIN;
+
+// x * sigmoid(x) = x / (1 + e^-x), with e = exp(-|x|) <= 1 (expv's range): sigmoid(|x|) =
+// 1 / (1 + e), sigmoid(-|x|) = e / (1 + e).
+inline vf silu(vf x) {
+  const vf e = expv((vf)((vi)x | kSignBit));  // -|x|: the sign bit set
+  const vf s = 1.f / (1.f + e);
+  const vi neg = x < 0.f;
+  return x * (vf)(((vi)(e * s) & neg) | ((vi)s & ~neg));
+}
+
+// 0.5 x (1 + tanh(y)), y = c (x + 0.044715 x^3); tanh(y) = sign(y) (1 - e) / (1 + e) with
+// e = exp(-2|y|).
+inline vf gelu_tanh(vf x) {
+  const vf y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const vf e = expv((vf)((vi)(y + y) | kSignBit));
+  const vf t = (1.f - e) / (1.f + e);  // tanh(|y|)
+  return 0.5f * x * (1.f + (vf)((vi)t | ((vi)y & kSignBit)));
 }
 
 }  // namespace
