@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--load", type=int, default=0,
                     help="N concurrent requests: throughput instead of batch-1 decode speed")
+    ap.add_argument("--workloads", default="rewrite,document,chat,random",
+                    help="which of the workloads to run (comma-separated)")
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.repeats = 64, 1
@@ -194,8 +196,10 @@ def main() -> None:
         llm = LLM(speculative_config=_spec(method, args.k), max_model_len=8192)
         if workloads is None:  # the chat's turns come from the reference engine's answers
             vocab = llm.engine.model_config.vocab_size
-            workloads = {"rewrite": (_rewrite(), True), "document": (_document(), True),
-                         "chat": (_chat(llm, params), True), "random": (_random(vocab), False)}
+            make = {"rewrite": lambda: (_rewrite(), True), "document": lambda: (_document(), True),
+                    "chat": lambda: (_chat(llm, params), True),
+                    "random": lambda: (_random(vocab), False)}
+            workloads = {name: make[name]() for name in args.workloads.split(",")}
         for name, (prompts, chat) in workloads.items():
             before = llm.engine.stats().spec_decode
             decoded = 0
