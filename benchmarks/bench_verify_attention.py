@@ -23,6 +23,7 @@ import time
 import torch
 
 from kvserve.attention import cpu_paged
+from kvserve.kernels.cpu import cpu_ext
 from kvserve.kernels.cpu.cpu_features import cpu_info
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,9 +65,16 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--split-tokens", type=int,
+                   help="build the kernel with this split-K part size (KVSERVE_SPLIT_TOKENS)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = cpu_paged.load_kernel()
+    if args.split_tokens:
+        lib = cpu_ext.load_library(cpu_paged.SOURCE, cpu_ext.CXXFLAGS + (
+            f"-DKVSERVE_SPLIT_TOKENS={args.split_tokens}",))
+        kernel = cpu_paged.PagedDecodeKernel(lib) if lib is not None else None
+    else:
+        kernel = cpu_paged.load_kernel()
     if kernel is None:
         p.error("the paged decode kernel does not build here")
     print(f"{cpu_info().flags_line()}; {args.threads} thread(s); load average "

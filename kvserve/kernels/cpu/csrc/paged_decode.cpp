@@ -79,6 +79,22 @@ struct Args {
 
 constexpr int64_t kThreadBytes = int64_t{1} << 20;  // see decode's parallel region
 
+// Split-K ("flash-decoding", issue 49): a sequence's keys are cut into parts of kSplitTokens
+// tokens (whole tiles), counted from its first visible block; each part of a (rows, KV heads)
+// item is a work item of its own that leaves its softmax state (max, sum, unnormalised value
+// sums) in scratch, and whichever finishes a head's last part merges them (log-sum-exp). Why:
+// at batch 1 the items were one per KV head, and SmolLM2's 3 on 2 threads left a core idle a
+// third of the attention time. Why the cut depends on nothing but the sequence's start and
+// this constant (not the batch, the threads, nor the rows that share the keys): a verification
+// row must keep the bits of the same row decoded alone. Its parts are the same operations as
+// alone, and the parts past its own length (there for its group's longer rows) are empty
+// (max -inf), which the merge skips. The size is measured (docs/benchmarks.md, issue 49):
+// parts of 512 tokens ... (see the figures there); a build may set another for measuring.
+#ifndef KVSERVE_SPLIT_TOKENS
+#define KVSERVE_SPLIT_TOKENS 512
+#endif
+constexpr int64_t kSplitTokens = KVSERVE_SPLIT_TOKENS;
+
 // Speculative decoding's verification rows: consecutive rows of one sequence at consecutive
 // positions (lengths one apart, the same window start, the same blocks as far as the shorter
 // reads). Each run of such rows (at most `most`, the work item's room for query heads) is one
@@ -125,7 +141,7 @@ void decode(const Args& a) {
   // thread.
   const int64_t per_item =
       a.n >= 4 * omp_get_max_threads() && H * D <= kMaxGroupDim && H <= kMaxGroup ? Hkv : 1;
-  const int64_t parts = Hkv / per_item;
+  const int64_t kv_items = Hkv / per_item;  // items of a group of rows, before the split
   const int64_t heads = per_item * G;  // query heads of an item
   // Threads only where the K/V the step reads outweighs a fork/join (~10-20 us, ~1 MB read):
   // at batch 1 with a short context the team's wake-up cost more than the work, and after
@@ -141,7 +157,70 @@ void decode(const Args& a) {
   const int64_t n_groups = static_cast<int64_t>(group_start.size()) - 1;
   // (the items read it through this pointer: by its name a pool thread would get its own)
   const int64_t* const groups_at = group_start.data();
-  const bool threaded = n_groups * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
+  // The split (see kSplitTokens): group g's items are items_at[g] .. items_at[g + 1] - 1,
+  // kv_items x its parts, (KV heads, part) in that order; its parts' states (when more than
+  // one) at states_at[g], and left[g * kv_items + i] counts the parts of its KV-head item i
+  // still running.
+  const int64_t tile_blocks = std::max<int64_t>(1, kTile / bs);
+  const int64_t part_blocks = std::max<int64_t>(1, kSplitTokens / (tile_blocks * bs)) *
+                              tile_blocks;
+  thread_local std::vector<int64_t> plan;
+  thread_local std::vector<int32_t> left_counts;
+  thread_local std::vector<float> scratch;
+  plan.resize(2 * (n_groups + 1));
+  left_counts.resize(n_groups * kv_items);
+  int64_t* const items_at = plan.data();
+  int64_t* const states_at = items_at + n_groups + 1;
+  items_at[0] = states_at[0] = 0;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t s = groups_at[g + 1] - 1;  // the group's longest row
+    const int64_t from = (a.starts ? a.starts[s] : 0) / bs;
+    const int64_t splits = std::max<int64_t>(1, ((a.lens[s] + bs - 1) / bs - from +
+                                                 part_blocks - 1) / part_blocks);
+    items_at[g + 1] = items_at[g] + kv_items * splits;
+    const int64_t nh = (groups_at[g + 1] - groups_at[g]) * heads;
+    states_at[g + 1] = states_at[g] + (splits > 1 ? kv_items * splits * nh * (D + 2) : 0);
+    for (int64_t i = 0; i < kv_items; ++i)
+      left_counts[g * kv_items + i] = static_cast<int32_t>(splits);
+  }
+  if (static_cast<int64_t>(scratch.size()) < states_at[n_groups])
+    scratch.resize(states_at[n_groups]);
+  int32_t* const left = left_counts.data();
+  float* const states = scratch.data();
+  const int64_t n_items = items_at[n_groups];
+  const bool threaded = n_items > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
+  // Output rows of an item's nh query heads from its `splits` parts' states at st (part p's at
+  // st + p * nh * (D + 2): nh maxima, nh sums, nh x D value sums): the log-sum-exp merge, in
+  // part order, parts a head does not see (max -inf) skipped. With one part seen this is
+  // out = acc * (v_scale / sum), the bits of the kernel before the split (exp(0) = 1).
+  const auto merge = [&](const float* st, int64_t splits, int64_t s0, int64_t hk0, int64_t nh) {
+    const int64_t ps = nh * (D + 2);
+    float o[kMaxDim];
+    for (int64_t h = 0; h < nh; ++h) {
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, st[p * ps + h]);
+      float sum = 0.f;
+      bool any = false;
+      for (int64_t p = 0; p < splits; ++p) {
+        const float* part = st + p * ps;
+        if (part[h] == -INFINITY) continue;
+        const float w = std::exp(part[h] - mx);
+        const float* ac = part + 2 * nh + h * D;
+        if (any) {
+          for (int64_t d = 0; d < D; ++d) o[d] += ac[d] * w;
+          sum += part[nh + h] * w;
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = ac[d] * w;
+          sum = part[nh + h] * w;
+          any = true;
+        }
+      }
+      float* orow = a.out + ((s0 + h / heads) * H + hk0 * G + h % heads) * D;
+      const float inv = sum > 0.f ? a.v_scale / sum : 0.f;
+      for (int64_t d = 0; d < D; ++d)
+        orow[d] = any ? o[K == INT4 ? nibble_order(d, D) : d] * inv : 0.f;
+    }
+  };
   // Items are claimed from parallel.h's pool (OpenMP's team, after its region, spun on the
   // cores the quantized kernels' pool needed: batch-32 steps ~20% slower than passive).
   // Every row's new K/V first, then any row reads: rows of one sequence (speculative
@@ -163,17 +242,25 @@ void decode(const Args& a) {
     }
   }
   const auto run_item = [&](int64_t item) {
+    const int64_t g = std::upper_bound(items_at, items_at + n_groups + 1, item) - items_at - 1;
+    const int64_t splits = (items_at[g + 1] - items_at[g]) / kv_items;
+    const int64_t kv_item = (item - items_at[g]) / splits, split = (item - items_at[g]) % splits;
     // rows s0 .. s0 + R - 1, the last the longest (its table and length are read)
-    const int64_t s0 = groups_at[item / parts];
-    const int64_t R = groups_at[item / parts + 1] - s0;
+    const int64_t s0 = groups_at[g];
+    const int64_t R = groups_at[g + 1] - s0;
     const int64_t s = s0 + R - 1;
-    const int64_t hk0 = item % parts * per_item;
+    const int64_t hk0 = kv_item * per_item;
     const int64_t nh = R * heads;  // query heads of the item, row r's at r * heads ..
     // Per query head h of the item (query head hk0 * G + h % heads of row s0 + h / heads):
-    // its running softmax max and sum, value accumulator, scaled query (int4: in nibble
+    // its running softmax max and sum, value accumulator (the state `merge` reads: on the
+    // stack with one part, else the part's place in scratch), scaled query (int4: in nibble
     // order), this tile's scores (at h * kScoreStride).
-    float m[kMaxGroup], l[kMaxGroup];
-    float acc[kMaxGroupDim];
+    float own[2 * kMaxGroup + kMaxGroupDim];
+    float* const parts_state = states + states_at[g] + kv_item * splits * nh * (D + 2);
+    float* const state = splits == 1 ? own : parts_state + split * nh * (D + 2);
+    float* const m = state;
+    float* const l = state + nh;
+    float* const acc = state + 2 * nh;
     float qs[kMaxGroupDim];
     float scores[kMaxGroup * kScoreStride];
     // a chunk's decoded rows (float32 reads the cache itself)
@@ -268,9 +355,10 @@ void decode(const Args& a) {
     // softmax update per head, then the value sums (V pass). Why tiles, not blocks: the
     // online softmax's per-head work (max, rescale of the accumulator, sum) ran once per block
     // of 16 tokens and, being short dependent chains, cost about as much as the dot products.
-    const int64_t tile_blocks = std::max<int64_t>(1, kTile / bs);
-    const int64_t end_block = (len + bs - 1) / bs;
-    for (int64_t b0 = first / bs; b0 < end_block; b0 += tile_blocks) {
+    // this part's blocks (the tiles of the item before the split, from the first visible)
+    const int64_t part_first = first / bs + split * part_blocks;
+    const int64_t end_block = std::min((len + bs - 1) / bs, part_first + part_blocks);
+    for (int64_t b0 = part_first; b0 < end_block; b0 += tile_blocks) {
       const int64_t b1 = std::min(b0 + tile_blocks, end_block);
       // K pass: scores[h * kScoreStride + pos + j] = q_h . k_j, the tile's visible rows packed
       // one after another; a chunk of kChunk rows at a time (decoded once, read by every
@@ -411,17 +499,17 @@ void decode(const Args& a) {
         pos += count;
       }
     }
-    for (int64_t h = 0; h < nh; ++h) {
-      float* orow = a.out + ((s0 + h / heads) * H + hk0 * G + h % heads) * D;
-      const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
-      for (int64_t d = 0; d < D; ++d)
-        orow[d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
-    }
+    // The last part of the KV heads' item to finish merges (its acquire sees every part's
+    // state, each released by its own decrement).
+    if (splits == 1)
+      merge(state, 1, s0, hk0, nh);
+    else if (__atomic_sub_fetch(left + g * kv_items + kv_item, 1, __ATOMIC_ACQ_REL) == 0)
+      merge(parts_state, splits, s0, hk0, nh);
   };
   if (threaded)
-    kvpar::parallel_for(n_groups * parts, omp_get_max_threads(), run_item);
+    kvpar::parallel_for(n_items, omp_get_max_threads(), run_item);
   else
-    for (int64_t item = 0; item < n_groups * parts; ++item) run_item(item);
+    for (int64_t item = 0; item < n_items; ++item) run_item(item);
 }
 
 }  // namespace
