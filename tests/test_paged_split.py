@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference_attention import reference_paged_attention
-from test_cpu_paged import FORMATS, _case, _dequantized, _filled_pool
+from test_cpu_paged import FORMATS, _case, _filled_pool, check_format_against_reference
 
 from kvserve.attention import cpu_paged
 
@@ -29,22 +29,6 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def _read_table(pool, tables, starts, bs, spare, name):
-    """Tables with the entries wholly before each window on a block of NaN (a kernel that read
-    one fails), and int4's residual row per entry."""
-    for part in pool.layers[0]:
-        part[spare].view(torch.uint8).fill_(0xFF)
-    read = [[b if i >= st // bs else spare for i, b in enumerate(t)]
-            for t, st in zip(tables, starts)]
-    width = max(len(t) for t in read)
-    table_t = torch.tensor([t + [0] * (width - len(t)) for t in read])
-    res_rows = None
-    if name == "int4":
-        rows = pool.codecs[0].residual.rows
-        res_rows = torch.tensor([[rows.get(b, -1) for b in t] for t in table_t.tolist()])
-    return table_t, res_rows
-
-
 @needs_kernel
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("bs", [16, 40])
@@ -53,21 +37,8 @@ def test_split_matches_the_reference_in_every_format(name, bs, window, threads):
     """Lengths on both sides of a part's end (512 tokens with blocks of 16; with blocks of 40 a
     tile is 6 blocks and a part 12: 480 tokens) and several parts long, 3 KV heads of 3 query
     heads each (SmolLM2's grouping); a window of 700 starts inside a block and a part."""
-    h, hkv, d = 9, 3, 64
-    lens = [512, 513, 481, 1500, 2100]
-    pool, tables, spare = _filled_pool(name, hkv, d, bs, lens, seed=bs + 1,
-                                       group_size=16 if name in ("int8", "int4") else None)
-    kd, vd = _dequantized(pool, name)
-    starts = [0 if window is None else max(0, n - window) for n in lens]
-    table_t, res_rows = _read_table(pool, tables, starts, bs, spare, name)
-    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(3))
-    out = kernel(q, cpu_paged.paged_kv(pool.codecs[0], pool.layers[0], 0), None, table_t,
-                 torch.tensor(lens), 0.125,
-                 starts=None if window is None else torch.tensor(starts), res_rows=res_rows)
-    assert not out.isnan().any()
-    for i, n in enumerate(lens):
-        ref = reference_paged_attention(q[i: i + 1], kd, vd, tables[i], n, 0.125, window)[0]
-        torch.testing.assert_close(out[i], ref, atol=3e-5, rtol=1e-5)
+    check_format_against_reference(name, 9, 3, 64, bs, [512, 513, 481, 1500, 2100], window,
+                                   seed=bs + 1)
 
 
 @needs_kernel

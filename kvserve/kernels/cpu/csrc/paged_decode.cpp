@@ -35,9 +35,11 @@
 //            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
 // (running max and sum per head, flash-attention style) in float32, a tile of whole blocks
-// (up to 256 tokens) at a time. Table
-// entries before starts[s] / block_size and past the length are never read (NULL_BLOCK there
-// is fine).
+// (up to 256 tokens) at a time; a long context in parts of 512 tokens run as work items of
+// their own and merged in the kernel (split-K, see kSplitTokens). Table entries before
+// starts[s] / block_size and past the length are never read (NULL_BLOCK there is fine).
+// Beside it: paged_formats.h (the storage formats as float rows), paged_tiles.h (the score and
+// value kernels, the prefetcher).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
