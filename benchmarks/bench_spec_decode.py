@@ -291,6 +291,8 @@ def main() -> None:
                     help="draft_model's checkpoint (default: SmolLM2 itself)")
     ap.add_argument("--batch-limit", type=int, default=None,
                     help="draft_model's disable_by_batch_size (--load: where drafting stops)")
+    ap.add_argument("--workloads", default="rewrite,document,chat,random",
+                    help="which of the workloads to run (comma-separated)")
     args = ap.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
     assert args.methods[0] == "off" and set(args.methods) <= set(METHODS), args.methods
@@ -307,8 +309,10 @@ def main() -> None:
         llm = LLM(speculative_config=_spec(method, args.k, args.draft), max_model_len=8192)
         if workloads is None:  # the chat's turns come from the reference engine's answers
             vocab = llm.engine.model_config.vocab_size
-            workloads = {"rewrite": (_rewrite(), True), "document": (_document(), True),
-                         "chat": (_chat(llm, params), True), "random": (_random(vocab), False)}
+            make = {"rewrite": lambda: (_rewrite(), True), "document": lambda: (_document(), True),
+                    "chat": lambda: (_chat(llm, params), True),
+                    "random": lambda: (_random(vocab), False)}
+            workloads = {name: make[name]() for name in args.workloads.split(",")}
         # (greedy either way; a seed keeps the draft model's requests drafting, see above)
         run_params = params if method != "draft_model" else \
             SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)

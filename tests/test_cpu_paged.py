@@ -277,9 +277,15 @@ def test_kernel_reads_every_format_like_the_reference(name, bs, window, d, threa
     With a window, the table entries wholly before it point at a block of NaN (as released
     NULL_BLOCK entries point at nothing): a kernel that read one fails. Head size 64 takes
     float32's strided path (whole chunks of rows at a stride), 32 the general one."""
-    h, hkv = 8, 2
-    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 41, 600]
-    pool, tables, spare = _filled_pool(name, hkv, d, bs, lens, seed=bs,
+    check_format_against_reference(name, 8, 2, d, bs, [1, bs - 1, bs, bs + 1, 3 * bs + 2, 41, 600],
+                                   window, seed=bs)
+
+
+def check_format_against_reference(name, h, hkv, d, bs, lens, window, seed):
+    """Sequences of `lens` tokens in format `name` through the kernel against the reference on
+    K/V dequantized by the format's definition (test_kernel_reads_every_format_like_the_
+    reference, and test_paged_split.py's long contexts)."""
+    pool, tables, spare = _filled_pool(name, hkv, d, bs, lens, seed=seed,
                                        group_size=16 if name in ("int8", "int4") else None)
     kd, vd = _dequantized(pool, name)
     q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(7))

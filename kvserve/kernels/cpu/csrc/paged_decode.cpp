@@ -35,9 +35,11 @@
 //            (saves the caller a scatter per layer; null: the caller stored them)
 // Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax runs online
 // (running max and sum per head, flash-attention style) in float32, a tile of whole blocks
-// (up to 256 tokens) at a time. Table
-// entries before starts[s] / block_size and past the length are never read (NULL_BLOCK there
-// is fine).
+// (up to 256 tokens) at a time; a long context in parts of 512 tokens run as work items of
+// their own and merged in the kernel (split-K, see kSplitTokens). Table entries before
+// starts[s] / block_size and past the length are never read (NULL_BLOCK there is fine).
+// Beside it: paged_formats.h (the storage formats as float rows), paged_tiles.h (the score and
+// value kernels, the prefetcher).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +48,8 @@
 
 #include <omp.h>
 
+#include "paged_formats.h"  // the storage formats as float rows
+#include "paged_tiles.h"    // scores, value sums, prefetching
 #include "parallel.h"
 #include "vec.h"
 
@@ -53,10 +57,7 @@ namespace {
 
 constexpr int kMaxGroup = 64;        // query heads per KV head
 constexpr int kMaxGroupDim = 16384;  // (H / Hkv) * D floats of accumulator per work item
-constexpr int kMaxBlock = 256;       // tokens per cache block
 constexpr int kMaxDim = 1024;        // head_dim of a decoded row
-
-enum Kind : int32_t { F32 = 0, BF16 = 1, F16 = 2, FP8_E4M3 = 3, FP8_E5M2 = 4, INT8 = 5, INT4 = 6 };
 
 struct Args {
   const float* q;
@@ -78,372 +79,27 @@ struct Args {
   int64_t new_k_stride, new_v_stride;
 };
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
-
-// c ? a : b on bit patterns, written as masks: GCC leaves a `?:` between floats or between
-// shifted integers as control flow and then does not vectorize the loop around it.
-inline uint32_t pick(bool c, uint32_t a, uint32_t b) {
-  const uint32_t mask = 0u - static_cast<uint32_t>(c);
-  return b ^ ((a ^ b) & mask);
-}
-
-// IEEE half -> float without branches and without producing a float denormal (subnormal halves
-// are an integer times 2^-24, converted exactly; FTZ/DAZ cannot touch them).
-inline float f16_to_float(uint32_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7fffu;
-  uint32_t u = (em << 13) + (112u << 23);
-  u = pick(em >= 0x7c00u, u + (112u << 23), u);  // inf / nan: exponent 255
-  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
-  return bits_to_float(pick(em < 0x400u, sub, u) | sign);
-}
-
-// fp8 e4m3fn (bias 7, no inf; 0x7f/0xff are NaN, never stored: quantize_fp8 saturates).
-inline float e4m3_to_float(uint32_t c) {
-  const uint32_t sign = (c & 0x80u) << 24;
-  const uint32_t em = c & 0x7fu;
-  const uint32_t normal = (em << 20) + (120u << 23);
-  const uint32_t sub = float_to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f);
-  return bits_to_float(pick(em < 8u, sub, normal) | sign);
-}
-
-// fp8 e5m2 is the top byte of an IEEE half.
-inline float e5m2_to_float(uint32_t c) { return f16_to_float(c << 8); }
-
-// One token row of D values (one KV head) of a float-type cache into buf, or a pointer into
-// the cache itself for float32.
-template <int K>
-inline const float* float_row(const void* base, int64_t offset, int64_t D, float* buf) {
-  if constexpr (K == F32) {
-    return static_cast<const float*>(base) + offset;
-  } else if constexpr (K == BF16) {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) buf[d] = bf16_to_float(p[d]);
-    return buf;
-  } else {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) buf[d] = f16_to_float(p[d]);
-    return buf;
-  }
-}
-
-// One token row of an element-wise format (float32, bfloat16, float16, fp8) as D floats: a
-// pointer into the cache for float32, else the row decoded into buf.
-template <int K>
-inline const float* elementwise_row(const void* base, int64_t offset, int64_t D, float* buf) {
-  if constexpr (K == FP8_E4M3 || K == FP8_E5M2) {
-    const uint8_t* c = static_cast<const uint8_t*>(base) + offset;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d)
-      buf[d] = K == FP8_E4M3 ? e4m3_to_float(c[d]) : e5m2_to_float(c[d]);
-    return buf;
-  } else {
-    return float_row<K>(base, offset, D, buf);
-  }
-}
-
-inline const float* residual_row(int32_t kind, const void* base, int64_t offset, int64_t D,
-                                 float* buf) {
-  if (kind == F32) return float_row<F32>(base, offset, D, buf);
-  if (kind == BF16) return float_row<BF16>(base, offset, D, buf);
-  return float_row<F16>(base, offset, D, buf);
-}
-
-// Affine codes of one token row, `groups` groups of D / groups channels, each with an fp16
-// (scale, zero) pair: x = code * scale + zero (kv/quant.py's quantize_affine). Packed (int4)
-// rows come out in the nibble order (see `nibble_order`): byte i's low nibble at i, its high
-// one at D / 2 + i.
-template <bool Packed>
-inline void affine_row(const uint8_t* codes, const uint16_t* sz, int64_t D, int64_t groups,
-                       float* buf) {
-  const int64_t width = D / groups;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float s = f16_to_float(sz[2 * g]);
-    const float z = f16_to_float(sz[2 * g + 1]);
-    if constexpr (Packed) {
-      const int64_t at = g * width / 2;
-      const uint8_t* c = codes + at;
-      float* lo = buf + at;
-      float* hi = buf + D / 2 + at;
-#pragma omp simd
-      for (int64_t i = 0; i < width / 2; ++i) {
-        lo[i] = static_cast<float>(c[i] & 0x0f) * s + z;
-        hi[i] = static_cast<float>(c[i] >> 4) * s + z;
-      }
-    } else {
-      const uint8_t* c = codes + g * width;
-      float* o = buf + g * width;
-#pragma omp simd
-      for (int64_t d = 0; d < width; ++d) o[d] = static_cast<float>(c[d]) * s + z;
-    }
-  }
-}
-
-// int4 rows are decoded in nibble order, channel d at nibble_order(d): the even channels (low
-// nibbles) first, then the odd ones, so that unpacking writes two contiguous runs instead of
-// interleaving (which does not vectorize). A dot product does not care about the order as long
-// as q is in the same one, and the value accumulator is put back in channel order at the end.
-inline int64_t nibble_order(int64_t d, int64_t D) { return d % 2 == 0 ? d / 2 : D / 2 + d / 2; }
-
-// vf: kLanes floats in one vector register (see vec.h); "why not omp simd reduction": GCC summed
-// the lanes of each dot product as one chain of dependent scalar adds through the stack.
-// x's lanes combined by op, halves at a time (once per tile and head: plain code is fine)
-template <typename Op>
-inline float hreduce(vf x, Op op) {
-  float t[kLanes];
-  std::memcpy(t, &x, sizeof t);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] = op(t[i], t[i + w]);
-  return t[0];
-}
-inline float hsum(vf x) { return hreduce(x, [](float a, float b) { return a + b; }); }
-inline float hmax(vf x) { return hreduce(x, [](float a, float b) { return a > b ? a : b; }); }
-
-// lanes of (a, b) by index, 0 .. kLanes - 1 from a, kLanes .. 2 kLanes - 1 from b
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else  // GCC < 12 has no __builtin_shufflevector; its two-operand __builtin_shuffle is the same
-#define SHUF2(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
-#endif
-
-// Lane j of the result = the sum of x[j]'s lanes: kLanes horizontal sums as a transpose by
-// halves (kLanes - 1 vector adds and twice as many two-register shuffles) instead of one
-// reduction each.
-#if defined(__AVX512F__)
-inline vf transpose_sum(const vf* x) {
-  vf y[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s halves added; 8-15: x[2i+1]'s
-    y[i] = SHUF2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUF2(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                 30, 31);
-  for (int i = 0; i < 4; ++i)  // four lanes each of x[4i .. 4i+3]
-    z[i] = SHUF2(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                 27) +
-           SHUF2(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                 31);
-  for (int i = 0; i < 2; ++i)  // two lanes each of x[8i .. 8i+7]
-    w[i] = SHUF2(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                 29) +
-           SHUF2(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                 31);
-  return SHUF2(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUF2(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-#elif defined(__AVX__)
-inline vf transpose_sum(const vf* x) {
-  vf y[4], z[2];
-  for (int i = 0; i < 4; ++i)  // lanes 0-3: x[2i]'s halves added; 4-7: x[2i+1]'s
-    y[i] = SHUF2(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           SHUF2(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)  // two lanes each of x[4i .. 4i+3]
-    z[i] = SHUF2(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           SHUF2(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  return SHUF2(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         SHUF2(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
-}
-#else
-inline vf transpose_sum(const vf* x) {
-  const vf y0 = SHUF2(x[0], x[1], 0, 1, 4, 5) + SHUF2(x[0], x[1], 2, 3, 6, 7);  // x0 x0 x1 x1
-  const vf y1 = SHUF2(x[2], x[3], 0, 1, 4, 5) + SHUF2(x[2], x[3], 2, 3, 6, 7);  // x2 x2 x3 x3
-  return SHUF2(y0, y1, 0, 2, 4, 6) + SHUF2(y0, y1, 1, 3, 5, 7);
-}
-#endif
-
-constexpr int64_t kChunk = kLanes;  // token rows whose scores come out as one vector
-// Tokens per tile (whole blocks; one block where a block is larger) and a head's room for
-// the tile's scores: a block's last chunk may write kChunk lanes past its rows, and the
-// softmax pads the tile to a whole chunk.
-constexpr int64_t kTile = kMaxBlock;
-constexpr int64_t kScoreStride = kTile + 2 * kChunk;
-
-// Scores of q against kChunk rows of D floats. The channels are the outer loop so that the
-// rows' sums are 16 independent chains of FMAs held in registers: row by row, each dot
-// product was one chain of D / 16 dependent FMAs and the kernel waited on their latency.
-// Not inlined (nor add_values): inside decode's loop nest the compiler spilled their
-// accumulators to the stack (batch 64, one thread, data in cache: 0.60 -> 0.56 ms per layer).
-__attribute__((noinline)) vf chunk_scores(const float* q, const float* const* rows, int64_t D) {
-  vf x[kChunk];
-#pragma GCC unroll 16
-  for (int64_t j = 0; j < kChunk; ++j) x[j] = vf{};
-  const int64_t Dv = D - D % kLanes;
-  for (int64_t d = 0; d < Dv; d += kLanes) {
-    const vf qd = loadv(q + d);
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kChunk; ++j) x[j] += qd * loadv(rows[j] + d);
-  }
-  if (Dv < D) {
-    for (int64_t j = 0; j < kChunk; ++j) {
-      float tail = 0.f;
-      for (int64_t d = Dv; d < D; ++d) tail += q[d] * rows[j][d];
-      x[j][0] += tail;
-    }
-  }
-  return transpose_sum(x);
-}
-
-// acc_t += sum_j p_t[j] v_j for NT query heads t (acc_t at acc + t * D, p_t at p + t *
-// p_stride) over m rows v_j of D floats. Each kLanes channels of the NT accumulators stay in
-// registers over the rows, every row load serves all NT heads, and even and odd rows sum in
-// separate registers: one head's single running sum was a chain of dependent FMAs whose
-// latency the kernel waited on.
-template <int NT>
-__attribute__((noinline)) void add_values(float* acc, int64_t D, const float* p, int64_t p_stride,
-                       const float* const* rows, int64_t m) {
-  const int64_t Dv = D - D % kLanes;
-  for (int64_t d = 0; d < Dv; d += kLanes) {
-    vf x[NT], y[NT];
-    for (int t = 0; t < NT; ++t) {
-      x[t] = loadv(acc + t * D + d);
-      y[t] = vf{};
-    }
-    int64_t j = 0;
-    for (; j + 2 <= m; j += 2) {
-      const vf v0 = loadv(rows[j] + d), v1 = loadv(rows[j + 1] + d);
-      for (int t = 0; t < NT; ++t) {
-        x[t] += p[t * p_stride + j] * v0;
-        y[t] += p[t * p_stride + j + 1] * v1;
-      }
-    }
-    if (j < m) {
-      const vf v0 = loadv(rows[j] + d);
-      for (int t = 0; t < NT; ++t) x[t] += p[t * p_stride + j] * v0;
-    }
-    for (int t = 0; t < NT; ++t) storev(acc + t * D + d, x[t] + y[t]);
-  }
-  for (int t = 0; t < NT; ++t)
-    for (int64_t d = Dv; d < D; ++d)
-      for (int64_t j = 0; j < m; ++j) acc[t * D + d] += p[t * p_stride + j] * rows[j][d];
-}
-
-// Vector registers of the instruction set the file is built for (AVX-512: 32, else 16).
-constexpr int kRegisters = kLanes == 16 ? 32 : 16;
-
-// chunk_scores and add_values for float32 rows one `stride` apart (a block's rows of one KV
-// head) and a head_dim known at compile time (64, 128): the rows' addresses are one register
-// and an offset, the channel loops unrolled. Why: with an array of row pointers the compiler
-// ran out of general registers (it parked pointers in vector ones) and zeroed the accumulators
-// through the stack on every call. The kernel alone, 64 x 192 tokens, alternated: 0.87x the
-// time with the K/V in cache, 0.94x from DRAM (AVX2 build: 0.91x, 0.96x).
-
-template <int D>
-__attribute__((noinline)) vf chunk_scores_strided(const float* q, const float* r0,
-                                                  int64_t stride) {
-  constexpr int V = D / kLanes;
-  vf x[kChunk];
-  if constexpr (kChunk + V + 1 <= kRegisters) {  // q in registers, each row's dot a chain
-    vf qv[V];
-    for (int v = 0; v < V; ++v) qv[v] = loadv(q + v * kLanes);
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kChunk; ++j) {
-      const float* r = r0 + j * stride;
-      vf t = qv[0] * loadv(r);
-      for (int v = 1; v < V; ++v) t += qv[v] * loadv(r + v * kLanes);
-      x[j] = t;
-    }
-  } else {
-    const vf q0 = loadv(q);
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kChunk; ++j) x[j] = q0 * loadv(r0 + j * stride);
-#pragma GCC unroll 16
-    for (int d = kLanes; d < D; d += kLanes) {
-      const vf qd = loadv(q + d);
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < kChunk; ++j) x[j] += qd * loadv(r0 + j * stride + d);
-    }
-  }
-  return transpose_sum(x);
-}
-
-template <int NT, int D>
-__attribute__((noinline)) void add_values_strided(float* acc, const float* p, int64_t p_stride,
-                                                  const float* r0, int64_t stride, int64_t m) {
-  // Channels a slice of S vectors at a time: NT x S accumulators, S row vectors and a
-  // broadcast in registers (4 x 4 + 4 + 1 with AVX-512 and 64 channels: one slice).
-  constexpr int V = D / kLanes;
-  constexpr int fit = (kRegisters - 1) / (NT + 1);
-  constexpr int S = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
-  constexpr int W = S < V ? S : V;
-  for (int v0 = 0; v0 < V; v0 += W) {
-    vf x[NT][W];
-    for (int t = 0; t < NT; ++t)
-      for (int v = 0; v < W; ++v) x[t][v] = loadv(acc + t * D + (v0 + v) * kLanes);
-    for (int64_t j = 0; j < m; ++j) {
-      const float* r = r0 + j * stride + v0 * kLanes;
-      vf rv[W];
-      for (int v = 0; v < W; ++v) rv[v] = loadv(r + v * kLanes);
-      for (int t = 0; t < NT; ++t) {
-        const float pj = p[t * p_stride + j];
-        for (int v = 0; v < W; ++v) x[t][v] += pj * rv[v];
-      }
-    }
-    for (int t = 0; t < NT; ++t)
-      for (int v = 0; v < W; ++v) storev(acc + t * D + (v0 + v) * kLanes, x[t][v]);
-  }
-}
-
-// add_values_strided for nt (1 to 4) query heads, p's rows kScoreStride apart
-template <int D>
-void add_values_strided_n(int nt, float* acc, const float* p, const float* r0, int64_t stride,
-                          int64_t m) {
-  switch (nt) {
-    case 4: add_values_strided<4, D>(acc, p, kScoreStride, r0, stride, m); break;
-    case 3: add_values_strided<3, D>(acc, p, kScoreStride, r0, stride, m); break;
-    case 2: add_values_strided<2, D>(acc, p, kScoreStride, r0, stride, m); break;
-    default: add_values_strided<1, D>(acc, p, kScoreStride, r0, stride, m); break;
-  }
-}
-
-// The next block's rows of a work item (`rows` rows of `row_bytes` every `stride` bytes),
-// asked for a few cache lines at a time while the current block is worked on. Why at all: a
-// block's rows are a new address stream the hardware prefetcher has not seen, and in a running
-// engine they come from DRAM, not cache (the weights and the other layers' KV pass through the
-// cache between two reads of one layer): without it the kernel stalled on the K and V loads
-// for ~60% of its time at batch 64. Why a few at a time: a burst of a whole block (128 lines
-// at batch 64) fills the core's line-fill buffers, and the burst itself stalls. Why into L2
-// (locality 1: prefetcht2), not L1: in an engine ~80% of the kernel's own samples still sat on
-// its prefetcht0 instructions, each holding a fill buffer until its line came from DRAM;
-// batch 64 x ~192 tokens with K/V from DRAM 0.525 -> 0.427 ms per layer, 8 x 4,000 1.39 ->
-// 1.27 (with K/V in cache 4% slower).
-struct Ahead {
-  const char* row = nullptr;  // the row of the next line to ask for
-  int64_t stride = 0, row_bytes = 0, offset = 0, total = 0, done = 0;
-
-  void start(const char* p, int64_t rows, int64_t bytes, int64_t row_stride) {
-    row = p;
-    stride = row_stride;
-    row_bytes = bytes;
-    offset = 0;
-    total = p ? rows * ((bytes + 63) / 64) : 0;
-    done = 0;
-  }
-  // The next n lines (all that are left with n >= total).
-  void ask(int64_t n) {
-    for (const int64_t end = std::min(total, done + n); done < end; ++done) {
-      __builtin_prefetch(row + offset, 0, 1);  // to L2 (see above)
-      offset += 64;
-      if (offset >= row_bytes) {
-        offset = 0;
-        row += stride;
-      }
-    }
-  }
-};
-
 constexpr int64_t kThreadBytes = int64_t{1} << 20;  // see decode's parallel region
+
+// Split-K ("flash-decoding", issue 49): a sequence's keys are cut into parts of kSplitTokens
+// tokens (whole tiles), counted from its first visible block; each part of a (rows, KV heads)
+// item is a work item of its own that leaves its softmax state (max, sum, unnormalised value
+// sums) in scratch, and whichever finishes a head's last part merges them (log-sum-exp). Why:
+// at batch 1 the items were one per KV head, and SmolLM2's 3 on 2 threads left a core idle a
+// third of the attention time. Why the cut depends on nothing but the sequence's start and
+// this constant (not the batch, the threads, nor the rows that share the keys): a verification
+// row must keep the bits of the same row decoded alone. Its parts are the same operations as
+// alone, and the parts past its own length (there for its group's longer rows) are empty
+// (max -inf), which the merge skips. Why 512 tokens (docs/benchmarks.md, issue 49, the
+// kernel alone in SmolLM2's shape on 2 threads): 1,024 leaves a 1,000-token context in 3
+// items (no gain there: 2.5 ms for 30 layers against 2.1 with 512), 256 doubles the items
+// and merges for no better balance (about the same as 512); a part of 512 float32 tokens of
+// one KV head (64 channels) is 256 kB of K/V, well above a work item's claim and merge cost.
+// A build may set another (-DKVSERVE_SPLIT_TOKENS=N: bench_verify_attention --split-tokens).
+#ifndef KVSERVE_SPLIT_TOKENS
+#define KVSERVE_SPLIT_TOKENS 512
+#endif
+constexpr int64_t kSplitTokens = KVSERVE_SPLIT_TOKENS;
 
 // Speculative decoding's verification rows: consecutive rows of one sequence at consecutive
 // positions (lengths one apart, the same window start, the same blocks as far as the shorter
@@ -491,7 +147,7 @@ void decode(const Args& a) {
   // thread.
   const int64_t per_item =
       a.n >= 4 * omp_get_max_threads() && H * D <= kMaxGroupDim && H <= kMaxGroup ? Hkv : 1;
-  const int64_t parts = Hkv / per_item;
+  const int64_t kv_items = Hkv / per_item;  // items of a group of rows, before the split
   const int64_t heads = per_item * G;  // query heads of an item
   // Threads only where the K/V the step reads outweighs a fork/join (~10-20 us, ~1 MB read):
   // at batch 1 with a short context the team's wake-up cost more than the work, and after
@@ -507,7 +163,70 @@ void decode(const Args& a) {
   const int64_t n_groups = static_cast<int64_t>(group_start.size()) - 1;
   // (the items read it through this pointer: by its name a pool thread would get its own)
   const int64_t* const groups_at = group_start.data();
-  const bool threaded = n_groups * parts > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
+  // The split (see kSplitTokens): group g's items are items_at[g] .. items_at[g + 1] - 1,
+  // kv_items x its parts, (KV heads, part) in that order; its parts' states (when more than
+  // one) at states_at[g], and left[g * kv_items + i] counts the parts of its KV-head item i
+  // still running.
+  const int64_t tile_blocks = std::max<int64_t>(1, kTile / bs);
+  const int64_t part_blocks = std::max<int64_t>(1, kSplitTokens / (tile_blocks * bs)) *
+                              tile_blocks;
+  thread_local std::vector<int64_t> plan;
+  thread_local std::vector<int32_t> left_counts;
+  thread_local std::vector<float> scratch;
+  plan.resize(2 * (n_groups + 1));
+  left_counts.resize(n_groups * kv_items);
+  int64_t* const items_at = plan.data();
+  int64_t* const states_at = items_at + n_groups + 1;
+  items_at[0] = states_at[0] = 0;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t s = groups_at[g + 1] - 1;  // the group's longest row
+    const int64_t from = (a.starts ? a.starts[s] : 0) / bs;
+    const int64_t splits = std::max<int64_t>(1, ((a.lens[s] + bs - 1) / bs - from +
+                                                 part_blocks - 1) / part_blocks);
+    items_at[g + 1] = items_at[g] + kv_items * splits;
+    const int64_t nh = (groups_at[g + 1] - groups_at[g]) * heads;
+    states_at[g + 1] = states_at[g] + (splits > 1 ? kv_items * splits * nh * (D + 2) : 0);
+    for (int64_t i = 0; i < kv_items; ++i)
+      left_counts[g * kv_items + i] = static_cast<int32_t>(splits);
+  }
+  if (static_cast<int64_t>(scratch.size()) < states_at[n_groups])
+    scratch.resize(states_at[n_groups]);
+  int32_t* const left = left_counts.data();
+  float* const states = scratch.data();
+  const int64_t n_items = items_at[n_groups];
+  const bool threaded = n_items > 1 && tokens * token_stride * esize * 2 >= kThreadBytes;
+  // Output rows of an item's nh query heads from its `splits` parts' states at st (part p's at
+  // st + p * nh * (D + 2): nh maxima, nh sums, nh x D value sums): the log-sum-exp merge, in
+  // part order, parts a head does not see (max -inf) skipped. With one part seen this is
+  // out = acc * (v_scale / sum), the bits of the kernel before the split (exp(0) = 1).
+  const auto merge = [&](const float* st, int64_t splits, int64_t s0, int64_t hk0, int64_t nh) {
+    const int64_t ps = nh * (D + 2);
+    float o[kMaxDim];
+    for (int64_t h = 0; h < nh; ++h) {
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, st[p * ps + h]);
+      float sum = 0.f;
+      bool any = false;
+      for (int64_t p = 0; p < splits; ++p) {
+        const float* part = st + p * ps;
+        if (part[h] == -INFINITY) continue;
+        const float w = std::exp(part[h] - mx);
+        const float* ac = part + 2 * nh + h * D;
+        if (any) {
+          for (int64_t d = 0; d < D; ++d) o[d] += ac[d] * w;
+          sum += part[nh + h] * w;
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = ac[d] * w;
+          sum = part[nh + h] * w;
+          any = true;
+        }
+      }
+      float* orow = a.out + ((s0 + h / heads) * H + hk0 * G + h % heads) * D;
+      const float inv = sum > 0.f ? a.v_scale / sum : 0.f;
+      for (int64_t d = 0; d < D; ++d)
+        orow[d] = any ? o[K == INT4 ? nibble_order(d, D) : d] * inv : 0.f;
+    }
+  };
   // Items are claimed from parallel.h's pool (OpenMP's team, after its region, spun on the
   // cores the quantized kernels' pool needed: batch-32 steps ~20% slower than passive).
   // Every row's new K/V first, then any row reads: rows of one sequence (speculative
@@ -529,17 +248,25 @@ void decode(const Args& a) {
     }
   }
   const auto run_item = [&](int64_t item) {
+    const int64_t g = std::upper_bound(items_at, items_at + n_groups + 1, item) - items_at - 1;
+    const int64_t splits = (items_at[g + 1] - items_at[g]) / kv_items;
+    const int64_t kv_item = (item - items_at[g]) / splits, split = (item - items_at[g]) % splits;
     // rows s0 .. s0 + R - 1, the last the longest (its table and length are read)
-    const int64_t s0 = groups_at[item / parts];
-    const int64_t R = groups_at[item / parts + 1] - s0;
+    const int64_t s0 = groups_at[g];
+    const int64_t R = groups_at[g + 1] - s0;
     const int64_t s = s0 + R - 1;
-    const int64_t hk0 = item % parts * per_item;
+    const int64_t hk0 = kv_item * per_item;
     const int64_t nh = R * heads;  // query heads of the item, row r's at r * heads ..
     // Per query head h of the item (query head hk0 * G + h % heads of row s0 + h / heads):
-    // its running softmax max and sum, value accumulator, scaled query (int4: in nibble
+    // its running softmax max and sum, value accumulator (the state `merge` reads: on the
+    // stack with one part, else the part's place in scratch), scaled query (int4: in nibble
     // order), this tile's scores (at h * kScoreStride).
-    float m[kMaxGroup], l[kMaxGroup];
-    float acc[kMaxGroupDim];
+    float own[2 * kMaxGroup + kMaxGroupDim];
+    float* const parts_state = states + states_at[g] + kv_item * splits * nh * (D + 2);
+    float* const state = splits == 1 ? own : parts_state + split * nh * (D + 2);
+    float* const m = state;
+    float* const l = state + nh;
+    float* const acc = state + 2 * nh;
     float qs[kMaxGroupDim];
     float scores[kMaxGroup * kScoreStride];
     // a chunk's decoded rows (float32 reads the cache itself)
@@ -634,9 +361,10 @@ void decode(const Args& a) {
     // softmax update per head, then the value sums (V pass). Why tiles, not blocks: the
     // online softmax's per-head work (max, rescale of the accumulator, sum) ran once per block
     // of 16 tokens and, being short dependent chains, cost about as much as the dot products.
-    const int64_t tile_blocks = std::max<int64_t>(1, kTile / bs);
-    const int64_t end_block = (len + bs - 1) / bs;
-    for (int64_t b0 = first / bs; b0 < end_block; b0 += tile_blocks) {
+    // this part's blocks (the tiles of the item before the split, from the first visible)
+    const int64_t part_first = first / bs + split * part_blocks;
+    const int64_t end_block = std::min((len + bs - 1) / bs, part_first + part_blocks);
+    for (int64_t b0 = part_first; b0 < end_block; b0 += tile_blocks) {
       const int64_t b1 = std::min(b0 + tile_blocks, end_block);
       // K pass: scores[h * kScoreStride + pos + j] = q_h . k_j, the tile's visible rows packed
       // one after another; a chunk of kChunk rows at a time (decoded once, read by every
@@ -777,17 +505,17 @@ void decode(const Args& a) {
         pos += count;
       }
     }
-    for (int64_t h = 0; h < nh; ++h) {
-      float* orow = a.out + ((s0 + h / heads) * H + hk0 * G + h % heads) * D;
-      const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
-      for (int64_t d = 0; d < D; ++d)
-        orow[d] = acc[h * D + (K == INT4 ? nibble_order(d, D) : d)] * inv;
-    }
+    // The last part of the KV heads' item to finish merges (its acquire sees every part's
+    // state, each released by its own decrement).
+    if (splits == 1)
+      merge(state, 1, s0, hk0, nh);
+    else if (__atomic_sub_fetch(left + g * kv_items + kv_item, 1, __ATOMIC_ACQ_REL) == 0)
+      merge(parts_state, splits, s0, hk0, nh);
   };
   if (threaded)
-    kvpar::parallel_for(n_groups * parts, omp_get_max_threads(), run_item);
+    kvpar::parallel_for(n_items, omp_get_max_threads(), run_item);
   else
-    for (int64_t item = 0; item < n_groups * parts; ++item) run_item(item);
+    for (int64_t item = 0; item < n_items; ++item) run_item(item);
 }
 
 }  // namespace
