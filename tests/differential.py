@@ -271,7 +271,8 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def make_llm(model_dir: Path, w: Workload, prefix_caching: bool = True,
-             tiers: Tiers | None = None, preemption_mode: str = "auto", tp: int = 1) -> LLM:
+             tiers: Tiers | None = None, preemption_mode: str = "auto", tp: int = 1,
+             speculative_config: dict | None = None) -> LLM:
     """`tp` > 1: tensor parallelism, each rank's pool of the same `pool_blocks` (its share of
     the KV heads: the budget is per rank)."""
     return LLM(model=str(model_dir), dtype="float32", block_size=w.block_size,
@@ -281,7 +282,8 @@ def make_llm(model_dir: Path, w: Workload, prefix_caching: bool = True,
                // tp,
                enable_prefix_caching=prefix_caching,
                kv_tier_config=tiers.config(w) if tiers is not None else None, seed=0,
-               preemption_mode=preemption_mode, tensor_parallel_size=tp)
+               preemption_mode=preemption_mode, tensor_parallel_size=tp,
+               speculative_config=speculative_config)
 
 
 def run(llm: LLM, w: Workload, max_steps: int = 20_000,

@@ -7,8 +7,9 @@ out to the tiers, then in one step one request that loads its chunks and another
 ends inside a block of a loaded chunk. It is played through the public engine API twice, with
 the feature under test on and off, and the two runs must give identical greedy tokens and
 logprobs within 1e-4 (fp32): tiers on (every combination of host memory, a real temp-dir disk
-tier and a real redis-server) against tiers off, prefix caching on against off, and
-preemption by swap against preemption by recompute; each also with the feature on under
+tier and a real redis-server) against tiers off, prefix caching on against off,
+preemption by swap against preemption by recompute, and speculative decoding (ngram, suffix)
+against none; each also with the feature on under
 tensor_parallel_size=2 against one process with it off. Both runs
 check the engine's invariants after every step and that no KV block is held at the end.
 
@@ -160,13 +161,8 @@ def test_swap_preemption_does_not_change_outputs(model_dir, tp):
     @given(workloads())
     def check(w: Workload) -> None:
         # Longer outputs, and a pool just big enough for the longest request: decodes outgrow it.
-        def longer(r):
-            return dataclasses.replace(r, max_tokens=min(4 * r.max_tokens + 16,
-                                                         MAX_LEN - len(r.prompt)))
-
-        phases = [dataclasses.replace(p, adds=[longer(r) for r in p.adds]) for p in w.phases]
-        longest = max(len(r.prompt) + r.max_tokens for p in phases for r in p.adds)
-        w = dataclasses.replace(w, phases=phases, pool_blocks=-(-longest // w.block_size) + 1)
+        w = _longer_outputs(w)
+        w = dataclasses.replace(w, pool_blocks=_blocks_for_longest(w))
         want = run(make_llm(model_dir, w, preemption_mode="recompute"), w)
         got = run_shut(make_llm(model_dir, w, preemption_mode="swap", tp=tp), w)
         diffs = compare(want, got)
@@ -178,6 +174,52 @@ def test_swap_preemption_does_not_change_outputs(model_dir, tp):
     # Not vacuous: many workloads preempted a request and loaded its swapped KV back (12 of
     # the 30; in the others the few concurrent requests fit, or the device kept the blocks).
     assert sum(1 for s in swaps if s["swapped_in"] > 0) >= len(swaps) // 3, swaps
+
+
+def _longer_outputs(w: Workload) -> Workload:
+    """The workload with each request's output about 4x longer (within the context)."""
+    def longer(r):
+        return dataclasses.replace(r, max_tokens=min(4 * r.max_tokens + 16,
+                                                     MAX_LEN - len(r.prompt)))
+
+    return dataclasses.replace(w, phases=[dataclasses.replace(p, adds=[longer(r) for r in p.adds])
+                                          for p in w.phases])
+
+
+def _blocks_for_longest(w: Workload) -> int:
+    """A pool just big enough for the workload's longest request (and one block more)."""
+    longest = max(len(r.prompt) + r.max_tokens for p in w.phases for r in p.adds)
+    return -(-longest // w.block_size) + 1
+
+
+EXAMPLES_SPEC = 15
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_does_not_change_outputs(model_dir, method):
+    """Speculative decoding (issue 49) against none on the same workloads: drafts written into
+    paged blocks before they are verified, rejected ones rolled back, through shared prefixes,
+    chunked prefill, n > 1, aborts and a pool small enough to preempt: the same greedy tokens
+    and logprobs, every block back at the end."""
+    drafted = []
+
+    @seed(SEED)
+    @settings(SETTINGS, max_examples=EXAMPLES_SPEC)
+    @given(workloads())
+    def check(w: Workload) -> None:
+        w = _longer_outputs(w)  # (long greedy outputs of the random model repeat: drafts)
+        w = dataclasses.replace(w, pool_blocks=max(w.pool_blocks, _blocks_for_longest(w)))
+        want = run(make_llm(model_dir, w), w)
+        spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+        got = run_shut(make_llm(model_dir, w, speculative_config=spec), w)
+        diffs = compare(want, got)
+        assert not diffs, (f"speculation ({method}) changed {len(diffs)} outputs:\n"
+                           + "\n".join(diffs) + "\nworkload:\n" + w.describe())
+        drafted.append(got.stats.spec_decode.get("num_draft_tokens", 0))
+
+    check()
+    # Not vacuous: most workloads drafted (greedy outputs of the random model repeat)
+    assert sum(1 for d in drafted if d > 0) >= 0.8 * len(drafted), drafted
 
 
 EXAMPLES_ISOLATION = 15
