@@ -256,6 +256,9 @@ def main() -> int:
                    help="also N prompts at once (against llama-batched-bench -npl N)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
+    from kvserve.bench.record import add_record_arg
+
+    add_record_arg(p, "quantized-gguf")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gguf", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -284,7 +287,39 @@ def main() -> int:
                                                              path)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.record:
+        record(args, results)
     return 0
+
+
+# Issue 48's targets per figure (acceptance 1 and 2): kvserve / llama.cpp
+TARGETS = {"decode_tok_s": 1.1, "prefill_tok_s": 1.5, "depth_decode_tok_s": 1.1,
+           "batch_tok_s": 1.5}
+LABELS = {"decode_tok_s": "batch-1 decode", "prefill_tok_s": "prefill",
+          "depth_decode_tok_s": "batch-1 decode at depth", "batch_tok_s": "batch"}
+
+
+def record(args: argparse.Namespace, results: dict) -> None:
+    """The figures page's record: every file's figures beside llama.cpp's, with the targets."""
+    from kvserve.bench.record import Row, ratio, write_record
+
+    rows = []
+    sizes = {"prefill_tok_s": args.prefill_len, "depth_decode_tok_s": args.depth,
+             "batch_tok_s": args.batch, "decode_tok_s": args.prompt_len}
+    for name, out in results["files"].items():
+        for key in KEYS:
+            k, ll = out["kvserve"].get(key), out["llama.cpp"].get(key)
+            if not k or not ll:
+                continue
+            target = TARGETS[key]
+            rows.append(Row(f"{name} {LABELS[key]} ({sizes[key]})", "tok/s", round(k, 1),
+                            round(ll, 1), ratio(k, ll), f">= {target}x", k >= target * ll))
+    kv = "int8 KV vs q8_0" if args.kv8 else "float KV vs f16"
+    write_record(args.record, name=f"gguf-scale-{args.isa}-{args.shapes.replace(',', '-')}",
+                 rows=rows, title=f"GGUF files against llama.cpp, {args.isa} ({kv})",
+                 peer="llama.cpp (llama-bench / llama-batched-bench, built from "
+                 f"{args.llama_src}), the same files", notes=f"medians of {args.repeats}, "
+                 f"engines alternating, {args.threads} threads.")
 
 
 if __name__ == "__main__":
