@@ -94,6 +94,33 @@ def medians(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in KEYS}
 
 
+# Issue 48's item 4: TTFT p50 <= 0.5x, output throughput >= 1.5x, inter-token p99 no worse;
+# per figure (unit, target, whether a ratio meets it)
+TARGETS = {"output_tok_s": ("tok/s", ">= 1.5x", lambda r: r >= 1.5),
+           "ttft_p50_ms": ("ms", "<= 0.5x", lambda r: r <= 0.5),
+           "ttft_p99_ms": ("ms", None, None), "itl_p50_ms": ("ms", None, None),
+           "itl_p99_ms": ("ms", "<= 1x", lambda r: r <= 1.0),
+           "peak_rss_mb": ("MB", None, None)}
+
+
+def record(args: argparse.Namespace, kv: dict, ll: dict, best: str) -> None:
+    """The figures page's record: kvserve against llama-server's best --parallel setting."""
+    from kvserve.bench.record import Row, ratio, write_record
+
+    rows = []
+    for key, (unit, target, met) in TARGETS.items():
+        r = ratio(kv[key], ll[key])
+        rows.append(Row(key, unit, round(kv[key], 1), round(ll[key], 1), r, target,
+                        None if met is None or r is None else met(r)))
+    write_record(args.record, name=f"serve-llamacpp-{args.gguf.stem}", rows=rows,
+                 title=f"kvserve serve against llama-server ({best}), {args.gguf.name}: "
+                 f"{args.users} users x {args.turns} turns behind a shared system prompt",
+                 peer=f"llama-server at its best --parallel setting ({best}, "
+                 f"--cache-reuse {args.cache_reuse}), the same file and threads",
+                 notes=f"medians of {args.repeats}; system ~{args.system_tokens} tokens, "
+                 f"user ~{args.user_tokens}, {args.output_len} out, {args.arrival_rate} users/s.")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +147,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--server-log", action="store_true")
     p.add_argument("--json", type=Path)
+    from kvserve.bench.record import add_record_arg
+
+    add_record_arg(p, "serving")
     args = p.parse_args()
     if args.gguf is None or args.llama_bin is None:
         if args.llama_src is None:
@@ -156,6 +186,8 @@ def main() -> int:
               f"TTFT p50 {kv['ttft_p50_ms'] / ll['ttft_p50_ms']:.2f}x, "
               f"TTFT p99 {kv['ttft_p99_ms'] / ll['ttft_p99_ms']:.2f}x, "
               f"ITL p99 {kv['itl_p99_ms'] / ll['itl_p99_ms']:.2f}x")
+    if args.record and best:
+        record(args, table["kvserve"], table[best], best)
     if args.json:
         args.json.write_text(json.dumps({"cpu": info.summary(), "gguf": str(args.gguf),
                                          "args": {k: str(v) for k, v in vars(args).items()},
