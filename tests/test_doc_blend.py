@@ -347,6 +347,18 @@ def test_documents_come_back_from_a_storage_tier(llama_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_the_engines_own_request_ids_are_refused(llama_dir):
+    """Document requests and audit twins have ids of their own: a caller cannot take one."""
+    from kvserve.blend.audit import TWIN_ID_PREFIX
+    from kvserve.blend.blender import DOC_ID_PREFIX
+
+    llm = _blend_llm(llama_dir, 0.15)
+    for rid in (f"{DOC_ID_PREFIX}0", f"{TWIN_ID_PREFIX}0"):
+        with pytest.raises(ValueError, match="are the engine's own"):
+            llm.engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY, request_id=rid)
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+
+
 def test_preemption_and_a_small_pool_lose_nothing(llama_dir):
     """Blended requests that preempt each other (recompute) and documents evicted before
     their request is admitted: with everything recomputed the outputs stay exact."""

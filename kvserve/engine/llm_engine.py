@@ -136,8 +136,8 @@ class LLMEngine:
         elif request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         elif request_id.startswith((DOC_ID_PREFIX, TWIN_ID_PREFIX)):
-            raise ValueError(f"request ids starting with {DOC_ID_PREFIX!r} are the engine's "
-                             "own (document reuse)")
+            raise ValueError(f"request ids starting with {DOC_ID_PREFIX!r} or "
+                             f"{TWIN_ID_PREFIX!r} are the engine's own (document reuse)")
         elif self.audit is not None and request_id.startswith(AUDIT_ID_PREFIX):
             raise ValueError(f"request ids starting with {AUDIT_ID_PREFIX!r} are the engine's "
                              "own (KV audits)")
