@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvserve.attention.softcap import sdpa
+from kvserve.kv.prefix_index import common_prefix
 from kvserve.models.config import ModelConfig
 
 
@@ -106,7 +107,7 @@ class DraftModelDrafter:
                 self.config, self.dtype, self.device,
                 min(self.max_len, max(self._MIN_CAPACITY, len(tokens) + k)))
         # keep what still agrees, and at least the last token to compute (its logits)
-        keep = min(_common_prefix(cache.tokens, tokens), len(tokens) - 1)
+        keep = min(common_prefix(cache.tokens, tokens), len(tokens) - 1)
         del cache.tokens[keep:]
         with torch.inference_mode():
             draft = [self._forward(cache, tokens[keep:])]
@@ -175,18 +176,6 @@ def check_same_vocabulary(draft: ModelConfig, target: ModelConfig,
         differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()))[:3]
         raise ValueError("speculative_config draft model's tokenizer differs from the "
                          f"target's (e.g. {differ}): the draft must use the target's tokenizer")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens agree (list slices compare in C: the difference is usually
-    among the last few tokens, the drafts rejected last step)."""
-    n = min(len(a), len(b))
-    i = max(0, n - 64)
-    if a[:i] != b[:i]:
-        i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _mask(start: int, n: int, window: int | None, device: torch.device
