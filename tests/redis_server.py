@@ -5,17 +5,11 @@ missing."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvserve.ports import free_port
 
 
 class RedisServer:
@@ -25,7 +19,7 @@ class RedisServer:
             raise FileNotFoundError("redis-server is not installed: `make test` installs it "
                                     "with apt-get (apt-get install redis-server)")
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvserve-redis-")
         self.proc: subprocess.Popen | None = None
         self.start()

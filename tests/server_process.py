@@ -6,27 +6,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from kvserve.bench.spawn import wait_healthy
+from kvserve.ports import free_port
 
 MAX_MODEL_LEN = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
     def __init__(self, name: str, args: list[str], log_dir: Path,
                  max_model_len: int = MAX_MODEL_LEN, env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")

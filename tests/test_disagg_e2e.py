@@ -14,7 +14,9 @@ import random
 
 import httpx
 import pytest
-from test_router import Proc, _free_port, replica_model
+
+from kvserve.ports import free_port
+from test_router import Proc, replica_model
 
 MAX_MODEL_LEN = 512
 BLOCK = 16  # kvserve serve's default block size (and so the transfer's chunk size)
@@ -24,7 +26,7 @@ N_REQUESTS = 64
 def _serve(name: str, log_dir, *extra: str) -> Proc:
     return Proc(name, ["serve", replica_model(), "--served-model-name", "default",
                        "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1",
-                       "--disable-log-stats", *extra], _free_port(), log_dir)
+                       "--disable-log-stats", *extra], free_port(), log_dir)
 
 
 def _transfer(role: str, port: int = 0) -> list[str]:
@@ -36,7 +38,7 @@ def _transfer(role: str, port: int = 0) -> list[str]:
 def deployment(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("disagg-logs")
     procs = {"colocated": _serve("colocated", log_dir),
-             "producer": _serve("producer", log_dir, *_transfer("kv_producer", _free_port())),
+             "producer": _serve("producer", log_dir, *_transfer("kv_producer", free_port())),
              "consumer": _serve("consumer", log_dir, *_transfer("kv_consumer"))}
     try:
         for p in procs.values():
@@ -45,7 +47,7 @@ def deployment(tmp_path_factory):
                                             "--prefill", procs["producer"].url,
                                             "--decode", procs["consumer"].url,
                                             "--tokenizer", replica_model()],
-                                _free_port(), log_dir)
+                                free_port(), log_dir)
         procs["gateway"].wait_ready()
         yield procs
     finally:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import chain_hashes, extra_keys
+from kvserve.ports import free_port
 from kvserve.router.keys import PrefixKeyer
 from kvserve.router.policies import (CacheAwarePolicy, ConsistentHashPolicy, LeastLoadedPolicy,
                                      NoReplicaAvailable, RoundRobinPolicy)
@@ -342,11 +342,6 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event():
 # real processes
 # ------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Proc:
     def __init__(self, name: str, argv: list[str], port: int, log_dir: Path) -> None:
@@ -407,14 +402,14 @@ def replica(name: str, log_dir: Path, port: int | None = None, extra=()) -> Proc
     return Proc(name, ["serve", replica_model(), "--served-model-name", "default",
                        "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1",
                        "--max-num-seqs", "4", "--disable-log-stats", *extra],
-                port or _free_port(), log_dir)
+                port or free_port(), log_dir)
 
 
 def gateway(replicas: list[Proc], log_dir: Path, *flags: str) -> Proc:
     argv = ["route", "--health-interval", "0.3"]
     for r in replicas:
         argv += ["--replica", r.url]
-    return Proc("gateway", argv + list(flags), _free_port(), log_dir)
+    return Proc("gateway", argv + list(flags), free_port(), log_dir)
 
 
 KEY, ADMIN_KEY = "sk-gw", "sk-admin"

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from test_router import Proc, _free_port
+from kvserve.ports import free_port
+from test_router import Proc
 
 TRANSFER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1",
             "remote_port": 14579, "remote_block_ids": [3, 4]}
@@ -156,7 +157,7 @@ def pd(tmp_path_factory):
         argv += ["--prefill", u.url]
     for u in decode:
         argv += ["--decode", u.url]
-    gw = Proc("pd-gateway", argv, _free_port(), tmp_path_factory.mktemp("pd-logs"))
+    gw = Proc("pd-gateway", argv, free_port(), tmp_path_factory.mktemp("pd-logs"))
     try:
         gw.wait_ready(timeout=60)
         yield {"gateway": gw, "prefill": prefill, "decode": decode}

@@ -202,9 +202,9 @@ def test_the_gateway_serves_the_page_with_its_replicas(server, tmp_path, browser
     import sys
 
     from selenium.webdriver.common.by import By
-    from server_process import _free_port
+    from kvserve.ports import free_port
 
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "gateway.log", "wb")
     gw = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "route", "--replica",
                            server.url, "--port", str(port), "--admin-api-key", ADMIN],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -23,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
+from kvserve.ports import free_port
 from kvserve.worker.executor import ExecutorDied
 from kvserve.worker.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel.channel import Broadcast, read_reply
@@ -41,14 +41,8 @@ def rendezvous(config: EngineConfig) -> tuple[str, int]:
     (one node) a free port or (several) 29500, torchrun's default."""
     addr = config.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = config.master_port or int(os.environ.get("MASTER_PORT", 0)) \
-        or (29500 if config.nnodes > 1 else _free_port())
+        or (29500 if config.nnodes > 1 else free_port())
     return addr, port
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(procs: list, channel: Broadcast, exchange) -> None:
