@@ -221,6 +221,23 @@ def test_raw_sse_framing(server):
         json.loads(e[len("data: "):])
 
 
+def test_sse_events_stay_one_line_for_unicode_line_splitters(server):
+    """NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR are line ends to str.splitlines() and so to
+    httpx's aiter_lines; a generated token that decodes to one must not cut an event in two.
+    The echoed prompt carries them into the stream verbatim, so this does not wait on the model
+    to sample one (the 256-client test once did, and failed on the cut event)."""
+    breakers = "a\x85b\u2028c\u2029d"
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": breakers, "max_tokens": 2, "stream": True, "echo": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        body = r.read().decode()
+    events = [e for e in body.splitlines() if e]
+    assert all(e.startswith("data: ") for e in events), events
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(breakers)
+
+
 def test_n_samples_and_batched_prompts(client):
     resp = client.completions.create(model="tiny", prompt="Pick a number:", n=3, max_tokens=6,
                                      temperature=1.0, seed=7, extra_body={"ignore_eos": True})

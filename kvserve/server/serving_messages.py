@@ -37,7 +37,7 @@ from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesReques
 from kvserve.server.cache_control import message_control
 from kvserve.server.protocol import APIError, ChatCompletionRequest
 from kvserve.server.offload import off_loop, text_size
-from kvserve.server.streaming import event_stream
+from kvserve.server.streaming import event_stream, sse
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -394,7 +394,7 @@ def _stop(finish: str | None, stop_str, req: MessagesRequest, tools: bool
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse(data, event=name)
 
 
 def _stop_block(index: int) -> str:
