@@ -3,17 +3,22 @@ Q4_K/Q5_K/Q6_K super-blocks repacked into tiles of 16 output features, against t
 independent references as the row layout (tests/test_quant_linear.py, test_quant_kquants.py):
 gguf.quants' dequantization of the file's blocks, and PyTorch / numpy on x quantized as the
 kernel quantizes it. Each instruction-set build: the AVX-512 VNNI tile kernel where the CPU
-has it, and what other builds run on tiles (a plain loop; for the K-quants each feature's row
-back in the file's layout, then the row kernel). Mutated tiles (a scale moved to another
-feature, nibble halves swapped, Q5's fifth bits or Q6_K's high bits in another order, K
-sub-blocks exchanged) must fail the same checks, and the one-call decode step on tiled
+has it, the AVX2 one (qtiles_avx2.h, qtiles_k_avx2.h: the -march=x86-64-v3 build that
+KVSERVE_CPU_ISA=avx2 makes, so exercised on an AVX-512 machine too), and the plain build's
+loops (for the K-quants each feature's row back in the file's layout, then the row kernel),
+at row counts that fill and split its register passes (1, 3, 8, 13, 16, 33, 37), and at the
+largest codes (its int16 sums' limit). Mutated tiles (a scale moved to another feature,
+nibble halves swapped, Q5's fifth bits or Q6_K's high bits in another order, K sub-blocks
+exchanged) must fail the same checks, and the one-call decode step on tiled
 weights equals the layer path bit for bit at more rows than the row layout's limit."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import quants
 from test_quant_kquants import K_TYPES, _kblocks
 from test_quant_linear import ISAS, TYPES, _bound, _expected_tiles, _kernel, _quantized_x, \
     _weight
@@ -57,6 +62,19 @@ def test_tile_kernel_where_the_cpu_has_it(isa):
     assert kern.tiles_native == (isa[0] == "native" and _expected_tiles())
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+def test_tiles_pay_where_a_simd_tile_kernel_runs_them(isa):
+    """The loader tiles a type where the build's tile kernel beats the rows: every tile type
+    on the VNNI kernel; on the AVX2 one every type but Q8_0 (its table is also the LM head's,
+    whose float-x path has no AVX2 tile kernel); none on the plain loop."""
+    kern = _kernel(isa[1])
+    simd = kern.isa != "C++"
+    for type_name in ALL:
+        want = kern.tiles_native or (simd and type_name != "Q8_0")
+        assert kern.tiles_pay(type_name) == want, type_name
+    assert not kern.tiles_pay("F16")
+
+
 @pytest.mark.parametrize("type_name", ALL)
 def test_tiles_hold_the_same_blocks(type_name):
     kern, k = _kernel(None), _k(type_name)
@@ -76,7 +94,7 @@ def test_tiles_hold_the_same_blocks(type_name):
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
 @pytest.mark.parametrize("type_name", ALL)
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 37])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 33, 37])
 def test_tile_kernel_matches_reference(isa, type_name, rows):
     kern, k = _kernel(isa[1]), _k(type_name)
     _, wt, w = _tiles(kern, type_name, N, k, seed=rows)
@@ -86,6 +104,36 @@ def test_tile_kernel_matches_reference(isa, type_name, rows):
     group = _group(kern, type_name)
     assert (np.abs(y - exact) <= _bound(x.numpy(), w, group)).all()
     assert _tight_ok(y, x, w, group)
+
+
+# The code bytes of a block in the file's layout (offset, end, byte): every code set to its
+# largest value (Q8_0: +127), for the saturation test below.
+LARGEST_CODES = {"Q8_0": ((2, 34, 0x7F),), "Q4_0": ((2, 18, 0xFF),), "Q4_1": ((4, 20, 0xFF),),
+                 "Q5_0": ((2, 22, 0xFF),), "Q5_1": ((4, 24, 0xFF),), "Q4_K": ((16, 144, 0xFF),),
+                 "Q5_K": ((16, 176, 0xFF),), "Q6_K": ((0, 192, 0xFF),)}
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
+@pytest.mark.parametrize("type_name", ALL)
+def test_tiles_at_the_largest_codes(isa, type_name):
+    """Every code at its largest and x near +127 everywhere: the int16 sums that the AVX2
+    kernel keeps before widening them (qtiles_avx2.h's int16_groups) are at their largest, so
+    one group more than each type allows saturates and fails this (random blocks never
+    come near it). Against gguf.quants' values of the same blocks."""
+    kern, k = _kernel(isa[1]), _k(type_name)
+    wq, _ = (_kblocks if type_name in K_TYPES else _weight)(type_name, N, k, seed=6)
+    bb = qgemv.BLOCK_BYTES[type_name]
+    blocks = wq.numpy().reshape(N, -1, bb).copy()
+    for start, end, byte in LARGEST_CODES[type_name]:
+        blocks[..., start:end] = byte
+    raw = blocks.reshape(N, -1)
+    w = quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).astype(np.float64)
+    wt = kern.pack_tiles(torch.from_numpy(raw), type_name, k)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 5, 9):
+        x = 1.0 + 0.001 * torch.rand(rows, k, generator=g)
+        y = kern.linear(x, wt, type_name, k, tiled=True).double().numpy()
+        assert _tight_ok(y, x, w, _group(kern, type_name)), rows
 
 
 @pytest.mark.parametrize("isa", ISAS[:2], ids=[i[0] for i in ISAS[:2]])
@@ -200,7 +248,7 @@ def _k_mutations(type_name: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("isa", ISAS[:1] + ISAS[2:], ids=["native", "plain"])
+@pytest.mark.parametrize("isa", ISAS, ids=[i[0] for i in ISAS])
 @pytest.mark.parametrize("type_name", ALL)
 def test_mutated_tiles_are_caught(isa, type_name):
     kern, k = _kernel(isa[1]), _k(type_name)

@@ -184,10 +184,10 @@ def test_resident_memory_is_the_files_tensor_bytes(fmt, tmp_path):
     brought in the imports and thread pools): its resident set grows by the file's tensor
     bytes within 10%, for every block format: no float copy of a table or a projection is
     left behind, no layout bigger than the file's, and the file's map is not held.
-    Measured: the default Q4_1 file 100.9 MB for 96.6 MB (+4.5%); llama-quantize's Q4_K_M
-    and Q8_0 files of it +2.6% and +2.0%; on the 1B Llama shape every format +5-9%
-    (docs/benchmarks.md, issue 48). The Q4_K_M-like mix of test_quant_kquants has a qkv of
-    two block types (kept as both)."""
+    Measured: the default Q4_1 file 99.6 MB for 96.6 MB (+3.1%); llama-quantize's Q4_K_M
+    and Q8_0 files of it +3.2% and +2.6%; on the 1B Llama shape every block format +1.5-3.8%
+    (docs/figures/startup-memory.md, issues 31 and 48). The Q4_K_M-like mix of
+    test_quant_kquants has a qkv of two block types (kept as both)."""
     from gguf_files import requantize_mixed, smollm2_path
 
     from kvserve.model_loader.gguf_checkpoint import open_gguf

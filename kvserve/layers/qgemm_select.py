@@ -7,7 +7,7 @@ Why measured: the tiled kernel reads 5-8.5 bits a weight where the dequantize pa
 and reads 32, but MKL's fp32 GEMM does more arithmetic per cycle than AVX2's maddubs; where
 they cross depends on the CPU, the shape and the threads. On a 2-core AVX2 EPYC the kernel
 won everywhere up to 512 rows on the wide projections (gate_up, down) and lost above ~64
-rows on the narrow ones (576 -> 576, 576 -> 960) (benchmarks/bench_qgemm.py).
+rows on the narrow ones (576 -> 576, 576 -> 960) (`kvserve bench kernels --kernel qgemm`).
 
 How: at a projection's first call with more than DECODE_ROWS rows (decode always runs the
 integer kernel: 5-7x faster there) both paths are timed on its own weight at the probe rows

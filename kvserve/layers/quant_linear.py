@@ -63,14 +63,15 @@ class QuantWeight:
     @classmethod
     def for_kernels(cls, data: torch.Tensor, type_name: str, k: int) -> "QuantWeight":
         """The file-layout blocks `data`, given over (no one else may hold them), in the
-        layout their kernel runs fastest on this CPU: row tiles where the build has the
-        AVX-512 VNNI tile kernel and the type and shape have tiles (at 32 rows 2.5-3.5x the
-        row layout's speed on a Zen 4 EPYC; batch 1 no slower), else as they are. Tiled in
-        place, so a load never holds a weight twice. $KVSERVE_QTILES=1 / 0 forces tiles
-        (where the shape has them) / rows."""
+        layout their kernel runs fastest on this CPU: row tiles where the build's tile kernel
+        pays for the type (QGemv.tiles_pay: the AVX-512 VNNI kernel, at 32 rows 2.5-3.5x the
+        row layout's speed on a Zen 4 EPYC, batch 1 no slower; the AVX2 one 2.0-2.4x) and the
+        shape has tiles, else as they are. Tiled in place, so a load never holds a weight
+        twice. $KVSERVE_QTILES=1 / 0 forces tiles (where the shape has them) / rows."""
         kernel = qgemv.load()
         forced = os.environ.get(QTILES_ENV, "").strip()
-        wanted = kernel is not None and (kernel.tiles_native if forced == "" else forced == "1")
+        wanted = kernel is not None and (kernel.tiles_pay(type_name) if forced == ""
+                                         else forced == "1")
         if not wanted or not qgemv.tileable(type_name, data.shape[0], k):
             return cls(data, type_name, k)
         return cls(kernel.pack_tiles(data, type_name, k, in_place=True), type_name, k,

@@ -29,7 +29,7 @@ import torch
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
-ABI_VERSION = 8
+ABI_VERSION = 9
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5,
          "Q5_1": 6, "Q5_K": 7}  # the kernel's type codes
 BLOCK = 32  # values per block of x (and of the 32-value weight types)
@@ -90,8 +90,16 @@ class QGemv:
         pack.restype = c_int
         self._pack = pack
         self.tiles_native = bool(lib.kvserve_qtile_native())
+        self._tile_types = int(lib.kvserve_qtile_types())
         self.isa = ISA_NAMES[lib.kvserve_qgemv_isa()]
         self._lib = lib
+
+    def tiles_pay(self, type_name: str) -> bool:
+        """Whether this build runs `type_name`'s row tiles faster than the file's rows (the
+        VNNI tile kernel: every tile type; the AVX2 one: every type but Q8_0, whose table is
+        also the LM head's; kvserve_qtile_types has the measurements), so that the
+        loader holds such weights as tiles."""
+        return type_name in TYPES and bool(self._tile_types >> TYPES[type_name] & 1)
 
     @staticmethod
     def check_weight(w: torch.Tensor, type_name: str, n_w: int, k: int,

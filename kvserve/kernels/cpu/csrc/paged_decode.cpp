@@ -90,12 +90,14 @@ constexpr int64_t kThreadBytes = int64_t{1} << 20;  // see decode's parallel reg
 // this constant (not the batch, the threads, nor the rows that share the keys): a verification
 // row must keep the bits of the same row decoded alone. Its parts are the same operations as
 // alone, and the parts past its own length (there for its group's longer rows) are empty
-// (max -inf), which the merge skips. Why 512 tokens (docs/benchmarks.md, issue 49, the
-// kernel alone in SmolLM2's shape on 2 threads): 1,024 leaves a 1,000-token context in 3
+// (max -inf), which the merge skips. Why 512 tokens (issue 49's split-K pass in the retired
+// notebook, `git show 9b55a61:docs/benchmarks.md`; the kernel alone in SmolLM2's shape on 2
+// threads): 1,024 leaves a 1,000-token context in 3
 // items (no gain there: 2.5 ms for 30 layers against 2.1 with 512), 256 doubles the items
 // and merges for no better balance (about the same as 512); a part of 512 float32 tokens of
 // one KV head (64 channels) is 256 kB of K/V, well above a work item's claim and merge cost.
-// A build may set another (-DKVSERVE_SPLIT_TOKENS=N: bench_verify_attention --split-tokens).
+// A build may set another (-DKVSERVE_SPLIT_TOKENS=N: `kvserve bench kernels --kernel attention
+// --cxxflags -DKVSERVE_SPLIT_TOKENS=N`).
 #ifndef KVSERVE_SPLIT_TOKENS
 #define KVSERVE_SPLIT_TOKENS 512
 #endif

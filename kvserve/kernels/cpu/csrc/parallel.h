@@ -21,7 +21,8 @@
 // threads are not in it).
 //
 // KVSERVE_CPU_POOL=omp makes parallel_for an OpenMP `parallel for` (static schedule) over
-// the same chunks: the comparison of benchmarks/bench_contention.py.
+// the same chunks (batch-1 decode beside a busy process: bench_contention.py, in git
+// history before commit c558855).
 #pragma once
 
 #include <linux/futex.h>

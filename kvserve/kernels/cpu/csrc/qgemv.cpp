@@ -348,7 +348,7 @@ inline int64_t out_unit(int64_t rows) { return rows <= 4 ? kDecodeTile : kOutTil
 #define KVQ_XTILE_BYTES (96 << 10)
 #endif
 #ifndef KVQ_XTILE_MAX
-#define KVQ_XTILE_MAX 64  // benchmarks/bench_qgemm.py builds a huge one: the untiled loop
+#define KVQ_XTILE_MAX 64  // `kvserve bench kernels --kernel qgemm --untiled` builds a huge one
 #endif
 
 inline int64_t x_tile_rows(int64_t k) {  // multiple of 4 in [4, 64]: its int8 rows in L2
@@ -459,7 +459,30 @@ int kvserve_qtile_native() {
 #endif
 }
 
-int kvserve_qgemv_abi_version() { return 8; }
+// Bit t set for each block type t whose tiles this build runs faster than the file's rows (the
+// loader tiles those, qgemv.QGemv.tiles_pay): every tileable type on the AVX-512 VNNI kernel;
+// on the AVX2 one (qtiles_avx2.h) Q4_0, Q4_1, Q5_0 and Q5_1: 2.0-2.4x the rows at 1 and 512
+// rows of a 2048 x 2048 weight (Zen 4, x86-64-v3 build, 2 threads), and the 1B Q4_0 file's
+// prefill 1.31x llama.cpp's AVX2 build. Not Q8_0: its tiles ran 1.4-1.7x its rows, but a Q8_0
+// table is also the LM head's, whose float-x path on tiles (tile_rows16) has no AVX2 kernel
+// yet. The K-quants since their decode runs Q4_K's direct kernel and no software prefetch
+// (qtiles_k_avx2.h): the 1B files' batch-1 decode on tiles against rows 32-38 / 32 tok/s
+// (Q4_K_M), 29-31 / 27 (Q5_K_M), 33-39 / 21-22 (Q6_K); their 512-token prefill 1.6-1.8x.
+int kvserve_qtile_types() {
+#if defined(KVQ_TILE512)
+  int mask = 0;
+  for (int t = 0; t < kNumTypes; ++t) mask |= tileable(t) ? 1 << t : 0;
+  return mask;
+#elif defined(KVQ_TILE256)
+  int mask = 0;
+  for (int t = 0; t < kNumTypes; ++t) mask |= tileable(t) && t != kQ8_0 ? 1 << t : 0;
+  return mask;
+#else
+  return 0;
+#endif
+}
+
+int kvserve_qgemv_abi_version() { return 9; }
 
 // out[r, :n] = x[r] W^T + b (mode 0) or += (mode 1), W in Q8_0, x float32 kept in float (see
 // row_dots_f). Returns 0, or 1 for a type other than Q8_0, a bad mode or k.

@@ -215,6 +215,8 @@ inline void tile_rows(const uint8_t* w, const QRows& x, int64_t tile, int64_t r0
 }
 #endif
 
+#include "qtiles_avx2.h"
+
 // The LM head's path (kvserve_qgemv_f32x on Q8_0 tiles): x in 16-bit blocks of 32 (scale
 // amax / 32767: every value within 1.5e-5 of its block's largest, where 8-bit x had moved
 // the logits enough to change a greedy answer), the weight's bytes widened to int16 in
@@ -348,8 +350,8 @@ inline void tile_gemv16(const float* xf, int64_t x_stride, int64_t rows, const u
   });
 }
 
-// The plain path: any CPU (and AVX2, for which the scalar loop over the tile's codes is
-// what the compiler vectorizes; AVX2 machines run the file layout, see tiles_pay()).
+// The plain path: a CPU without AVX2 (AVX2 builds run qtiles_avx2.h; which types the loader
+// tiles on each build: kvserve_qtile_types, qgemv.QGemv.tiles_pay).
 template <int T, int R>
 inline void tile_rows_plain(const uint8_t* w, const QRows& x, int64_t tile, int64_t r0,
                             float* out) {
@@ -383,8 +385,10 @@ inline void tile_rows_any(const uint8_t* w, const QRows& x, int64_t tile, int64_
   if constexpr (is_k(T)) {
     k_tile_rows<T, R>(w, x, tile, r0, out);
   } else {
-#ifdef KVQ_TILE512
+#if defined(KVQ_TILE512)
     tile_rows<T, R>(w, x, tile, r0, out);
+#elif defined(KVQ_TILE256)
+    tile_rows256<T, R>(w, x, tile, r0, out);
 #else
     tile_rows_plain<T, R>(w, x, tile, r0, out);
 #endif
@@ -443,7 +447,7 @@ void tile_gemv(const QRows& x, int64_t rows, const uint8_t* w, const float* bias
   kvpar::parallel_for((tiles + per_unit - 1) / per_unit, num_threads, [&](int64_t unit) {
     alignas(64) float acc[kTileRows * kTileCols], up[kTileRows * kTileCols];
     const int64_t t1 = (unit + 1) * per_unit < tiles ? (unit + 1) * per_unit : tiles;
-#ifdef KVQ_TILE512
+#if defined(KVQ_TILE512) || defined(KVQ_TILE256)
     // K-quants past one register tile of rows: the unit's one tile (per_unit is 1 here)
     // decoded once for all rows (qtiles_k.h's KCodes)
     const bool decoded = is_k(T) && rows > kTileRows;
@@ -460,7 +464,7 @@ void tile_gemv(const QRows& x, int64_t rows, const uint8_t* w, const float* bias
       for (int64_t t = unit * per_unit; t < t1; ++t) {
         for (int64_t r0 = x0; r0 < x1; r0 += kTileRows) {
           const int64_t cnt = x1 - r0 < kTileRows ? x1 - r0 : kTileRows;
-#ifdef KVQ_TILE512
+#if defined(KVQ_TILE512) || defined(KVQ_TILE256)
           if constexpr (is_k(T)) {
             if (decoded) {
               k_codes_chunk<T>(codes[0], x, r0, cnt, acc);

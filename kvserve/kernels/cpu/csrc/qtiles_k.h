@@ -108,6 +108,19 @@ inline void half_sums(const QRows& x, int64_t rows, float* h) {
   }
 }
 
+// Many rows (a prefill): tile `tile`'s super-blocks decoded once a call into 8-bit codes and
+// float scales (KCodes), then every 8 rows of x run on them as on Q8_0's tiles: loads and
+// dpbusd, no bit work. Why: inline, each 8 rows redid the unpacking (Q5_K's fifth bits, Q6_K's
+// high bits: 5-7 ops a 64-byte vector against Q4_K's 3) and at 512 rows Q5_K / Q6_K ran 25%
+// below Q4_K; decoded, it is done once for all rows, and Q4_K sheds its nibble masks too.
+// q: sub-block j's group g (values 32j + 4g .. + 3 of the 16 features) at (8j + g) 64, its
+// unsigned codes (Q6_K's before - 32); sc: per sub-block two vectors of 16 floats: d sc_j and
+// dmin m_j (Q4_K, Q5_K), or d sc of its first and second 16 values (Q6_K).
+struct KCodes {
+  uint8_t* q;
+  float* sc;
+};
+
 #ifdef KVQ_TILE512
 inline __m512 bytes_to_ps(__m128i v, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
@@ -293,19 +306,6 @@ inline void q6k_super512(const uint8_t* sb, const QRows& x, int64_t r0, int64_t 
     }
 }
 
-// Many rows (a prefill): tile `tile`'s super-blocks decoded once a call into 8-bit codes and
-// float scales (KCodes), then every 8 rows of x run on them as on Q8_0's tiles: loads and
-// dpbusd, no bit work. Why: inline, each 8 rows redid the unpacking (Q5_K's fifth bits, Q6_K's
-// high bits: 5-7 ops a 64-byte vector against Q4_K's 3) and at 512 rows Q5_K / Q6_K ran 25%
-// below Q4_K; decoded, it is done once for all rows, and Q4_K sheds its nibble masks too.
-// q: sub-block j's group g (values 32j + 4g .. + 3 of the 16 features) at (8j + g) 64, its
-// unsigned codes (Q6_K's before - 32); sc: per sub-block two vectors of 16 floats: d sc_j and
-// dmin m_j (Q4_K, Q5_K), or d sc of its first and second 16 values (Q6_K).
-struct KCodes {
-  uint8_t* q;
-  float* sc;
-};
-
 inline void put_sc(float* sc, int64_t j, __m512 a, __m512 b) {
   _mm512_storeu_ps(sc + 32 * j, a);
   _mm512_storeu_ps(sc + 32 * j + 16, b);
@@ -405,6 +405,11 @@ void k_codes_rows(const KCodes& c, const QRows& x, int64_t r0, float* out) {
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTileCols, f[r]);
 }
 
+#endif
+
+#include "qtiles_k_avx2.h"
+
+#if defined(KVQ_TILE512) || defined(KVQ_TILE256)
 template <int T>
 void k_codes_chunk(const KCodes& c, const QRows& x, int64_t r0, int64_t cnt, float* out) {
   switch (cnt) {
@@ -447,6 +452,8 @@ inline void k_tile_rows(const uint8_t* w, const QRows& x, int64_t tile, int64_t 
     else q6k_super512<R>(base + b * tb, x, r0, 8 * b, f);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTileCols, f[r]);
+#elif defined(KVQ_TILE256)
+  k_tile_rows256<T, R>(base, x, r0, out);
 #else
   // other builds: each feature's row back in the file's layout, then the row kernel
   thread_local std::vector<uint8_t> row;
