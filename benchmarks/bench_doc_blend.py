@@ -39,17 +39,13 @@ import inspect
 import json
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.bench.record import Row, add_record_arg, ratio, write_record
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams
+from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record
+from kvserve.bench.stats import percentile
 
 MODULES = ("json", "re", "os", "collections", "itertools", "functools", "pathlib", "argparse",
            "logging", "subprocess", "threading", "asyncio", "typing", "dataclasses", "unittest",
@@ -79,12 +75,6 @@ SYSTEM = (
 class Question:
     ids: list[int]
     documents: list[list[int]]
-
-
-def cpu_flags() -> str:
-    from kvserve.kernels.cpu.cpu_features import cpu_info
-
-    return cpu_info().flags_line()
 
 
 def passages(tokenizer, count: int = 40, low: int = 150, high: int = 300) -> list[str]:
@@ -222,7 +212,7 @@ def run_ttft(args, tokenizer, pool, qs) -> dict:
             times = ttfts(llm, batch, mode == "blend", users)
             row[users] = statistics.median(times)
             print(f"  {mode:6s} users {users}: TTFT p50 {row[users] * 1e3:8.1f} ms "
-                  f"(p90 {sorted(times)[int(0.9 * (len(times) - 1))] * 1e3:.1f})", flush=True)
+                  f"(p90 {percentile(times, 90) * 1e3:.1f})", flush=True)
         if mode == "blend":
             row["counters"] = llm.engine.scheduler.blend.counters.as_dict()
         results[mode] = row
@@ -284,7 +274,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.questions, args.users, args.answer_tokens = 4, 2, 4
-    print(cpu_flags(), flush=True)
+    print(current_machine(), flush=True)
     probe = build(args.model, "prefix", 0.0)
     tokenizer = probe.get_tokenizer()
     del probe

@@ -1,28 +1,20 @@
-"""GPU benchmark (issue #7, acceptance 2): kvserve against transformers on one GPU, one table.
+"""GPU benchmark (issue #7, acceptance 2): the figures docs/gpu.md's targets name, kvserve
+against transformers on one GPU, one table (random bf16 checkpoints made by make_model):
+
+  0. device-to-device copy bandwidth (read + write bytes / time), the roofline's denominator;
+  1. Qwen3-0.6B shape: output tokens / wall time of one `generate` of 256 requests, prompt and
+     output lengths uniform in [100, 1024] (nano-vllm's draw: random.seed(0), every prompt's
+     tokens, then the output lengths), greedy, EOS ignored;
+  2. Qwen2.5-7B shape: batch-1 decode tok/s (128-token prompt, 128 new, first to last token)
+     as a fraction of the HBM roofline: the copy bandwidth over the bytes a step reads (every
+     weight matrix but the input embedding, of which it reads one row, and the KV);
+  3. transformers `generate` at batch 1, its default cache and cache_implementation="static".
 
     .venv/bin/python benchmarks/bench_gpu.py --out /tmp/bench_gpu.json     # one H200, < 8 min
-    .venv/bin/python benchmarks/bench_gpu.py --smoke --out /tmp/smoke.json  # every code path,
-                                                                           # tiny shapes, CPU
+    .venv/bin/python benchmarks/bench_gpu.py --smoke --out /tmp/smoke.json  # tiny, on the CPU
 
-Parts (random-weight checkpoints made locally with `kvserve.model_loader.make_model`, bf16):
-  0. device-to-device copy bandwidth (read + write bytes / time), the roofline's denominator;
-  1. Qwen3-0.6B architecture: 256 requests, prompt and output lengths uniform in [100, 1024]
-     (python random.seed(0), nano-vllm's draw order: every prompt's tokens, then the output
-     lengths; 142,827 prompt / 133,966 output tokens), greedy, EOS ignored: output tokens/s;
-  2. Qwen2.5-7B architecture: decode tokens/s at batch 1 and batch 64 (128-token prompts, 128
-     new tokens), and batch 1 as a fraction of the HBM roofline = bytes read per decode step
-     (every weight matrix except the input-embedding table, of which a step reads one row, plus
-     the KV read at the mean context) / the copy bandwidth of part 0;
-  3. TTFT of a 2K and an 8K prompt on the 7B model, cold and with the prefix cached;
-  4. transformers on the same GPU: (1) with its continuous batching (`generate_batch`) on a
-     budgeted subset (the first `--hf-requests` requests, max_new_tokens `--hf-max-new`; the
-     full run takes ~225 s there), (2) `generate` at batch 1 with the default cache, batch 1
-     with cache_implementation="static" (compiled decode), and batch 64.
-
-Decode tokens/s is measured from each request's first to last token (so prefill is excluded);
-kvserve's whole-run throughput of part 1 is output tokens / wall time of `generate`.
-`--smoke` runs the same code with tiny models on the CPU (kvserve's torch backend, transformers
-eager) in well under a minute: it checks the script, not the figures.
+`--smoke` runs every code path with tiny models on the CPU (kvserve's torch backend,
+transformers eager): it checks the script, not the figures.
 """
 
 from __future__ import annotations
@@ -40,10 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model_loader.make_model import make_model  # noqa: E402
+from kvserve import LLM, SamplingParams
+from kvserve.model_loader.make_model import make_model
 
 
 @dataclass
@@ -60,15 +50,11 @@ class Plan:
     prompt_token_max: int = 10000
     decode_prompt: int = 128
     decode_new: int = 128
-    big_batch: int = 64
-    ttft_lens: tuple[int, ...] = (2048, 8192)
     max_model_len_small: int = 2048
-    max_model_len_big: int = 8448
-    hf_requests: int = 64
-    hf_max_new: int = 128
+    max_model_len_big: int = 512
     copy_bytes: int = 1 << 30
     # Each engine's share of the GPU (it is freed before the next part): the 0.6B run peaks near
-    # 32 GB of KV, the 7B parts need 15 GB of weights and little KV.
+    # 32 GB of KV, the 7B part needs 15 GB of weights and little KV.
     gpu_memory_utilization: float = 0.4
     attention_backend: str = "auto"  # triton on cuda, torch on cpu
 
@@ -76,9 +62,8 @@ class Plan:
     def smoke(cls) -> "Plan":
         return cls(device="cpu", small_arch="qwen3", small_size="tiny", big_arch="qwen2",
                    big_size="tiny", num_requests=8, len_range=(4, 24), prompt_token_max=2000,
-                   decode_prompt=16, decode_new=8, big_batch=4, ttft_lens=(64, 128),
-                   max_model_len_small=64, max_model_len_big=160, hf_requests=4, hf_max_new=8,
-                   copy_bytes=1 << 22)
+                   decode_prompt=16, decode_new=8, max_model_len_small=64,
+                   max_model_len_big=160, copy_bytes=1 << 22)
 
 
 @dataclass
@@ -89,17 +74,9 @@ class Results:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-# -- helpers -------------------------------------------------------------------------------------
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def free_memory(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def copy_bandwidth(plan: Plan) -> float:
@@ -178,10 +155,13 @@ def guarded(results: Results, key: str, fn: Callable[[], Any]) -> Any:
         results.errors[key] = f"{type(e).__name__}: {e}"
         print(f"[{key}] FAILED: {results.errors[key]}", flush=True)
         return None
-    finally:
-        free_memory(results.device_type)
-        left = (f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated"
-                if results.device_type == "cuda" else "")
+    finally:  # the part's engine or model is gone with its frame: give its memory back
+        gc.collect()
+        left = ""
+        if results.device_type == "cuda":
+            sync("cuda")
+            torch.cuda.empty_cache()
+            left = f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated"
         print(f"[{key}] {time.perf_counter() - t0:.1f} s{left}", flush=True)
     return value
 
@@ -216,37 +196,23 @@ def weights_read_per_step(llm: LLM) -> int:
     return total
 
 
-def kvserve_decode_and_ttft(plan: Plan, ckpt: dict[str, Path], bandwidth: float
-                            ) -> dict[str, Any]:
+def kvserve_decode(plan: Plan, ckpt: dict[str, Path], bandwidth: float) -> dict[str, Any]:
     llm = engine(plan, ckpt["big"], ckpt["tokenizer"], max_model_len=plan.max_model_len_big,
-                 max_num_seqs=plan.big_batch)
+                 max_num_seqs=2)
     rng = random.Random(1)
 
-    def prompt(n: int) -> dict[str, list[int]]:
-        return {"prompt_token_ids": [rng.randint(0, plan.prompt_token_max) for _ in range(n)]}
+    def prompt() -> dict[str, list[int]]:
+        return {"prompt_token_ids": [rng.randint(0, plan.prompt_token_max)
+                                     for _ in range(plan.decode_prompt)]}
 
-    llm.generate([prompt(plan.decode_prompt) for _ in range(2)], greedy(8), use_tqdm=False)
-    res: dict[str, Any] = {}
-    for batch in (1, plan.big_batch):
-        outs = llm.generate([prompt(plan.decode_prompt) for _ in range(batch)],
-                            greedy(plan.decode_new), use_tqdm=False)
-        res[f"decode_tok_s_b{batch}"] = decode_rate(outs)
+    llm.generate([prompt() for _ in range(2)], greedy(8), use_tqdm=False)  # warm-up
+    res: dict[str, Any] = {"decode_tok_s_b1": decode_rate(llm.generate(
+        [prompt()], greedy(plan.decode_new), use_tqdm=False))}
     weights = weights_read_per_step(llm)
     kv = llm.engine.kv_spec.bytes_per_token * (plan.decode_prompt + plan.decode_new // 2)
     res["bytes_per_step"] = weights + kv
     res["roofline_tok_s"] = bandwidth / (weights + kv)
     res["roofline_fraction_b1"] = res["decode_tok_s_b1"] / res["roofline_tok_s"]
-    # TTFT: a warm-up long prompt compiles nothing new but fills the allocator's pools.
-    llm.generate([prompt(plan.ttft_lens[0])], greedy(1), use_tqdm=False)
-    for n in plan.ttft_lens:
-        p = prompt(n)
-        for label in ("cold", "cached"):
-            sync(plan.device)
-            t0 = time.perf_counter()
-            out = llm.generate([p], greedy(1), use_tqdm=False)[0]
-            sync(plan.device)
-            res[f"ttft_{n}_{label}_ms"] = 1000 * (time.perf_counter() - t0)
-            res[f"ttft_{n}_{label}_cached_tokens"] = out.num_cached_tokens
     del llm
     return res
 
@@ -263,44 +229,13 @@ def hf_model(plan: Plan, path: Path) -> Any:
     return model.eval()
 
 
-def hf_throughput(plan: Plan, ckpt: dict[str, Path]) -> dict[str, Any]:
-    """transformers continuous batching over the budgeted subset (see the module docstring)."""
-    from transformers import GenerationConfig
-
-    prompts, _ = workload(plan)
-    subset = prompts[: plan.hf_requests]
-    model = hf_model(plan, ckpt["small"])
-    config = GenerationConfig(max_new_tokens=plan.hf_max_new, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-    extra: dict[str, Any] = {}
-    if plan.device == "cpu":  # smoke: a small cache (it would size itself from host RAM)
-        try:
-            from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-            extra["continuous_batching_config"] = ContinuousBatchingConfig(
-                num_blocks=16, max_batch_tokens=128)
-        except ImportError:  # older transformers: no such config, defaults it is
-            pass
-    model.generate_batch(inputs=subset[:2], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0), **extra)
-    sync(plan.device)
-    t0 = time.perf_counter()
-    outs = model.generate_batch(inputs=subset, generation_config=config, **extra)
-    sync(plan.device)
-    wall = time.perf_counter() - t0
-    produced = sum(len(o.generated_tokens) for o in outs.values())
-    del model
-    return {"requests": len(subset), "max_new_tokens": plan.hf_max_new,
-            "output_tokens": produced, "seconds": wall, "output_tok_s": produced / wall}
-
-
 def hf_decode(plan: Plan, ckpt: dict[str, Path]) -> dict[str, Any]:
+    """Batch-1 decode tokens/s of `generate`: the time of a whole generate less a prefill."""
     model = hf_model(plan, ckpt["big"])
     gen = torch.Generator().manual_seed(2)
-    res: dict[str, Any] = {}
 
-    def run(batch: int, warmup_tokens: int, **kwargs: Any) -> float:
-        ids = torch.randint(0, plan.prompt_token_max, (batch, plan.decode_prompt),
+    def run(warmup_tokens: int, **kwargs: Any) -> float:
+        ids = torch.randint(0, plan.prompt_token_max, (1, plan.decode_prompt),
                             generator=gen).to(plan.device)
         common = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
                       **kwargs)
@@ -314,25 +249,22 @@ def hf_decode(plan: Plan, ckpt: dict[str, Path]) -> dict[str, Any]:
             model.generate(ids, max_new_tokens=plan.decode_new, **common)
             sync(plan.device)
             t2 = time.perf_counter()
-        return batch * (plan.decode_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+        return (plan.decode_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
-    res["decode_tok_s_b1"] = run(1, 4)
+    res: dict[str, Any] = {"decode_tok_s_b1": run(4)}
     try:
         # The static cache is sized by prompt + max_new_tokens: warm up with the same length,
         # or the timed run would compile again.
-        res["decode_tok_s_b1_static"] = run(1, plan.decode_new, cache_implementation="static")
+        res["decode_tok_s_b1_static"] = run(plan.decode_new, cache_implementation="static")
     except Exception as e:  # noqa: BLE001 - compile may be unavailable (e.g. no C compiler)
         res["decode_tok_s_b1_static_error"] = f"{type(e).__name__}: {e}"
-    res[f"decode_tok_s_b{plan.big_batch}"] = run(plan.big_batch, 4)
-    del model
-    return res
+    return res  # the model goes with this frame, before guarded() frees the cache
 
 
 # -- report --------------------------------------------------------------------------------------
 def table(plan: Plan, r: Results) -> str:
     f = r.figures
-    kv1, hf1 = f.get("kvserve_throughput") or {}, f.get("hf_throughput") or {}
-    kv2, hf2 = f.get("kvserve_7b") or {}, f.get("hf_7b") or {}
+    kv1, kv2, hf2 = (f.get(k) or {} for k in ("kvserve_throughput", "kvserve_7b", "hf_7b"))
     bw = f.get("copy_bandwidth_Bps")
 
     def num(x: Any, fmt: str = "{:,.0f}") -> str:
@@ -343,28 +275,16 @@ def table(plan: Plan, r: Results) -> str:
     rows = [
         ("copy bandwidth (read + write)", num(bw and bw / 1e9, "{:,.0f} GB/s"), ""),
         (f"(1) {plan.small_size}, {plan.num_requests} req, output tok/s",
-         num(kv1.get("output_tok_s")),
-         f"{num(hf1.get('output_tok_s'))} (first {hf1.get('requests', '?')} req, "
-         f"max_new {hf1.get('max_new_tokens', '?')})"),
+         num(kv1.get("output_tok_s")), ""),
         (f"(2) {plan.big_size}, batch 1 decode tok/s", num(kv2.get("decode_tok_s_b1"), "{:,.1f}"),
          f"{num(hf2.get('decode_tok_s_b1'), '{:,.1f}')} default, "
          f"{num(hf_static, '{:,.1f}')} static+compiled"),
         ("(2) batch 1 fraction of HBM roofline",
          num(kv2.get("roofline_fraction_b1"), "{:.0%}") + f" of {num(roof, '{:,.0f}')} tok/s",
          num(hf_static and roof and hf_static / roof, "{:.0%}") + " (static)"),
-        (f"(2) batch {plan.big_batch} decode tok/s",
-         num(kv2.get(f"decode_tok_s_b{plan.big_batch}")),
-         num(hf2.get(f"decode_tok_s_b{plan.big_batch}"))),
     ]
-    for n in plan.ttft_lens:
-        rows.append((f"(3) TTFT {n} tokens, cold / prefix cached (ms)",
-                     f"{num(kv2.get(f'ttft_{n}_cold_ms'), '{:,.1f}')} / "
-                     f"{num(kv2.get(f'ttft_{n}_cached_ms'), '{:,.1f}')}", ""))
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows + [("", "kvserve", "")])
-    lines = [f"{'figure':<{w0}} | {'kvserve':>{w1}} | transformers",
-             f"{'-' * w0}-+-{'-' * w1}-+-{'-' * 12}"]
-    lines += [f"{a:<{w0}} | {b:>{w1}} | {c}" for a, b, c in rows]
+    lines = [f"{a:<44} | {b:>24} | {c}" for a, b, c in [("figure", "kvserve", "transformers"),
+                                                          *rows]]
     if r.errors:
         lines.append("errors: " + "; ".join(f"{k}: {v}" for k, v in r.errors.items()))
     return "\n".join(lines)
@@ -377,18 +297,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny models on the CPU: checks every code path in seconds")
     parser.add_argument("--workdir", default="/tmp/kvserve-bench-gpu",
                         help="checkpoints are made here once and reused")
-    parser.add_argument("--hf-requests", type=int, default=None)
-    parser.add_argument("--hf-max-new", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"),
                         default="auto", help="with --smoke, triton runs Triton's interpreter "
                         "on the CPU (slower: about a minute)")
     args = parser.parse_args(argv)
     plan = Plan.smoke() if args.smoke else Plan()
-    if args.hf_requests is not None:
-        plan.hf_requests = args.hf_requests
-    if args.hf_max_new is not None:
-        plan.hf_max_new = args.hf_max_new
     plan.attention_backend = args.attention_backend
     if plan.device == "cpu" and plan.attention_backend == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -408,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     f["copy_bandwidth_Bps"] = guarded(results, "copy_bandwidth", lambda: copy_bandwidth(plan))
     f["kvserve_throughput"] = guarded(results, "kvserve_throughput",
                                       lambda: kvserve_throughput(plan, ckpt))
-    f["kvserve_7b"] = guarded(results, "kvserve_7b", lambda: kvserve_decode_and_ttft(
+    f["kvserve_7b"] = guarded(results, "kvserve_7b", lambda: kvserve_decode(
         plan, ckpt, f["copy_bandwidth_Bps"] or float("nan")))
     if not args.skip_transformers:
-        f["hf_throughput"] = guarded(results, "hf_throughput", lambda: hf_throughput(plan, ckpt))
         f["hf_7b"] = guarded(results, "hf_7b", lambda: hf_decode(plan, ckpt))
     f["total_seconds"] = time.perf_counter() - start
     f["plan"] = asdict(plan)

@@ -1,22 +1,13 @@
-"""MLA (DeepSeek-V2) on the CPU: decode throughput, kvserve vs transformers, and absorbed vs
-decompressing decode.
+"""MLA (DeepSeek-V2) on the CPU, float32: absorbed against decompressing decode, medians of
+--repeats, the two modes interleaved in one process:
 
-1. Decode throughput at batch 1 and 64 on the random-weight `make-model --arch deepseek_v2
-   --size small` checkpoint (8 layers, hidden 512, 8 heads, kv_lora_rank 128 + rope 32, 16
-   routed experts top-2 + 1 shared, vocab 32000), float32, prompts of --prompt-len random
-   tokens. Decode time: for kvserve the engine steps after every request has its first token;
-   for transformers time(generate N tokens) - time(generate 1 token); tok/s = batch x (N - 1) /
-   decode time, prefill left out of both.
-   transformers runs `generate` (greedy, its DynamicCache, which for DeepSeek-V2 also keeps the
-   latent and decompresses every step); kvserve runs `LLM.generate`.
-2. Absorbed vs decompressing decode, one attention layer with DeepSeek-V2's real shape (128
-   heads, kv_lora_rank 512 + rope 64, qk_nope 128, v_head 128) over the paged latent cache, for a
-   batch of sequences at a short and a long context: `TorchMLABackend(decode="absorbed")` against
-   `decode="decompress"` on the same pool and queries.
-3. The same choice end to end: the small model's decode step at a short and a long context,
-   with the engine's backend switched between the two modes.
+1. one attention layer of DeepSeek-V2's real shape over the paged latent cache
+   (`TorchMLABackend(decode=...)`), at a short and a long context;
+2. the same choice end to end: `make-model --arch deepseek_v2 --size small`'s decode with the
+   engine's backend switched.
 
-Every figure is a median of --repeats runs, the two sides of a ratio interleaved in one process.
+Decode against transformers on that model is benchmarks/bench_throughput.py with --model
+(docs/figures/mla.md gives the command).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_mla.py [--threads 2] [--repeats 3]
 """
@@ -36,22 +27,10 @@ from kvserve.kv.spec import KVStorage, decoder_kv_spec
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention.base import AttentionMetadata, SequenceSlice
 from kvserve.attention.mla import MLAProjections, TorchMLABackend
+from kvserve.bench.record import current_machine
 from kvserve.model_loader.make_model import make_model
 
 
-def cpu_line() -> str:
-    """The CPU as kvserve sees it (its flags capped by $KVSERVE_CPU_ISA where set)."""
-    from kvserve.kernels.cpu.cpu_features import cpu_info
-
-    return f"{cpu_info().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
-
-
-# -- 1. decode throughput, kvserve vs transformers ---------------------------------------------
 def kvserve_decode_time(llm: LLM, ps: list[list[int]], new: int) -> float:
     """Seconds of the engine steps after every request has its first token (pure decode
     steps: batch x (new - 1) tokens)."""
@@ -70,41 +49,7 @@ def kvserve_decode_time(llm: LLM, ps: list[list[int]], new: int) -> float:
     return time.perf_counter() - start
 
 
-def hf_time(model, ps: list[list[int]], new: int) -> float:
-    ids = torch.tensor(ps)
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
-
-
-def decode_throughput(path: Path, batches: list[int], prompt_len: int, new: int,
-                      repeats: int) -> None:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    llm = LLM(model=str(path), dtype="float32", max_model_len=prompt_len + new + 16,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
-              enable_prefix_caching=False)
-    vocab = llm.engine.model_config.vocab_size
-    print(f"\n1. decode throughput: {prompt_len}-token prompts, {new} new tokens, float32")
-    print(f"   {'batch':>5} {'kvserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>7}")
-    for batch in batches:
-        ps = prompts(batch, prompt_len, vocab, seed=batch)
-        kvserve_decode_time(llm, ps, 3)  # warm-up (oneDNN compiles its kernels)
-        hf_time(hf, ps, 2)
-        ours, theirs = [], []
-        for _ in range(repeats):
-            ours.append(kvserve_decode_time(llm, ps, new))
-            theirs.append(hf_time(hf, ps, new) - hf_time(hf, ps, 1))
-        a = batch * (new - 1) / statistics.median(ours)
-        b = batch * (new - 1) / statistics.median(theirs)
-        print(f"   {batch:>5} {a:>14.1f} {b:>19.1f} {a / b:>6.2f}x")
-
-
-# -- 2. absorbed vs decompressing, one layer of DeepSeek-V2's shape ----------------------------
+# -- 1. absorbed vs decompressing, one layer of DeepSeek-V2's shape ----------------------------
 def layer_setup(batch: int, context: int, heads: int, rank: int, rope: int, nope: int,
                 v_dim: int, block_size: int = 16):
     blocks = -(-context // block_size)
@@ -124,7 +69,7 @@ def layer_setup(batch: int, context: int, heads: int, rank: int, rope: int, nope
 
 def absorbed_vs_decompress_layer(batch: int, contexts: list[int], repeats: int) -> None:
     shape = dict(heads=128, rank=512, rope=64, nope=128, v_dim=128)
-    print(f"\n2. one MLA layer, DeepSeek-V2's shape ({shape}), batch {batch}, float32: decode "
+    print(f"\n1. one MLA layer, DeepSeek-V2's shape ({shape}), batch {batch}, float32: decode "
           "attention incl. the up-projections")
     print(f"   {'context':>7} {'absorbed ms':>12} {'decompress ms':>14} {'absorbed wins by':>17}")
     for context in contexts:
@@ -144,17 +89,18 @@ def absorbed_vs_decompress_layer(batch: int, contexts: list[int], repeats: int) 
         print(f"   {context:>7} {a * 1e3:>12.2f} {d * 1e3:>14.2f} {d / a:>16.1f}x")
 
 
-# -- 3. the same, end to end --------------------------------------------------------------------
+# -- 2. the same, end to end --------------------------------------------------------------------
 def absorbed_vs_decompress_engine(path: Path, batch: int, contexts: list[int], new: int,
                                   repeats: int) -> None:
-    print(f"\n3. the small model end to end, batch {batch}, {new} new tokens: decode tok/s "
+    print(f"\n2. the small model end to end, batch {batch}, {new} new tokens: decode tok/s "
           "with the engine's MLA backend absorbed vs decompressing")
     print(f"   {'context':>7} {'absorbed':>9} {'decompress':>11} {'absorbed wins by':>17}")
     for context in contexts:
         llm = LLM(model=str(path), dtype="float32", max_model_len=context + new + 16,
                   max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
                   enable_prefix_caching=False)
-        ps = prompts(batch, context, llm.engine.model_config.vocab_size, seed=context)
+        vocab, g = llm.engine.model_config.vocab_size, torch.Generator().manual_seed(context)
+        ps = torch.randint(3, vocab, (batch, context), generator=g).tolist()
         backend = llm.engine.backend
         times: dict[str, list[float]] = {"absorbed": [], "decompress": []}
         kvserve_decode_time(llm, ps, 3)
@@ -171,24 +117,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--new", type=int, default=32, help="decode tokens in part 2")
     p.add_argument("--layer-batch", type=int, default=4)
     p.add_argument("--layer-contexts", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--engine-batch", type=int, default=8)
     p.add_argument("--engine-contexts", type=int, nargs="+", default=[128, 2048])
-    p.add_argument("--skip", nargs="*", default=[], choices=["1", "2", "3"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["1", "2"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(cpu_line())
+    print(f"{current_machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if "1" not in args.skip:
+        absorbed_vs_decompress_layer(args.layer_batch, args.layer_contexts, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "ds", arch="deepseek_v2", size="small")
-        if "1" not in args.skip:
-            decode_throughput(path, args.batches, args.prompt_len, args.new, args.repeats)
         if "2" not in args.skip:
-            absorbed_vs_decompress_layer(args.layer_batch, args.layer_contexts, args.repeats)
-        if "3" not in args.skip:
             absorbed_vs_decompress_engine(path, args.engine_batch, args.engine_contexts,
                                           args.new, args.repeats)
 

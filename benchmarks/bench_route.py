@@ -28,57 +28,44 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kvserve.bench import spawn
+from kvserve.bench.client import RequestResult, completion_body, stream_request
+from kvserve.bench.record import Row, add_record_arg, ratio, write_record
+from kvserve.bench.stats import percentile as pct
+from kvserve.ports import free_port
+from kvserve.sim.trace import Trace, load_trace, write_trace
 
-from kvserve.sim.trace import Trace, load_trace, write_trace  # noqa: E402
-
-from kvserve.bench.stats import percentile as pct  # noqa: E402  (as `kvserve bench serve`)
+ROOT = Path(__file__).resolve().parent.parent  # the replicas import this checkout's kvserve
 
 POLICIES = ("round_robin", "least_loaded", "consistent_hash", "cache_aware")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proc:
-    def __init__(self, name: str, argv: list[str], log_dir: Path, threads: int = 1,
-                 pin: list[str] = ()) -> None:
-        """`pin`: a command prefix (bench_disagg.py's `taskset -c N`)."""
+    """A `kvserve` process (a replica or the gateway) on a free port, its output in a log."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, threads: int = 1) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "kvserve.cli", *argv,
-                                      "--port", str(self.port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv,
+                                      "--port", str(self.port)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready in {timeout} s")
+        try:
+            spawn.wait_healthy(self.proc, self.url, timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: {e}\n{self.log_path.read_text()[-2000:]}") from None
 
     def pool_tokens(self) -> int:
         m = re.search(r"KV cache size: ([\d,]+) tokens", self.log_path.read_text())
@@ -86,69 +73,26 @@ class Proc:
         return int(m.group(1).replace(",", ""))
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGINT to its process group (SIGKILL after 15 s); `kill`: SIGKILL at once."""
+        if kill and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        spawn.stop(self.proc, grace=15)
         self._log.close()
 
 
-@dataclass
-class Result:
-    replica: str | None = None
-    ok: bool = False
-    started: bool = False  # a first token reached the client
-    error: str = ""
-    ttft: float = 0.0
-    latency: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
+def send(http: httpx.AsyncClient, url: str, prompt: list[int], output_len: int):
+    """One streamed completion (greedy, ignore_eos) through `kvserve bench serve`'s client."""
+    return stream_request(http, url + "/v1/completions",
+                          completion_body(prompt, output_len, None, ignore_eos=True))
 
 
-async def send(http: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> Result:
-    body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
-            "temperature": 0.0, "stream_options": {"include_usage": True}}
-    res = Result()
-    t0 = time.perf_counter()
-    try:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            res.replica = r.headers.get("x-kvserve-replica")
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"]["message"]
-                    return res
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    res.prompt_tokens = u["prompt_tokens"]
-                    res.output_tokens = u["completion_tokens"]
-                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens") or 0
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if not res.started:
-                        res.started, res.ttft = True, now - t0
-                    res.itl.append(now)
-        res.latency = time.perf_counter() - t0
-        res.ok = True
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
+def started(r: RequestResult) -> bool:
+    """A first token reached the client (a stream cut later still started)."""
+    return r.ttft > 0
+
+
+def replica(r: RequestResult) -> str:
+    return r.headers.get("x-kvserve-replica") or "-"
 
 
 def scrape(urls: list[str]) -> tuple[float, float]:
@@ -168,7 +112,7 @@ def scrape(urls: list[str]) -> tuple[float, float]:
 
 
 async def replay(trace: Trace, url: str, on_half=None, burst: bool = False
-                 ) -> tuple[list[Result], float]:
+                 ) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300), limits=limits) as http:
         t0 = time.perf_counter()
@@ -187,20 +131,20 @@ async def replay(trace: Trace, url: str, on_half=None, burst: bool = False
         return results, time.perf_counter() - t0
 
 
-def summarize(name: str, results: list[Result], duration: float, before, after,
+def summarize(name: str, results: list[RequestResult], duration: float, before, after,
               lost_counts: bool = False) -> dict:
     ok = [r for r in results if r.ok]
     dq, dh = after[0] - before[0], after[1] - before[1]
-    ttft = [r.ttft * 1000 for r in ok if r.started]
+    ttft = [r.ttft * 1000 for r in ok if started(r)]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in ok
             if r.output_tokens > 1]
     per: dict[str, int] = {}
     for r in ok:
-        per[r.replica or "-"] = per.get(r.replica or "-", 0) + 1
+        per[replica(r)] = per.get(replica(r), 0) + 1
     in_tok = sum(r.prompt_tokens for r in ok)
     return dict(run=name, requests=len(results), ok=len(ok),
-                failed_not_started=sum(1 for r in results if not r.ok and not r.started),
-                cut_mid_stream=sum(1 for r in results if not r.ok and r.started),
+                failed_not_started=sum(1 for r in results if not r.ok and not started(r)),
+                cut_mid_stream=sum(1 for r in results if not r.ok and started(r)),
                 hit_rate=dh / dq if dq else float("nan"),
                 usage_hit_rate=sum(r.cached_tokens for r in ok) / in_tok if in_tok else 0.0,
                 hit_rate_source="usage" if lost_counts else "metrics",
@@ -212,10 +156,10 @@ def summarize(name: str, results: list[Result], duration: float, before, after,
                 errors=sorted({r.error[:80] for r in results if not r.ok})[:3])
 
 
-def prefill_rate(results: list[Result]) -> float:
+def prefill_rate(results: list[RequestResult]) -> float:
     """Uncached prompt tokens per second of TTFT, median over the requests that hit nothing."""
     rates = [(r.prompt_tokens - r.cached_tokens) / r.ttft for r in results
-             if r.ok and r.started and r.ttft > 0 and r.cached_tokens == 0]
+             if r.ok and started(r) and r.cached_tokens == 0]
     return pct(rates, 50) if rates else 10_000.0
 
 
@@ -254,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gateway (the gateway's effect on peak throughput)")
     ap.add_argument("--out-dir", default="out/bench_route")
     ap.add_argument("--json", default=None, help="write the results here")
+    add_record_arg(ap, "routing")
     args = ap.parse_args(argv)
 
     out = Path(args.out_dir)
@@ -317,14 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             g.wait_ready()
             return g
 
-        alone_results: list[Result] = []
-        reset()
-        before = scrape(urls[:1])
-        alone_results, duration = asyncio.run(replay(trace, urls[0]))
-        alone = summarize("alone", alone_results, duration, before, scrape(urls[:1]))
-        alone["prefill_tps"] = prefill_rate(alone_results)
-        runs.append(alone)
-        print(json.dumps(alone), flush=True)
+        alone = run("alone", urls[0], urls[:1])
         g = gateway("gw1", "round_robin", urls[:1])
         run("gw+1", g.url, urls[:1])
         if args.burst:  # the same requests all at once: the most each setup can serve
@@ -361,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             p.stop()
 
-    decode_ms = alone["tpot_p50_ms"]
-    prefill_tps = prefill_rate(alone_results)
+    decode_ms, prefill_tps = alone["tpot_p50_ms"], alone["prefill_tps"]
     print(f"\nsimulator calibration: pool {capacity:,} tokens per replica, decode "
           f"{decode_ms:.1f} ms/token, prefill {prefill_tps:,.0f} tokens/s (from the alone run)")
     for s in runs:
@@ -404,11 +341,42 @@ def main(argv: list[str] | None = None) -> int:
                   f"before streaming, {s['gateway_retries']:.0f} retried on another replica; "
                   f"sim = the same trace without the kill; gateway errors: "
                   f"{'; '.join(s['gateway_errors'])}")
+    if args.record:
+        record(args, runs, len(trace.requests))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(runs=runs, capacity_tokens=capacity,
                                                    decode_ms=decode_ms,
                                                    prefill_tokens_per_s=prefill_tps), indent=1))
     return 0
+
+
+def record(args: argparse.Namespace, runs: list[dict], requests: int) -> None:
+    """The figures page's record: each policy's hit rate against one replica's (issue 17:
+    cache_aware >= 0.9x), the simulator's gap, the failover and the gateway's overhead."""
+    by = {s["run"]: s for s in runs}
+    alone = 100 * by["alone"]["hit_rate"]
+    rows = [Row(f"{p} hit rate / one replica's", "%", round(100 * by[p]["hit_rate"], 1),
+                round(alone, 1), ratio(100 * by[p]["hit_rate"], alone),
+                ">= 0.9x" if p == "cache_aware" else None,
+                by[p]["hit_rate"] >= 0.9 * by["alone"]["hit_rate"] if p == "cache_aware"
+                else None) for p in args.policies.split(",")]
+    gaps = {s["run"]: 100 * abs(s["simulated_hit_rate_run_cal"] - s["hit_rate"]) for s in runs
+            if not s["run"].endswith("burst") and s["run"] != "alone"}  # alone: calibration
+    worst = max(gaps, key=gaps.get)
+    rows.append(Row(f"simulator's largest gap, own speeds ({worst})", "points",
+                    round(gaps[worst], 1), target="<= 5 points", met=gaps[worst] <= 5))
+    if "failover" in by:
+        n = by["failover"]["failed_not_started"]
+        rows.append(Row("failover: requests failed before streaming", "requests", n,
+                        target="0", met=n == 0))
+    rows.append(Row("gateway + 1 replica TTFT p50 / replica alone", "ms",
+                    round(by["gw+1"]["ttft_p50_ms"], 1), round(by["alone"]["ttft_p50_ms"], 1),
+                    ratio(by["gw+1"]["ttft_p50_ms"], by["alone"]["ttft_p50_ms"])))
+    write_record(args.record, name="bench-route", rows=rows,
+                 title=f"The gateway across {args.replicas} replicas",
+                 peer="none: one replica alone (the single-replica hit rate, the replica "
+                 "without the gateway)", notes=f"{requests} requests of the simulator's gsp "
+                 f"trace at {args.rate} req/s.")
 
 
 if __name__ == "__main__":

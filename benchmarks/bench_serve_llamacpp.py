@@ -33,12 +33,9 @@ import statistics
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-import make_gguf_models  # noqa: E402
-
-from kvserve.bench import serve, spawn  # noqa: E402
+from kvserve.bench import gguf_models, harness, llamacpp, serve, spawn
+from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record
+from kvserve.ports import free_port
 
 
 def server_cmd(args: argparse.Namespace, engine: str, parallel: int, port: int) -> list[str]:
@@ -68,7 +65,7 @@ def load_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def run_server(args: argparse.Namespace, engine: str, parallel: int = 0) -> dict:
     """Start one server, drive the load through `kvserve bench serve`, stop it."""
-    port = spawn.free_port()
+    port = free_port()
     log = sys.stderr if args.server_log else None
     with spawn.server(server_cmd(args, engine, parallel, port), port, args.timeout, log,
                       env={"OMP_NUM_THREADS": str(args.threads)}) as (url, proc):
@@ -105,8 +102,6 @@ TARGETS = {"output_tok_s": ("tok/s", ">= 1.5x", lambda r: r >= 1.5),
 
 def record(args: argparse.Namespace, kv: dict, ll: dict, best: str) -> None:
     """The figures page's record: kvserve against llama-server's best --parallel setting."""
-    from kvserve.bench.record import Row, ratio, write_record
-
     rows = []
     for key, (unit, target, met) in TARGETS.items():
         r = ratio(kv[key], ll[key])
@@ -124,8 +119,10 @@ def record(args: argparse.Namespace, kv: dict, ll: dict, best: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", type=Path, help="the file (default: make_gguf_models' --shape/--type)")
-    p.add_argument("--llama-src", type=Path, help="llama.cpp source tree (make_gguf_models')")
+    p.add_argument("--gguf", type=Path,
+                   help="the file (default: kvserve.bench.gguf_models' --shape/--type)")
+    p.add_argument("--llama-src", type=Path,
+                   help="llama.cpp source tree (kvserve.bench.gguf_models')")
     p.add_argument("--llama-bin", type=Path, help="llama.cpp build/bin (default: --llama-src's)")
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--type", default="Q4_K_M")
@@ -147,31 +144,23 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--server-log", action="store_true")
     p.add_argument("--json", type=Path)
-    from kvserve.bench.record import add_record_arg
-
     add_record_arg(p, "serving")
     args = p.parse_args()
     if args.gguf is None or args.llama_bin is None:
         if args.llama_src is None:
             p.error("give --llama-src, or --gguf and --llama-bin")
-        tree = make_gguf_models.llama_tree(args.llama_src)
-        args.llama_bin = args.llama_bin or tree / "build" / "bin"
+        args.llama_bin = args.llama_bin or llamacpp.bin_dir(args.llama_src)
         if args.gguf is None:
-            args.gguf = make_gguf_models.ensure(args.llama_src, args.shape, [args.type])[args.type]
-    from kvserve.kernels.cpu.cpu_features import cpu_info
-
-    info = cpu_info()
-    print(f"CPU: {info.summary()}")
-    print("flags: " + " ".join(sorted(f for f in info.flags if f.startswith(("avx", "fma")))))
+            args.gguf = gguf_models.ensure(args.llama_src, args.shape, [args.type])[args.type]
+    print(current_machine())
     print(f"{args.gguf}: {args.users} users x {args.turns} turns, system ~{args.system_tokens}, "
           f"user ~{args.user_tokens}, {args.output_len} out, {args.arrival_rate} users/s")
     settings = [int(x) for x in args.parallel.split(",") if x]  # "": kvserve alone
     runs: dict[str, list[dict]] = {}
-    for r in range(args.repeats):
-        order = [("kvserve", 0)] + [("llama", n) for n in settings]
-        for engine, n in (order if r % 2 == 0 else order[::-1]):
-            res = run_server(args, engine, n)
-            runs.setdefault(res["engine"], []).append(res)
+    for _, engine in harness.alternate(["kvserve", *map(str, settings)], args.repeats):
+        ours = engine == "kvserve"
+        res = run_server(args, "kvserve" if ours else "llama", 0 if ours else int(engine))
+        runs.setdefault(res["engine"], []).append(res)
     table = {name: medians(rs) for name, rs in runs.items()}
     print(f"\n{'server':<24}" + "".join(f"{k:>14}" for k in KEYS))
     for name, row in table.items():
@@ -189,7 +178,7 @@ def main() -> int:
     if args.record and best:
         record(args, table["kvserve"], table[best], best)
     if args.json:
-        args.json.write_text(json.dumps({"cpu": info.summary(), "gguf": str(args.gguf),
+        args.json.write_text(json.dumps({"cpu": current_machine(), "gguf": str(args.gguf),
                                          "args": {k: str(v) for k, v in vars(args).items()},
                                          "table": table, "best": best, "runs": runs}, indent=1))
     return 0

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.record import Row, add_record_arg, ratio, write_record
+from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("off", "ngram", "suffix", "draft_model")
@@ -111,17 +111,6 @@ def _one(llm: LLM, prompts, params: SamplingParams, chat: bool
         ids.append(outs[0].outputs[0].token_ids)
         total += seconds
     return statistics.fmean(rates), ids, total
-
-
-def _cpu() -> str:
-    """The CPU's model name and the SIMD flags the kernels' builds choose from."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx"))]
-    return f"{name}; {' '.join(simd)}"
 
 
 def _counts(before: dict, after: dict) -> tuple[int, int, int]:
@@ -325,7 +314,7 @@ def main() -> None:
     if args.quick:
         args.max_tokens, args.repeats = 64, 1
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"CPU: {_cpu()}; torch threads: {torch.get_num_threads()}", flush=True)
+    print(f"{current_machine()}; torch threads: {torch.get_num_threads()}", flush=True)
     if args.load:
         _load(args)
         return

@@ -1,25 +1,14 @@
 #!/usr/bin/env python
 """Swap preemption (issue 34): how fast a preempted 4,000-token request resumes with swap vs
-recompute, side by side in one run.
+recompute, on a fresh engine per run, the modes alternating (medians of `--repeats`).
 
-The scene, the same for both modes: a short request B decodes; a 4,000-token request A is
-admitted into a pool that holds both only for a few more tokens; as they decode, the pool runs
-out and A, the youngest, is preempted. B is then aborted, so A resumes in the very next step.
-Timed per mode (medians of `--repeats`, each on a fresh engine):
+The scene: a short request B decodes; a long request A is admitted into a pool that holds both
+only for a few more tokens, so A, the youngest, is preempted; B is then aborted and A resumes
+in the next step. Timed: the resume (the readmitting step to A's next token: a prefill of all
+its tokens, or its blocks loaded back and a decode), and the swap-out (the preempting step
+less a plain decode step). Prefix caching is off, so that recompute really recomputes.
 
-* resume: from the start of the step that readmits A to the end of the step that gives it its
-  next token (recompute: a prefill of every token A had; swap: loading its blocks back and one
-  decode step);
-* swap-out: the preempting step less a plain decode step of the same batch (the read of A's
-  blocks into host memory rides on that step).
-
-Prefix caching is off, so that recompute really recomputes (with it on, A's published blocks
-stay cached here because nothing else needs the pool, and both modes would hit them; under
-real memory pressure they are what gets evicted). The default model is the embedded
-SmolLM2-135M (float32 weights and KV).
-
-    .venv/bin/python benchmarks/bench_swap.py
-    .venv/bin/python benchmarks/bench_swap.py --prompt-tokens 4000 --repeats 5
+    .venv/bin/python benchmarks/bench_swap.py [--prompt-tokens 4000] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -30,16 +19,9 @@ import random
 import statistics
 import time
 
+from kvserve.bench.record import current_machine
+
 MARGIN = 48  # tokens both requests can still decode before the pool runs out
-
-
-def cpu_line() -> str:
-    """The CPU and its vector flags (kvserve's own reading of them)."""
-    from kvserve.kernels.cpu.cpu_features import cpu_info
-
-    info = cpu_info()
-    flags = " ".join(sorted(f for f in info.flags if f.startswith(("avx", "fma", "f16c", "amx"))))
-    return f"{info.summary()}, {os.cpu_count()} cores\nflags: {flags}"
 
 
 def one_run(mode: str, model: str | None, prompt_tokens: int, threads: int, seed: int) -> dict:
@@ -112,7 +94,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    print(cpu_line())
+    print(current_machine())
     rows: dict[str, list[dict]] = {"recompute": [], "swap": []}
     for r in range(args.repeats):  # alternating, so that drift hits both alike
         for mode in rows:

@@ -17,11 +17,11 @@ prefix and five requests = prefix + a unique 32-token question, each generating 
 
 plus transformers recomputing the same prompt (one forward, the peer's cold TTFT). TTFT is
 kvserve's own metric (first token time - arrival time). Medians [min-max] over --repeats, and
-the speed-up of each source over recompute. --plot writes a bar chart.
+the speed-up of each source over recompute (the figures page plots the record: --record).
 
     .venv/bin/python benchmarks/bench_tiers.py                       # ~3 min
     .venv/bin/python benchmarks/bench_tiers.py --repeats 2 --prefix 1024   # smoke
-    .venv/bin/python benchmarks/bench_tiers.py --json out.json --plot docs/img/tier_ttft.png
+    .venv/bin/python benchmarks/bench_tiers.py --json out.json --record
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvserve.bench.noise import Interference, wait_for_quiet
 from kvserve.bench.record import Row, add_record_arg, ratio, write_record
+from kvserve.bench.reference import ensure_checkpoint
+from kvserve.bench.stats import fmt_spread, spread
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-import bench_throughput as bt  # noqa: E402  (checkpoint, interference, stats helpers)
 from redis_server import RedisServer  # noqa: E402
 
 SOURCES = ("recompute", "L1 device", "L2 host", "disk", "redis")
@@ -89,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
     add_record_arg(ap, "storage-tiers")
     args = ap.parse_args(argv)
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    model_dir = bt.ensure_checkpoint(bt.cache_dir() / "bench-qwen2-small", timeout=600)
+    model_dir = ensure_checkpoint(timeout=600)
     redis = RedisServer()
     disk = tempfile.mkdtemp(prefix="kvserve-bench-disk-")
     tiers = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 4,
@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         ttft(engine, warm, params)
         hf_ttft(hf, warm)
         for rep in range(args.repeats):
-            bt.wait_for_quiet(0.3, 20)
+            wait_for_quiet(0.3, 20)
             prefix = [rng.randrange(100, vocab) for _ in range(args.prefix)]
-            with bt.Interference() as probe:
+            with Interference() as probe:
                 for source in SOURCES:
                     engine.tiers.flush()  # background saves would compete for the 2 cores
                     if source != "recompute" and source != "L1 device":
@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{statistics.median(noise):.2f} cores)")
     print(f"{'source':<26}{'TTFT ms':>24}{'vs recompute':>16}")
     for s in SOURCES + ("transformers",):
-        st = bt.summarize([t * 1000 for t in times[s]])
+        st = spread([t * 1000 for t in times[s]])
         speedup = base / statistics.median(times[s])
         label = "transformers (recompute)" if s == "transformers" else s
         rows.append({"source": label, "ttft_ms": st, "speedup_vs_recompute": speedup})
-        print(f"{label:<26}{bt.fmt_stat(st):>24}{speedup:>15.1f}x")
+        print(f"{label:<26}{fmt_spread(st):>24}{speedup:>15.1f}x")
     kv_mib = args.prefix * engine.kv_spec.bytes_per_token / 1024**2
     print(f"(the prefix's KV: {kv_mib:.0f} MiB in {args.prefix // 256} chunks)")
     result = {"prefix_tokens": args.prefix, "question_tokens": QUESTION, "kv_mib": kv_mib,
@@ -169,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
               "foreign_cores": noise, "tier_stats": tier_stats}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
-        plot(rows, args.prefix, args.plot)
     if args.record:
         record(args, rows, statistics.median(noise))
     return 0
@@ -192,27 +190,6 @@ def record(args, rows: list[dict], others: float) -> None:
                  notes=f"Medians of {args.repeats}, the reference model, float32, "
                  f"{args.threads} threads; other processes used {others:.2f} cores (median). "
                  "The ratio is TTFT over recompute's.")
-
-
-def plot(rows: list[dict], prefix: int, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["source"].replace(" (recompute)", "\n(recompute)") for r in rows]
-    values = [r["ttft_ms"]["median"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    bars = ax.bar(labels, values, color=["#999"] + ["#3a7"] * 4 + ["#c66"])
-    for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['ttft_ms']['median']:.0f} ms\n{r['speedup_vs_recompute']:.1f}x",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("TTFT (ms, median)")
-    ax.set_title(f"TTFT with a {prefix}-token prefix, by where its KV comes from")
-    ax.set_ylim(0, max(values) * 1.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,64 +1,23 @@
 #!/usr/bin/env python
-"""Tensor parallelism (issue 32): tp=2 x 1 thread against tp=1 x 2 threads, side by side in
-one run, at batch 64 and batch 1 decode on the reference model (the embedded SmolLM2-135M:
-3 KV heads over 2 ranks are 2 + 1), with what TP adds per step.
+"""What tensor parallelism adds per step (issue 32), on the CPU: the step message (a
+--running-request decode StepInput encoded by kvserve/parallel/message.py, sent through the
+shared buffer, decoded by a worker process, a reply back: median round trip) and the
+all-reduces (a [batch, hidden] float32 all_reduce between two one-thread processes, gloo's and
+kvserve/parallel/comm.py's shared-memory exchange, times the 61 a step of the reference model
+runs). The decode speeds beside them are `kvserve bench latency` (docs/tensor_parallel.md).
 
-Both engines run float32 dense weights (`--quantization none`): tensor parallelism
-dequantizes a GGUF file, so tp=1 runs the same bytes per weight; tp=1 with its quantized
-kernels (the default for the GGUF file) is printed too. On 2 shared cores no speed-up is
-expected: two ranks of one thread have the same cores as one process of two threads, and pay
-the all-reduces and the step message on top. What TP adds is measured apart:
-
-* the step message: a 256-request decode StepInput encoded (kvserve/parallel/message.py:
-  columns, block tables only where they changed), written to the shared buffer, woken, read
-  and decoded by a worker process, and a reply back (median round trip, `--running`);
-* the all-reduces: an all_reduce of a [batch, hidden] float32 tensor between two processes of
-  one thread, gloo's and the shared-memory exchange the workers use (kvserve/parallel/comm.py),
-  times the 61 a step of this model runs (one per layer's o and down, one for the embedding).
-
-    .venv/bin/python benchmarks/bench_tp.py
-    .venv/bin/python benchmarks/bench_tp.py --steps 64 --repeats 3
-    .venv/bin/python benchmarks/bench_tp.py --device cuda   # two GPUs: NCCL, graphs per rank
+    .venv/bin/python benchmarks/bench_tp.py [--running 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_swap import cpu_line  # noqa: E402
-
-
-def decode_speed(tp: int, threads: int, batch: int, steps: int, quantization: str | None,
-                 prompt: int = 64, device: str = "cpu") -> float:
-    """Decode tokens per second over `steps` steps of `batch` running requests (timed after
-    every request has its first token)."""
-    from kvserve import LLM, SamplingParams
-
-    llm = LLM(dtype="float32", tensor_parallel_size=tp, num_threads=threads, device=device,
-              quantization=quantization, max_model_len=prompt + steps + 16,
-              max_num_seqs=max(batch, 1), kv_cache_memory_bytes=256 << 20)
-    engine = llm.engine
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request({"prompt_token_ids": [rng.randrange(100, 40000)
-                                                 for _ in range(prompt)]}, params)
-    while any(not r.output_token_ids for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    engine.shutdown()
-    return batch * steps / elapsed
+from kvserve.bench.record import current_machine
 
 
 def _echo(conn, shm_name: str) -> None:
@@ -139,12 +98,12 @@ def all_reduce_time(rows: int, hidden: int = 576, n: int = 300) -> list[float]:
 
     import torch.multiprocessing as mp
 
+    from kvserve.ports import free_port
     from kvserve.parallel.comm import ShmExchange
-    from kvserve.parallel.executor import _free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     shm = shared_memory.SharedMemory(create=True, size=ShmExchange.size(2, rows * hidden * 4))
     procs = [ctx.Process(target=_reducer, args=(r, port, shm.name, rows, hidden, n, out))
              for r in range(2)]
@@ -160,25 +119,9 @@ def all_reduce_time(rows: int, hidden: int = 576, n: int = 300) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--running", type=int, default=256)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: tp=2 over two GPUs (NCCL, CUDA graphs per rank) against tp=1")
     args = ap.parse_args()
-    print(cpu_line())
-    if args.device == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < 2:
-            print(f"--device cuda needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-            return 1
-        for batch in (64, 1):
-            one, two = (decode_speed(tp, 1, batch, args.steps, "none", device="cuda")
-                        for tp in (1, 2))
-            print(f"cuda batch {batch:>2}: tp=1 {one:.1f} tok/s, tp=2 {two:.1f} tok/s, "
-                  f"ratio {two / one:.2f}")
-        return 0
+    print(current_machine())
     msg = message_overhead(args.running, 32)
     print(f"step message, {args.running} running decodes (32-block tables), round trip to a "
           f"worker: {msg * 1e3:.3f} ms (target <= 0.5 ms)")
@@ -186,19 +129,6 @@ def main() -> int:
         for name, t in zip(("gloo", "shared memory (kvserve)"), all_reduce_time(batch)):
             print(f"all_reduce [{batch}, 576] fp32, 2 ranks, {name}: {t * 1e6:.0f} us; x61 "
                   f"per step = {61 * t * 1e3:.2f} ms")
-        rows = {"tp=1 x 2 threads (float32)": (1, 2, "none"),
-                "tp=2 x 1 thread (float32)": (2, 1, "none"),
-                "tp=1 x 2 threads (GGUF kernels)": (1, 2, None)}
-        speeds: dict[str, list[float]] = {k: [] for k in rows}
-        for _ in range(args.repeats):  # interleaved: drift hits every row alike
-            for name, (tp, threads, quant) in rows.items():
-                speeds[name].append(decode_speed(tp, threads, batch, args.steps, quant))
-        med = {k: statistics.median(v) for k, v in speeds.items()}
-        for name, v in med.items():
-            print(f"batch {batch:>2}  {name:<32} {v:8.1f} tok/s  (runs: "
-                  + ", ".join(f"{x:.1f}" for x in speeds[name]) + ")")
-        ratio = med["tp=2 x 1 thread (float32)"] / med["tp=1 x 2 threads (float32)"]
-        print(f"batch {batch:>2}  tp=2x1 / tp=1x2 (float32): {ratio:.2f}")
     return 0
 
 

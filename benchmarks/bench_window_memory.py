@@ -1,19 +1,15 @@
 #!/usr/bin/env python
-"""Memory that follows the window (issue 15 part 2, acceptance 2), in one run:
+"""Memory that follows the window (issue 15 part 2, acceptance 2), random weights, float32:
+the tiny Mistral with --window on every layer and the small Gemma 3 (seven local layers, one
+global), block release on (the default) and off (`disable_hybrid_kv_cache_manager`).
 
-A. Blocks a --length-token request holds at its last step, per KV group (the engine's block
-   tables: one for Mistral-style, one per group of equal size for a hybrid), next to what
-   `kvserve plan`'s code computes for the same checkpoint (the spec's tokens held per layer, in
-   blocks), for a Mistral-style model (a window on every layer) and the hybrid Gemma 3 (seven
-   local layers, one global: eight groups of one layer), with release on (the default) and off
-   (`disable_hybrid_kv_cache_manager`, one table, every block kept), and the bytes in all.
-B. Concurrency at a fixed pool: --requests requests of --length tokens (prompt + --output)
-   against a pool of --pool-requests full-length requests (in bytes), on both models: the most
-   requests running at once, preemptions, and wall time, release on vs off.
+A. blocks a --length-token request holds at its last step, per KV group, beside what `kvserve
+   plan`'s code computes for it, and the bytes in all;
+B. --requests requests of --length tokens against a pool of --pool-requests full-length
+   requests: the most running at once, preemptions and wall time.
 
-Random weights (kvserve.model_loader.make_model); float32; CPU. The Mistral-style model is the tiny
-Mistral with `sliding_window` set to --window (and max_position_embeddings raised to fit);
-Gemma 3 is the small one (8 layers, window 512).
+Part 1's speed comparison (window against full attention) is `kvserve bench throughput` on two
+checkpoints: docs/figures/sliding-window.md gives the commands.
 
     .venv/bin/python benchmarks/bench_window_memory.py [--length 4096] [--window 512]
 """
@@ -24,31 +20,18 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_window import cpu_line  # noqa: E402
-
-from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.kv.block_pool import NULL_BLOCK  # noqa: E402
-from kvserve.model_loader.make_model import make_model  # noqa: E402
-from kvserve.planner.memory import kv_cache_spec, make_plan  # noqa: E402
-from kvserve.planner.model import ModelSpec  # noqa: E402
+from kvserve import LLM, SamplingParams
+from kvserve.bench.record import current_machine
+from kvserve.kv.block_pool import NULL_BLOCK
+from kvserve.model_loader.make_model import make_model
+from kvserve.planner.memory import kv_cache_spec, make_plan
+from kvserve.planner.model import ModelSpec
 
 BLOCK = 16
-
-
-def mistral_windowed(root: Path, window: int, max_len: int) -> Path:
-    path = make_model(root / "mistral", "mistral", "tiny", seed=0)
-    config = json.loads((path / "config.json").read_text())
-    config.update(sliding_window=window, max_position_embeddings=max_len)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
 
 
 def _llm(path: Path, keep_all: bool, max_len: int, **kwargs) -> LLM:
@@ -147,16 +130,17 @@ def table_b(name: str, path: Path, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--length", type=int, default=4096, help="tokens per request")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--output", type=int, default=64, help="decode tokens per request in B")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--pool-requests", type=int, default=4)
     args = p.parse_args()
-    print(cpu_line())
+    print(current_machine())
     root = Path(tempfile.mkdtemp(prefix="bench-window-memory-"))
     try:
-        mistral = mistral_windowed(root, args.window, args.length)
+        mistral = make_model(root / "mistral", "mistral", "tiny", seed=0, overrides={
+            "sliding_window": args.window, "max_position_embeddings": args.length})
         gemma = make_model(root / "gemma3", "gemma3", "small", seed=0)
         config = json.loads((gemma / "config.json").read_text())
         table_a({"mistral-style": mistral,
@@ -165,7 +149,6 @@ def main() -> None:
         table_b(f"Gemma 3 hybrid, window {config['sliding_window']}", gemma, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

@@ -9,9 +9,9 @@ a generator builds many small workloads, rich in exactly those interleavings, an
 runs. Everything goes through `LLMEngine.add_request` / `step` / `abort_request` and public
 stats, so that the comparison survives any redesign of the KV internals.
 
-The generator draws every choice through a `Chooser`, so one generator serves both hypothesis
-(tests/test_differential.py: shrinkable, seeded) and a plain `random.Random`
-(benchmarks/soak_differential.py: a long soak).
+The generator draws every choice through a `Chooser` (hypothesis behind it, in
+tests/test_differential.py: shrinkable, seeded). A long soak is that test with more examples:
+KVSERVE_DIFFERENTIAL_SCALE=N runs N times as many.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from kvserve.engine.stats import EngineStats
 
 import math
-import random
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -40,29 +39,13 @@ TIER_COMBOS = ("host", "host+disk", "host+redis", "host+disk+redis")
 
 # -- choices ---------------------------------------------------------------------------------
 class Chooser(Protocol):
-    """The few kinds of choice the generator makes (hypothesis or random.Random behind it)."""
+    """The few kinds of choice the generator makes (hypothesis behind it: DrawChooser)."""
 
     def integer(self, lo: int, hi: int) -> int: ...  # inclusive
 
     def pick(self, options: Sequence[Any]) -> Any: ...
 
     def coin(self, p: float) -> bool: ...
-
-
-class RandomChooser:
-    """Choices from a seeded random.Random (the soak script)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def integer(self, lo: int, hi: int) -> int:
-        return self.rng.randint(lo, hi)
-
-    def pick(self, options: Sequence[Any]) -> Any:
-        return self.rng.choice(list(options))
-
-    def coin(self, p: float) -> bool:
-        return self.rng.random() < p
 
 
 class DrawChooser:

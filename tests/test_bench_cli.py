@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -26,7 +27,8 @@ from kvserve.bench import datasets
 from kvserve.bench.serve import arrival_gaps
 from kvserve.bench.stats import percentile
 from kvserve.cli import main
-from server_process import ServerProcess, _free_port
+from kvserve.ports import free_port
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,7 +53,7 @@ class FakeServer:
         app = FastAPI()
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -203,6 +205,35 @@ def test_arrivals_and_datasets():
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(np.percentile([1, 2, 3, 4], 90))
 
 
+def test_sse_lines_split_where_the_spec_splits_and_nowhere_else():
+    """Another server may send U+2028 and friends raw inside an event's JSON (llama-server
+    does); the client must not cut the event there, and must join a CRLF split across reads."""
+    from kvserve.bench.client import sse_lines
+
+    events = ['data: {"t":"a\u2028b\x85c\u2029"}', "data: [DONE]"]
+    wire = ("\r\n\r\n".join(events) + "\n\n").encode()
+    reads = [wire[:12], wire[12:wire.index(b"\r") + 1], wire[wire.index(b"\r") + 1:]]
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, stream=_Reads(reads)))
+
+    async def lines():
+        async with httpx.AsyncClient(transport=transport) as http:
+            async with http.stream("GET", "http://x/") as r:
+                return [line async for line in sse_lines(r)]
+
+    got = asyncio.run(lines())
+    assert [x for x in got if x] == events
+    assert json.loads(got[0][len("data: "):])["t"] == "a\u2028b\x85c\u2029"
+
+
+class _Reads(httpx.AsyncByteStream):
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def __aiter__(self):
+        for b in self.reads:
+            yield b
+
+
 # ------------------------------------------------------------------------------------------
 # against a real `kvserve serve`
 # ------------------------------------------------------------------------------------------
@@ -321,3 +352,21 @@ def test_bench_help_lists_vllm_flags(capsys):
             main(["bench", sub, "--help"])
         text = capsys.readouterr().out
         assert all(f in text for f in flags), sub
+
+
+def test_throughput_structured_fraction(tiny_model_dir, tmp_path):
+    """--structured-regex holds the constrained share of the batch to the regex, as Python's
+    own `re` reads the texts (decoded by the tokenizers library, not kvserve)."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    out = _run_bench(["throughput", str(tiny_model_dir), *ENGINE, "--num-prompts", "4",
+                      "--input-len", "8", "--output-len", "12",
+                      "--structured-regex", "[a-z ]{400}", "--structured-fraction", "0.5"],
+                     tmp_path)
+    assert out["total_output_tokens"] == 48 and out["full_length"]
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    texts = [tok.decode(ids) for ids in out["first_outputs"]]
+    assert all(re.fullmatch("[a-z ]+", t) for t in texts[:2]), texts
+    assert not all(re.fullmatch("[a-z ]*", t) for t in texts[2:]), texts  # the free half

@@ -22,6 +22,7 @@ it to a minimal workload).
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 
@@ -106,8 +107,14 @@ def run_shut(llm, w: Workload, **kwargs) -> RunResult:
         llm.engine.shutdown()
 
 
+# A soak (what benchmarks/soak_differential.py ran before issue 51): the same derandomised
+# workloads and as many more as asked, e.g.
+# KVSERVE_DIFFERENTIAL_SCALE=40 pytest tests/test_differential.py -k tiers
+SCALE = max(1, int(os.environ.get("KVSERVE_DIFFERENTIAL_SCALE", "1")))
+
+
 def _examples(n: int, tp: int) -> settings:
-    return settings(SETTINGS, max_examples=n if tp == 1 else EXAMPLES_TP)
+    return settings(SETTINGS, max_examples=SCALE * (n if tp == 1 else EXAMPLES_TP))
 
 
 @pytest.mark.parametrize("combo,tp", [(c, 1) for c in TIER_COMBOS] + [("host+disk+redis", 2)])

@@ -8,7 +8,7 @@ downloads) on the shipped trained model in float32, and the result must be what 
 accuracy, the same perplexities, and request by request the same log-likelihoods and greedy
 flags.
 
-The same comparison from the command line (docs/benchmarks.md, "Clients"):
+The same comparison from the command line (docs/figures/accuracy.md):
 
     kvserve serve kvserve/assets/stdlib-coder --dtype float32 --served-model-name stdlib-coder
     HF_DATASETS_OFFLINE=1 lm_eval --model local-completions --model_args \\

@@ -1,4 +1,4 @@
-"""Held-out perplexity (benchmarks/bench_ppl.py over kvserve.eval): the engine's equals
+"""Held-out perplexity (`kvserve bench perplexity` over kvserve.eval): the engine's equals
 transformers' on the same weights within 1e-3 relative (float32) for every architecture; the
 baselines and the held-out split follow their stated rules."""
 
@@ -8,17 +8,16 @@ import hashlib
 import json
 import math
 import platform
-import sys
 from pathlib import Path
 
 import pytest
 
+from kvserve import LLM
+from kvserve.bench import perplexity
+from kvserve.cli import main as cli_main
 from kvserve.eval.heldout import is_heldout, stdlib_files, stdlib_root
 from kvserve.eval.perplexity import NLL, relative_difference, unigram_nll, windows
 from kvserve.model_loader.make_model import TRAINED_MODEL_DIR as TRAINED
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_ppl  # noqa: E402
 
 TEXTS = {
     "a.txt": "def add(a, b):\n    return a + b\n\n" * 30,
@@ -36,19 +35,37 @@ def text_files(tmp_path_factory) -> list[Path]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_perplexity_equals_transformers(arch, hf_checkpoints, text_files):
-    results = bench_ppl.evaluate(str(hf_checkpoints[arch]), text_files, max_tokens=700,
-                                 context=128, compare_transformers=True, use_tqdm=False,
-                                 max_num_batched_tokens=96)
+    llm = LLM(model=str(hf_checkpoints[arch]), dtype="float32", max_model_len=129,
+              max_num_batched_tokens=96)
+    results = perplexity.evaluate(llm, text_files, max_tokens=700, context=128,
+                                  compare_transformers=True, use_tqdm=False)
+    llm.engine.shutdown()
     engine, reference = results["kvserve"], results["transformers"]
     assert engine.tokens == reference.tokens > 600
     assert relative_difference(engine.perplexity, reference.perplexity) <= 1e-3
-    assert "rel. diff" in bench_ppl.table(results)
+    assert "rel. diff" in perplexity.table(results)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: transformers gets the resolved one
+def test_the_command_line_scores_what_transformers_scores(hf_checkpoints, text_files, tmp_path,
+                                                          dtype):
+    out = tmp_path / "ppl.json"
+    status = cli_main(["bench", "perplexity", str(hf_checkpoints["llama"]), "--dtype", dtype,
+                       "--files", *map(str, text_files), "--max-tokens", "300", "--context",
+                       "64", "--compare-transformers", "--disable-tqdm", "--output-json",
+                       str(out)])
+    assert status == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["kvserve"]["tokens"] == res["transformers"]["tokens"] > 250
+    assert relative_difference(res["kvserve"]["perplexity"],
+                               res["transformers"]["perplexity"]) <= 1e-3
 
 
 def test_baselines_run_through_the_same_windows(hf_checkpoints, text_files):
-    results = bench_ppl.evaluate(str(hf_checkpoints["qwen2"]), text_files[:1], max_tokens=300,
-                                 context=100, baselines=True, train_files=text_files[1:],
-                                 use_tqdm=False)
+    llm = LLM(model=str(hf_checkpoints["qwen2"]), dtype="float32", max_model_len=101)
+    results = perplexity.evaluate(llm, text_files[:1], max_tokens=300, context=100,
+                                  baselines=True, train_files=text_files[1:], use_tqdm=False)
+    llm.engine.shutdown()
     assert set(results) == {"kvserve", "unigram (train split)", "random-weight (kvserve)"}
     assert len({r.tokens for r in results.values()}) == 1
     # transformers' own init (std 0.02) is near-uniform: perplexity close to the vocabulary

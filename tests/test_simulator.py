@@ -250,8 +250,8 @@ def test_trace_round_trip_and_errors(tmp_path):
 
 
 def test_replay_rate_on_a_block_hash_trace():
-    """The 100,000-request figure is measured by benchmarks/bench_simulator.py; this is the
-    same replay at 5,000 requests."""
+    """The 100,000-request figure is `kvserve simulate --generator hash_mix --gen
+    num_requests=100000 --capacity 1M`; this is the same replay at 5,000 requests."""
     trace = hash_mix(num_requests=5000, seed=0)
     r = replay(trace, SimConfig(capacity_tokens=512 * 4000, block_size=512))
     print(f"\nhash_mix 5,000 requests: {r['elapsed_s']:.2f} s, {r['requests_per_s']:,.0f} req/s, "

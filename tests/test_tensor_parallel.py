@@ -313,10 +313,10 @@ def test_ranks_on_a_second_node(models, tmp_path):
     import subprocess
     import sys
 
-    from kvserve.parallel.executor import _free_port
+    from kvserve.ports import free_port
 
     path = models["llama"]
-    port = _free_port()
+    port = free_port()
     node = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", str(path), "-tp", "2", "--nnodes", "2",
          "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),

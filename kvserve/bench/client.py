@@ -12,7 +12,9 @@ sends none.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -30,6 +32,7 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     text: str = ""
+    headers: dict[str, str] = field(default_factory=dict)  # the response's (a gateway's replica)
 
     @property
     def tpot(self) -> float | None:
@@ -73,6 +76,26 @@ def _chunk_text(chunk: dict, chat: bool) -> str | None:
     return delta or None
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, split where the SSE spec splits them (CR, LF, CRLF) and
+    nowhere else. httpx's aiter_lines also splits at NEL, U+2028 and U+2029, which JSON leaves
+    raw and other servers (llama-server among them) send when a token decodes to one."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        # a CR that ends the chunk may be the first half of a CRLF: wait for the next chunk
+        parts = _SSE_LINE_END.split(pending[:-1] if pending.endswith("\r") else pending)
+        pending = parts.pop() + ("\r" if pending.endswith("\r") else "")
+        for line in parts:
+            yield line
+    for line in _SSE_LINE_END.split(pending):
+        if line:
+            yield line
+
+
 async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
                          headers: dict[str, str] | None = None) -> RequestResult:
     """POST `body` to `url` (a /v1/completions or /v1/chat/completions URL) and time the
@@ -82,10 +105,11 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
     last, chunks, text = res.start, 0, []
     try:
         async with http.stream("POST", url, json=body, headers=headers) as r:
+            res.headers = dict(r.headers)
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -61,7 +61,82 @@ AREAS = {
     "planner": ("Planner and simulator", "How fast the simulator replays a trace."),
     "startup-memory": ("Start-up and memory", "Time to a ready engine or server, and resident "
                        "memory per format."),
+    "reliability": ("Reliability", "Malformed requests against a live server; caches that must "
+                    "not change outputs."),
+    "accuracy": ("Accuracy against references", "Prompt logprobs, perplexity and lm-eval "
+                 "scores against transformers on the same weights."),
+    "no-slowdown": ("No-slowdown checks", "Each refactor's tree against the commit before it, "
+                    "the workers alternated (bench_vs_commit.py, removed in issue 51: git "
+                    "history)."),
 }
+# Below the index's table: what a reader needs before comparing two figures, and how to add
+# one. It replaces the notebook's preamble (docs/benchmarks.md, retired by issue 51).
+HOW_TO = """\
+## How to read them
+
+- **Ratios, one run at a time.** A ratio is kvserve's figure over the peer's, both measured in
+  the same run, the engines alternating, each in its own process. The machines are shared
+  2-vCPU VMs (an AMD EPYC Zen 4 or an Intel Xeon) whose speed swings by tens of percent within
+  minutes: read a record's machine line before comparing two records, and the ratios rather
+  than the absolute figures. The scripts measure what other processes took during each timed
+  run and re-run disturbed ones.
+- **Ceilings.** A batch-1 decode reads every weight once a token, so its ceiling is the read
+  bandwidth of a weight-sized buffer, measured in the same run; llama.cpp itself reaches
+  75-91% of it, so a decode ratio far above 1x is above the ceiling on most files. At batch 64
+  the ceiling is the projections' GEMMs alone at the best kernel per shape; a step also reads
+  its K/V, which leaves about 90% of that reachable.
+- **Targets** are the issues' acceptance figures. Where one is not met the record's notes say
+  why and what floor was measured; the topic pages ([GGUF files](../gguf.md),
+  [Quantized KV cache](../kv_quant.md), [Speculative decoding](../spec_decode.md),
+  [Documents reused anywhere](../doc_reuse.md)) say where each issue stands.
+
+## How to reproduce them
+
+- **The reference model** (ANCHORS): Qwen2 architecture, random weights (seed 0), hidden 512,
+  intermediate 1,408, 8 layers, 8 heads / 2 KV heads, vocabulary 32,000, tied embeddings,
+  float32: `kvserve make-model DIR --arch qwen2 --size small` (the scripts keep it as
+  `bench-qwen2-small` under `$KVSERVE_CACHE_DIR`). The embedded SmolLM2-135M-Instruct (a Q4_1
+  GGUF) needs nothing.
+- **The 1B-8B GGUF files** are random weights in the real models' shapes (make-model's sizes
+  `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `qwen2.5-1.5b`), converted by llama.cpp's
+  `convert_hf_to_gguf.py` and quantized by its `llama-quantize`:
+  `python -m kvserve.bench.gguf_models --llama-src DIR --shapes llama-3.2-1b`. Their logits are
+  almost flat, so perplexity and top-1 figures on them compare engines, not models.
+- **llama.cpp** is built from the llama-cpp-python 0.3.36 sdist (its vendored llama.cpp;
+  `/tmp/llsrc/llama_cpp_python-0.3.36` in the commands) with `GGML_NATIVE=ON`. On a VM whose
+  CPU reports AMX, build it without native and with AVX-512 on and AMX off (llama.cpp's AMX
+  path died with SIGILL on such a VM); the AVX2-only peer is `GGML_NATIVE=OFF GGML_AVX2=ON
+  GGML_FMA=ON GGML_F16C=ON GGML_AVX512=OFF` in `build-avx2`. Once (minutes; nice it on a
+  shared machine):
+
+      pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/llsrc
+      tar xzf /tmp/llsrc/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsrc
+      cd /tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build \\
+          -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build \\
+          -j2 --target llama-bench llama-batched-bench llama-perplexity llama-quantize \\
+          llama-server
+      python3 -m venv /tmp/lcpp && /tmp/lcpp/bin/pip install numpy typing_extensions diskcache \\
+          jinja2
+
+  llama-cpp-python needs no build of its own: its sdist's package runs on that build's
+  libllama.so (`LLAMA_CPP_LIB_PATH`; the scripts set it).
+- **transformers** 5.24 (in the project's environment) is the peer of the offline and
+  accuracy figures. `KVSERVE_CPU_ISA=avx2` (`--isa avx2`, `--cpu-isa avx2` in the scripts)
+  caps kvserve and torch's libraries to AVX2, standing in for an AVX2-only CPU.
+
+## How to add a figure
+
+1. Run the benchmark with `--record` (`grep -l add_record_arg benchmarks/*.py` lists the
+   scripts that take it): it writes `docs/figures/data/<area>/<script>.json` with the date,
+   this machine's CPU model and flags, the command and the figures, replacing the script's
+   earlier record. For a measurement no script records, write the JSON by hand in the same
+   schema (`kvserve/bench/record.py`) and say in its notes how it was taken.
+2. Run `python -m kvserve.bench.figures`: it rewrites these pages and plots (`--check` names
+   what is stale; `tests/test_figures.py` runs it). A new area also needs its line in
+   `mkdocs.yml`'s nav.
+3. Commit the record with the pages and plots. Earlier runs stay in git:
+   `git log -p -- docs/figures/data/<area>/`.
+"""
 _TARGET = re.compile(r"^\s*(>=|<=|≥|≤|>|<)\s*([0-9]*\.?[0-9]+)\s*[x×]\s*$")
 
 
@@ -134,8 +209,8 @@ def area_page(area: str, recs: list[tuple[str, Record]]) -> str:
         out += [intro, ""]
     out += ["Current figures, one section per benchmark run, newest first. A ratio is "
             "kvserve's value over the peer's; whether higher or lower is better is the "
-            "target's direction. The history of earlier passes is in git and in "
-            "[the benchmarks notebook](../benchmarks.md).", ""]
+            "target's direction. How to read and reproduce them: [Figures](index.md). "
+            f"Earlier runs are in git: `git log -p -- docs/figures/data/{area}/`.", ""]
     if plot_points(recs):
         out += [f"![ratios against the peer: {title}]({area}.png)", ""]
     for number, (_, rec) in enumerate(recs, 1):
@@ -157,6 +232,7 @@ def index_page(areas: dict[str, list[tuple[str, Record]]]) -> str:
         out.append(f"| [{_text(_title(area))}]({area}.md) | {recs[0][1].date[:10]} | "
                    f"{len(recs)} | {len(rows)} | {sum(r.met is True for r in rows)} | "
                    f"{sum(r.met is False for r in rows)} |")
+    out += ["", HOW_TO.rstrip("\n")]
     return "\n".join(out) + "\n"
 
 

@@ -1,7 +1,8 @@
 """`kvserve bench latency`: the latency of one batch through the offline `LLM`, as `vllm bench
 latency` measures it: --batch-size prompts of --input-len random tokens, each generating exactly
 --output-len tokens; --num-iters-warmup unmeasured runs, then --num-iters measured ones;
-reported: the mean and the percentiles of the batch's end-to-end latency."""
+reported: the mean and the percentiles of the batch's end-to-end latency; with --ceiling, the
+share of this machine's read bandwidth its decode steps reached (weights read once a step)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import statistics
 import sys
 
-from kvserve.bench import offline, results
+from kvserve.bench import ceilings, offline, results
 from kvserve.bench.stats import percentile
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -22,6 +23,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=2)
     p.add_argument("--num-iters", type=int, default=10)
     offline.add_common_args(p)
+    ceilings.add_ceiling_arg(p)
     results.add_result_args(p, "histogram of the iterations' latencies")
 
 
@@ -57,5 +59,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{q}% percentile latency: {v:.4f} seconds")
     print(f"output tokens/s at the median: {out['output_tokens_per_s']:.1f}; model loaded in "
           f"{load_s:.2f} s; other processes took up to {out['foreign_cores_max']:.2f} cores")
+    if args.ceiling and latencies:  # decode steps/s, the prefill included: a lower bound
+        ceilings.report(out, out["model"], step_rate=args.output_len / statistics.median(
+            latencies))
     results.finish(args, out, "latency", results.plot_latencies)
     return out

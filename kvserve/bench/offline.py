@@ -23,9 +23,14 @@ def load_llm(args: argparse.Namespace, **overrides):
 
 
 def token_prompts(llm, n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids of the engine's vocabulary."""
+    return random_prompts(n, length, llm.get_tokenizer().vocab_size, seed)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """n prompts of `length` random token ids, clear of the low ids where tokenizers keep
-    their special tokens."""
-    vocab = llm.get_tokenizer().vocab_size
+    their special tokens; the same ids for the same seed in every process (engines compared
+    in separate workers get the same prompts)."""
     rng = random.Random(seed)
     return [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(length)]
             for _ in range(n)]

@@ -14,11 +14,11 @@ cached KV).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 from kvserve.bench import offline, results
 from kvserve.bench.noise import Interference
+from kvserve.bench.stats import spread
 
 MODES = ("cold", "cached")
 
@@ -33,14 +33,6 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
                    "prefix caching off")
     offline.add_common_args(p)
     results.add_result_args(p, "bars of cold and cached TTFT per prefix length")
-
-
-def span(values: list[float]) -> dict | None:
-    """median, min, max and n of a sample."""
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
 
 
 def measure(engines: dict, prefix: list[int], measured: list[int], warming: list[int],
@@ -71,7 +63,7 @@ def measure(engines: dict, prefix: list[int], measured: list[int], warming: list
 def table_row(length: int, suffix_len: int, samples: dict[str, list[dict]]) -> dict:
     row: dict = {"prefix_len": length, "suffix_len": suffix_len, "samples": samples}
     for mode in MODES:
-        row[mode] = span([s["ttft_s"] for s in samples[mode]])
+        row[mode] = spread([s["ttft_s"] for s in samples[mode]])
         row[f"{mode}_cached_tokens"] = sorted({s["cached_tokens"] for s in samples[mode]})
     row["reduction"] = 1.0 - row["cached"]["median"] / row["cold"]["median"]
     row["speedup"] = row["cold"]["median"] / row["cached"]["median"]

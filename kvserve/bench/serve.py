@@ -24,6 +24,7 @@ import httpx
 from kvserve.bench import datasets, results, spawn
 from kvserve.bench.client import RequestResult, chat_body, completion_body, stream_request
 from kvserve.bench.stats import parse_percentiles, pct_label, summarize
+from kvserve.ports import free_port
 
 METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.base_url or args.port is not None:
         out = bench_url(args.base_url or f"http://{args.host}:{args.port}", args)
     else:
-        port = spawn.free_port()
+        port = free_port()
         cmd = spawn.kvserve_command(port, args.server_model, shlex.split(args.server_args))
         log = sys.stderr if args.server_log else None
         with spawn.server(cmd, port, args.ready_check_timeout_sec, log) as (url, _):

@@ -42,3 +42,21 @@ def summarize(values: Sequence[float], percentiles: Sequence[float]) -> dict[str
     for q in percentiles:
         out[pct_label(q)] = percentile(values, q)
     return out
+
+
+def spread(values: Sequence[float]) -> dict | None:
+    """median, min, max and n of repeated runs (None for none): what a table of runs on a
+    noisy machine shows, the median with the range it came from."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def fmt_spread(s: dict | None, digits: int = 1) -> str:
+    """"12.3 [11.9-12.8]", the median alone for one run, "-" for none."""
+    if s is None:
+        return "-"
+    if s["n"] == 1:
+        return f"{s['median']:.{digits}f}"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"

@@ -5,7 +5,7 @@ tokens and the random-weight model of the same shape (the baselines a trained mo
 Every evaluator scores the same tokens: the corpus is one token stream (each file's tokens
 followed by the tokenizer's EOS as a document separator) cut into non-overlapping windows of
 `context` tokens, and every token of a window but its first is predicted from the tokens before
-it in that window. `benchmarks/bench_ppl.py` is the command line.
+it in that window. `kvserve bench perplexity` is the command line.
 """
 
 from __future__ import annotations
@@ -82,11 +82,22 @@ def engine_nll(model_dir: str | Path, wins: Sequence[list[int]], dtype: str = "f
     """The windows' NLL through kvserve: one request per window with prompt_logprobs=0 (only
     the actual tokens' logprobs), so the chunked, batched, paged path is what is measured.
     With `top1`, prompt_logprobs=1 adds each position's most likely token."""
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
 
     context = max(len(w) for w in wins)
     engine_kwargs.setdefault("max_num_batched_tokens", max(2048, context + 1))
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=context + 1, **engine_kwargs)
+    try:
+        return llm_nll(llm, wins, use_tqdm, top1)
+    finally:
+        llm.engine.shutdown()
+
+
+def llm_nll(llm, wins: Sequence[list[int]], use_tqdm: bool = True, top1: bool = False) -> NLL:
+    """engine_nll on an engine already built (`kvserve bench perplexity`'s, from the engine
+    flags, a GGUF file as well as a directory); its max_model_len must exceed the windows."""
+    from kvserve import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(top1),
                             detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": w} for w in wins], params, use_tqdm=use_tqdm)
@@ -98,7 +109,6 @@ def engine_nll(model_dir: str | Path, wins: Sequence[list[int]], dtype: str = "f
         if top1:
             best.append(tuple(max(entries[i], key=entries[i].__getitem__)
                               for i in range(1, len(w))))
-    llm.engine.shutdown()
     return NLL(total, num_predicted(wins), tuple(best) if top1 else None)
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """GGUF files of the sizes CPU users run, made locally: random-weight checkpoints of the
 Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B and Qwen2.5-1.5B shapes (`kvserve make-model`'s
 sizes of those names, bf16, sharded), converted by llama.cpp's own `convert_hf_to_gguf.py`
@@ -11,11 +10,12 @@ every file shares one vocabulary: the Llama shapes take its size, the Qwen shape
 151,936 rows (the converter pads the vocabulary with [PAD] tokens), as the balance between
 the LM head and the layers is part of what a Qwen file measures.
 
-Needs a llama.cpp build (bench_quant_llamacpp.py's set-up: the llama-cpp-python 0.3.36
+The peer comparisons with llama.cpp in benchmarks/ call `ensure`. Needs a llama.cpp build
+(benchmarks/bench_quant_llamacpp.py's set-up: the llama-cpp-python 0.3.36
 sdist's vendored tree, built with `--target llama-quantize ...`) and `sentencepiece`
 importable (the converter imports it).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/make_gguf_models.py \\
+    PYTHONPATH=$PWD .venv/bin/python -m kvserve.bench.gguf_models \\
         --llama-src /tmp/llsrc/llama_cpp_python-0.3.36 --shapes llama-3.2-1b \\
         --types Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0
 """
@@ -67,12 +67,18 @@ def make_checkpoint(shape: str, out: Path) -> None:
     tmp.rename(out)
 
 
-def convert(tree: Path, model_dir: Path, gguf: Path, outtype: str = "bf16") -> None:
+def convert(tree: Path, model_dir: Path, gguf: Path, outtype: str = "bf16",
+            pre: str | None = None) -> None:
     """llama.cpp's convert_hf_to_gguf.py, in this interpreter (it needs torch, numpy,
-    sentencepiece) with the tree's own gguf-py first on the path."""
+    sentencepiece) with the tree's own gguf-py first on the path. `pre`: the pre-tokenizer to
+    declare where llama.cpp does not recognise the checkpoint's (a locally made BPE; harmless
+    where a benchmark feeds token ids, so the pre-tokenizer never runs)."""
+    patch = ("import conversion.base as base\n"
+             f"base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}\n"
+             if pre else "")
     shim = ("import runpy, sys\n"
             f"root = {str(tree)!r}\n"
-            "sys.path[:0] = [root, root + '/gguf-py']\n"
+            "sys.path[:0] = [root, root + '/gguf-py']\n" + patch +
             "sys.argv = [root + '/convert_hf_to_gguf.py'] + sys.argv[1:]\n"
             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     tmp = gguf.with_suffix(".tmp")

@@ -1,18 +1,16 @@
-"""Memory soak: does a long-running `kvserve serve` keep its RSS flat under concurrent load?
+"""`kvserve bench soak`: does a long-running `kvserve serve` keep its RSS flat under concurrent
+load?
 
-    python benchmarks/soak_memory.py                         # 30 minutes, 256 clients per round
-    python benchmarks/soak_memory.py --minutes 5 --abort-fraction 0.25 --out-dir /tmp/soak
-
-It starts a real server process on 127.0.0.1 with the embedded default model (made locally, no
-network), then runs rounds until `--minutes` have passed: each round sends `--concurrency`
-streaming completions at once, a fraction of which (`--abort-fraction`) disconnect mid-stream
+It starts a real server process on 127.0.0.1 (the embedded default model unless --server-args
+names another), then runs rounds until --minutes have passed: each round sends --concurrency
+streaming completions at once, a fraction of which (--abort-fraction) disconnect mid-stream
 after their first chunks, as impatient clients do. After each round it waits for the engine to
 be idle, lets the server settle, and reads the server's VmRSS from /proc/PID/status.
 
-Written to `--out-dir`: rounds.csv (one line per round), summary.json, the server log; the plot
-of RSS per round goes to `--plot` (default docs/soak_rss.png). The verdict compares every round
-after the warm-up with the RSS at the end of the warm-up: flat if all stay within `--tolerance`
-(5%), and gives the least-squares slope of the post-warm-up rounds.
+Written to --out-dir: rounds.csv (one line per round), summary.json, the server log and the
+plot of RSS per round (--plot, default OUT_DIR/soak_rss.png). The verdict compares every round
+after the warm-up with the RSS at the end of the warm-up: flat if all stay within --tolerance
+(5%), and gives the least-squares slope of the post-warm-up rounds. Exit status 1 if not flat.
 
 Every prompt is new (random words), so the prefix cache keeps receiving new blocks: the cache
 fills its KV pool once and then evicts, which is the steady state of a long-running server.
@@ -24,17 +22,18 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from kvserve.bench import spawn
+from kvserve.bench.client import sse_lines
+from kvserve.ports import free_port
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu kernel "
@@ -55,56 +54,6 @@ class Round:
     rss_anon_kb: int
     hwm_kb: int
     threads: int
-
-
-# ------------------------------------------------------------------------------------------
-# the server process
-# ------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """Start `kvserve serve` on a free local port and wait for /health."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--num-threads", str(args.num_threads), *args.server_args.split()]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
-    if args.debug_memory:
-        env["KVSERVE_DEBUG_MEMORY"] = args.debug_memory
-    for item in args.server_env:
-        key, _, value = item.partition("=")
-        env[key] = value
-    print(f"starting: {' '.join(cmd)}", flush=True)
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"the server did not come up in 300 s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -150,7 +99,7 @@ async def one_request(http: httpx.AsyncClient, url: str, prompt: str, max_tokens
             if r.status_code != 200:
                 await r.aread()
                 return "error"
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
@@ -289,17 +238,32 @@ def read_rounds(path: Path) -> list[Round]:
                          for k, v in row.items()}) for row in csv.DictReader(f)]
 
 
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The server's environment: its threads, --debug-memory and --server-env pairs."""
+    env = {"OMP_NUM_THREADS": str(args.num_threads)}
+    if args.debug_memory:
+        env["KVSERVE_DEBUG_MEMORY"] = args.debug_memory
+    for item in args.server_env:
+        key, _, value = item.partition("=")
+        env[key] = value
+    return env
+
+
 def run_soak(args: argparse.Namespace, out: Path) -> tuple[list[Round], int]:
     """Start the server, run rounds for `--minutes`; the rounds and the RSS at start (kB)."""
     from tqdm import tqdm
 
-    proc, url = start_server(args, out / "server.log")
+    port = free_port()
+    cmd = spawn.kvserve_command(port, None, ["--max-model-len", str(args.max_model_len),
+                                             "--num-threads", str(args.num_threads),
+                                             *args.server_args.split()])
     rng = random.Random(args.seed)
     rounds: list[Round] = []
     # SIGTERM (kill, nohup'd runs) ends the rounds like Ctrl-C: the server is stopped and what
     # was measured so far is still summarised and plotted.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+    with open(out / "server.log", "wb") as log, \
+            spawn.server(cmd, port, log=log, env=server_env(args)) as (url, proc):
         start = proc_status(proc.pid)
         print(f"server pid {proc.pid}, RSS at start {start['VmRSS'] / 1024:.1f} MiB", flush=True)
         t0 = time.monotonic()
@@ -324,13 +288,10 @@ def run_soak(args: argparse.Namespace, out: Path) -> tuple[list[Round], int]:
             if proc.poll() is not None:
                 raise SystemExit(f"the server died (exit {proc.returncode})")
         bar.close()
-    finally:
-        stop_server(proc)
     return rounds, start["VmRSS"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="run rounds for this long")
     p.add_argument("--concurrency", type=int, default=256, help="requests per round, all at once")
     p.add_argument("--abort-fraction", type=float, default=0.25,
@@ -354,16 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="soak-out")
-    p.add_argument("--plot", default="docs/soak_rss.png")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="the RSS plot (default: OUT_DIR/soak_rss.png)")
     p.add_argument("--title", default=None)
     p.add_argument("--compare", action="append", default=[], metavar="CSV=LABEL",
                    help="overlay the RSS of another run's rounds.csv on the plot; repeatable")
     p.add_argument("--from-csv", default=None, metavar="CSV",
                    help="start no server: summarise and plot this rounds.csv again")
-    args = p.parse_args(argv)
-    if not 0.0 <= args.abort_fraction <= 1.0:
-        p.error("--abort-fraction must be in [0, 1]")
 
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.abort_fraction <= 1.0:
+        raise SystemExit("--abort-fraction must be in [0, 1]")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.from_csv:
@@ -388,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.compare:
         path, _, label = item.partition("=")
         compare.append((label or path, read_rounds(Path(path))))
-    plot(rounds, summary, Path(args.plot), title, compare)
+    plot_path = Path(args.plot) if args.plot else out / "soak_rss.png"
+    plot(rounds, summary, plot_path, title, compare)
     mib = 1 / 1024
     print(f"rounds {len(rounds)} in {summary['duration_s'] / 60:.1f} min, "
           f"{summary['requests']} requests ({summary['errors']} errors)")
@@ -399,9 +363,5 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['max_deviation_pct']:.2f}%, slope {summary['slope_kb_per_round']:+.1f} "
           f"kB/round ({summary['slope_mb_per_hour']:+.2f} MiB/h)")
     print(f"VERDICT: RSS {'FLAT' if summary['flat'] else 'NOT flat'} within "
-          f"{summary['tolerance_pct']:.0f}% after warm-up; plot {args.plot}")
+          f"{summary['tolerance_pct']:.0f}% after warm-up; plot {plot_path}")
     return 0 if summary["flat"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
