@@ -31,7 +31,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 # A CPU step's activations are float32 for every token it computes: an 8,192-token prompt in
 # one step held ~300 MB of them beside its KV on the 1B Llama shape (~37 KB a token); in chunks
-# of 2,048 the peak fell by 126 MB and the prefill ran no slower (docs/benchmarks.md, issue 48).
+# of 2,048 the peak fell by 126 MB and the prefill ran no slower (docs/figures/startup-memory.md).
 CPU_LONG_PREFILL_TOKENS = 2048
 # On a CPU the "device memory" is the machine's RAM, shared with everything else; vLLM's CPU
 # backend reserves a fixed KV space (4 GiB by default) instead of a fraction for the same reason.

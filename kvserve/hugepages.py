@@ -5,7 +5,8 @@ and, at batch 64, ~100 MB of K/V scattered over cache blocks. On 4 KiB pages tha
 page walk per 4 KiB read; the hardware prefetchers also stop at 4 KiB boundaries. Where the
 kernel hands out transparent huge pages only on request (`enabled` = madvise, the common
 default), torch's allocations never get them. Measured on this project's 2-vCPU Xeon: batch-1
-decode 4.74 -> 4.37 ms per token, batch-64 decode attention ~7% faster (docs/benchmarks.md).
+decode 4.74 -> 4.37 ms per token, batch-64 decode attention ~7% faster (issue 18's
+third pass: `git show 9b55a61:docs/benchmarks.md`).
 
 `empty` gives such memory: a private anonymous mapping of the tensor's own, 2 MiB aligned,
 asked for huge pages (MADV_HUGEPAGE) before anything touches it, so each first touch faults in

@@ -3,8 +3,8 @@ blended requests is also computed without blending, and their next-token distrib
 compared.
 
 Why: blending trades exactness for time, and how much it gives up depends on the model (small
-models, whose attention spreads over the whole context, lose more: docs/benchmarks.md has the
-figures) and on the workload. Measured on the served traffic, not assumed: when the mean
+models, whose attention spreads over the whole context, lose more: docs/figures/doc-reuse.md has
+the figures) and on the workload. Measured on the served traffic, not assumed: when the mean
 divergence passes the threshold after `min_audits` audits, blending turns itself off (logged;
 requests are then computed exactly), as the hit audits (engine/audit.py) drop a bad block.
 

@@ -13,7 +13,7 @@ unknown key is refused by name rather than silently ignored.
   the first layers, and after layer `check_layer` each span keeps the tokens whose fresh K/V
   differ most from the stored. On SmolLM2's RAG workload "first" kept as many answers
   identical or more, and the exact answers' log-likelihood closer, at a lower cost
-  (docs/benchmarks.md); kvserve/blend/select.py says why.
+  (docs/figures/doc-reuse.md); kvserve/blend/select.py says why.
 * `check_layer` (LMCache's `blend_check_layers`, one layer): the layer whose K/V deviation
   chooses (0 would see none: a token's first-layer K/V do not depend on its context).
 * `anchor`: what a document is computed behind. "prefix" (the default): the request's own
@@ -21,7 +21,7 @@ unknown key is refused by name rather than silently ignored.
   seen the instructions every request puts before it and lacks only the other documents;
   "separator": a fixed short separator (CacheBlend's position-independent chunk), reusable
   behind any prefix. On SmolLM2's RAG workload "prefix" moved the log-likelihood of the exact
-  answers 2.7% against 6.5% (docs/benchmarks.md); a document is then stored once per prefix.
+  answers 2.7% against 6.5% (docs/doc_reuse.md); a document is then stored once per prefix.
 * `audit_rate`: the fraction of blended requests whose first token's distribution is also
   computed without blending and compared (kvserve/blend/audit.py); 0 turns audits off.
 * `audit_threshold`: the audited divergence (KL of the blended next-token distribution from

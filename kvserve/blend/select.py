@@ -13,8 +13,8 @@ first layers; after layer `check_layer` the worker (kvserve/worker/row_select.py
 placed token's fresh K/V with the stored ones and keeps, per document, the tokens that deviate
 most; the other rows leave the forward there and keep their stored K/V in the later layers.
 
-Measured on SmolLM2-135M's RAG workload (docs/benchmarks.md, "Documents reused anywhere in the
-prompt"): at 15% and 30% "first" kept as many greedy answers identical (45% / 55% against 50% /
+Measured on SmolLM2-135M's RAG workload (docs/figures/doc-reuse.md, "Answers identical to full
+recompute"): at 15% and 30% "first" kept as many greedy answers identical (45% / 55% against 50% /
 40%) and the exact answers' log-likelihood closer (+3.1% / +2.1% against +3.7% / +3.7%) while
 computing fewer rows; neither reaches what choosing by the true final deviation reaches (an
 oracle: 50% / 58%), so layer 1's deviation is a poor predictor of it on this model.

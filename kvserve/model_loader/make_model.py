@@ -51,7 +51,7 @@ _SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=32768, tie_word_embeddings=False),
-    # The shapes CPU users run as GGUF files (benchmarks/make_gguf_models.py converts them
+    # The shapes CPU users run as GGUF files (kvserve/bench/gguf_models.py converts them
     # with llama.cpp's own tools; the speed-at-scale figures are taken on them).
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,

@@ -1,6 +1,6 @@
 """Opt-in memory diagnostics for a running server: `KVSERVE_DEBUG_MEMORY=1 kvserve serve ...`.
 
-Why: a memory soak (benchmarks/soak_memory.py) can tell that RSS grows, not what grows. With
+Why: a memory soak (`kvserve bench soak`) can tell that RSS grows, not what grows. With
 this opt-in the server answers `GET /debug/memory` with:
 the top allocation sites that grew since the previous call, the Python object counts by type
 that grew, the sizes of the engine's per-request maps (which must be empty when idle), and

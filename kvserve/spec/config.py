@@ -28,8 +28,8 @@ METHODS = ("ngram", "suffix", "draft_model")
 BUILT = METHODS
 # draft_model's default disable_by_batch_size: drafting costs k draft forwards per request and
 # step, run request by request, so its cost grows with the batch while the target's step grows
-# far less (docs/benchmarks.md, "draft_model": SmolLM2 drafting for itself fell from 0.68x at
-# 2 requests to 0.24x at 8). A conservative limit, not a measured crossing (no smaller draft of
+# far less (docs/figures/spec-decode.md, the draft_model run: SmolLM2 drafting for itself fell
+# from 0.68x at 2 requests to 0.24x at 8). A conservative limit, not a measured crossing (no smaller draft of
 # SmolLM2's tokenizer was at hand); the step timer stops drafting that does not pay below it.
 DRAFT_MODEL_BATCH_LIMIT = 4
 # Keys every method takes, and each method's own.

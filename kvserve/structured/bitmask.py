@@ -23,9 +23,9 @@ def apply_bitmask(work: torch.Tensor, token_bitmask: torch.Tensor,
     On the CPU (`backend` None or "numpy"): NumPy, in place, no torch thread pool involved: each
     byte of the packed mask picks its 8 additive biases (0 or -inf) from a 256-entry table.
     That measured 1.4-1.8x faster than xgrammar's CPU kernel (`apply_token_bitmask_inplace`,
-    docs/benchmarks.md), so xgrammar's kernels serve the other devices only: Triton on CUDA
-    (the bitmask, a few kB, is copied over instead of the logits being unpacked against on the
-    host), plain torch elsewhere. `backend` names one of xgrammar's for tests."""
+    docs/figures/structured-outputs.md), so xgrammar's kernels serve the other devices only:
+    Triton on CUDA (the bitmask, a few kB, is copied over instead of the logits being unpacked
+    against on the host), plain torch elsewhere. `backend` names one of xgrammar's for tests."""
     vocab, words = work.shape[1], token_bitmask.shape[1]
     at = [j for j, _ in rows]
     picked = [r for _, r in rows]
