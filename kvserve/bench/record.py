@@ -3,9 +3,9 @@
 docs/benchmarks.md (retired by issue 51) grew into a lab notebook: every pass appended, and a
 reader could not tell which figure is today's. A record holds one run's current figures with
 what makes them readable on their own: the date, the machine (CPU model and SIMD flags), the
-exact command and the peer it was measured against. `python -m kvserve.bench.figures` renders every record
-under docs/figures/data/<area>/ into one page per area; a newer run of the same benchmark
-overwrites its record, so the page shows the current figure and git keeps the history.
+exact command and the peer it was measured against. `python -m kvserve.bench.figures` renders
+every record under docs/figures/data/<area>/ into one page per area; a newer run of the same
+benchmark overwrites its record, so the page shows the current figure and git keeps the history.
 
     {"area": "prefix-caching", "title": "...", "date": "2026-11-30",
      "machine": "AMD EPYC (2 logical CPUs) | AVX2 yes, ...", "command": "python ...",
