@@ -15,7 +15,8 @@ from kvserve.diagnose import synth
 from kvserve.diagnose.analyze import cleaned_records, diagnose, find_spans
 from kvserve.diagnose.classify import classify
 from kvserve.diagnose.divergence import Divergence, common_prefix
-from kvserve.diagnose.log import LogRecord, RequestLog, read_log, request_body
+from kvserve.diagnose.log import (LogRecord, RequestLog, read_log, request_body,
+                                  write_openai_log)
 from kvserve.diagnose.normalize import FixContext, make_fix
 from kvserve.diagnose.render import load_tokenizer, render_all
 from kvserve.model_loader.make_model import ensure_default_model
@@ -182,6 +183,21 @@ def test_request_log_write_failure_is_not_fatal(tmp_path, caplog):
     log.write({"a": 1})
     log.close()
     assert "request log" in caplog.text
+
+
+@pytest.mark.parametrize("breaker", ["\x85", "\u2028", "\u2029"])
+def test_request_log_lines_survive_unicode_line_splitters(tmp_path, breaker):
+    """A prompt holding a character str.splitlines() ends a line at: the server's log and a
+    cleaned log both stay one record a line, and read back unchanged."""
+    text = f"before{breaker}after"
+    log = ServerRequestLog(tmp_path / "served.jsonl", {"block_size": 16})
+    log.write({"prompt": text})
+    log.close()
+    cleaned = tmp_path / "cleaned.jsonl"
+    write_openai_log([LogRecord(0, prompt=text)], cleaned)
+    for path in (tmp_path / "served.jsonl", cleaned):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert json.loads(lines[-1])["prompt"] == text, path.name
 
 
 def test_cli_json_and_plot(tmp_path, tiny, capsys):

@@ -17,12 +17,11 @@ the user has; what diagnose needs from any of them is the prompt as the client s
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.jsonl import read_jsonl
+from kvserve.jsonl import json_line, read_jsonl
 
 
 @dataclass
@@ -182,4 +181,4 @@ def write_openai_log(records: list[LogRecord], path: str | Path) -> None:
     """OpenAI-format JSONL of the records' request bodies (what a cleaned log is written as)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
-            f.write(json.dumps(request_body(r), ensure_ascii=False) + "\n")
+            f.write(json_line(request_body(r)) + "\n")

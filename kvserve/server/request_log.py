@@ -19,13 +19,13 @@ into failed requests.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from kvserve.jsonl import json_line
 from kvserve.server.protocol import ChatCompletionRequest
 
 logger = logging.getLogger("kvserve")
@@ -59,7 +59,7 @@ class RequestLog:
         if self._file is None:
             return
         try:
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+            line = json_line(record) + "\n"
             with self._lock:
                 self._file.write(line)
                 self._file.flush()

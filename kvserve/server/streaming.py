@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-
-# Characters JSON leaves raw that Python's str.splitlines() (and so httpx's aiter_lines, and
-# any client splitting on Unicode line boundaries) treats as line ends: NEL, LINE SEPARATOR,
-# PARAGRAPH SEPARATOR. The SSE spec splits only on CR/LF, but a sampled token that decodes to
-# one of these would cut a client's event in two, so they go out as JSON escapes.
-_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
-                                "\u2029": "\\u2029"})
-
-
-def sse_json(obj: Any) -> str:
-    """`obj` as compact JSON that stays on one line for every client's line splitter."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS)
+from kvserve.jsonl import json_line
 
 
 def sse(obj: Any, event: str | None = None) -> str:
-    """One server-sent event carrying `obj` as compact JSON (named `event` if given)."""
+    """One server-sent event carrying `obj` as compact JSON on one line (kvserve.jsonl), named
+    `event` if given."""
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {sse_json(obj)}\n\n"
+    return f"{head}data: {json_line(obj)}\n\n"
 
 
 class _EventStreamResponse(StreamingResponse):
