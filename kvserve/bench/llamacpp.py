@@ -9,10 +9,11 @@ only its workload (issue 51)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from kvserve.bench.harness import worker_env
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
@@ -36,7 +37,7 @@ def python_env(llama_src: str | Path | None, threads: int,
     """The environment of llama-cpp-python's interpreter: the project's PYTHONPATH dropped;
     with `llama_src` (an sdist), its Python package on that build's libllama.so, so no pip
     build is needed; `lib_dir` picks another build's libllama.so (an AVX2-only one)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env = worker_env(threads)
     env.pop("PYTHONPATH", None)
     if llama_src:
         env["PYTHONPATH"] = str(llama_src)
