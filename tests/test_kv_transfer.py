@@ -156,11 +156,11 @@ def test_a_transfer_cut_part_way_recomputes_the_rest(llama, pair, monkeypatch):
     served = []
     original = peer_module.encode
 
-    def two_then_die(key, data):
+    def two_then_die(key, data, **kw):
         served.append(key)
         if len(served) > 2:
             raise ConnectionResetError("producer gone")
-        return original(key, data)
+        return original(key, data, **kw)
 
     monkeypatch.setattr(peer_module, "encode", two_then_die)
     pulled, errors = _fault_run(llama, pair, seed=9)
@@ -171,8 +171,8 @@ def test_a_transfer_cut_part_way_recomputes_the_rest(llama, pair, monkeypatch):
 def test_a_corrupted_chunk_is_caught_and_recomputed(llama, pair, monkeypatch):
     original = peer_module.encode
 
-    def flip(key, data):
-        blob = bytearray(original(key, data))
+    def flip(key, data, **kw):
+        blob = bytearray(original(key, data, **kw))
         blob[-1] ^= 0x40  # one payload byte: the checksum no longer matches
         return bytes(blob)
 
@@ -188,9 +188,9 @@ def test_a_hanging_producer_costs_the_transfer_timeout(llama, monkeypatch):
     release = threading.Event()
     original = peer_module.encode
 
-    def hang(key, data):
+    def hang(key, data, **kw):
         release.wait(10)
-        return original(key, data)
+        return original(key, data, **kw)
 
     try:
         prompts = _prompts(1, seed=11)

@@ -26,7 +26,7 @@ class KVTransfer:
         self.tiers = tiers
         self.server: PeerServer | None = None
         if config is not None and config.serves_peers:
-            self.server = PeerServer(tiers.host, config.kv_ip, config.kv_port)
+            self.server = PeerServer(tiers.host, config.kv_ip, config.kv_port, tiers.auth_key)
             config.kv_port = self.server.address[1]  # kv_port 0: the port the system chose
 
     def peer_for(self, params: SamplingParams) -> str | None:
