@@ -4,8 +4,9 @@ A producer serves its host tier's chunks to consumers (kv/tiers/peer.py's `PeerS
 `kvserve` connector) and answers a `do_remote_decode` request with the `kv_transfer_params` a
 consumer needs; a consumer turns a request's `kv_transfer_params` into the producer it
 prefetches the prompt's chunks from, which must be one of the producers its configuration
-lists. Requests are checked here when they are added, so a
-request that asks for a transfer this instance cannot do is a clear ValueError, queued nowhere.
+lists. Requests are checked here when they are added, so a request that asks for a transfer
+this instance cannot do, or names a producer it does not know, is a clear ValueError, queued
+nowhere and dialling nothing.
 """
 
 from __future__ import annotations
