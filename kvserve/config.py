@@ -154,7 +154,8 @@ class EngineConfig:
                                    "with kv_connector (kvserve: pull over TCP; redis: a shared "
                                    "Redis tier), kv_role (kv_producer, kv_consumer, kv_both), "
                                    "kv_ip, kv_port, kv_buffer_size, kv_connector_extra_config "
-                                   "(redis_url, chunk_size, transfer_timeout); "
+                                   "(redis_url, chunk_size, transfer_timeout; a consumer's "
+                                   "producers, the only ones it pulls from; auth_key_file); "
                                    "kvserve/kv/tiers/transfer.py", metavar="JSON")
 
     # None = no speculation; from Python also a dict or a SpeculativeConfig.

@@ -93,6 +93,15 @@ def test_replicas_parse_and_share_the_redis_tier():
         f"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
 
 
+def test_replicas_share_one_kv_auth_key():
+    """Issue 63: chunks in the shared Redis carry a MAC; a pod with a key of its own would
+    reject (and delete) every other pod's chunks, so all take the one key from a Secret, and
+    a missing Secret stops the pod instead of splitting the tier."""
+    env = {e["name"]: e for e in _container(_by_kind("StatefulSet")["kvserve-replica"])["env"]}
+    ref = env["KVSERVE_KV_AUTH_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "kvserve-kv-auth-key", "key": "kv-auth-key"}
+
+
 @pytest.mark.parametrize("kind,name", [("StatefulSet", "kvserve-replica"),
                                        ("Deployment", "kvserve-gateway")])
 def test_readiness_on_health_and_prometheus_annotations(kind, name):

@@ -29,17 +29,22 @@ def _serve(name: str, log_dir, *extra: str) -> Proc:
                        "--disable-log-stats", *extra], free_port(), log_dir)
 
 
-def _transfer(role: str, port: int = 0) -> list[str]:
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "kvserve", "kv_role": role,
-                                                "kv_port": port})]
+def _transfer(role: str, port: int = 0, producers: tuple[str, ...] = ()) -> list[str]:
+    """The flag for this role; a consumer pulls only from the `producers` it is given."""
+    cfg = {"kv_connector": "kvserve", "kv_role": role, "kv_port": port}
+    if producers:
+        cfg["kv_connector_extra_config"] = {"producers": list(producers)}
+    return ["--kv-transfer-config", json.dumps(cfg)]
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("disagg-logs")
+    kv_port = free_port()
     procs = {"colocated": _serve("colocated", log_dir),
-             "producer": _serve("producer", log_dir, *_transfer("kv_producer", free_port())),
-             "consumer": _serve("consumer", log_dir, *_transfer("kv_consumer"))}
+             "producer": _serve("producer", log_dir, *_transfer("kv_producer", kv_port)),
+             "consumer": _serve("consumer", log_dir,
+                                *_transfer("kv_consumer", producers=(f"127.0.0.1:{kv_port}",)))}
     try:
         for p in procs.values():
             p.wait_ready()

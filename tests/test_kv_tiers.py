@@ -44,6 +44,7 @@ HF_VOCAB = 512
 NEW = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 CHUNK = 32  # tokens: two 16-token blocks
+KEY = b"test-kv-auth-key-" * 2  # the chunk MAC's key in the format tests
 DOC, QUESTION = 150, 10  # a prompt = document + question: 4 whole chunks are loadable
 POOL_TOKENS = 192  # 12 blocks: one request at a time, each evicting the one before
 
@@ -357,7 +358,8 @@ def test_chunks_round_trip(serde, dtype):
     identity = ChunkIdentity("m", dtype, 2, 2, 4, 16, 32)
     data = chunk_tensor(identity)
     key = identity.key(123)
-    back = decode(key, encode(key, data, serde), dtype, identity.shape)
+    back = decode(key, encode(key, data, serde, auth_key=KEY), dtype, identity.shape,
+                  auth_key=KEY)
     assert back.dtype == dtype and torch.equal(back, data)
 
 
@@ -366,23 +368,23 @@ def test_chunks_round_trip(serde, dtype):
 def test_any_single_byte_corruption_is_caught(data):
     serde = data.draw(st.sampled_from(["naive", "zlib"]))
     key = IDENTITY.key(7)
-    blob = encode(key, chunk_tensor(), serde)
+    blob = encode(key, chunk_tensor(), serde, auth_key=KEY)
     at = data.draw(st.integers(0, len(blob) - 1))
     flip = data.draw(st.integers(1, 255))
     bad = blob[:at] + bytes([blob[at] ^ flip]) + blob[at + 1:]
     with pytest.raises(CorruptChunkError):
-        decode(key, bad, IDENTITY.dtype, IDENTITY.shape)
+        decode(key, bad, IDENTITY.dtype, IDENTITY.shape, auth_key=KEY)
     cut = data.draw(st.integers(0, len(blob) - 1))
     with pytest.raises(CorruptChunkError):
-        decode(key, blob[:cut], IDENTITY.dtype, IDENTITY.shape)
+        decode(key, blob[:cut], IDENTITY.dtype, IDENTITY.shape, auth_key=KEY)
 
 
 def test_a_chunk_under_the_wrong_key_or_shape_is_refused():
-    blob = encode(IDENTITY.key(1), chunk_tensor())
+    blob = encode(IDENTITY.key(1), chunk_tensor(), auth_key=KEY)
     with pytest.raises(CorruptChunkError, match="another key"):
-        decode(IDENTITY.key(2), blob, IDENTITY.dtype, IDENTITY.shape)
+        decode(IDENTITY.key(2), blob, IDENTITY.dtype, IDENTITY.shape, auth_key=KEY)
     with pytest.raises(CorruptChunkError, match="expected"):
-        decode(IDENTITY.key(1), blob, torch.bfloat16, IDENTITY.shape)
+        decode(IDENTITY.key(1), blob, torch.bfloat16, IDENTITY.shape, auth_key=KEY)
 
 
 def test_keys_name_model_dtype_and_layout():
@@ -413,7 +415,7 @@ def test_host_store_is_lru_within_its_budget():
 
 def test_disk_store_survives_restart_and_finds_others_files(tmp_path):
     stats = TierStats()
-    blob = encode(IDENTITY.key(1), chunk_tensor())
+    blob = encode(IDENTITY.key(1), chunk_tensor(), auth_key=KEY)
     a = DiskStore(str(tmp_path), 10 * len(blob), stats)
     assert a.put("k1", blob) and a.put("k2", blob)
     b = DiskStore(str(tmp_path), 10 * len(blob), stats)  # a restart: the index is rebuilt
@@ -435,7 +437,7 @@ def test_concurrent_writers_of_one_key_are_safe(tmp_path):
 
     key = IDENTITY.key(9)
     data = chunk_tensor()
-    blob = encode(key, data)
+    blob = encode(key, data, auth_key=KEY)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_write_same_key, args=(str(tmp_path), blob, 200))
              for _ in range(2)]
@@ -446,7 +448,8 @@ def test_concurrent_writers_of_one_key_are_safe(tmp_path):
     while any(p.is_alive() for p in procs):
         got = reader.get("shared")
         if got is not None:
-            assert torch.equal(decode(key, got, IDENTITY.dtype, IDENTITY.shape), data)
+            back = decode(key, got, IDENTITY.dtype, IDENTITY.shape, auth_key=KEY)
+            assert torch.equal(back, data)
             seen += 1
     for p in procs:
         p.join()

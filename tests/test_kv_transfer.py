@@ -29,8 +29,13 @@ def _prompts(n: int, seed: int = 0, shared: list[int] | None = None) -> list[lis
             for _ in range(n)]
 
 
-def _llm(model, role: str, connector: str = "kvserve", **extra) -> LLM:
+def _llm(model, role: str, connector: str = "kvserve", producer: LLM | None = None,
+         **extra) -> LLM:
+    """An instance of this role; a consumer pulls from `producer` (its only configured one)."""
     cfg = {"kv_connector": connector, "kv_role": role, "kv_port": 0}
+    if producer is not None:
+        host, port = producer.engine.transfer.server.address
+        extra["producers"] = [f"{host}:{port}"]
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return LLM(model=str(model), dtype="float32", block_size=BLOCK, max_model_len=256,
@@ -57,7 +62,8 @@ def llama(hf_checkpoints):
 
 @pytest.fixture(scope="module")
 def pair(llama):
-    producer, consumer = _llm(llama, "kv_producer"), _llm(llama, "kv_consumer")
+    producer = _llm(llama, "kv_producer")
+    consumer = _llm(llama, "kv_consumer", producer=producer)
     yield producer, consumer
     producer.engine.shutdown()
     consumer.engine.shutdown()
@@ -137,7 +143,8 @@ def _fault_run(llama, pair, seed: int) -> tuple[int, dict]:
 
 
 def test_a_dead_producer_means_a_recompute(llama):
-    producer, consumer = _llm(llama, "kv_producer"), _llm(llama, "kv_consumer")
+    producer = _llm(llama, "kv_producer")
+    consumer = _llm(llama, "kv_consumer", producer=producer)
     try:
         prompts = _prompts(3, seed=8)
         transfer = _prefill(producer, prompts)
@@ -156,11 +163,11 @@ def test_a_transfer_cut_part_way_recomputes_the_rest(llama, pair, monkeypatch):
     served = []
     original = peer_module.encode
 
-    def two_then_die(key, data):
+    def two_then_die(key, data, **kw):
         served.append(key)
         if len(served) > 2:
             raise ConnectionResetError("producer gone")
-        return original(key, data)
+        return original(key, data, **kw)
 
     monkeypatch.setattr(peer_module, "encode", two_then_die)
     pulled, errors = _fault_run(llama, pair, seed=9)
@@ -171,8 +178,8 @@ def test_a_transfer_cut_part_way_recomputes_the_rest(llama, pair, monkeypatch):
 def test_a_corrupted_chunk_is_caught_and_recomputed(llama, pair, monkeypatch):
     original = peer_module.encode
 
-    def flip(key, data):
-        blob = bytearray(original(key, data))
+    def flip(key, data, **kw):
+        blob = bytearray(original(key, data, **kw))
         blob[-1] ^= 0x40  # one payload byte: the checksum no longer matches
         return bytes(blob)
 
@@ -184,13 +191,13 @@ def test_a_corrupted_chunk_is_caught_and_recomputed(llama, pair, monkeypatch):
 
 def test_a_hanging_producer_costs_the_transfer_timeout(llama, monkeypatch):
     producer = _llm(llama, "kv_producer")
-    consumer = _llm(llama, "kv_consumer", transfer_timeout=0.5)
+    consumer = _llm(llama, "kv_consumer", producer=producer, transfer_timeout=0.5)
     release = threading.Event()
     original = peer_module.encode
 
-    def hang(key, data):
+    def hang(key, data, **kw):
         release.wait(10)
-        return original(key, data)
+        return original(key, data, **kw)
 
     try:
         prompts = _prompts(1, seed=11)

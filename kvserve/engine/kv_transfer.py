@@ -3,8 +3,10 @@
 A producer serves its host tier's chunks to consumers (kv/tiers/peer.py's `PeerServer`, the
 `kvserve` connector) and answers a `do_remote_decode` request with the `kv_transfer_params` a
 consumer needs; a consumer turns a request's `kv_transfer_params` into the producer it
-prefetches the prompt's chunks from. Requests are checked here when they are added, so a
-request that asks for a transfer this instance cannot do is a clear ValueError, queued nowhere.
+prefetches the prompt's chunks from, which must be one of the producers its configuration
+lists. Requests are checked here when they are added, so a request that asks for a transfer
+this instance cannot do, or names a producer it does not know, is a clear ValueError, queued
+nowhere and dialling nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from typing import Any
 
 from kvserve.kv.tiers.peer import PeerServer
-from kvserve.kv.tiers.transfer import KVTransferConfig, peer_of
+from kvserve.kv.tiers.transfer import KVTransferConfig
 from kvserve.sampling import SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -26,12 +28,13 @@ class KVTransfer:
         self.tiers = tiers
         self.server: PeerServer | None = None
         if config is not None and config.serves_peers:
-            self.server = PeerServer(tiers.host, config.kv_ip, config.kv_port)
+            self.server = PeerServer(tiers.host, config.kv_ip, config.kv_port, tiers.auth_key)
             config.kv_port = self.server.address[1]  # kv_port 0: the port the system chose
 
     def peer_for(self, params: SamplingParams) -> str | None:
-        """The producer (host:port) a request pulls its prompt's KV from, if any; ValueError for
-        a transfer this instance's role cannot do."""
+        """The producer (host:port) a request pulls its prompt's KV from, if any: always one of
+        the configured producers (kv/tiers/producers.py), never an address the caller made up.
+        ValueError (a 400) for a transfer this instance cannot do, before any connection."""
         asked = params.kv_transfer_params
         if not asked:
             return None
@@ -50,7 +53,7 @@ class KVTransfer:
         if connector != self.config.kv_connector:
             raise ValueError(f"kv_transfer_params come from a {connector!r} connector; this "
                              f"instance uses {self.config.kv_connector!r}")
-        return peer_of(asked)
+        return self.config.peer_address(asked)
 
     def answer(self, params: SamplingParams) -> dict[str, Any] | None:
         """A producer's `kv_transfer_params` for a finished `do_remote_decode` request: its

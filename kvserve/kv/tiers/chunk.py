@@ -6,14 +6,20 @@ already covers every token before it and the cache_salt) plus a digest of everyt
 makes two KV tensors incompatible: the model, the KV dtype and layout, the block and chunk sizes.
 So different models, dtypes or tenants never read each other's chunks.
 
-Leaving process memory (disk, Redis), a chunk is framed with a magic number, a format version, its
-own key, its shape, the payload length and an xxh3 checksum of the payload: a truncated,
-corrupted, misplaced or foreign chunk is recognised and dropped, never loaded.
+Leaving process memory (disk, Redis, a transfer to another instance), a chunk is framed with a
+magic number, a format version, its own key, its dtype and shape, the payload length, an xxh3
+checksum of the payload and an HMAC-SHA256 over all of that, the key and the payload, keyed by
+the deployment's secret (auth.py). The checksum catches accidents: a truncated, corrupted,
+misplaced or foreign chunk is recognised and dropped, never loaded. Only the MAC catches an
+adversary, since anyone can recompute a checksum: a chunk planted in a shared directory or
+Redis, or served by a fake producer, fails it (`ChunkAuthError`) and is a miss.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
+import hmac
 import json
 import os
 import struct
@@ -26,8 +32,11 @@ import torch
 import xxhash
 
 MAGIC = b"KVSC"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHBB16s5IQQQ")  # magic ver serde dtype key shape[5] raw payload checksum
+FORMAT_VERSION = 2  # 2: the MAC; version 1 chunks (unauthenticated) are never read
+# magic ver serde dtype key shape[5] raw payload checksum, then the MAC
+_FIELDS = struct.Struct("<4sHBB16s5IQQQ")
+_MAC_BYTES = 32
+HEADER_BYTES = _FIELDS.size + _MAC_BYTES
 _SERDE_IDS = {"naive": 0, "zlib": 1}
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
               torch.uint8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
@@ -36,6 +45,11 @@ _DTYPES = {v: k for k, v in _DTYPE_IDS.items()}
 
 class CorruptChunkError(ValueError):
     """A stored chunk failed its checks (magic, version, key, shape, length or checksum)."""
+
+
+class ChunkAuthError(CorruptChunkError):
+    """A well-formed chunk whose MAC does not verify: not written with this deployment's key
+    (planted, forged, or from a deployment configured with another key)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +130,17 @@ def _key_digest(key: str) -> bytes:
     return xxhash.xxh3_128_digest(key.encode())
 
 
-def encode(key: str, data: torch.Tensor, serde: str = "naive") -> bytes:
-    """Frame a chunk tensor for disk or Redis."""
+def _mac(auth_key: bytes, fields: bytes, key: str, payload) -> bytes:
+    """HMAC-SHA256 over the header fields, the full key (the header holds only its 128-bit
+    xxh3, which is no commitment) and the payload: OpenSSL's speed, no copy of the payload."""
+    mac = hmac.new(auth_key, fields, hashlib.sha256)
+    mac.update(key.encode())
+    mac.update(payload)
+    return mac.digest()
+
+
+def encode(key: str, data: torch.Tensor, serde: str = "naive", *, auth_key: bytes) -> bytes:
+    """Frame and authenticate a chunk tensor for disk, Redis or a transfer."""
     data = data.contiguous()
     raw = data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8 \
         else data.numpy().tobytes()
@@ -130,18 +153,20 @@ def encode(key: str, data: torch.Tensor, serde: str = "naive") -> bytes:
         payload = raw
     else:
         raise ValueError(f"unknown serde {serde!r}")
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _SERDE_IDS[serde], _DTYPE_IDS[data.dtype],
+    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, _SERDE_IDS[serde], _DTYPE_IDS[data.dtype],
                           _key_digest(key), *data.shape, len(raw), len(payload),
                           xxhash.xxh3_64_intdigest(payload))
-    return header + payload
+    return fields + _mac(auth_key, fields, key, payload) + payload
 
 
 def decode(key: str, blob: bytes, dtype: torch.dtype,
-           shape: tuple[int, int, int, int, int]) -> torch.Tensor:
-    """Check and unframe a stored chunk; raise CorruptChunkError on any mismatch."""
-    if len(blob) < _HEADER.size:
+           shape: tuple[int, int, int, int, int], *, auth_key: bytes) -> torch.Tensor:
+    """Check, authenticate and unframe a stored chunk; CorruptChunkError on any mismatch
+    (ChunkAuthError when only the MAC fails). The MAC is checked before the payload is
+    decompressed or turned into a tensor: nothing unauthenticated is interpreted."""
+    if len(blob) < HEADER_BYTES:
         raise CorruptChunkError(f"chunk {key} is truncated ({len(blob)} bytes)")
-    (magic, version, serde_id, dtype_id, key_digest, *rest) = _HEADER.unpack_from(blob)
+    (magic, version, serde_id, dtype_id, key_digest, *rest) = _FIELDS.unpack_from(blob)
     stored_shape, (raw_len, payload_len, checksum) = tuple(rest[:5]), rest[5:]
     if magic != MAGIC:
         raise CorruptChunkError(f"chunk {key} has no chunk header")
@@ -153,12 +178,17 @@ def decode(key: str, blob: bytes, dtype: torch.dtype,
     if _DTYPES.get(dtype_id) != dtype or stored_shape != tuple(shape):
         raise CorruptChunkError(f"chunk {key} is {_DTYPES.get(dtype_id)} {stored_shape}, "
                                 f"expected {dtype} {tuple(shape)}")
-    payload = memoryview(blob)[_HEADER.size:]
+    view = memoryview(blob)
+    payload = view[HEADER_BYTES:]
     if len(payload) != payload_len:
         raise CorruptChunkError(f"chunk {key} is truncated: {len(payload)} of {payload_len} "
                                 "payload bytes")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise CorruptChunkError(f"chunk {key} fails its checksum")
+    fields, mac = view[:_FIELDS.size], view[_FIELDS.size:HEADER_BYTES]
+    if not hmac.compare_digest(_mac(auth_key, fields, key, payload), mac):
+        raise ChunkAuthError(f"chunk {key} fails its MAC (not written with this deployment's "
+                             "KV auth key)")
     elem = torch.empty(0, dtype=dtype).element_size()
     if serde_id == _SERDE_IDS["zlib"]:
         try:

@@ -3,9 +3,9 @@
 Key names follow LMCache's configuration file where the meaning is the same (`chunk_size`,
 `local_cpu`, `max_local_cpu_size` and `max_local_disk_size` in GB, `local_disk`, `remote_url`,
 `remote_serde`), so an LMCache YAML file carries over; the few keys of our own (`write_policy`,
-`remote_timeout`, ...) are named in the same style. A file, a JSON string, a dict or a
-`TierConfig` are all accepted, and an unknown key is an error that lists the known ones: a typo
-must not silently turn a tier off.
+`remote_timeout`, `auth_key_file`, ...) are named in the same style. A file, a JSON string, a
+dict or a `TierConfig` are all accepted, and an unknown key is an error that lists the known
+ones: a typo must not silently turn a tier off.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
+
+from kvserve.kv.tiers.auth import read_key_file
 
 SERDES = ("naive", "zlib")
 WRITE_POLICIES = ("write_back", "write_through")
@@ -39,6 +41,9 @@ class TierConfig:
     remote_retry_interval: float = 2.0  # seconds to leave an unreachable Redis alone
     max_pending_saves: int = 256  # chunks queued for disk/remote; beyond, saves are skipped
     model_name: str | None = None  # model identity in keys; default: a fingerprint of the files
+    # The secret that authenticates chunks on disk, in Redis and in transfers (tiers/auth.py);
+    # default: $KVSERVE_KV_AUTH_KEY, else a per-user key file in the kvserve cache directory.
+    auth_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) \
@@ -59,6 +64,10 @@ class TierConfig:
             if self.max_local_disk_size <= 0:
                 raise ValueError("local_disk is set but max_local_disk_size is 0: give the disk "
                                  "tier a budget in GB")
+        if self.auth_key_file is not None:
+            if not isinstance(self.auth_key_file, str) or not self.auth_key_file:
+                raise ValueError(f"auth_key_file must name a file, got {self.auth_key_file!r}")
+            read_key_file(self.auth_key_file)  # unreadable or too short: refused at start-up
         if self.remote_url is not None:
             url = urlparse(self.remote_url)
             if url.scheme not in ("redis", "rediss") or not url.hostname:

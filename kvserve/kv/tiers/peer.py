@@ -11,8 +11,13 @@ key over TCP, the way the Redis tier asks Redis.
 
 The wire format is deliberately small: the client sends `GET <key>\\n`; the server answers an
 8-byte big-endian length and the framed chunk (`encode`), or the length 2**64 - 1 when it does
-not hold the chunk. A chunk travels with its own checksum, so a flipped byte is caught where the
-Redis and disk tiers catch it, and dropped (the consumer recomputes it).
+not hold the chunk. A chunk travels with its own checksum and MAC (chunk.py), so a flipped byte,
+or a chunk from anyone but a producer holding the deployment's KV auth key (auth.py), is caught
+where the Redis and disk tiers catch it, before it enters host memory, and dropped (the consumer
+recomputes it).
+
+Whom a consumer pulls from is the operator's choice, never a caller's: the tiers open a
+`PeerStore` only for an address that kv/tiers/producers.py resolved to a configured producer.
 
 Bounds: a key line longer than `MAX_KEY_BYTES` closes the connection; a reply longer than the
 consumer's chunk size (plus its header) is refused unread; every socket read and write has a
@@ -51,7 +56,8 @@ class PeerServer:
     """The producer's side: answers chunk requests from its host tier, one thread per
     connection (a consumer holds one connection per producer)."""
 
-    def __init__(self, host_store, host: str, port: int, timeout: float = 10.0) -> None:
+    def __init__(self, host_store, host: str, port: int, auth_key: bytes,
+                 timeout: float = 10.0) -> None:
         store = host_store
 
         class Handler(socketserver.StreamRequestHandler):
@@ -69,7 +75,7 @@ class PeerServer:
                         return  # closed, too long, or not our protocol
                     key = line[4:-1].decode("ascii", "replace")
                     data = store.get(key)
-                    blob = encode(key, data) if data is not None else None
+                    blob = encode(key, data, auth_key=auth_key) if data is not None else None
                     try:
                         if blob is None:
                             self.wfile.write(_LEN.pack(MISSING))

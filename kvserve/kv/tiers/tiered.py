@@ -10,6 +10,13 @@ each one found on disk or in Redis (or, for a request whose prompt another insta
 on that instance: kv/tiers/peer.py) into host memory, stopping at the first miss. The scheduler
 leaves the request waiting (others run) until its prefetch is done or `prefetch_timeout` passes,
 then takes whatever is in host memory by then. So no step ever blocks on disk or on a slow Redis.
+
+Trust: whatever comes from below host memory (a disk file, a Redis value, a producer's answer)
+is decoded and its MAC verified (chunk.py, keyed by auth.py's deployment key) before it is put
+into host memory, so unverified KV never reaches the cache any request reads from. A chunk that
+fails is a miss: counted in the tier errors (`corrupt_chunk`, or `auth_failed` for a well-formed
+chunk with a bad MAC), deleted from a disk or Redis tier (so the recomputed chunk can replace
+it), and the KV recomputed.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from kvserve.kv.tiers.chunk import ChunkIdentity, CorruptChunkError, decode, encode
+from kvserve.kv.tiers.auth import load_auth_key
+from kvserve.kv.tiers.chunk import ChunkAuthError, ChunkIdentity, CorruptChunkError, decode, \
+    encode
 from kvserve.kv.tiers.config import TierConfig
 from kvserve.kv.tiers.peer import PeerStore
 from kvserve.kv.tiers.stats import TierStats
@@ -63,6 +73,7 @@ class Prefetch:
 
 
 _MAX_LOAD_ERRORS = 4096  # failed loads remembered for the cache report
+_AUTH_WARNING_INTERVAL = 60.0  # seconds between warnings of one tier's MAC failures
 
 
 class TieredKVStore:
@@ -91,6 +102,13 @@ class TieredKVStore:
         self._saver.start()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvserve-tier-load")
         self._peers: OrderedDict[str, PeerStore] = OrderedDict()  # by address, newest last
+        self._auth_warned: dict[str, float] = {}  # tier -> when its MAC failures were logged
+
+    @cached_property
+    def auth_key(self) -> bytes:
+        """The deployment's chunk key (auth.py), read when a chunk first leaves or enters the
+        process: a host-memory-only tier never needs one (nor creates the default file)."""
+        return load_auth_key(self.config.auth_key_file)
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -140,7 +158,7 @@ class TieredKVStore:
                 for store in self._lower:
                     serde = self.config.remote_serde if store is self.remote else "naive"
                     if serde not in blobs:
-                        blobs[serde] = encode(key, data, serde)
+                        blobs[serde] = encode(key, data, serde, auth_key=self.auth_key)
                     saved = store.put(key, blobs[serde]) and saved
                 if not saved:  # let a later eviction try again
                     with self._lock:
@@ -213,11 +231,13 @@ class TieredKVStore:
         if blob is None:
             return None
         try:
-            data = decode(key, blob, self.identity.dtype, self.identity.shape)
+            data = decode(key, blob, self.identity.dtype, self.identity.shape,
+                          auth_key=self.auth_key)
         except CorruptChunkError as e:
-            self.stats.add("errors", (store.name, "corrupt_chunk"))
-            self._note_load_error(key, store.name, "corrupt_chunk")
-            logger.warning("dropping a bad KV chunk from the %s tier: %s", store.name, e)
+            kind = "auth_failed" if isinstance(e, ChunkAuthError) else "corrupt_chunk"
+            self.stats.add("errors", (store.name, kind))
+            self._note_load_error(key, store.name, kind)
+            self._warn_bad_chunk(store.name, kind, e)
             store.delete(key)
             with self._lock:
                 self._written.pop(key, None)  # so that the recomputed chunk is saved again
@@ -225,6 +245,22 @@ class TieredKVStore:
         self.stats.observe_load(store.name, time.perf_counter() - start)
         self.stats.add("bytes_loaded", store.name, len(blob))
         return data
+
+    def _warn_bad_chunk(self, tier: str, kind: str, error: CorruptChunkError) -> None:
+        """Every corrupt chunk is logged; MAC failures once a minute per tier (a planted or
+        misconfigured tier would otherwise flood the log; the counter has them all)."""
+        if kind == "auth_failed":
+            now = time.monotonic()
+            with self._lock:
+                if now - self._auth_warned.get(tier, -_AUTH_WARNING_INTERVAL) \
+                        < _AUTH_WARNING_INTERVAL:
+                    return
+                self._auth_warned[tier] = now
+            logger.warning("dropping KV chunks that fail their MAC from the %s tier (forged, or "
+                           "written with another KV auth key; counted as tier error "
+                           "auth_failed): %s", tier, error)
+            return
+        logger.warning("dropping a bad KV chunk from the %s tier: %s", tier, error)
 
     def _note_load_error(self, key: str, tier: str, kind: str) -> None:
         with self._lock:

@@ -6,14 +6,16 @@ the producer over TCP, kv/tiers/peer.py; `redis`: both sides share a Redis tier)
 whose prompt a producer computed, `kv_both` either), `kv_ip` / `kv_port` (where a producer
 serves its chunks, and what it tells consumers), `kv_buffer_size` (bytes of host memory for the
 chunks in flight), `engine_id`, and `kv_connector_extra_config` (`redis_url`, `chunk_size`,
-`transfer_timeout`).
+`transfer_timeout`, `producers`: whom a consumer pulls from, producers.py; `auth_key_file`: the
+secret chunks are authenticated with, auth.py).
 
 Why tiers: a transfer needs exactly what the tiers already do — read a request's computed
 chunks out of the device as they are computed (write-through), frame and checksum them, find a
 request's chunks by hash before admitting it, wait for them in the background with a deadline,
 and recompute whatever did not arrive whole. So the config is turned into a tier config
 (`tier_config`), and a request that carries a producer's `kv_transfer_params` prefetches from
-that producer (`peer_of`). The prefix cache works on both sides as always.
+that producer (`peer_address`), if it is one of the consumer's configured producers. The prefix
+cache works on both sides as always.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvserve.kv.tiers.config import GB, TierConfig, check_keys
+from kvserve.kv.tiers.producers import Producer, parse_producers, resolve_producer
 from kvserve.validation import json_object
 
 CONNECTORS = ("kvserve", "redis")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-EXTRA_KEYS = ("redis_url", "chunk_size", "transfer_timeout")
+EXTRA_KEYS = ("redis_url", "chunk_size", "transfer_timeout", "producers", "auth_key_file")
 
 
 @dataclass
@@ -65,6 +69,18 @@ class KVTransferConfig:
         if self.kv_connector == "redis" and not extra.get("redis_url"):
             raise ValueError("kv_connector 'redis' needs kv_connector_extra_config.redis_url "
                              "(redis://host:port/db, the same on producer and consumer)")
+        if "producers" in extra and (self.kv_connector != "kvserve" or not self.is_consumer):
+            raise ValueError("kv_connector_extra_config.producers is for a kv_consumer or "
+                             "kv_both of the 'kvserve' connector (whom it pulls from); this "
+                             f"one is a {self.kv_role} of {self.kv_connector!r}")
+        parse_producers(extra.get("producers", []))  # a malformed list: refused at start-up
+        if "auth_key_file" in extra:
+            TierConfig(auth_key_file=extra["auth_key_file"])  # unreadable or short: refused
+
+    @cached_property
+    def producers(self) -> tuple[Producer, ...]:
+        """The producers a consumer may pull from (producers.py); none configured: none."""
+        return parse_producers(self.kv_connector_extra_config.get("producers", []))
 
     @property
     def is_producer(self) -> bool:
@@ -98,7 +114,19 @@ class KVTransferConfig:
             changes["remote_url"] = extra["redis_url"]
         if "transfer_timeout" in extra:
             changes["prefetch_timeout"] = float(extra["transfer_timeout"])
+        if "auth_key_file" in extra:
+            changes["auth_key_file"] = extra["auth_key_file"]
         return dataclasses.replace(cfg, **changes)
+
+    def peer_address(self, params: dict[str, Any] | None) -> str | None:
+        """The configured producer (host:port) a consumer's request pulls from, from the
+        `kv_transfer_params` it carries; None when it asks for no pull (no remote prefill, or
+        the shared Redis tier has the chunks). A producer that is not configured, or a
+        malformed request, is a ValueError, raised before any connection."""
+        if not params or not params.get("do_remote_prefill") \
+                or params.get("kv_connector") == "redis":
+            return None
+        return resolve_producer(self.producers, params).address
 
     def producer_params(self) -> dict[str, Any]:
         """What a producer's answer to a `do_remote_decode` request carries (vLLM's
@@ -120,17 +148,3 @@ def load_transfer_config(source: "str | dict[str, Any] | KVTransferConfig | None
     if missing:
         raise ValueError(f"kv_transfer_config needs {missing}")
     return KVTransferConfig(**source)
-
-
-def peer_of(params: dict[str, Any] | None) -> str | None:
-    """The producer a consumer's request pulls from (host:port), from the `kv_transfer_params`
-    it carries; None when it asks for no remote prefill. A malformed one is a ValueError."""
-    if not params or not params.get("do_remote_prefill") \
-            or params.get("kv_connector") == "redis":  # the shared Redis tier has the chunks
-        return None
-    host, port = params.get("remote_host"), params.get("remote_port")
-    if not isinstance(host, str) or not host or isinstance(port, bool) \
-            or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError("kv_transfer_params with do_remote_prefill need remote_host (a string) "
-                         "and remote_port (a port number)")
-    return f"{host}:{port}"
