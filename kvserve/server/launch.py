@@ -58,7 +58,7 @@ def access_policy(args: argparse.Namespace):
 
     credentials = Credentials.from_args(args.api_key, args.api_key_file, args.admin_api_key,
                                         os.environ)
-    return AccessPolicy.build(credentials, args.host, protect_all=args.api_key_protect_all,
+    return AccessPolicy.build(credentials, protect_all=args.api_key_protect_all,
                               allow_unauthenticated_admin=args.allow_unauthenticated_admin,
                               kv_isolation=args.kv_isolation, tenant_by=args.kv_tenant_by)
 
