@@ -6,8 +6,9 @@ name, a URL path, a peer's address), and a caller who can put a newline (or a ca
 NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR, or a terminal escape) in one could write a line of its
 own that reads as the server's ("ERROR 12-07 ... forged"). Escaping at each call site would be
 forgotten at the next one, so the formatter does it once, for every record: the message after
-%-formatting has its control characters written as escapes. A traceback (`exc_info`) is left as
-it is: its lines are ours, and it is read as one block after the record's line.
+%-formatting has its control characters written as escapes. A traceback (`exc_info`) keeps its
+lines, which are ours (frames, source lines), and is read as one block after the record's line;
+only its exception messages are escaped, since an exception may quote what a caller sent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import traceback
 from typing import Any
 
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -39,13 +41,34 @@ def one_line(text: str) -> str:
     return _CONTROLS.sub(_escape, text)
 
 
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def _traceback_lines(te: traceback.TracebackException) -> list[str]:
+    """Python's traceback of `te` (its chain first), each exception's message on one line."""
+    lines: list[str] = []
+    if te.__cause__ is not None:
+        lines += _traceback_lines(te.__cause__) + [_CAUSE]
+    elif te.__context__ is not None and not te.__suppress_context__:
+        lines += _traceback_lines(te.__context__) + [_CONTEXT]
+    if te.stack:
+        lines += ["Traceback (most recent call last):\n", *te.stack.format()]
+    return lines + [one_line(part.rstrip("\n")) + "\n" for part in te.format_exception_only()]
+
+
 class OneLineMixin:
-    """Escapes the record's message before the formatter lays out its line (a mixin, so that
-    uvicorn's formatters, with their colours, keep their own layout)."""
+    """Escapes the record's message before the formatter lays out its line, and the exception
+    messages of its traceback (a mixin, so that uvicorn's formatters, with their colours, keep
+    their own layout)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = one_line(record.message)
         return super().formatMessage(record)  # type: ignore[misc]
+
+    def formatException(self, ei: Any) -> str:
+        te = traceback.TracebackException(*ei, compact=True)
+        return "".join(_traceback_lines(te)).rstrip("\n")
 
 
 class OneLineFormatter(OneLineMixin, logging.Formatter):

@@ -233,3 +233,36 @@ def test_no_caller_string_starts_a_log_line(servers):
     # the strictest reader: every Unicode line boundary (\r, NEL, U+2028 ...) ends a line
     forged = [line for line in log.splitlines() if line.lstrip().startswith(FORGED)]
     assert not forged, forged
+
+
+def test_the_formatter_keeps_a_record_on_its_line_and_a_traceback_as_python_writes_it():
+    """In process, what the server's handlers use (kvserve/logging_setup.py): the message and
+    the traceback's exception messages escaped, every other traceback line as Python's."""
+    import logging
+    import sys
+
+    from kvserve.logging_setup import FORMAT, OneLineFormatter, uvicorn_formatter
+
+    def record(msg: str, *args, exc_info=None) -> logging.LogRecord:
+        return logging.LogRecord("kvserve", logging.ERROR, __file__, 1, msg, args, exc_info)
+
+    for formatter in (OneLineFormatter(FORMAT), uvicorn_formatter("%(levelprefix)s %(message)s")):
+        for br in ("\n", "\r", "\x85", "\u2028", "\u2029", "\x1b[2K\r"):
+            text = formatter.format(record("user %s", f"bob{br}{FORGED}"))
+            assert len(text.splitlines()) == 1 and FORGED in text, repr(text)
+    try:
+        try:
+            raise KeyError("k")
+        except KeyError as inner:
+            raise ValueError(f"caller said\n{FORGED}") from inner
+    except ValueError:
+        info = sys.exc_info()
+    text = OneLineFormatter(FORMAT).format(record("failed", exc_info=info))
+    assert not [line for line in text.splitlines() if line.startswith(FORGED)], text
+    assert f"ValueError: caller said\\n{FORGED}" in text and "KeyError: 'k'" in text
+    assert "The above exception was the direct cause" in text
+    try:
+        {}["nothing to escape"]
+    except KeyError:
+        info = sys.exc_info()
+    assert OneLineFormatter().formatException(info) == logging.Formatter().formatException(info)
