@@ -60,13 +60,17 @@ def _start(name: str, tmp_path_factory, *flags: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Started at once, so their start-ups overlap: keys with tiny pin budgets, a keyless
-    server (loopback, the default host), and a keyless one that opens the admin role."""
+    server (loopback, the default host), a keyless one that opens the admin role, and a KV
+    consumer (disaggregation), which takes a peer's address from the request."""
     procs = {"keys": _start("hostile-keys", tmp_path_factory, "--api-key", ALICE,
                             "--api-key", BOB, "--api-key", CAROL, "--admin-api-key", ADMIN,
                             "--max-pinned-fraction", str(PER_TENANT),
                             "--max-pinned-total-fraction", str(TOTAL)),
              "keyless": _start("hostile-keyless", tmp_path_factory),
-             "open": _start("hostile-open", tmp_path_factory, "--allow-unauthenticated-admin")}
+             "open": _start("hostile-open", tmp_path_factory, "--allow-unauthenticated-admin"),
+             "consumer": _start("hostile-consumer", tmp_path_factory, "--kv-transfer-config",
+                                json.dumps({"kv_connector": "kvserve",
+                                            "kv_role": "kv_consumer"}))}
     try:
         for p in procs.values():
             p.wait_ready()
@@ -205,10 +209,11 @@ def _send_forgeries(url: str) -> None:
         r = _complete(url, "hello", user=f"bob{i}{br}{FORGED} user")
         assert r.status_code == 200, r.text[:300]
     _complete(url, "hello", model=f"tiny\n{FORGED} model")
-    _complete(url, "hello", kv_transfer_params={
+    long = "hello there " * 40  # whole blocks, so that a consumer asks the peer for them
+    _complete(url, long, kv_transfer_params={
         "do_remote_prefill": True, "remote_host": f"127.0.0.1\n{FORGED} host\n",
         "remote_port": 9})
-    _complete(url, "hello", kv_transfer_params={
+    _complete(url, long + "again", kv_transfer_params={
         "do_remote_prefill": True, "remote_host": "127.0.0.1\n", "remote_port": 9})
     for path in (f"/v1/%0A{FORGED}%20path", f"/v1/completions%0D%0A{FORGED}%20path2",
                  f"/%C2%85{FORGED}%20nel"):
@@ -222,8 +227,9 @@ def _send_forgeries(url: str) -> None:
             pass
 
 
-def test_no_caller_string_starts_a_log_line(servers):
-    srv = servers["keyless"]
+@pytest.mark.parametrize("name", ["keyless", "consumer"])
+def test_no_caller_string_starts_a_log_line(servers, name):
+    srv = servers[name]
     _send_forgeries(srv.url)
     assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
     log = srv.log()
