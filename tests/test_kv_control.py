@@ -229,6 +229,14 @@ def test_each_tenant_pins_within_its_own_budget_under_a_total_cap():
     with pytest.raises(PinLimitError, match="across all tenants") as capped:
         _pinned(kv, "e", _prompt(84, 1), "erin")  # erin's budget is free, the total is not
     assert "12" not in str(capped.value) and "16" not in str(capped.value)
+    # the check made before any prefill: blocks another tenant pins add nothing to the total,
+    # a prompt never computed counts whole
+    kv.pins.check_seq_room(_pin_probe(a), 4, "erin")
+    with pytest.raises(PinLimitError, match="across all tenants"):
+        kv.pins.check_seq_room(_pin_probe(_prompt(85, 1)), 1, "erin")
+    with pytest.raises(PinLimitError, match="your budget of 4"):
+        kv.pins.check_seq_room(_pin_probe(a + _prompt(86, 1)), 5, "erin")
+    assert kv.pins.pin(_pin_probe(a), len(a), "erin") is not None
     # Alice lets go: Bob still holds the shared blocks, and Alice's budget is free again
     assert kv.pins.unpin(pin_a.id, "bob") is None and kv.pins.unpin(pin_a.id, "alice")
     assert kv.pins.owner_blocks("alice") == 0 and kv.pins.num_pinned_blocks == 12

@@ -194,12 +194,12 @@ class LLMEngine:
         """The blocks a pin of `prompt` takes; raises PinLimitError past `owner`'s
         --max-pinned-fraction or the --max-pinned-total-fraction, and ValueError for a prompt
         under one block."""
-        _, num_tokens = self._pin_probe(prompt, cache_salt)
+        probe, num_tokens = self._pin_probe(prompt, cache_salt)
         num_blocks = num_tokens // self.kv.block_size
         if num_blocks == 0:
             raise ValueError(f"the prompt ({num_tokens} tokens) is shorter than one KV block "
                              f"({self.kv.block_size} tokens): there is nothing to pin")
-        self.kv.pins.check_room(num_blocks * self.kv.num_groups, owner)
+        self.kv.pins.check_seq_room(probe, num_blocks, owner)
         return num_blocks
 
     def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None,

@@ -134,6 +134,21 @@ class Pins:
                 f"cap on pins across all tenants is reached (--max-pinned-total-fraction "
                 f"{self.max_total_fraction}); retry later, or ask the operator to raise it")
 
+    def check_seq_room(self, seq: CachedSeq, num_blocks: int, owner: str = "") -> None:
+        """`check_room` for a pin of `seq`'s first `num_blocks` blocks, before it is computed:
+        the blocks the device holds already count only where they are new (to `owner`'s pins,
+        to all pins), the others as new to both. Why exact: the common pin is a shared system
+        prompt, and a second tenant pinning what a first one holds adds nothing to the total."""
+        match = self.manager.device_match(seq)
+        held = min(num_blocks, match.num_full_blocks)
+        mine = self._by_owner.get(owner, Counter())
+        new_own = new_total = 0
+        for nodes in match.group_nodes or [match.nodes]:
+            blocks = [n.block for n in nodes[:held] if n.block != NULL_BLOCK]
+            new_own += num_blocks - held + sum(b not in mine for b in blocks)
+            new_total += num_blocks - held + sum(b not in self._count for b in blocks)
+        self.check_room(new_own, owner, new_total)
+
     def pin(self, seq: CachedSeq, num_tokens: int, owner: str = "") -> Pin | None:
         """Pin the cached blocks of `seq`'s first `num_tokens` tokens (whole blocks) for
         `owner`: a Pin, or None if the device does not hold them all (compute them first,
