@@ -18,6 +18,7 @@ from typing import Any
 from kvserve import features as F
 from kvserve.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
+from kvserve.kv.pins import check_pin_fractions
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
 from kvserve.kv.swap import PREEMPTION_MODES
 from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
@@ -94,8 +95,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
     eviction_policy: str = _arg("lru", "which idle cached blocks are evicted first",
                                 choices=ONLINE_POLICIES)
-    max_pinned_fraction: float = _arg(0.5, "most of the KV pool that pinned prefixes "
-                                      "(POST /v1/cache/pin) may hold (kvserve/kv/pins.py)")
+    max_pinned_fraction: float = _arg(0.5, "most of the KV pool that one tenant's pinned "
+                                      "prefixes (POST /v1/cache/pin) may hold; a tenant is an "
+                                      "API key (kvserve/kv/pins.py)")
+    max_pinned_total_fraction: float = _arg(0.5, "most of the KV pool that all tenants' "
+                                            "pinned prefixes may hold together; at least "
+                                            "--max-pinned-fraction (kvserve/kv/pins.py)")
     kv_tenant_quota: float | None = _arg(None, "bound each tenant's idle cached blocks to this "
                                          "fraction of the pool: a tenant over it evicts its own "
                                          "blocks first (tenants by cache_salt, or by API key "
@@ -202,9 +207,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
         make_eviction_policy(self.eviction_policy)  # the registry names the valid ones
-        if not 0.0 <= self.max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], "
-                             f"got {self.max_pinned_fraction}")
+        check_pin_fractions(self.max_pinned_fraction, self.max_pinned_total_fraction)
         if self.kv_tenant_quota is not None and not 0.0 < self.kv_tenant_quota <= 1.0:
             raise ValueError(f"kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
         if not 0.0 <= self.kv_audit_rate <= 1.0:

@@ -70,8 +70,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    # every caller the admin: explain's cache_salt case reads the full report's salt reason
     srv = ServerProcess("fieldwalk", [str(model_dir), "--served-model-name", MODEL,
-                                      "--max-num-seqs", "16", "--max-num-batched-tokens", "512"],
+                                      "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+                                      "--allow-unauthenticated-admin"],
                         tmp_path_factory.mktemp("fieldwalk-logs"))
     try:
         srv.wait_ready()

@@ -37,7 +37,8 @@ def _server(name: str, extra: list[str], tmp_path_factory) -> ServerProcess:
 def servers(tmp_path_factory):
     procs = {"plain": _server("plain", [], tmp_path_factory),
              "quota": _server("quota", ["--kv-tenant-quota", "0.5", "--kv-tenant-by", "api_key",
-                                        "--api-key", "tenant-a", "--api-key", "tenant-b"],
+                                        "--api-key", "tenant-a", "--api-key", "tenant-b",
+                                        "--admin-api-key", "quota-admin"],
                               tmp_path_factory)}
     try:
         for p in procs.values():
@@ -70,8 +71,8 @@ def burst(server, seed: int, count: int = 12, n: int = 500, headers=None) -> lis
     return prompts
 
 
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+def metric(server, name: str, headers=None) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30, headers=headers).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(name + "{")]
     assert values, f"{name} not exported"
@@ -169,7 +170,8 @@ def test_tenant_quota_keeps_another_tenants_prefix(servers):
         complete(s, hot, headers=b)
         burst(s, 500, count=16, headers=a)
         assert cached(s, hot, headers=b) == (992 if stays else 0), name
-    assert metric(servers["quota"], "kvserve:kv_tenant_idle_cached_blocks") > 0
+    admin = {"Authorization": "Bearer quota-admin"}  # per-tenant series: the admin's scrape
+    assert metric(servers["quota"], "kvserve:kv_tenant_idle_cached_blocks", admin) > 0
 
 
 def test_message_breakpoint_keeps_the_conversation_up_to_it(servers):

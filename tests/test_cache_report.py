@@ -45,10 +45,12 @@ def server(tmp_path_factory):
     from kvserve.model_loader.make_model import ensure_default_model
 
     tiny = str(ensure_default_model())
-    # a pool of 24 blocks: a few prompts evict the first one
+    # a pool of 24 blocks: a few prompts evict the first one; every caller the admin, so the
+    # reports are the full ones (cached text, the salt reason)
     proc = ServerProcess("report", [tiny, "--block-size", str(BS), "--kv-cache-memory-bytes",
                                     str(24 * BS * kv_bytes_per_token(tiny)), "--dtype",
-                                    "float32"], tmp_path_factory.mktemp("report-logs"))
+                                    "float32", "--allow-unauthenticated-admin"],
+                         tmp_path_factory.mktemp("report-logs"))
     with running(proc):
         yield proc
 

@@ -233,7 +233,8 @@ def test_predicted_gain_matches_served_gain(tmp_path, tiny, tokenizer):
         b["cache_salt"] = "tenant-b"
     served_log = tmp_path / "requests.jsonl"
     srv = ServerProcess("diagnose", [tiny, "--request-log", str(served_log),
-                                     "--kv-cache-memory-bytes", "2000000"], tmp_path,
+                                     "--kv-cache-memory-bytes", "2000000",
+                                     "--allow-unauthenticated-admin"], tmp_path,  # the resets
                         max_model_len=2048)
     try:
         srv.wait_ready()

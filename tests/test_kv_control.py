@@ -4,6 +4,8 @@ ends by checking the manager's invariants (ref counts = block tables + pins)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve.kv.manager import KVCacheManager
@@ -202,6 +204,62 @@ def test_pins_are_bounded_by_the_fraction():
     assert kv.pins.pin(_pin_probe(a), len(a)) is not None, "blocks pinned already count once"
     assert kv.pins.num_pinned_blocks == 8
     kv.check_invariants([])
+
+
+def _pinned(kv: KVCacheManager, rid: str, tokens: list[int], owner: str):
+    _serve(kv, rid, tokens)
+    return kv.pins.pin(_pin_probe(tokens), len(tokens), owner)
+
+
+def test_each_tenant_pins_within_its_own_budget_under_a_total_cap():
+    """Issue 63 item 4: --max-pinned-fraction is each tenant's, --max-pinned-total-fraction all
+    tenants'; a block two tenants pin counts in both budgets and once in the total; a refusal
+    names the caller's own count only."""
+    kv = _manager()  # 16 blocks: 4 per tenant, 12 in all
+    kv.pins.set_max_fraction(0.25, 0.75)
+    a = _prompt(80, 4)
+    pin_a = _pinned(kv, "a", a, "alice")
+    with pytest.raises(PinLimitError, match="your budget of 4") as refused:
+        _pinned(kv, "a2", _prompt(81, 1), "alice")
+    assert "5 blocks" in str(refused.value)
+    # Bob's budget is his own: Alice's full budget leaves it whole; her blocks count in his
+    pin_b = _pinned(kv, "b", a, "bob")
+    assert kv.pins.owner_blocks("bob") == 4 and kv.pins.num_pinned_blocks == 4
+    assert _pinned(kv, "c", _prompt(82, 4), "carol") and _pinned(kv, "d", _prompt(83, 4), "dan")
+    with pytest.raises(PinLimitError, match="across all tenants") as capped:
+        _pinned(kv, "e", _prompt(84, 1), "erin")  # erin's budget is free, the total is not
+    assert "12" not in str(capped.value) and "16" not in str(capped.value)
+    # the check made before any prefill: blocks another tenant pins add nothing to the total,
+    # a prompt never computed counts whole
+    kv.pins.check_seq_room(_pin_probe(a), 4, "erin")
+    with pytest.raises(PinLimitError, match="across all tenants"):
+        kv.pins.check_seq_room(_pin_probe(_prompt(85, 1)), 1, "erin")
+    with pytest.raises(PinLimitError, match="your budget of 4"):
+        kv.pins.check_seq_room(_pin_probe(a + _prompt(86, 1)), 5, "erin")
+    assert kv.pins.pin(_pin_probe(a), len(a), "erin") is not None
+    # Alice lets go: Bob still holds the shared blocks, and Alice's budget is free again
+    assert kv.pins.unpin(pin_a.id, "bob") is None and kv.pins.unpin(pin_a.id, "alice")
+    assert kv.pins.owner_blocks("alice") == 0 and kv.pins.num_pinned_blocks == 12
+    assert _cached_blocks(kv, a) == 4
+    summary = kv.pins.summary("bob")
+    assert [p["id"] for p in summary["data"]] == [pin_b.id]
+    assert (summary["num_pinned_blocks"], summary["limit_blocks"]) == (4, 4)
+    assert kv.pins.summary(None)["num_pinned_blocks"] == 12
+    kv.check_invariants([])
+
+
+def test_pin_ids_are_random_not_counted():
+    kv = _manager()
+    ids = [_pinned(kv, f"r{i}", _prompt(70 + i, 1), "t").id for i in range(3)]
+    assert len(set(ids)) == 3
+    assert all(re.fullmatch(r"pin-[0-9a-f]{24}", i) for i in ids), ids  # 96 random bits
+
+
+def test_pin_fractions_are_checked():
+    with pytest.raises(ValueError, match="max-pinned-total-fraction 0.5"):
+        KVCacheManager(16, BS, max_pinned_fraction=0.8, max_pinned_total_fraction=0.5)
+    with pytest.raises(ValueError, match="max_pinned_total_fraction must be in"):
+        KVCacheManager(16, BS, max_pinned_total_fraction=1.5)
 
 
 def test_pin_needs_the_blocks_cached_and_reset_clears_pins():

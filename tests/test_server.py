@@ -32,8 +32,10 @@ def servers(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server-logs")
     # Both start at once, so their start-ups overlap.
     tiny = str(ensure_default_model())
+    # keyless, its callers made the admin: /reset_prefix_cache is tested on it
     main = ServerProcess("main", [tiny, "--served-model-name", "tiny", "kvserve-tiny",
-                                  "--log-stats-interval", "1"], log_dir)
+                                  "--log-stats-interval", "1", "--allow-unauthenticated-admin"],
+                         log_dir)
     limited = ServerProcess("limited", [tiny, "--served-model-name", "default",
                                         "--api-key", API_KEY, "--max-num-seqs", "1",
                                         "--max-waiting-requests", "2"], log_dir)

@@ -17,8 +17,8 @@ byte-level BPE, so text round-trips):
    computes every prompt token (the server's hit counter does not move), each key's repeat still
    hits, a salt subdivides within a key, quotas count one tenant per key, and the gateway's
    prefix keys under api_key are the replica's block hashes of that key's requests alone.
-4. A server on a non-loopback address without keys serves no admin endpoint; flags that cannot
-   work together fail at start-up with a message, before the model loads.
+4. A server without keys serves no admin endpoint (on loopback too: tests/test_hostile_access.py);
+   flags that cannot work together fail at start-up with a message, before the model loads.
 
 That isolation changes no output is the differential test
 (tests/test_differential.py::test_kv_isolation_does_not_change_outputs).
@@ -300,10 +300,13 @@ def test_a_second_key_gets_nothing_of_the_first_keys_cache(isolated):
     assert _explain(url, "sk-bob", prompt)["cached_tokens"] >= 128
     admin = _explain(url, ADMIN, prompt)
     assert admin["cached_tokens"] == 0 and admin["first_miss"]["reason"] == "salt"
-    # quotas follow the key: Alice's two salts are one tenant (a label per tenant)
-    tenants = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
-               if line.startswith("kvserve:kv_tenant_idle_cached_blocks{")]
-    assert len(tenants) == 2, tenants
+    # quotas follow the key: Alice's two salts are one tenant (a label per tenant), in the
+    # admin's scrape only: an ordinary scrape stays aggregate
+    def tenants(key):
+        return [line for line in httpx.get(f"{url}/metrics", headers=_auth(key)).text.splitlines()
+                if line.startswith("kvserve:kv_tenant_idle_cached_blocks{")]
+    assert len(tenants(ADMIN)) == 2, tenants(ADMIN)
+    assert tenants(None) == tenants(ALICE) == []
 
 
 def test_the_request_log_keeps_the_namespaces_for_diagnose(isolated):
@@ -371,25 +374,25 @@ def test_flags_that_cannot_work_fail_at_start(flags, message):
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
 
 
-def test_roles_by_address_and_flags():
+def test_roles_by_keys_and_flags_not_by_address():
+    """A keyless server has no admin, whatever address it binds (a reverse proxy on the same
+    host makes every remote user a loopback peer); only the flag makes every caller one."""
     none = Credentials()
-    assert AccessPolicy.build(none, "127.0.0.1").caller(None).admin
-    assert AccessPolicy.build(none, "::1").caller(None).admin
-    assert AccessPolicy.build(none, "localhost").caller(None).admin
-    assert not AccessPolicy.build(none, "0.0.0.0").caller(None).admin
-    assert not AccessPolicy.build(none, "my-host.internal").caller(None).admin
-    assert AccessPolicy.build(none, "0.0.0.0", allow_unauthenticated_admin=True).caller(
-        None).admin
+    assert not AccessPolicy.build(none).caller(None).admin
+    assert not AccessPolicy().caller(None).admin  # build_app's default too
+    assert "--allow-unauthenticated-admin opens them" in AccessPolicy.build(none).describe_admin()
+    open_ = AccessPolicy.build(none, allow_unauthenticated_admin=True)
+    assert open_.caller(None).admin and "open to every caller" in open_.describe_admin()
     keys = Credentials.of(["sk-u"], ["sk-a"])
-    policy = AccessPolicy.build(keys, "127.0.0.1")
+    policy = AccessPolicy.build(keys)
     assert policy.caller(None) is None and policy.caller("Bearer sk-x") is None
     assert not policy.caller("Bearer sk-u").admin and policy.caller("bearer sk-a").admin
     # keys without an admin key: no admin, even on loopback, unless the flag says so
-    users = AccessPolicy.build(Credentials.of(["sk-u"]), "127.0.0.1")
+    users = AccessPolicy.build(Credentials.of(["sk-u"]))
     assert not users.caller("Bearer sk-u").admin
-    assert AccessPolicy.build(Credentials.of(["sk-u"]), "127.0.0.1",
+    assert AccessPolicy.build(Credentials.of(["sk-u"]),
                               allow_unauthenticated_admin=True).caller("Bearer sk-u").admin
-    assert AccessPolicy.build(keys, "h", kv_isolation="api_key").tenant_by == "api_key"
+    assert AccessPolicy.build(keys, kv_isolation="api_key").tenant_by == "api_key"
     with pytest.raises(ValueError):
         Credentials.of([" spaced "])
 

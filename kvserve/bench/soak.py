@@ -254,8 +254,10 @@ def run_soak(args: argparse.Namespace, out: Path) -> tuple[list[Round], int]:
     from tqdm import tqdm
 
     port = free_port()
+    # /debug/memory is an admin route: the soak's own keyless server makes its caller the admin
+    admin = ["--allow-unauthenticated-admin"] if args.debug_memory else []
     cmd = spawn.kvserve_command(port, None, ["--max-model-len", str(args.max_model_len),
-                                             "--num-threads", str(args.num_threads),
+                                             "--num-threads", str(args.num_threads), *admin,
                                              *args.server_args.split()])
     rng = random.Random(args.seed)
     rounds: list[Round] = []

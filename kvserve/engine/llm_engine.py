@@ -189,15 +189,17 @@ class LLMEngine:
         probe.token_ids.append(0)  # so that every full block of the prompt is matchable
         return probe, num_tokens
 
-    def pin_room(self, prompt: PromptType, cache_salt: str | None = None) -> int:
-        """The blocks a pin of `prompt` takes; raises PinLimitError past
-        --max-pinned-fraction and ValueError for a prompt under one block."""
-        _, num_tokens = self._pin_probe(prompt, cache_salt)
+    def pin_room(self, prompt: PromptType, cache_salt: str | None = None,
+                 owner: str = "") -> int:
+        """The blocks a pin of `prompt` takes; raises PinLimitError past `owner`'s
+        --max-pinned-fraction or the --max-pinned-total-fraction, and ValueError for a prompt
+        under one block."""
+        probe, num_tokens = self._pin_probe(prompt, cache_salt)
         num_blocks = num_tokens // self.kv.block_size
         if num_blocks == 0:
             raise ValueError(f"the prompt ({num_tokens} tokens) is shorter than one KV block "
                              f"({self.kv.block_size} tokens): there is nothing to pin")
-        self.kv.pins.check_room(num_blocks * self.kv.num_groups)
+        self.kv.pins.check_seq_room(probe, num_blocks, owner)
         return num_blocks
 
     def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None,
@@ -215,11 +217,9 @@ class LLMEngine:
         return None if pin is None else pin.as_dict()
 
     def list_pins(self, owner: str | None = None) -> dict:
-        """The pins (`owner`'s only, if given) and the pool's pin budget."""
-        pins = self.kv.pins
-        return {"object": "list", "data": [p.as_dict() for p in pins.list(owner)],
-                "num_pinned_blocks": pins.num_pinned_blocks, "limit_blocks": pins.limit_blocks,
-                "max_pinned_fraction": pins.max_fraction}
+        """`owner`'s pins with its own count and budget, or (None) every pin with the
+        server-wide count and cap (kv/pins.py: `Pins.summary`)."""
+        return self.kv.pins.summary(owner)
 
     def prefix_tree(self, limit: int = 64) -> dict:
         """The largest shared prefixes of the device's cache (kv/tree_view.py), read-only."""

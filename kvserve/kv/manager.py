@@ -88,13 +88,15 @@ class KVCacheManager(BlockCounts):
                  kv_events_capacity: int = 0, window: int | None = None,
                  group_windows: Sequence[int | None] | None = None,
                  track_released: bool = False, max_pinned_fraction: float = 0.5,
-                 tenant_quota: float | None = None) -> None:
+                 tenant_quota: float | None = None,
+                 max_pinned_total_fraction: float | None = None) -> None:
         """`window`: one table whose every layer has that window (Mistral-style);
         `group_windows`: one table per KV group with these windows (a hybrid layout,
         kv/spec.py's `page_groups`; a block is then one page of one group's layers);
         `track_released`: name the blocks freed since the last plan in each plan's `released`
         (a KV format with per-block state, kv/tensors.py's `keeps_block_state`; else empty);
-        `max_pinned_fraction`, `tenant_quota`: kv/pins.py, `set_tenant_quota`."""
+        `max_pinned_fraction` (each tenant's), `max_pinned_total_fraction` (all tenants'; None:
+        the same), `tenant_quota`: kv/pins.py, `set_tenant_quota`."""
         if group_windows is not None and window is not None:
             raise ValueError("give either window (one table) or group_windows, not both")
         windows = tuple(group_windows) if group_windows is not None else (window,)
@@ -130,7 +132,7 @@ class KVCacheManager(BlockCounts):
         self.prefix_cache_hits = 0  # tokens served from cache
         self.hit_tokens: Counter[str] = Counter()  # by source: device, host, disk, remote
         self.pins = Pins(self)  # prefixes held on the device until unpinned (kv/pins.py)
-        self.pins.set_max_fraction(max_pinned_fraction)
+        self.pins.set_max_fraction(max_pinned_fraction, max_pinned_total_fraction)
         if tenant_quota is not None:
             self.set_tenant_quota(tenant_quota)
 

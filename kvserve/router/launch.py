@@ -146,7 +146,7 @@ def build_gateway(args: argparse.Namespace):
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.logging_setup import init_logging
+    from kvserve.logging_setup import init_logging, uvicorn_log_config
     from kvserve.router.app import build_router_app
     from kvserve.router.disagg import DisaggGateway
 
@@ -163,5 +163,6 @@ def run_router(args: argparse.Namespace) -> int:
         logger.info("routing %s over %d replicas on http://%s:%d", args.policy,
                     len(gateway.replicas), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
+                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False,
+                log_config=uvicorn_log_config())
     return 0

@@ -249,8 +249,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_log: str | None = None) -> FastAPI:
-    """`access`: keys, roles and isolation (server/auth.py); default: no key, everybody the
-    admin (a loopback server of one user)."""
+    """`access`: keys, roles and isolation (server/auth.py); default: no key, and nobody the
+    admin (`AccessPolicy(admin_open=True)` makes every caller the admin)."""
     served_model_names = list(served_model_names)
     access = access or AccessPolicy()
     if metrics is None:
@@ -333,8 +333,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=Response)
-    async def get_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def get_metrics(request: Request) -> Response:
+        return Response(metrics.render(per_tenant=caller_of(request).admin),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -32,9 +32,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "kv_cache_report (cached text, the salt reason), other callers' pins; "
                         "repeatable (also KVSERVE_ADMIN_API_KEY)")
     parser.add_argument("--allow-unauthenticated-admin", action="store_true",
-                        help="serve the admin endpoints without an admin key: to everybody "
-                        "when no key is given (the default only on a loopback --host), to "
-                        "every key holder otherwise")
+                        help="serve the admin endpoints and full cache reports without an "
+                        "admin key: to everybody when no key is given, to every key holder "
+                        "otherwise (never the default, on a loopback --host too)")
     parser.add_argument("--kv-isolation", choices=KV_ISOLATION,
                         default="cache_salt",
                         help="who may share cached KV blocks: everybody (none: cache_salt is "

@@ -7,15 +7,17 @@ also do what reaches every tenant's cache: `POST /reset_prefix_cache`, `GET /v1/
 (the hashes of everyone's blocks), `GET /v1/cache/tree` (the prefix tree, with text), the full
 explain (cached text, the `salt` reason), other callers' pins, `/debug/memory`.
 
-Without any key configured, nobody is told apart: on a loopback address everybody is the admin
-(one user's machine, as before); on any other address the admin endpoints are off unless
-`--allow-unauthenticated-admin` says the network is trusted. With keys but no admin key, the
-admin endpoints are off likewise (the same flag opens them to every key holder).
+Without any key configured, nobody is told apart, and nobody is the admin: every caller gets
+the ordinary caller's private reports, and the admin endpoints are off, on a loopback address
+as on any other, unless `--allow-unauthenticated-admin` says every caller may be the admin.
+Why not loopback: the address the server binds says nothing about who reaches it (a reverse
+proxy on the same host makes every remote user a loopback peer, and so does any other local
+user or process). With keys but no admin key, the admin endpoints are off likewise (the same
+flag opens them to every key holder).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,27 +46,18 @@ class Caller:
     key: str | None = None  # the digest of its API key (None: no key is configured)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may be reached from elsewhere
-
-
 @dataclass(frozen=True)
 class AccessPolicy:
     """The server's credentials and isolation, decided once at start-up."""
 
     credentials: Credentials = field(default_factory=Credentials)
     protect_all: bool = False  # the key on every route but /health (--api-key-protect-all)
-    admin_open: bool = True  # the admin role without an admin key
+    admin_open: bool = False  # the admin role without an admin key (only by the flag)
     kv_isolation: str = "cache_salt"
     tenant_by: str = "cache_salt"  # whose blocks are whose under --kv-tenant-quota
 
     @classmethod
-    def build(cls, credentials: Credentials, host: str, *, protect_all: bool = False,
+    def build(cls, credentials: Credentials, *, protect_all: bool = False,
               allow_unauthenticated_admin: bool = False, kv_isolation: str = "cache_salt",
               tenant_by: str | None = None) -> "AccessPolicy":
         if kv_isolation not in KV_ISOLATION:
@@ -79,9 +72,7 @@ class AccessPolicy:
         if protect_all and not credentials.configured:
             raise ValueError("--api-key-protect-all needs --api-key, --api-key-file or "
                              "--admin-api-key")
-        admin_open = allow_unauthenticated_admin or (
-            not credentials.configured and is_loopback(host))
-        return cls(credentials, protect_all, admin_open, kv_isolation,
+        return cls(credentials, protect_all, allow_unauthenticated_admin, kv_isolation,
                    tenant_by or ("api_key" if kv_isolation == "api_key" else "cache_salt"))
 
     def describe_admin(self) -> str:
@@ -89,7 +80,10 @@ class AccessPolicy:
         if self.credentials.admins:
             return f"admin endpoints: {len(self.credentials.admins)} admin key(s)"
         if self.admin_open:
-            return "admin endpoints: open to every caller (no admin key)"
+            return "admin endpoints: open to every caller (--allow-unauthenticated-admin)"
+        if not self.credentials.configured:
+            return "admin endpoints: off, every caller gets its own private reports (no admin " \
+                "key; --allow-unauthenticated-admin opens them)"
         return "admin endpoints: off (no --admin-api-key; see --allow-unauthenticated-admin)"
 
     def caller(self, authorization: str | None) -> Caller | None:

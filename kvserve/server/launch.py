@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-from kvserve.logging_setup import init_logging
+from kvserve.logging_setup import init_logging, uvicorn_log_config
 
 logger = logging.getLogger("kvserve")
 
@@ -58,7 +58,7 @@ def access_policy(args: argparse.Namespace):
 
     credentials = Credentials.from_args(args.api_key, args.api_key_file, args.admin_api_key,
                                         os.environ)
-    return AccessPolicy.build(credentials, args.host, protect_all=args.api_key_protect_all,
+    return AccessPolicy.build(credentials, protect_all=args.api_key_protect_all,
                               allow_unauthenticated_admin=args.allow_unauthenticated_admin,
                               kv_isolation=args.kv_isolation, tenant_by=args.kv_tenant_by)
 
@@ -100,5 +100,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                 args.port)
     logger.info("%s; KV isolation by %s", access.describe_admin(), access.kv_isolation)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False)
+                timeout_keep_alive=5, timeout_graceful_shutdown=10, access_log=False,
+                log_config=uvicorn_log_config())
     return 0

@@ -139,13 +139,16 @@ class PrometheusStatLogger:
         self.kv_cache_size_tokens = gauge("kvserve:kv_cache_size_tokens",
                                           "Tokens the KV pool holds (blocks x block size).")
         # Cache control (issue 33): pins, and idle cached blocks per tenant under quotas,
-        # labelled by a digest of the tenant (a cache salt is meant to be secret).
+        # labelled by a digest of the tenant (a cache salt is meant to be secret). The
+        # per-tenant series live in a registry of their own, rendered for the admin only:
+        # /metrics is open to every caller, and a tenant's series says when it is active.
+        self.tenant_registry = CollectorRegistry(auto_describe=True)
         self.num_pins = gauge("kvserve:kv_pins", "Prefixes pinned on the device (/v1/cache/pin).")
         self.pinned_blocks = gauge("kvserve:kv_pinned_blocks",
                                    "KV blocks held by pins (a block pinned twice counts once).")
         self.tenant_idle_blocks = Gauge("kvserve:kv_tenant_idle_cached_blocks",
                                         "Idle cached KV blocks per tenant (--kv-tenant-quota).",
-                                        labels + ["tenant"], registry=r,
+                                        labels + ["tenant"], registry=self.tenant_registry,
                                         multiprocess_mode="mostrecent")
         self.audits = counter("kvserve:kv_audits", "Prefix-cache hit audits (--kv-audit-rate), "
                               "by event: audited_hits, audited_blocks, mismatches, "
@@ -195,8 +198,11 @@ class PrometheusStatLogger:
     def m(self, name: str):
         return self._children[name]
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_tenant: bool = False) -> bytes:
+        """The exposition; `per_tenant` (the admin's scrape) adds the series labelled by
+        tenant."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.tenant_registry) if per_tenant else text
 
     # -- StatLogger -------------------------------------------------------------------------
     def _engine_gauges(self, engine: LLMEngine) -> None:

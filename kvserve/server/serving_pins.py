@@ -4,10 +4,13 @@ A pin is made in two moves on the engine's thread: the prompt's blocks are pinne
 holds them all; if not, the prompt is run first (a prefill, no token sampled) and pinned right
 after. Between the two an eviction could take a block again (the engine steps other requests in
 between), so the pair is tried a few times before the server answers 503. Room is checked
-before any prefill is spent: a pin past --max-pinned-fraction is a 400 naming the limit.
+before any prefill is spent: a pin past the caller's --max-pinned-fraction (each tenant's own
+budget) or past --max-pinned-total-fraction (all tenants') is a 400 `pin_limit` naming the
+caller's own count and budget only (kv/pins.py).
 
 A pin belongs to the caller who made it (server/auth.py): a caller lists and releases its own
-pins, and another caller's pin id answers 404 as an unknown one would; the admin sees them all.
+pins (with its own count and budget, never another tenant's), and another caller's pin id
+answers 404 as an unknown one would; the admin sees them all, and the server-wide count.
 The pin is made in the caller's cache namespace, as its requests are.
 """
 
@@ -35,7 +38,7 @@ async def create_pin(serving: Any, req: CachePinRequest, caller: Caller) -> dict
     prompt = {"prompt_token_ids": (await serving.cache_prompt(req))["prompt_token_ids"]}
     salt = serving.access.namespace(caller, req.cache_salt)
     try:
-        await serving.engine.call(lambda e: e.pin_room(prompt, salt))
+        await serving.engine.call(lambda e: e.pin_room(prompt, salt, _owner(caller)))
     except PinLimitError as exc:
         raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
     except (ValueError, TypeError) as exc:

@@ -179,6 +179,7 @@ def make_kv_manager(config: EngineConfig, kv_spec: KVCacheSpec, model_config: Mo
                         else [getattr(g.spec, "window", None) for g in groups],
                         track_released=tensors.keeps_block_state,
                         max_pinned_fraction=config.max_pinned_fraction,
+                        max_pinned_total_fraction=config.max_pinned_total_fraction,
                         tenant_quota=config.kv_tenant_quota)
     return tiers, kv
 
