@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{trace.requests[-1].timestamp - trace.requests[0].timestamp:.1f} s", flush=True)
 
     serve = ["serve", "--max-model-len", str(args.max_model_len), "--num-threads", "1",
-             "--max-num-seqs", str(args.max_num_seqs), "--disable-log-stats"]
+             "--max-num-seqs", str(args.max_num_seqs), "--disable-log-stats",
+             # loopback replicas the benchmark owns: the gateway reads their KV events and the
+             # runs reset their caches, both admin routes (a keyless server has no admin else)
+             "--allow-unauthenticated-admin"]
     reps = [Proc(f"replica{i}", serve, out) for i in range(args.replicas)]
     procs = list(reps)
     runs: list[dict] = []
