@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def reset() -> None:
             for u in urls:
-                httpx.post(u + "/reset_prefix_cache", timeout=30)
+                httpx.post(u + "/reset_prefix_cache", timeout=30).raise_for_status()
 
         async def warm() -> None:  # first forwards of each replica are slow (allocations)
             async with httpx.AsyncClient(timeout=120) as http:
