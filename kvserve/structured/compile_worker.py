@@ -73,21 +73,31 @@ class CompileWorker:
         ours.send(self._info)
         self._conn, self._ready = ours, False
 
-    def trial(self, params, timeout_s: float, cancelled: Callable[[], bool]) -> Trial:
-        """Compile `params` in the child within `timeout_s` seconds of compile time (the child's
-        start-up does not count), giving up as soon as `cancelled()` is true. A timed-out or
-        cancelled child is killed (the next trial starts a fresh one)."""
+    def ready(self, cancelled: Callable[[], bool]) -> bool:
+        """Start the child if none is alive and wait until it can compile (it has imported
+        xgrammar); False if it died starting or `cancelled()` turned true (it is killed)."""
         self.start()
         assert self._conn is not None
         if not self._ready:
             answer = self._wait(time.monotonic() + STARTUP_TIMEOUT_S, cancelled)
             if not isinstance(answer, tuple):
-                return self._stop(answer, "starting")
+                self.kill()
+                return False
             self._ready = True
+        return True
+
+    def trial(self, params, timeout_s: float, cancelled: Callable[[], bool]) -> Trial:
+        """Compile `params` in the child within `timeout_s` seconds of compile time (the child's
+        start-up does not count), giving up as soon as `cancelled()` is true. A timed-out or
+        cancelled child is killed (the next trial starts a fresh one)."""
+        if not self.ready(cancelled):
+            return Trial("cancelled") if cancelled() else \
+                Trial("died", reason="the compiler process did not start")
+        assert self._conn is not None
         self._conn.send(params)
         answer = self._wait(time.monotonic() + timeout_s, cancelled)
         if not isinstance(answer, tuple):
-            return self._stop(answer, "compiling")
+            return self._stop(answer)
         kind, value = answer
         return Trial("ok", seconds=value) if kind == "ok" else Trial("invalid", reason=value)
 
@@ -106,10 +116,10 @@ class CompileWorker:
             except (EOFError, OSError):
                 return "died"
 
-    def _stop(self, outcome: str, when: str) -> Trial:
+    def _stop(self, outcome: str) -> Trial:
         code = self._proc.poll() if self._proc is not None else None
         self.kill()
-        reason = f"the compiler process exited with code {code} while {when}" \
+        reason = f"the compiler process exited with code {code} while compiling it" \
             if outcome == "died" else ""
         return Trial(outcome, reason=reason)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -170,7 +171,18 @@ class GrammarCompiler:
 
     def _serve(self, worker: CompileWorker) -> None:
         """One worker thread: take a compile, try it in the child, compile it here if valid."""
-        while (job := self._next()) is not None:
+        while True:
+            # Ready before taking a compile: a fresh child still importing xgrammar must not
+            # hold a compile that an idle worker could run now.
+            if not worker.ready(lambda: self._closed):
+                if self._closed:
+                    break
+                logger.error("a grammar compile process failed to start: retrying")
+                time.sleep(1.0)
+                continue
+            job = self._next()
+            if job is None:
+                break
             try:
                 self._run(worker, job)
             except BaseException as exc:  # never leave a caller waiting
