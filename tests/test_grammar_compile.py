@@ -127,6 +127,20 @@ def test_cache_key_is_a_digest_of_the_spec():
     assert _slow("p").key() != _slow("q").key() and len(_slow("p").key()) == 64
 
 
+def test_cache_is_bounded_by_bytes(compiler, monkeypatch):
+    from kvserve.structured import compiler as module
+
+    first, second = _small("bytes_a"), _small("bytes_b")
+    compiler.compile(first)
+    before = compiler.num_compiles
+    compiler.compile(first)
+    assert compiler.num_compiles == before  # a hit
+    monkeypatch.setattr(module, "CACHE_BYTES", 1)
+    compiler.compile(second)  # over the bound: the older grammar goes
+    compiler.compile(first)
+    assert compiler.num_compiles == before + 2
+
+
 def test_other_tenant_compiles_while_one_tenant_is_slow_and_leaves(compiler):
     unloaded = statistics.median(_timed(lambda i=i: compiler.submit(
         _small(f"u{i}"), tenant="B").result(timeout=60)) for i in range(3))

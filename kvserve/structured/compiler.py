@@ -34,6 +34,9 @@ from kvserve.structured.params import StructuredOutputsParams
 logger = logging.getLogger("kvserve")
 
 CACHE_SIZE = 512  # compiled grammars kept (LRU)
+# ... and at most this many bytes of them (xgrammar's own count): 4,000 required properties
+# compile to 13 MB on a 2,048-token vocabulary, so 512 big grammars would be gigabytes.
+CACHE_BYTES = 1 << 30
 
 
 class GrammarLimitError(ValueError):
@@ -51,6 +54,7 @@ class _Job:
     future: Future = field(default_factory=Future)  # the compiled grammar, once
     waiters: int = 0  # requests waiting on `future` (through their own futures)
     state: str = "queued"  # queued, running, done
+    nbytes: int = 0  # the compiled grammar's size, once done
 
 
 class GrammarCompiler:
@@ -129,11 +133,7 @@ class GrammarCompiler:
         """A new queued compile (under the lock), cached at once so that callers share it."""
         job = _Job(params, key, tenant)
         self._cache[key] = job
-        while len(self._cache) > CACHE_SIZE:
-            old_key, old = next(iter(self._cache.items()))
-            if not old.future.done():
-                break  # in flight: kept until it ends
-            del self._cache[old_key]
+        self._evict()
         self._queue.push(tenant, job)
         self._lock.notify_all()
         return job
@@ -152,6 +152,18 @@ class GrammarCompiler:
             self.num_cancelled += 1
         logger.info("grammar compile %s cancelled (%s): no request waits for it",
                     job.key[:12], job.state)
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished compiles (under the lock) until the cache is
+        within CACHE_SIZE grammars and CACHE_BYTES; compiles in flight stay until they end."""
+        total = sum(job.nbytes for job in self._cache.values())
+        for key in list(self._cache):
+            if len(self._cache) <= CACHE_SIZE and total <= CACHE_BYTES:
+                return
+            job = self._cache[key]
+            if job.future.done():
+                total -= job.nbytes
+                del self._cache[key]
 
     def _forget(self, job: _Job) -> None:
         if self._cache.get(job.key) is job:
@@ -213,14 +225,18 @@ class GrammarCompiler:
         else:
             compiled, exc = None, ValueError(
                 f"invalid {job.params.kind} for structured outputs: {trial.reason}")
-        if exc is not None and not isinstance(exc, GrammarLimitError):
-            with self._lock:
-                self._forget(job)  # a bad grammar is not worth keeping
         _settle(job.future, compiled, exc)
+        with self._lock:
+            if exc is not None and not isinstance(exc, GrammarLimitError):
+                self._forget(job)  # a bad grammar is not worth keeping
+            elif compiled is not None:
+                job.nbytes = compiled.memory_size_bytes
+                self._evict()
 
     def _compile_here(self, params: StructuredOutputsParams) -> tuple[Any, BaseException | None]:
         """The compiled grammar (its trial passed, so this ends in about the trial's time)."""
-        self.num_compiles += 1
+        with self._lock:
+            self.num_compiles += 1
         try:
             return self._compiler.compile_grammar(build_grammar(params)), None
         except Exception as exc:  # xgrammar raises RuntimeError / its own errors: say why
