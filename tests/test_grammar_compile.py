@@ -233,6 +233,22 @@ def test_schema_over_the_size_limit_fails_before_compiling():
         c.close()
 
 
+def test_a_compile_process_that_dies_fails_its_compile_alone():
+    """Killed from outside (as the OOM killer would): the compile fails with a reason, and a
+    fresh process serves the next one."""
+    c = _compiler(workers=1, compile_timeout=60.0)
+    try:
+        c.compile(_small("warm"))
+        future = c.submit(_slow("killed_"))
+        time.sleep(0.5)
+        os.kill(c.worker_pids()[0], 9)
+        with pytest.raises(ValueError, match="the compiler process exited with code -9"):
+            future.result(timeout=30)
+        assert c.compile(_small("next")) is not None
+    finally:
+        c.close()
+
+
 def test_compile_processes_die_with_their_parent(tmp_path):
     """A parent killed outright (no close, no atexit) while a child compiles: the child's
     watchdog ends it."""

@@ -53,15 +53,20 @@ class CompileWorker:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._ready = False
+        self._sent = False  # the vocabulary went to the child
+        self.closed = False  # for good: no child is started again
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        proc = self._proc
+        return proc.pid if proc is not None else None
 
     def start(self) -> None:
-        """Spawn the child (it imports xgrammar on its own time); no-op if one is alive."""
-        if self._proc is not None and self._proc.poll() is None:
+        """Spawn the child (it imports xgrammar on its own time); no-op if one is alive or
+        the worker is closed."""
+        if self.closed or (self._proc is not None and self._proc.poll() is None):
             return
+        self.kill()  # a child that died by itself: reaped, its pipe closed
         ours, theirs = Pipe(duplex=True)
         fd = theirs.fileno()
         # A new session: a Ctrl-C at the terminal reaches the server, which stops its children.
@@ -70,14 +75,24 @@ class CompileWorker:
             pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True,
             env=dict(os.environ, OMP_NUM_THREADS="1"))
         theirs.close()
-        ours.send(self._info)
-        self._conn, self._ready = ours, False
+        # The vocabulary goes in ready(): a big one fills the pipe until the child reads it,
+        # after its imports, and the caller here must not wait for that.
+        self._conn, self._ready, self._sent = ours, False, False
 
     def ready(self, cancelled: Callable[[], bool]) -> bool:
         """Start the child if none is alive and wait until it can compile (it has imported
         xgrammar); False if it died starting or `cancelled()` turned true (it is killed)."""
         self.start()
-        assert self._conn is not None
+        conn = self._conn
+        if conn is None:  # closed
+            return False
+        if not self._sent:
+            try:
+                conn.send(self._info)
+            except OSError:  # the child died before reading it
+                self.kill()
+                return False
+            self._sent = True
         if not self._ready:
             answer = self._wait(time.monotonic() + STARTUP_TIMEOUT_S, cancelled)
             if not isinstance(answer, tuple):
@@ -91,10 +106,13 @@ class CompileWorker:
         start-up does not count), giving up as soon as `cancelled()` is true. A timed-out or
         cancelled child is killed (the next trial starts a fresh one)."""
         if not self.ready(cancelled):
-            return Trial("cancelled") if cancelled() else \
+            return Trial("cancelled") if cancelled() or self.closed else \
                 Trial("died", reason="the compiler process did not start")
-        assert self._conn is not None
-        self._conn.send(params)
+        conn = self._conn
+        try:
+            conn.send(params)  # type: ignore[union-attr]
+        except (AttributeError, OSError):  # closed meanwhile (the process is exiting)
+            return Trial("cancelled")
         answer = self._wait(time.monotonic() + timeout_s, cancelled)
         if not isinstance(answer, tuple):
             return self._stop(answer)
@@ -103,18 +121,18 @@ class CompileWorker:
 
     def _wait(self, deadline: float, cancelled: Callable[[], bool]) -> tuple | str:
         """The child's next message, or why none came: timeout, cancelled or died."""
-        assert self._conn is not None
+        conn = self._conn  # close() from another thread (at exit) sets None: this one fails
         while True:
-            if cancelled():
+            if cancelled() or self.closed or conn is None:
                 return "cancelled"
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout"
             try:
-                if self._conn.poll(min(POLL_S, left)):
-                    return self._conn.recv()
+                if conn.poll(min(POLL_S, left)):
+                    return conn.recv()
             except (EOFError, OSError):
-                return "died"
+                return "cancelled" if self.closed else "died"
 
     def _stop(self, outcome: str) -> Trial:
         code = self._proc.poll() if self._proc is not None else None
@@ -123,17 +141,23 @@ class CompileWorker:
             if outcome == "died" else ""
         return Trial(outcome, reason=reason)
 
+    def close(self) -> None:
+        """Kill the child and start none again."""
+        self.closed = True
+        self.kill()
+
     def kill(self) -> None:
-        """Stop the child now (SIGKILL: a compile does not listen) and reap it."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+        """Stop the child now (SIGKILL: a compile does not listen) and reap it. Safe from two
+        threads at once (the finalizer at exit, the worker's own thread)."""
+        conn, self._conn = self._conn, None
+        proc, self._proc = self._proc, None
         self._ready = False
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 # ------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class GrammarCompiler:
             # Ready before taking a compile: a fresh child still importing xgrammar must not
             # hold a compile that an idle worker could run now.
             if not worker.ready(lambda: self._closed):
-                if self._closed:
+                if self._closed or worker.closed:
                     break
                 logger.error("a grammar compile process failed to start: retrying")
                 time.sleep(1.0)
@@ -204,7 +204,7 @@ class GrammarCompiler:
                     job.state = "done"
                     self._queue.finish(job)
                     self._lock.notify_all()
-        worker.kill()
+        worker.close()
 
     def _run(self, worker: CompileWorker, job: _Job) -> None:
         trial = worker.trial(job.params, self.compile_timeout,
@@ -294,5 +294,6 @@ def _pass_on(done: Future, mine: Future) -> None:
 
 
 def _kill_all(workers: list[CompileWorker]) -> None:
+    """The finalizer (close(), or the interpreter's exit): no compile process is left."""
     for worker in workers:
-        worker.kill()
+        worker.close()
