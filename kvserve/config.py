@@ -148,6 +148,18 @@ class EngineConfig:
     bounded_kv_sink_tokens: int = _arg(4, "attention-sink tokens a bounded cache always keeps")
     bounded_kv_observation_window: int = _arg(32, "snapkv: the prompt's last queries whose "
                                               "attention picks the kept tokens")
+    structured_outputs_compile_timeout: float = _arg(
+        10.0, "longest a structured-output grammar may take to compile, in seconds; a compile "
+        "past it is stopped and its request refused (400), as is a compile whose every request "
+        "left (kvserve/structured/compiler.py)", metavar="SECONDS")
+    structured_outputs_max_schema_bytes: int = _arg(
+        1 << 20, "largest structured-output grammar (a JSON schema as compact JSON, a regex, a "
+        "grammar's text), in bytes; a larger one is refused (400) before it compiles",
+        metavar="BYTES")
+    structured_outputs_compile_workers: int = _arg(
+        2, "grammar compile processes; each tenant (API key, or cache namespace) runs at most "
+        "all but one of them, so another tenant's compile always finds one free",
+        metavar="N")
     # None = no tiers; from Python also a dict or a TierConfig.
     kv_tier_config: Any = _arg(None, "storage tiers under the KV pool (host memory, disk, "
                                "Redis): a YAML file with LMCache's keys (chunk_size, local_cpu, "
@@ -193,6 +205,15 @@ class EngineConfig:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), "
                              f"got {self.node_rank}")
+        _check_positive_int("structured_outputs_max_schema_bytes",
+                            self.structured_outputs_max_schema_bytes)
+        _check_positive_int("structured_outputs_compile_workers",
+                            self.structured_outputs_compile_workers)
+        timeout = self.structured_outputs_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not timeout > 0:
+            raise ValueError("structured_outputs_compile_timeout must be a number of seconds "
+                             f"> 0, got {timeout!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "num_threads"):
             value = getattr(self, name)

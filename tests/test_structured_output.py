@@ -293,7 +293,8 @@ def test_json_strings_hold_only_valid_utf8(body, valid):
     bounded (maxLength) and unbounded strings alike."""
     import xgrammar as xgr
 
-    from kvserve.structured.grammar import GrammarCompiler, strict_json_strings
+    from kvserve.structured.compiler import GrammarCompiler
+    from kvserve.structured.grammar import strict_json_strings
     from kvserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir("kvserve/assets/stdlib-coder")

@@ -30,7 +30,7 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.models.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
-from kvserve.structured.grammar import GrammarCompiler
+from kvserve.structured.compiler import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 from kvserve.validation import check_cache_salt, check_text_fits, check_token_ids, check_utf8, \
     shorten
@@ -59,8 +59,9 @@ class InputProcessor:
             self._features.add(F.HYBRID)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
-        # Requests whose grammar is still compiling (on the compiler's thread): parent id ->
-        # (the compile, its samples). The engine queues them once it is done; the batch never
+        # Requests whose grammar is still compiling (off the engine loop): parent id -> (the
+        # compile, its samples); aborting one cancels its wait (the compile stops with no
+        # request left waiting). The engine queues them once it is done; the batch never
         # waits for a compile.
         self.compiling: dict[str, tuple[Future, list[Request]]] = {}
         self._grammars_lock = threading.Lock()
@@ -79,8 +80,11 @@ class InputProcessor:
         the server compiles from worker threads, off the engine loop."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 sorted(self.eos_token_ids))
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                    workers=self.config.structured_outputs_compile_workers,
+                    compile_timeout=self.config.structured_outputs_compile_timeout,
+                    max_schema_bytes=self.config.structured_outputs_max_schema_bytes)
             return self._grammars
 
     def take_compiled(self) -> list[tuple[str, list[Request], Future]]:

@@ -40,7 +40,7 @@ from kvserve.sampling import SamplingParams
 from kvserve.blend.audit import TWIN_ID_PREFIX
 from kvserve.blend.blender import DOC_ID_PREFIX, build_blender
 from kvserve.spec.build import build_speculator, drop_tokens
-from kvserve.structured.grammar import GrammarCompiler
+from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("kvserve")
 
@@ -231,7 +231,9 @@ class LLMEngine:
         """Stop a request (all its samples) now and free its blocks; unknown ids are ignored."""
         # A request still waiting for its grammar is in no queue, but add_request started its
         # tier prefetch: the scheduler's finish (then kv.free) forgets that too.
-        self.inputs.compiling.pop(request_id, None)
+        held = self.inputs.compiling.pop(request_id, None)
+        if held is not None:
+            held[0].cancel()  # its compile stops if no other request waits for it
         audit = self.audit.abort(request_id) if self.audit is not None else None
         if audit is not None:  # the running audit (what a failed step ran is aborted)
             self.scheduler.finish(audit, RequestStatus.FINISHED_ABORTED)

@@ -162,18 +162,35 @@ class OpenAIServing:
             raise APIError(400, str(exc), param="prompt" if num_prompts > 1 else "n") from None
 
     async def _check_grammar(self, structured: StructuredOutputsParams | None,
-                             param: str) -> None:
-        """Compile the request's grammar before it is queued (on the compiler's thread, never
-        the event loop's nor the engine's): an invalid schema, regex or grammar is a 400 with
-        the library's reason, and the engine then finds it in the cache."""
+                             param: str, req, raw: Request) -> bool:
+        """Compile the request's grammar before it is queued (in the compiler's processes,
+        never on the event loop's thread nor the engine's), in the caller's tenant's turn: an
+        invalid schema, regex or grammar, or one over a limit, is a 400 with the reason, and
+        the engine then finds it in the cache. False if the client left meanwhile (the compile
+        stops when nobody else waits for it)."""
         if structured is None:
-            return
+            return True
+        caller = caller_of(raw)
+        tenant = ("key", caller.key) if caller.key is not None \
+            else ("namespace", self.access.namespace(caller, req.cache_salt))
         core = self.engine.engine
-        future = await asyncio.to_thread(lambda: core.grammars.submit(structured))
+        future = await asyncio.to_thread(core.grammars.submit, structured, tenant)
+        compiled = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
-            await asyncio.wrap_future(future)
-        except ValueError as exc:
+            await asyncio.wait((compiled, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not compiled.done():
+                compiled.cancel()  # cancels `future`: this caller no longer waits
+        if not compiled.done() or compiled.cancelled():
+            return False
+        exc = compiled.exception()
+        if isinstance(exc, ValueError):
             raise APIError(400, str(exc), param=param) from None
+        if exc is not None:
+            raise engine_error(exc) from exc
+        return True
 
     def _check_common(self, req: CompletionRequest | ChatCompletionRequest, rid: str) -> None:
         """Checks both endpoints share, before anything is tokenized."""
@@ -367,8 +384,10 @@ class OpenAIServing:
                            "prompt_logprobs (to score the prompt)", param="max_tokens")
         self._check_size(_num_prompts(req.prompt), req.n)
         structured = structured_outputs_of(req)
-        await self._check_grammar(structured, "structured_outputs"
-                                  if req.structured_outputs is not None else "response_format")
+        if not await self._check_grammar(structured, "structured_outputs"
+                                         if req.structured_outputs is not None
+                                         else "response_format", req, raw):
+            return Response(status_code=499)
         prompts = await off_loop(text_size(req.prompt), self._completion_prompts, req.prompt)
         # echo with logprobs reports the prompt tokens' logprobs too (OpenAI's legacy API)
         echo_lps = req.logprobs if req.echo else None

@@ -54,9 +54,11 @@ class OpenAIServingChat(OpenAIServing):
         if tools.grammar is not None:
             structured = tools.grammar
         self._check_size(1, req.n)
-        await self._check_grammar(structured, "tool_choice" if tools.grammar is not None
-                                  else "structured_outputs" if req.structured_outputs is not None
-                                  else "response_format")
+        if not await self._check_grammar(structured, "tool_choice" if tools.grammar is not None
+                                         else "structured_outputs"
+                                         if req.structured_outputs is not None
+                                         else "response_format", req, raw):
+            return Response(status_code=499)
         prompt = await off_loop(text_size([m.content for m in req.messages]),
                                 self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \

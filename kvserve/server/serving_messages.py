@@ -260,12 +260,12 @@ class MessagesServing:
                                      self._prompt_and_breakpoint, chat)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         answer = await self.chat.create_chat_completion(chat, raw)
+        if answer.status_code != 200:
+            return answer  # 499: the client went away (streamed or not)
         if req.stream and req.max_tokens > 0:
             inner = answer.body_iterator
             return event_stream(self._events(inner, mid, model, req, (prompt, end)),
                                 getattr(answer, "_on_close", lambda: None))
-        if answer.status_code != 200:
-            return answer  # 499: the client went away
         body = json.loads(answer.body)
         message = self._message(body, mid, model, req, end)
         if req.stream:  # max_tokens 0, streamed: the events of an empty answer

@@ -1,9 +1,8 @@
 """Grammars for structured outputs, with xgrammar (docs/structured_output.md says why).
 
-`GrammarCompiler` turns a `StructuredOutputsParams` into a compiled grammar on a worker thread
-(never on the engine step) and caches the result by the grammar's key, so that a thousand
-requests with one schema compile it once; the cache holds futures, so requests that arrive
-while it compiles wait for the same compile. A request's `GrammarState` is a matcher over it:
+`build_grammar` turns a `StructuredOutputsParams` into an xgrammar Grammar (the server's
+compiler, kvserve/structured/compiler.py, and its compile processes build it alike). A
+request's `GrammarState` is a matcher over it:
 it fills the packed bitmask of the tokens allowed next (int32 words, bit t of word t // 32 for
 token t, as `kvserve.sampler` reads it), advances on each accepted token and says when the
 grammar has ended (its stop token was accepted).
@@ -13,9 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,7 +21,6 @@ from kvserve.structured.params import StructuredOutputsParams
 # Whitespace a JSON grammar allows between tokens, at most, unless disable_any_whitespace: an
 # unbounded run would let a weak model emit spaces until max_tokens.
 MAX_JSON_WHITESPACE = 2
-CACHE_SIZE = 512  # compiled grammars kept (LRU)
 
 _REGEX_SPECIAL = set("\\.^$*+?{}[]|()/")
 
@@ -55,88 +50,27 @@ def vocab_type(tokenizer) -> int:
     return xgr.VocabType.RAW
 
 
-class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and model vocabulary size."""
-
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 max_workers: int = 1) -> None:
-        xgr = _xgr()
-        special = set(tokenizer.all_special_ids) - set(stop_token_ids)
-        # An empty string marks a token the grammar never allows (special tokens, and the
-        # model's padding ids past the tokenizer's vocabulary).
-        vocab = [("" if i in special else (tokenizer.id_to_token(i) or ""))
-                 for i in range(vocab_size)]
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo(vocab, vocab_type(tokenizer), vocab_size=vocab_size,
-                                      stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_workers,
-                                             cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers,
-                                        thread_name_prefix="kvserve-grammar")
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._lock = threading.Lock()
-        self.num_compiles = 0
-
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar for `params`, as a future (done at once on a cache hit). Its
-        exception is a ValueError with the library's reason for an invalid grammar."""
-        key = params.key()
-        with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None:
-                self._cache.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, params)
-            self._cache[key] = fut
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        fut.add_done_callback(lambda f: self._forget_failure(key, f))
-        return fut
-
-    def compile(self, params: StructuredOutputsParams):
-        """Blocking form of `submit`."""
-        return self.submit(params).result()
-
-    def _forget_failure(self, key: tuple, fut: Future) -> None:
-        if fut.exception() is not None:  # a bad grammar is not worth keeping
-            with self._lock:
-                if self._cache.get(key) is fut:
-                    del self._cache[key]
-
-    def _compile(self, params: StructuredOutputsParams):
-        self.num_compiles += 1
-        try:
-            return self._compiler.compile_grammar(self.grammar(params))
-        except Exception as exc:  # xgrammar raises RuntimeError / its own errors: say why
-            raise ValueError(f"invalid {params.kind} for structured outputs: "
-                             f"{library_reason(exc)}") from None
-
-    def grammar(self, params: StructuredOutputsParams):
-        """The (uncompiled) xgrammar Grammar for `params`."""
-        xgr = _xgr()
-        kind = params.kind
-        ws = dict(any_whitespace=not params.disable_any_whitespace,
-                  max_whitespace_cnt=None if params.disable_any_whitespace
-                  else MAX_JSON_WHITESPACE)
-        if kind == "json":
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return strict_json_strings(xgr.Grammar.from_json_schema(schema, **ws))
-        if kind == "json_object":
-            return strict_json_strings(xgr.Grammar.from_json_schema(
-                '{"type": "object"}', strict_mode=False, **ws))
-        if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
-        if kind == "choice":
-            return xgr.Grammar.from_regex(choice_regex(list(params.choice)))
-        if kind == "grammar":
-            return _grammar_from_text(params.grammar)
-        raise AssertionError(kind)
-
-    def new_state(self, compiled) -> "GrammarState":
-        return GrammarState(_xgr().GrammarMatcher(compiled))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+def build_grammar(params: StructuredOutputsParams):
+    """The (uncompiled) xgrammar Grammar for `params` (the parent and the compile workers
+    build it alike)."""
+    xgr = _xgr()
+    kind = params.kind
+    ws = dict(any_whitespace=not params.disable_any_whitespace,
+              max_whitespace_cnt=None if params.disable_any_whitespace
+              else MAX_JSON_WHITESPACE)
+    if kind == "json":
+        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        return strict_json_strings(xgr.Grammar.from_json_schema(schema, **ws))
+    if kind == "json_object":
+        return strict_json_strings(xgr.Grammar.from_json_schema(
+            '{"type": "object"}', strict_mode=False, **ws))
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_regex(choice_regex(list(params.choice)))
+    if kind == "grammar":
+        return _grammar_from_text(params.grammar)
+    raise AssertionError(kind)
 
 
 # xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength) as

@@ -10,8 +10,10 @@ schema, regex or grammar is valid is the grammar library's call, made when it co
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from kvserve.validation import shorten
@@ -92,8 +94,11 @@ class StructuredOutputsParams:
                 return k
         return "json_object"
 
-    def key(self) -> tuple[str, str, bool]:
-        """What identifies the compiled grammar (the compile cache's key)."""
+    @cached_property
+    def spec(self) -> tuple[str, str, bool]:
+        """The grammar's canonical description: its kind, its text (a schema as sorted,
+        compact JSON) and the whitespace flag. Two requests with equal specs share a compile.
+        Computed once (a big schema's JSON is not free)."""
         value = getattr(self, self.kind) if self.kind != "json_object" else ""
         if isinstance(value, dict):
             value = json.dumps(value, sort_keys=True, separators=(",", ":"))
@@ -102,3 +107,12 @@ class StructuredOutputsParams:
         elif isinstance(value, (list, tuple)):
             value = json.dumps(list(value))
         return self.kind, value, self.disable_any_whitespace
+
+    def key(self) -> str:
+        """What identifies the compiled grammar (the compile cache's key): a SHA-256 of the
+        spec, so that a megabyte of schema is not a megabyte of dict key."""
+        return hashlib.sha256(json.dumps(self.spec).encode()).hexdigest()
+
+    def size(self) -> int:
+        """Bytes of the grammar's text (a schema as compact JSON), which the server bounds."""
+        return len(self.spec[1].encode())
