@@ -255,6 +255,21 @@ def test_pin_ids_are_random_not_counted():
     assert all(re.fullmatch(r"pin-[0-9a-f]{24}", i) for i in ids), ids  # 96 random bits
 
 
+def test_pins_of_no_whole_block_unpin_and_reset_cleanly():
+    """A prompt shorter than a block pins nothing, twice by one owner: both unpin, and a reset
+    clears them (the per-owner count had no entry for them: a KeyError, found by
+    test_prefix_properties' state machine)."""
+    kv = _manager()
+    short = [5] * (BS - 1)
+    _serve(kv, "short", short)
+    pins = [kv.pins.pin(_pin_probe(short), len(short), "t") for _ in range(3)]
+    assert all(p is not None and p.num_tokens == 0 for p in pins)
+    assert kv.pins.unpin(pins[0].id) is not None and kv.pins.owner_blocks("t") == 0
+    kv.reset_prefix_cache()
+    assert len(kv.pins) == 0
+    kv.check_invariants([])
+
+
 def test_pin_fractions_are_checked():
     with pytest.raises(ValueError, match="max-pinned-total-fraction 0.5"):
         KVCacheManager(16, BS, max_pinned_fraction=0.8, max_pinned_total_fraction=0.5)

@@ -168,7 +168,8 @@ class Pins:
             m.pool.share(bs)
             self._count.update(bs)
             mine.update(bs)
-        self._by_owner[owner] = mine
+        if mine:  # a pin of no whole block holds nothing of its owner's budget
+            self._by_owner[owner] = mine
         pin = Pin(new_pin_id(), num_blocks * m.block_size, blocks, cache_salt=seq.cache_salt,
                   owner=owner)
         self._pins[pin.id] = pin
@@ -181,7 +182,7 @@ class Pins:
         if pin is None or (owner is not None and pin.owner != owner):
             return None
         del self._pins[pin_id]
-        mine = self._by_owner[pin.owner]
+        mine = self._by_owner.get(pin.owner, Counter())  # none for a pin of no whole block
         for g, bs in zip(self.manager.groups, pin.blocks):
             self._count.subtract(bs)
             mine.subtract(bs)
@@ -191,7 +192,7 @@ class Pins:
         if mine:
             self._by_owner[pin.owner] = mine
         else:
-            del self._by_owner[pin.owner]
+            self._by_owner.pop(pin.owner, None)
         return pin
 
     def list(self, owner: str | None = None) -> list[Pin]:
