@@ -149,15 +149,8 @@ def _check_invariants_after_every_step(monkeypatch):
 def redis_server():
     """A fresh redis-server on a free port (tests/redis_server.py). Missing redis-server fails
     the test (KVSERVE_SKIP_REDIS=1 skips it instead)."""
-    import os
+    from redis_server import start_redis
 
-    from redis_server import RedisServer
-
-    try:
-        server = RedisServer()
-    except FileNotFoundError as e:
-        if os.environ.get("KVSERVE_SKIP_REDIS") == "1":
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    server = start_redis()
     yield server
     server.close()

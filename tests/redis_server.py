@@ -60,3 +60,18 @@ class RedisServer:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_redis() -> RedisServer:
+    """A RedisServer for a fixture: a missing redis-server fails the test, or skips it where
+    KVSERVE_SKIP_REDIS=1 says this machine has none on purpose."""
+    import os
+
+    import pytest
+
+    try:
+        return RedisServer()
+    except FileNotFoundError as e:
+        if os.environ.get("KVSERVE_SKIP_REDIS") == "1":
+            pytest.skip(str(e))
+        pytest.fail(str(e))

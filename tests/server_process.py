@@ -62,3 +62,17 @@ def running(proc: ServerProcess):
     finally:
         code = proc.stop()
     assert code is None, proc.log()[-3000:]
+
+
+@contextlib.contextmanager
+def all_running(procs: dict[str, ServerProcess]):
+    """`running` for several servers started together (their start-ups overlap): every one
+    ready, handed out as the dict, stopped; each must still have been alive."""
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs
+    finally:
+        codes = {name: proc.stop() for name, proc in procs.items()}
+    for name, code in codes.items():
+        assert code is None, procs[name].log()[-3000:]

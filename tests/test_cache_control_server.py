@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from helpers import kv_bytes_per_token
-from server_process import ServerProcess
+from server_process import ServerProcess, all_running
 
 BS = 16
 POOL_BLOCKS = 300
@@ -40,14 +40,8 @@ def servers(tmp_path_factory):
                                         "--api-key", "tenant-a", "--api-key", "tenant-b",
                                         "--admin-api-key", "quota-admin"],
                               tmp_path_factory)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with all_running(procs):
         yield procs
-    finally:
-        codes = {name: p.stop() for name, p in procs.items()}
-    for name, code in codes.items():
-        assert code is None, procs[name].log()[-3000:]
 
 
 def complete(server, prompt, headers=None, **fields) -> dict:

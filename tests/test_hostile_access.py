@@ -21,7 +21,7 @@ import re
 import httpx
 import pytest
 from helpers import kv_bytes_per_token
-from server_process import ServerProcess
+from server_process import ServerProcess, all_running
 from test_server import _assert_error_shape
 
 from kvserve.model_loader.make_model import ensure_default_model
@@ -71,14 +71,8 @@ def servers(tmp_path_factory):
              "consumer": _start("hostile-consumer", tmp_path_factory, "--kv-transfer-config",
                                 json.dumps({"kv_connector": "kvserve",
                                             "kv_role": "kv_consumer"}))}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with all_running(procs):
         yield procs
-    finally:
-        codes = {name: p.stop() for name, p in procs.items()}
-    for name, code in codes.items():
-        assert code is None, procs[name].log()[-3000:]
 
 
 def _pin(url: str, key: str | None, num_blocks: int, seed: int) -> httpx.Response:

@@ -124,14 +124,9 @@ def fake_producer():
 
 @pytest.fixture(scope="module")
 def redis_url():
-    from redis_server import RedisServer
+    from redis_server import start_redis
 
-    try:
-        server = RedisServer()
-    except FileNotFoundError as e:
-        if os.environ.get("KVSERVE_SKIP_REDIS") == "1":
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    server = start_redis()
     yield server.url
     server.close()
 
