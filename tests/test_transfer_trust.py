@@ -161,6 +161,26 @@ def test_only_the_mac_catches_a_forged_payload():
         decode(key, blob, IDENTITY.dtype, IDENTITY.shape, auth_key=KEY[::-1])
 
 
+def test_each_seal_has_a_fresh_nonce_and_any_changed_byte_fails_it():
+    """The GMAC (auth.py): two seals of one chunk differ (a nonce reused under one key would
+    give the GHASH key away) and both verify; a changed byte of any part, of the nonce or of
+    the tag fails, and so does another secret."""
+    parts = [b"fields", b"kvserve:abc:01", bytes(range(256)) * 64]
+    a, b = auth.mac_seal(KEY, parts), auth.mac_seal(KEY, parts)
+    assert a != b and a[:12] != b[:12] and len(a) == auth.MAC_BYTES
+    assert auth.mac_verify(KEY, parts, a) and auth.mac_verify(KEY, parts, b)
+    for i in range(len(parts)):
+        changed = list(parts)
+        changed[i] = bytes([changed[i][0] ^ 1]) + changed[i][1:]
+        assert not auth.mac_verify(KEY, changed, a)
+    for at in (0, 11, 12, auth.MAC_BYTES - 1):  # the nonce's ends, the tag's ends
+        forged = bytearray(a)
+        forged[at] ^= 0x80
+        assert not auth.mac_verify(KEY, parts, bytes(forged))
+    assert not auth.mac_verify(KEY[::-1], parts, a)
+    assert not auth.mac_verify(KEY, parts, a[:-1])
+
+
 def test_unauthenticated_version_1_chunks_are_not_read():
     key = IDENTITY.key(4)
     blob = bytearray(encode(key, torch.zeros(IDENTITY.shape), auth_key=KEY))

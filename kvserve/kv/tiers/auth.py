@@ -2,8 +2,16 @@
 
 A chunk's xxh3 checksum (chunk.py) catches accidents, not an adversary: anyone who can write a
 disk file, a Redis value or answer a consumer's pull can recompute it. So every framed chunk
-also carries an HMAC-SHA256 keyed by a secret the deployment shares, and a chunk whose MAC does
-not verify is a miss (counted, then recomputed), never KV.
+also carries a MAC keyed by a secret the deployment shares, and a chunk whose MAC does not
+verify is a miss (counted, then recomputed), never KV.
+
+The MAC is AES-256-GMAC (GCM authenticating the chunk as associated data, nothing encrypted)
+with a random 96-bit nonce per chunk, under a key derived from the secret (`_gmac_key`). Why
+not HMAC-SHA256: it ran at 1.9 GB/s here (SHA-NI), ~18 ms per 32 MiB prefix on every disk,
+Redis or peer load and on every save, a third of a disk hit's TTFT; GMAC runs on AES-NI and
+carry-less multiplies at ~25 GB/s (~1 ms), with the same guarantee: no one without the secret
+makes a chunk that verifies. Random nonces keep it safe for ~2^32 chunks per secret (NIST
+SP 800-38D); rotate the secret long before a deployment writes that many.
 
 Where the key comes from, first match wins:
 1. a key file named in the configuration (`auth_key_file` of the tier config, or of
@@ -17,11 +25,17 @@ Where the key comes from, first match wins:
 
 from __future__ import annotations
 
+import functools
+import hmac
 import logging
 import os
 import secrets
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvserve.paths import cache_dir
 
@@ -30,6 +44,44 @@ logger = logging.getLogger("kvserve.tiers")
 ENV_VAR = "KVSERVE_KV_AUTH_KEY"
 DEFAULT_KEY_FILE = "kv-auth.key"
 MIN_KEY_BYTES = 16  # a shorter secret is guessable; a generated one is 32 random bytes (hex)
+_NONCE_BYTES, _TAG_BYTES = 12, 16
+MAC_BYTES = _NONCE_BYTES + _TAG_BYTES  # what a framed chunk carries: the nonce, then the tag
+_KDF_LABEL = b"kvserve KV chunk MAC: AES-256-GMAC"
+
+
+@functools.lru_cache(maxsize=8)
+def _gmac_key(secret: bytes) -> bytes:
+    """The AES key of a deployment secret (any length >= MIN_KEY_BYTES): HMAC-SHA256 of a fixed
+    label, so the secret itself keys nothing but this derivation."""
+    return hmac.digest(secret, _KDF_LABEL, "sha256")
+
+
+def mac_seal(secret: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
+    """A fresh nonce and the GMAC tag of `parts` (read in place, never joined: a chunk's payload
+    is megabytes)."""
+    nonce = os.urandom(_NONCE_BYTES)
+    mac = Cipher(algorithms.AES(_gmac_key(secret)), modes.GCM(nonce)).encryptor()
+    for part in parts:
+        mac.authenticate_additional_data(part)
+    mac.finalize()
+    return nonce + mac.tag
+
+
+def mac_verify(secret: bytes, parts: Sequence[bytes | memoryview],
+               sealed: bytes | memoryview) -> bool:
+    """Whether `sealed` (nonce + tag, as `mac_seal` wrote it) authenticates `parts` under the
+    secret; the tag is compared in constant time by OpenSSL."""
+    if len(sealed) != MAC_BYTES:
+        return False
+    nonce, tag = bytes(sealed[:_NONCE_BYTES]), bytes(sealed[_NONCE_BYTES:])
+    mac = Cipher(algorithms.AES(_gmac_key(secret)), modes.GCM(nonce, tag)).decryptor()
+    for part in parts:
+        mac.authenticate_additional_data(part)
+    try:
+        mac.finalize()
+    except InvalidTag:
+        return False
+    return True
 
 
 def load_auth_key(path: str | None = None) -> bytes:

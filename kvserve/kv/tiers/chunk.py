@@ -8,18 +8,17 @@ So different models, dtypes or tenants never read each other's chunks.
 
 Leaving process memory (disk, Redis, a transfer to another instance), a chunk is framed with a
 magic number, a format version, its own key, its dtype and shape, the payload length, an xxh3
-checksum of the payload and an HMAC-SHA256 over all of that, the key and the payload, keyed by
-the deployment's secret (auth.py). The checksum catches accidents: a truncated, corrupted,
-misplaced or foreign chunk is recognised and dropped, never loaded. Only the MAC catches an
-adversary, since anyone can recompute a checksum: a chunk planted in a shared directory or
-Redis, or served by a fake producer, fails it (`ChunkAuthError`) and is a miss.
+checksum of the payload and a MAC over all of that, the key and the payload, keyed by the
+deployment's secret (auth.py says which MAC, and why). The checksum catches accidents: a
+truncated, corrupted, misplaced or foreign chunk is recognised and dropped, never loaded.
+Only the MAC catches an adversary, since anyone can recompute a checksum: a chunk planted in a
+shared directory or Redis, or served by a fake producer, fails it (`ChunkAuthError`) and is a
+miss.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import hmac
 import json
 import os
 import struct
@@ -31,12 +30,12 @@ import numpy as np
 import torch
 import xxhash
 
+from kvserve.kv.tiers.auth import MAC_BYTES, mac_seal, mac_verify
 MAGIC = b"KVSC"
 FORMAT_VERSION = 2  # 2: the MAC; version 1 chunks (unauthenticated) are never read
-# magic ver serde dtype key shape[5] raw payload checksum, then the MAC
+# magic ver serde dtype key shape[5] raw payload checksum, then the MAC (nonce and tag)
 _FIELDS = struct.Struct("<4sHBB16s5IQQQ")
-_MAC_BYTES = 32
-HEADER_BYTES = _FIELDS.size + _MAC_BYTES
+HEADER_BYTES = _FIELDS.size + MAC_BYTES
 _SERDE_IDS = {"naive": 0, "zlib": 1}
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
               torch.uint8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
@@ -130,15 +129,6 @@ def _key_digest(key: str) -> bytes:
     return xxhash.xxh3_128_digest(key.encode())
 
 
-def _mac(auth_key: bytes, fields: bytes, key: str, payload) -> bytes:
-    """HMAC-SHA256 over the header fields, the full key (the header holds only its 128-bit
-    xxh3, which is no commitment) and the payload: OpenSSL's speed, no copy of the payload."""
-    mac = hmac.new(auth_key, fields, hashlib.sha256)
-    mac.update(key.encode())
-    mac.update(payload)
-    return mac.digest()
-
-
 def encode(key: str, data: torch.Tensor, serde: str = "naive", *, auth_key: bytes) -> bytes:
     """Frame and authenticate a chunk tensor for disk, Redis or a transfer."""
     data = data.contiguous()
@@ -156,7 +146,7 @@ def encode(key: str, data: torch.Tensor, serde: str = "naive", *, auth_key: byte
     fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, _SERDE_IDS[serde], _DTYPE_IDS[data.dtype],
                           _key_digest(key), *data.shape, len(raw), len(payload),
                           xxhash.xxh3_64_intdigest(payload))
-    return fields + _mac(auth_key, fields, key, payload) + payload
+    return fields + mac_seal(auth_key, (fields, key.encode(), payload)) + payload
 
 
 def decode(key: str, blob: bytes, dtype: torch.dtype,
@@ -185,8 +175,10 @@ def decode(key: str, blob: bytes, dtype: torch.dtype,
                                 "payload bytes")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise CorruptChunkError(f"chunk {key} fails its checksum")
-    fields, mac = view[:_FIELDS.size], view[_FIELDS.size:HEADER_BYTES]
-    if not hmac.compare_digest(_mac(auth_key, fields, key, payload), mac):
+    # The header holds only the key's 128-bit xxh3, which is no commitment: the MAC covers the
+    # full key (the fields' fixed size and payload length keep the three parts unambiguous).
+    sealed = view[_FIELDS.size:HEADER_BYTES]
+    if not mac_verify(auth_key, (view[:_FIELDS.size], key.encode(), payload), sealed):
         raise ChunkAuthError(f"chunk {key} fails its MAC (not written with this deployment's "
                              "KV auth key)")
     elem = torch.empty(0, dtype=dtype).element_size()
