@@ -9,7 +9,7 @@ waits behind its own, not in front of anyone else's.
 
 The queue holds opaque items and knows nothing of grammars or processes, so the rules are
 tested alone (tests/test_grammar_compile.py). It is not thread-safe: its one user
-(`kvserve.structured.grammar.GrammarCompiler`) holds its lock around every call.
+(`kvserve.structured.compiler.GrammarCompiler`) holds its lock around every call.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class KVTransferConfig:
             raise ValueError("kv_connector_extra_config.producers is for a kv_consumer or "
                              "kv_both of the 'kvserve' connector (whom it pulls from); this "
                              f"one is a {self.kv_role} of {self.kv_connector!r}")
-        parse_producers(extra.get("producers", []))  # a malformed list: refused at start-up
+        self.producers  # parsed once, here: a malformed list is refused at start-up
         if "auth_key_file" in extra:
             TierConfig(auth_key_file=extra["auth_key_file"])  # unreadable or short: refused
 
