@@ -12,6 +12,7 @@ each field's metadata carries its help text and choices, so a flag cannot drift 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,14 @@ class EngineConfig:
                                   "prefix first", choices=SCHEDULING_POLICIES)
     attention_backend: str = _arg("auto", "auto: triton on cuda, torch on cpu",
                                   choices=ATTENTION_BACKENDS)
+    deterministic: bool = _arg(
+        False, "the same tokens and logprobs for a request whatever its batch, its prefill "
+        "chunks, the prefix cache or speculative decoding did (SGLang's "
+        "--enable-deterministic-inference): every attention row through the paged kernel's "
+        "per-row arithmetic, quantized projections on the integer kernels at every row count; "
+        "CPU, torch backend; costs some prefill speed (docs/deterministic.md); "
+        "$KVSERVE_DETERMINISTIC=1 turns it on for every engine",
+        aliases=("--enable-deterministic-inference",))
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode batches (vLLM's name)")
     remeasure_kernels: bool = _arg(False, "CPU: time the GEMM kernels again instead of using "
                                    "the choice cached for this machine and model shape "
@@ -192,6 +201,9 @@ class EngineConfig:
                              "kvserve/blend/", metavar="JSON")
 
     def __post_init__(self) -> None:
+        # vLLM's VLLM_BATCH_INVARIANT=1 in kvserve's name: on for every engine of the process
+        if os.environ.get("KVSERVE_DETERMINISTIC", "0") not in ("", "0"):
+            self.deterministic = True
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
@@ -308,6 +320,8 @@ class EngineConfig:
             on.add(F.QUANTIZE_AT_LOAD)
         if self.blend_config is not None:
             on.add(F.DOC_BLEND)
+        if self.deterministic:
+            on.add(F.DETERMINISTIC)
         if self.speculative_config is not None:
             on.add(F.SPEC_DECODE)
             if self.speculative_config.method == "suffix":

@@ -44,6 +44,8 @@ QUANTIZE_AT_LOAD = "quantize_at_load"  # quantization q8_0 / q4_0 / q4_1 / q4_k
 SPEC_DECODE = "spec_decode"  # speculative_config (kvserve/spec/)
 SPEC_SUFFIX = "spec_suffix"  # speculative_config method 'suffix' (drafts from the prefix index)
 DOC_BLEND = "doc_blend"  # blend_config: document reuse anywhere in the prompt (kvserve/blend/)
+DETERMINISTIC = "deterministic"  # deterministic=True (batch- and split-invariant results)
+SOFTCAP = "softcap"  # the model soft-caps its attention logits (Gemma 2)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,22 @@ CONFLICTS: tuple[Conflict, ...] = (
              "document reuse (blend_config) needs the attention backend to store every "
              "prefill row's K/V before any row reads it, which only the torch (CPU) backend "
              "is tested for; use attention_backend torch"),
+    Conflict(DETERMINISTIC, TRITON_BACKEND,
+             "deterministic inference runs on the CPU's torch attention backend (its paged "
+             "kernel's per-row arithmetic); the Triton backend has no invariant prefill yet"),
+    Conflict(DETERMINISTIC, INT4,
+             "deterministic inference cannot run over an int4 (KIVI) KV cache: a block's keys "
+             "are quantized once it fills, so a token's context depends on how the prompt was "
+             "split; use kv_cache_dtype int8 or fp8"),
+    Conflict(DETERMINISTIC, MLA,
+             "deterministic inference is not available for MLA models ({architecture}) yet: "
+             "their latent attention has no invariant prefill"),
+    Conflict(DETERMINISTIC, SOFTCAP,
+             "deterministic inference is not available for {architecture}: its attention "
+             "logit soft-capping runs outside the paged kernel"),
+    Conflict(DETERMINISTIC, TENSOR_PARALLEL,
+             "deterministic inference is not supported with tensor parallelism yet (a GGUF "
+             "file is dequantized per rank and float projections are not batch-invariant)"),
     Conflict(BOUNDED_BY_ATTENTION, NO_ATTENTION_WEIGHTS,
              "bounded KV policy {policy} selects by attention weights, which only the torch "
              "attention backend computes (this engine runs {backend})"),
@@ -197,4 +215,6 @@ def model_features(model_config: Any, kv_differs: bool, **context: Any
         on.add(SLIDING_WINDOW)
     if kv_differs:
         on.add(KV_DTYPE_OTHER)
+    if getattr(model_config, "attn_logit_softcapping", None) is not None:
+        on.add(SOFTCAP)
     return on, {"architecture": model_config.architecture, "windowed": windowed[:8], **context}

@@ -246,8 +246,15 @@ class Tiers:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
+    """float32 K and V of every layer, for a checkpoint directory's config.json or a GGUF
+    file's metadata (read by transformers' own rules for the former)."""
     import json
 
+    if Path(model_dir).is_file():  # a GGUF file: kvserve's reader of its metadata
+        from kvserve.model_loader.loader import read_config
+
+        cfg = read_config(model_dir)[0]
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
@@ -255,18 +262,20 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 def make_llm(model_dir: Path, w: Workload, prefix_caching: bool = True,
              tiers: Tiers | None = None, preemption_mode: str = "auto", tp: int = 1,
-             speculative_config: dict | None = None) -> LLM:
+             speculative_config: dict | None = None, **engine: Any) -> LLM:
     """`tp` > 1: tensor parallelism, each rank's pool of the same `pool_blocks` (its share of
-    the KV heads: the budget is per rank)."""
+    the KV heads: the budget is per rank); `engine`: more engine arguments (e.g.
+    deterministic, or max_num_batched_tokens / max_num_seqs in place of the workload's)."""
+    engine.setdefault("max_num_batched_tokens", w.max_num_batched_tokens)
+    engine.setdefault("max_num_seqs", w.max_num_seqs)
     return LLM(model=str(model_dir), dtype="float32", block_size=w.block_size,
-               max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
-               max_num_batched_tokens=w.max_num_batched_tokens,
+               max_model_len=MAX_MODEL_LEN,
                kv_cache_memory_bytes=w.pool_blocks * w.block_size * kv_bytes_per_token(model_dir)
                // tp,
                enable_prefix_caching=prefix_caching,
                kv_tier_config=tiers.config(w) if tiers is not None else None, seed=0,
                preemption_mode=preemption_mode, tensor_parallel_size=tp,
-               speculative_config=speculative_config)
+               speculative_config=speculative_config, **engine)
 
 
 def run(llm: LLM, w: Workload, max_steps: int = 20_000,

@@ -364,7 +364,9 @@ def smollm2_reference():
     greedy answers, with each token's logprob, to prompts that quote their context (the
     drafters' case): a paragraph to repeat, a question on it, and a Python file to rewrite with
     one change (where the multi-row kernels of the first verification path once turned near
-    ties the other way)."""
+    ties the other way). Deterministic (issue 64), as are the engines compared with it: where
+    this CPU's measured plan runs MKL above a few rows (AVX2), a verification's rows would
+    otherwise take other float steps than one-token decodes."""
     from pathlib import Path
 
     text = ("The KV cache keeps the keys and values of every token a request has computed, in "
@@ -376,7 +378,7 @@ def smollm2_reference():
              [{"role": "user", "content": f"{text}\n\nWhat is published to the prefix index?"}],
              [{"role": "user", "content": "Rewrite this Python file, renaming `ngram_draft` to "
                f"`lookup_draft`. Output the whole file.\n\n```python\n{source}```"}]]
-    llm = LLM(seed=0, max_model_len=4096)
+    llm = LLM(seed=0, max_model_len=4096, deterministic=True)
     assert llm.engine.model.decode_step.max_rows is not None  # the one-call quantized step
     tok = llm.engine.tokenizer
     prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
@@ -396,9 +398,10 @@ def _logprobs(outs) -> list[list[float]]:
 def test_smollm2_greedy_equals_no_speculation(smollm2_reference, method):
     """Token for token, and each token's logprob bit for bit: a verification's rows run as
     one-token decode rows (the one-call quantized step, the paged kernel, the head's one-row
-    kernel), so they compute what decoding one token at a time computes."""
+    kernel), so they compute what decoding one token at a time computes (deterministic: on
+    every CPU, whatever its measured GEMM plan)."""
     prompts, params, expected, logprobs = smollm2_reference
-    llm = LLM(seed=0, max_model_len=4096,
+    llm = LLM(seed=0, max_model_len=4096, deterministic=True,
               speculative_config={"method": method, "num_speculative_tokens": 4})
     outs = generate_checked(llm, prompts, params)
     assert _ids(outs) == expected

@@ -257,7 +257,7 @@ def test_smollm2_drafts_for_itself(smollm2_reference, quantization):
     from gguf_files import smollm2_path
 
     prompts, params, expected, logprobs = smollm2_reference
-    llm = LLM(seed=0, max_model_len=4096, speculative_config=_draft(
+    llm = LLM(seed=0, max_model_len=4096, deterministic=True, speculative_config=_draft(
         smollm2_path(), k=4, quantization=quantization))
     outs = generate_checked(llm, prompts, params)
     assert _ids(outs) == expected

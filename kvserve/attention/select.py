@@ -14,10 +14,12 @@ BACKENDS = ("torch", "triton")
 
 def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
                            dtype: torch.dtype | None = None,
-                           softcap: float | None = None) -> AttentionBackend:
+                           softcap: float | None = None, deterministic: bool = False
+                           ) -> AttentionBackend:
     """"torch" (the CPU backend) or "triton" (GPU; on CPU tensors only under TRITON_INTERPRET=1,
     for tests); an MLA latent pool gets the MLA variant of either. `dtype`: the model's;
-    `softcap`: Gemma 2's attention logit soft-capping (the torch backend only, so far)."""
+    `softcap`: Gemma 2's attention logit soft-capping (the torch backend only, so far);
+    `deterministic`: batch- and split-invariant attention (the torch backend only)."""
     from kvserve.attention.mla import TorchMLABackend, is_mla_pool
 
     if softcap is not None and (name != "torch" or is_mla_pool(pool)):
@@ -35,7 +37,7 @@ def make_attention_backend(name: str, pool: KVTensorPool, scale: float,
     if name == "torch":
         from kvserve.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(pool, scale, dtype, softcap)
+        return TorchAttentionBackend(pool, scale, dtype, softcap, deterministic)
     if name == "triton":
         try:
             from kvserve.attention.triton_backend import TritonAttentionBackend

@@ -29,6 +29,7 @@ It uses the same per-window gather indices and masks, so windowed layers stay in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -96,13 +97,16 @@ def _prefill_runs(plans: list[_PrefillPlan]) -> list[list[_PrefillPlan]]:
 
 @dataclass
 class _PagedDecodes:
-    """The paged kernel's inputs for a step's decodes in the layers of one window."""
+    """The paged kernel's inputs for a step's rows in the layers of one window: its decodes,
+    or (deterministic) every row of the step, one per token, each as a decode of its own
+    position."""
 
-    tables: torch.Tensor  # [num_decodes, max_blocks] int64, zero-padded
-    lens: torch.Tensor  # [num_decodes] int64
-    starts: torch.Tensor | None  # [num_decodes] first visible position (sliding layers)
-    res_rows: torch.Tensor | None  # int4: [num_decodes, max_blocks] residual row, -1 none
+    tables: torch.Tensor  # [rows, max_blocks] int64, zero-padded
+    lens: torch.Tensor  # [rows] int64: each row's position + 1
+    starts: torch.Tensor | None  # [rows] first visible position (sliding layers)
+    res_rows: torch.Tensor | None  # int4: [rows, max_blocks] residual row, -1 none
     step: cpu_paged.PagedStep | None = None  # the above packed for the kernel (per window)
+    first_row: int = 0  # the step's row of the first of them (its prefill tokens, or 0)
 
 
 @dataclass
@@ -112,19 +116,24 @@ class _StepState:
     # (row in the batch, slice) of the decodes whose attention weights H2O observes: found
     # once per step, not by a loop over every decode in every layer (~0.2 ms of a batch-64 step)
     observing: list[tuple[int, SequenceSlice]] = field(default_factory=list)
+    # Deterministic: the prefills whose SnapKV observation queries `_observe` reads (their
+    # attention itself runs in the kernel with the decodes')
+    observing_prefills: list[SequenceSlice] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
     observes_attention = True  # `_observe`: SnapKV / H2O votes into `observed`
 
     def __init__(self, pool: KVTensorPool, scale: float, dtype: torch.dtype | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, deterministic: bool = False) -> None:
         """`dtype`: the model's (q, k, v) dtype; None: a float pool's own. A float pool of
         another dtype is read and written through the codec, decided here once. `softcap`:
         Gemma 2's attention logit soft-capping (attention/softcap.py; the paged C++ kernel
-        has none, so decodes then take the gather path)."""
+        has none, so decodes then take the gather path). `deterministic`: every row, prefill
+        rows too, through the paged kernel (see `_paged_rows`)."""
         super().__init__(pool, scale)
         self.softcap = softcap
+        self.deterministic = deterministic
         k0 = self.kv_caches[0][0]
         self._num_kv_heads = pool.codecs[0].heads
         self._head_dim = pool.codecs[0].head_dim
@@ -140,6 +149,16 @@ class TorchAttentionBackend(AttentionBackend):
                           for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))]
         if all(kv is not None for kv in self._paged_kv) and softcap is None:
             self.paged_kernel = cpu_paged.load_kernel()
+        if deterministic and (self.paged_kernel is None or pool.block_state is not None):
+            raise ValueError(
+                "deterministic inference runs every attention row through the paged CPU "
+                "kernel, which this engine cannot use: "
+                + ("an int4 (KIVI) cache quantizes a block's keys once it fills, so a "
+                   "token's context depends on the split" if pool.block_state is not None
+                   else "logit soft-capping (Gemma 2)" if softcap is not None
+                   else "a layer's cache layout it does not read" if not all(self._paged_kv)
+                   else "the kernel could not be built (a C++ compiler; "
+                        "KVSERVE_CPU_PAGED_DECODE=0)"))
         # Layers whose PagedKV can change after construction are built again at each decode:
         # int4's (its residual tensors are allocated on first use) and those whose fp8 scales
         # the first batch still has to calculate (calculate_kv_scales: until calibrated).
@@ -158,40 +177,59 @@ class TorchAttentionBackend(AttentionBackend):
             kivi = self.pool.begin_step(
                 [(s.block_table, s.seq_len - s.query_len, s.seq_len) for s in seqs],
                 meta.num_tokens)
-        paged = self._paged_decodes(meta) if self.paged_kernel is not None else None
+        paged = None
+        if self.deterministic:
+            paged = self._paged_rows(meta.prefills + meta.decodes, 0)
+        elif self.paged_kernel is not None:
+            paged = self._paged_rows(meta.decodes, meta.num_prefill_tokens)
         observing = [(meta.num_prefill_tokens + j, seq) for j, seq in enumerate(meta.decodes)
                      if seq.observe_len]
         return _StepState({w: self._prepare_window(meta, w, paged) for w in set(self.windows)},
-                          kivi, observing)
+                          kivi, observing,
+                          [s for s in meta.prefills if s.observe_len] if self.deterministic
+                          else [])
 
-    def _paged_decodes(self, meta: AttentionMetadata) -> _PagedDecodes | None:
-        """Tables, lengths (and int4's residual rows) of the step's decodes, shared by every
-        window; `_prepare_window` adds each window's first visible positions."""
-        if not meta.decodes:
+    def _paged_rows(self, seqs: list[SequenceSlice], first_row: int) -> _PagedDecodes | None:
+        """Tables, lengths (and int4's residual rows) of the kernel's rows, one per token of
+        `seqs` (the step's rows from `first_row` on, in order), shared by every window;
+        `_prepare_window` adds each window's first visible positions.
+
+        Deterministic inference (issue 64) gives every row, prefill rows too, to the kernel as
+        a decode of its own position (length position + 1, its sequence's table): a token's
+        attention is then the same operations in the same order whether it came in a prompt
+        of 900 tokens, in a 24-token tail after a cached head, as a decode, a verification
+        row or beside other requests. (SDPA's bits depend on the query count, the padded key
+        count and causal against masked; consecutive rows of one sequence are the kernel's
+        verification rows, which keep each row's bits alone and read the keys once a group.)"""
+        if not seqs:
             return None
-        tables = torch.tensor(padded_block_tables(meta.decodes, self.block_size),
-                              dtype=torch.long)
-        lens = torch.tensor([s.seq_len for s in meta.decodes], dtype=torch.long)
+        counts = [s.query_len for s in seqs]
+        tables = torch.tensor(padded_block_tables(seqs, self.block_size), dtype=torch.long)
+        if any(n != 1 or s.positions is not None for n, s in zip(counts, seqs)):
+            tables = tables.repeat_interleave(torch.tensor(counts), dim=0)
+            lens = torch.cat([s.positions.to(torch.long) + 1 if s.positions is not None
+                              else torch.arange(s.seq_len - s.query_len + 1, s.seq_len + 1)
+                              for s in seqs])
+        else:
+            lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.long)
         res_rows = None
         where = self.pool.state_lookup(tables.view(-1))
         if where is not None:
             res_rows = torch.full((tables.numel(),), -1, dtype=torch.long)
             res_rows[where[0]] = where[1]
             res_rows = res_rows.view(tables.shape)
-        return _PagedDecodes(tables, lens, None, res_rows)
+        return _PagedDecodes(tables, lens, None, res_rows, first_row=first_row)
 
     def _prepare_window(self, meta: AttentionMetadata, window: int | None,
                         paged: _PagedDecodes | None) -> _WindowState:
+        if paged is not None and paged.first_row == 0:  # every row in the kernel
+            return _WindowState([], None, None, 0, paged=self._window_step(paged, window))
         prefills = [self._plan_prefill(seq, window, self.through_codec) for seq in meta.prefills]
         if not meta.decodes:
             return _WindowState(prefills, None, None, 0)
         bs = self.block_size
         if paged is not None:
-            starts = None if window is None else torch.tensor(
-                [first_visible(s.seq_len - 1, window) for s in meta.decodes], dtype=torch.long)
-            step = self.paged_kernel.step(paged.tables, paged.lens, starts, paged.res_rows)
-            paged = _PagedDecodes(paged.tables, paged.lens, starts, paged.res_rows, step)
-            return _WindowState(prefills, None, None, 0, paged=paged)
+            return _WindowState(prefills, None, None, 0, paged=self._window_step(paged, window))
         spans = [_block_span(s.seq_len - 1, s.seq_len, window, bs) for s in meta.decodes]
         max_blocks = max(last - first for first, last in spans)
         # Short rows are padded with their own last block (masked out): a padding entry never
@@ -214,6 +252,12 @@ class TorchAttentionBackend(AttentionBackend):
                                 self.pool.state_lookup(index))
         self._ensure_scratch(len(meta.decodes) * max_blocks)
         return _WindowState(prefills, index, mask, max_blocks)
+
+    def _window_step(self, paged: _PagedDecodes, window: int | None) -> _PagedDecodes:
+        """`paged` with the window's first visible positions, packed for the kernel."""
+        starts = None if window is None else (paged.lens - window).clamp_(min=0)
+        step = self.paged_kernel.step(paged.tables, paged.lens, starts, paged.res_rows)
+        return dataclasses.replace(paged, starts=starts, step=step)
 
     def _plan_prefill(self, seq: SequenceSlice, window: int | None, over_cache: bool = False
                       ) -> _PrefillPlan:
@@ -253,7 +297,7 @@ class TorchAttentionBackend(AttentionBackend):
         # The paged kernel stores the decodes' new K/V itself (one scatter less per layer);
         # the prefill rows, which come first, are stored here.
         in_kernel = state.paged is not None and self._kernel_can_store(k, v)
-        stored = meta.num_prefill_tokens if in_kernel else k.shape[0]
+        stored = state.paged.first_row if in_kernel else k.shape[0]
         if stored:
             slots = meta.slot_mapping[:stored]
             k_cache.view(-1, hkv, d).index_copy_(0, slots, k[:stored])
@@ -274,9 +318,18 @@ class TorchAttentionBackend(AttentionBackend):
         elif state.decode_index is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode(q[start:], k_cache, v_cache, state)
+        self._observe_step(layer_idx, q, k_cache, v_cache, step)
+        return out
+
+    def _observe_step(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, step: _StepState) -> None:
+        """The attention weights of the step's observed rows that `_prefill` did not observe:
+        H2O's decodes, and (deterministic) SnapKV's prefills, whose rows the kernel ran."""
+        for seq in step.observing_prefills:
+            rows = slice(seq.start, seq.start + seq.query_len)
+            self._observe(layer_idx, q[rows], k_cache, v_cache, seq)
         for row, seq in step.observing:  # H2O: these decodes' attention weights
             self._observe(layer_idx, q[row:row + 1], k_cache, v_cache, seq)
-        return out
 
     def kernel_args(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, meta: AttentionMetadata, step: _StepState
@@ -301,10 +354,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_paged(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor,
                       meta: AttentionMetadata, paged: _PagedDecodes,
                       new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """The decode rows of `out` through the paged kernel, reading the layer's stored parts
-        (codes and scales as they are) in place; `new_kv`: the decodes' new K/V, which the
-        kernel stores first (a float cache of the model's dtype)."""
-        start = meta.num_prefill_tokens
+        """The kernel's rows of `out` (the decodes, or every row: `_paged_rows`) through the
+        paged kernel, reading the layer's stored parts (codes and scales as they are) in place;
+        `new_kv`: those rows' new K/V, which the kernel stores first (a float cache of the
+        model's dtype)."""
+        start = paged.first_row
         if self._kivi or layer_idx in self._uncalibrated:
             self._paged_kv[layer_idx] = cpu_paged.paged_kv(
                 self.pool.codecs[layer_idx], self.kv_caches[layer_idx], layer_idx)

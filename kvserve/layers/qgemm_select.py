@@ -27,10 +27,11 @@ comparisons.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -47,8 +48,32 @@ PROBE_BUCKETS = (1, 2, 3)  # the buckets timed (probes of 16, 64 and 256 rows)
 _measured: dict[str, float] = {}  # key -> crossover, this process
 
 
+# Rows forced by `integer_rows` for the projections built inside it (None: not forced).
+_forced: list[float | None] = [None]
+
+
+@contextlib.contextmanager
+def integer_rows(on: bool = True) -> Iterator[None]:
+    """Deterministic inference (issue 64): the quantized projections built inside run the
+    integer kernel at every row count, never MKL on a dequantized copy above a crossover (its
+    float steps, and MKL's own for one row against several, differ from the kernel's, so a
+    token's logits would depend on how many rows its step had). The kernel quantizes x per
+    row and sums each row in a fixed order, so a row's bits depend on that row alone. A
+    context, not a process setting: an engine built beside it keeps its measured plan."""
+    before = _forced[0]
+    if on:
+        _forced[0] = float("inf")
+    try:
+        yield
+    finally:
+        _forced[0] = before
+
+
 def env_rows() -> float | None:
-    """$KVSERVE_QGEMM_ROWS as a row count (inf for "inf"), None where unset."""
+    """`integer_rows`'s inf inside it, else $KVSERVE_QGEMM_ROWS as a row count (inf for
+    "inf"), None where unset."""
+    if _forced[0] is not None:
+        return _forced[0]
     v = os.environ.get(QGEMM_ROWS_ENV, "").strip().lower()
     if not v:
         return None

@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                      remeasure_kernels=config.remeasure_kernels,
                                      quantization=config.quantization,
                                      elementwise="triton" if config.attention_backend
-                                     == "triton" else "torch")
+                                     == "triton" else "torch",
+                                     deterministic=config.deterministic)
     tokenizer = Tokenizer.from_dir(config.tokenizer or tokenizer_dir(model_dir))
     config.finalize(model_config.max_position_embeddings)
     model.limit_positions(config.max_model_len)
@@ -113,7 +114,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                            page_groups=groups)
     backend = make_attention_backend(config.attention_backend, tensors,
                                      model_config.attention_scale, dtype,
-                                     model_config.attn_logit_softcapping)
+                                     model_config.attn_logit_softcapping,
+                                     config.deterministic)
     tiers, kv = make_kv_manager(config, kv_spec, model_config, tensors, groups, num_blocks)
     runner = ModelRunner(model, backend, tensors, config.block_size, config.seed)
     capture_graphs(config, runner, model, backend, tensors, groups, model_config)

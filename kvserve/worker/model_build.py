@@ -19,6 +19,7 @@ from kvserve import features as F
 from kvserve import quant_formats
 from kvserve.dtypes import canonical_dtype
 from kvserve.layers import selection
+from kvserve.layers.qgemm_select import integer_rows
 from kvserve.layers.plan import ExecutionPlan, TensorParallel
 from kvserve.model_loader import loader
 from kvserve.models.config import ModelConfig
@@ -37,8 +38,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                remeasure_kernels: bool = False,
                quantization: str | None = None,
                shard: "RankLayout | None" = None, tp: TensorParallel | None = None,
-               elementwise: str = "torch", gemm_plan: "GemmPlan | None" = None
-               ) -> tuple[CausalLM, ModelConfig]:
+               elementwise: str = "torch", gemm_plan: "GemmPlan | None" = None,
+               deterministic: bool = False) -> tuple[CausalLM, ModelConfig]:
     """Read config.json and the safetensors weights of `model_dir`, or a GGUF file (its tensors
     dequantized into the model dtype, or kept as blocks); raises ValueError on any problem
     with the checkpoint, naming the file or tensor at fault.
@@ -62,7 +63,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     (its communicator and vocabulary split) builds that rank's part of the model and reads
     only its slice of each tensor; a GGUF file is dequantized. `elementwise` "triton": the
     GPU's fused norm, RoPE and SiLU-and-mul. `gemm_plan`: run this GEMM plan (checked), not
-    a measured one. The config returned is the whole model's."""
+    a measured one. `deterministic`: quantized projections run the integer kernel at every
+    row count (qgemm_select.integer_rows). The config returned is the whole model's."""
+    with integer_rows(deterministic):
+        return _load_model(model_dir, dtype, device, pack_weights, gemm, remeasure_kernels,
+                           quantization, shard, tp, elementwise, gemm_plan)
+
+
+def _load_model(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
+                pack_weights: bool, gemm: str | None, remeasure_kernels: bool,
+                quantization: str | None, shard: "RankLayout | None",
+                tp: TensorParallel | None, elementwise: str, gemm_plan: "GemmPlan | None"
+                ) -> tuple[CausalLM, ModelConfig]:
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None, the default), "
                          f"got {quantization!r}")
