@@ -51,6 +51,8 @@ AREAS = {
                    "of the context."),
     "sliding-window": ("Sliding windows", "Attention and memory that follow the window."),
     "spec-decode": ("Speculative decoding", "n-gram and suffix drafts verified as decode rows."),
+    "deterministic": ("Deterministic inference", "What `--deterministic` costs: the same "
+                      "engine off and on, alternated (issue 64; docs/deterministic.md)."),
     "doc-reuse": ("Documents reused anywhere", "CacheBlend: passages' KV placed anywhere in "
                   "the prompt (issue 50)."),
     "structured-outputs": ("Structured outputs", "Grammar-constrained rows beside free ones."),
