@@ -222,7 +222,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prepare_window(self, meta: AttentionMetadata, window: int | None,
                         paged: _PagedDecodes | None) -> _WindowState:
-        if paged is not None and paged.first_row == 0:  # every row in the kernel
+        if self.deterministic and paged is not None:  # every row in the kernel
             return _WindowState([], None, None, 0, paged=self._window_step(paged, window))
         prefills = [self._plan_prefill(seq, window, self.through_codec) for seq in meta.prefills]
         if not meta.decodes:
