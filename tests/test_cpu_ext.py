@@ -51,6 +51,23 @@ def test_isa_cap_names(monkeypatch):
     assert cpu_features.isa_cap() == "avx2" and cpu_features.march() == "x86-64-v3"
     env = cpu_features.isa_cap_env("avx2")
     assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    # an Ice Lake: AVX-512 with VNNI, its libraries capped there too (oneDNN's own name)
+    env = cpu_features.isa_cap_env("avx512")
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI" and env["ATEN_CPU_CAPABILITY"] == "avx512"
+    no_bf16 = cpu_features.CpuInfo("a Sapphire Rapids", frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+         "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"}), 2)
+    monkeypatch.setattr(cpu_features, "_host_cpu", lambda: no_bf16)
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx512")
+    cpu_features.cpu_info.cache_clear()
+    try:
+        assert cpu_features.march() == "icelake-server"
+        capped = cpu_features.cpu_info()
+        assert "avx512_vnni" in capped.flags and not capped.has_bf16
+        assert not {"amx_tile", "avx_vnni"} & capped.flags
+    finally:
+        cpu_features.cpu_info.cache_clear()
+    monkeypatch.undo()
     monkeypatch.setenv(cpu_features.ISA_ENV, "native")
     assert cpu_features.isa_cap() is None and cpu_features.march() == "native"
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx9")

@@ -7,8 +7,9 @@ software, orders of magnitude slower. No torch import: the CLI and benchmarks' d
 
 `KVSERVE_CPU_ISA=avx2` caps what kvserve uses to an AVX2-only x86 (x86-64-v3): its C++
 kernels are built for it and the CPU's flags above it are dropped (no AVX-512, AMX, AVX-VNNI).
-Why: to measure, on this project's AVX-512 machines, what a user of an AVX2-only CPU (the
-EPYCs of issue 18) gets. The libraries under torch have caps of their own, which a benchmark
+`KVSERVE_CPU_ISA=avx512` caps it to an Ice Lake Xeon (AVX-512 with VNNI; no bf16, fp16 or AMX).
+Why: to measure and test, on one of this project's machines, what a user of an AVX2-only CPU
+(the EPYCs of issue 18) or of an Ice Lake (issue 64) gets. The libraries under torch have caps of their own, which a benchmark
 sets with it (`isa_cap_env`).
 """
 
@@ -28,7 +29,15 @@ ISA_ENV = "KVSERVE_CPU_ISA"
 # cap -> (the -march its kernels are built for, the flags that level needs (Linux names), the
 # flag prefixes above it)
 ISA_CAPS = {"avx2": ("x86-64-v3", ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"),
-                     ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))}
+                     ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")),
+            # AVX-512 with VNNI and without bf16, fp16 or AMX: an Ice Lake Xeon (issue 64's
+            # third kind), whose GEMM plan and kernels differ from a Sapphire Rapids' or a
+            # Zen 4's
+            "avx512": ("icelake-server",
+                       ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                        "avx512vl", "avx512_vnni"),
+                       ("avx512_bf16", "avx512_fp16", "amx", "avx_vnni", "avx_ifma",
+                        "avx_ne_convert"))}
 
 
 def isa_cap() -> str | None:
@@ -56,8 +65,10 @@ def march() -> str:
 # The libraries under torch that take a cap of their own: variable -> how it spells one.
 # DNNL_MAX_CPU_ISA is oneDNN's older name, which it still reads: set in a shell it changes
 # oneDNN's speed as much as the new one, so the GEMM choice's cache key has to see it too.
-LIBRARY_ISA_ENV = {"ATEN_CPU_CAPABILITY": str.lower, "MKL_ENABLE_INSTRUCTIONS": str.upper,
-                   "ONEDNN_MAX_CPU_ISA": str.upper, "DNNL_MAX_CPU_ISA": str.upper}
+LIBRARY_ISA_ENV = {"ATEN_CPU_CAPABILITY": {"avx2": "avx2", "avx512": "avx512"},
+                   "MKL_ENABLE_INSTRUCTIONS": {"avx2": "AVX2", "avx512": "AVX512"},
+                   "ONEDNN_MAX_CPU_ISA": {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI"},
+                   "DNNL_MAX_CPU_ISA": {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI"}}
 
 
 def isa_cap_env(cap: str) -> dict[str, str]:
@@ -66,7 +77,7 @@ def isa_cap_env(cap: str) -> dict[str, str]:
     (kvserve's and the peers') under to emulate an older CPU."""
     if cap not in ISA_CAPS:
         raise ValueError(f"unknown instruction-set cap {cap!r}: one of {sorted(ISA_CAPS)}")
-    return {ISA_ENV: cap, **{var: spell(cap) for var, spell in LIBRARY_ISA_ENV.items()}}
+    return {ISA_ENV: cap, **{var: spelled[cap] for var, spelled in LIBRARY_ISA_ENV.items()}}
 
 
 @dataclass(frozen=True)
