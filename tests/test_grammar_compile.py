@@ -79,8 +79,16 @@ def _wait_until(check, timeout: float = GONE_S) -> bool:
 
 
 def _all_gone(pids) -> bool:
-    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-                   for pid in pids)
+    return not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie). A process that exits between the lookup and the read of its
+    status is gone: the Ice Lake-capped suite run caught that race (NoSuchProcess)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ------------------------------------------------------------------------------------------
