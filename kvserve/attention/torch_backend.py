@@ -179,7 +179,8 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.num_tokens)
         paged = None
         if self.deterministic:
-            paged = self._paged_rows(meta.prefills + meta.decodes, 0)
+            paged = self._paged_rows(sorted(meta.prefills, key=lambda s: s.start)
+                                     + meta.decodes, 0)  # the rows in q's order
         elif self.paged_kernel is not None:
             paged = self._paged_rows(meta.decodes, meta.num_prefill_tokens)
         observing = [(meta.num_prefill_tokens + j, seq) for j, seq in enumerate(meta.decodes)
