@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.features import DETERMINISTIC, INT4, refuse
 from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.spec import first_needed_block, first_visible
@@ -149,14 +150,13 @@ class TorchAttentionBackend(AttentionBackend):
                           for i, (c, parts) in enumerate(zip(pool.codecs, pool.layers))]
         if all(kv is not None for kv in self._paged_kv) and softcap is None:
             self.paged_kernel = cpu_paged.load_kernel()
-        if deterministic and (self.paged_kernel is None or pool.block_state is not None):
+        if deterministic and pool.block_state is not None:  # the features table's reason
+            refuse(DETERMINISTIC, INT4)
+        if deterministic and self.paged_kernel is None:  # (soft-capping: refused at start-up)
             raise ValueError(
                 "deterministic inference runs every attention row through the paged CPU "
                 "kernel, which this engine cannot use: "
-                + ("an int4 (KIVI) cache quantizes a block's keys once it fills, so a "
-                   "token's context depends on the split" if pool.block_state is not None
-                   else "logit soft-capping (Gemma 2)" if softcap is not None
-                   else "a layer's cache layout it does not read" if not all(self._paged_kv)
+                + ("a layer's cache layout it does not read" if not all(self._paged_kv)
                    else "the kernel could not be built (a C++ compiler; "
                         "KVSERVE_CPU_PAGED_DECODE=0)"))
         # Layers whose PagedKV can change after construction are built again at each decode:
