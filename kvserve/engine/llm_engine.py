@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -87,6 +88,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._streaming: set[str] = set()
         self._next_id = 0
+        self._num_latencies = 0  # tier load latencies handed out by step_stats()
 
     @property
     def bounded_kv(self) -> BoundedKV | None:
@@ -416,6 +418,25 @@ class LLMEngine:
         """Debug check run by the tests after every step: queues, tables and pool agree."""
         self.scheduler.check_invariants()
 
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request state of the engine, its scheduler, KV manager and worker:
+        all of it must be empty when no request is running (the server's memory diagnostics,
+        server/debug_memory.py)."""
+        kv = self.kv
+        sizes = {
+            "engine._groups": len(self._groups), "engine.outputs": len(self.outputs),
+            "engine._streaming": len(self._streaming),
+            "scheduler.running": len(self.scheduler.running),
+            "scheduler.waiting": len(self.scheduler.waiting),
+            "kv.block_tables": len(kv.block_tables),
+            "kv._cursors": sum(len(g.cursors) for g in kv.groups),
+            "worker.sampling": len(self.runner.sampling),
+        }
+        if kv.prefix_caching:  # every group's index together
+            sizes["prefix.cached_blocks"] = sum(g.index.num_cached_blocks for g in kv.groups)
+            sizes["prefix.heap"] = sum(len(g.index._heap) for g in kv.groups)
+        return sizes
+
     def drain_kv_events(self) -> tuple[list[KVEvent], int]:
         """Blocks stored in / removed from the prefix index since the last drain, and how many
         records were dropped for want of room (kv/events.py)."""
@@ -432,7 +453,22 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
-        return self.scheduler.stats()
+        tiers = self.tiers
+        return replace(self.scheduler.stats(), block_size=self.config.block_size,
+                       num_gpu_blocks=self.kv.num_blocks, cache_dtype=self.config.kv_cache_dtype,
+                       tier_stats=self.tier_stats(), tier_usage=tiers.usage() if tiers else {})
+
+    def step_stats(self) -> EngineStats:
+        """`stats()` with what happened since the previous call: the tiers' load latencies
+        and the KV events (drained). The AsyncLLMEngine takes one after each step, and when it
+        goes idle, for its stat loggers; as it drains, nothing else calls it."""
+        latencies: list[tuple[str, float]] = []
+        if self.tiers is not None:
+            latencies, self._num_latencies = self.tiers.stats.latencies_since(
+                self._num_latencies)
+        events, dropped = self.drain_kv_events()
+        return replace(self.stats(), tier_load_latencies=tuple(latencies),
+                       kv_events=tuple(events), kv_events_dropped=dropped)
 
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""
