@@ -117,7 +117,6 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.max_seqs_per_request = max_seqs_per_request
         self.log_stats = log_stats
-        self.log_interval = log_interval
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._wakeup = threading.Event()
