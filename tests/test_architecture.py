@@ -216,3 +216,215 @@ def test_files_stay_under_600_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
     assert not long, long
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 65, item 4 (Seams): the server calls AsyncLLMEngine methods only; stat loggers get
+# EngineStats snapshots; the scheduler's hooks are given at construction; only the scheduler
+# (and the hooks it is built with) drives the KV manager. Read from the source, like the above.
+# ------------------------------------------------------------------------------------------
+
+def _trees(root: Path = PACKAGE):
+    """(path relative to the repository, parsed module) of every .py file under `root`."""
+    for path in sorted(root.rglob("*.py")):
+        yield str(path.relative_to(PACKAGE.parent)), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """The names of an attribute chain, outermost first: `self.kv.pins.pin` -> [pin, pins, kv,
+    self]."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        names.append(node.id)
+    return names
+
+
+# What the server must not reach through an AsyncLLMEngine: the LLMEngine below it and its
+# parts, and `call`, which runs any function of the LLMEngine on the loop thread.
+ENGINE_INSIDES = {"kv", "tiers", "scheduler", "runner", "executor", "call"}
+
+
+def engine_reach_ins(tree: ast.AST, server: bool) -> list[tuple[int, str]]:
+    """`<x>.engine.engine` anywhere; in the server also any attribute named in
+    ENGINE_INSIDES (the server holds no KV manager, scheduler or worker of its own)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = _chain(node)
+        if chain[:2] == ["engine", "engine"] or server and node.attr in ENGINE_INSIDES:
+            found.append((node.lineno, ".".join(reversed(chain))))
+    return found
+
+
+def test_the_reach_in_finder_finds_one():
+    code = ("core = self.engine.engine\n"
+            "n = core.kv.block_size\n"
+            "await serving.engine.call(lambda e: e.unpin(i))\n"
+            "await serving.engine.unpin(i)\n")
+    assert [line for line, _ in engine_reach_ins(ast.parse(code), server=False)] == [1]
+    assert [line for line, _ in engine_reach_ins(ast.parse(code), server=True)] == [1, 2, 3]
+
+
+def test_the_server_calls_async_engine_methods_only():
+    """Nothing outside kvserve/engine/ reaches the LLMEngine through an AsyncLLMEngine
+    (`engine.engine`), and the server names no part of the engine: it asks the
+    AsyncLLMEngine's own methods (memory report, cache report, pins, stats, ...)."""
+    bad = []
+    for root in (PACKAGE, PACKAGE.parent / "benchmarks", PACKAGE.parent / "scripts"):
+        for rel, tree in _trees(root) if root.exists() else ():
+            if not rel.startswith("kvserve/engine/"):
+                bad += [(rel, line, what) for line, what in engine_reach_ins(
+                    tree, server=rel.startswith("kvserve/server/"))]
+    assert not bad, f"reaches into the engine: {bad}"
+
+
+def _stat_logger_classes():
+    """(module, class) of every stat logger (a class with on_step and on_idle) outside the
+    engine package."""
+    for rel, tree in _trees():
+        if rel.startswith("kvserve/engine/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+                if {"on_step", "on_idle"} <= set(methods):
+                    yield rel, node.name, methods
+
+
+def test_stat_loggers_get_a_snapshot_and_import_nothing_of_the_kv_cache():
+    """A stat logger's on_step / on_idle take an `EngineStats` (made by the engine once per
+    step), never the engine; and nothing its module imports, directly or not, is a module of
+    kvserve.kv that holds state (a leaf, importing nothing of kvserve, may be shared)."""
+    graph = import_graph()
+    leaves = {mod for mod, deps in graph.items() if not deps}
+    loggers = list(_stat_logger_classes())
+    assert {name for _, name, _ in loggers} >= {"PrometheusStatLogger", "KVEventPublisher"}
+    for rel, name, methods in loggers:
+        for hook in ("on_step", "on_idle"):
+            first = methods[hook].args.args[1]
+            assert ast.unparse(first.annotation or ast.Constant(None)) == "EngineStats", \
+                f"{rel}: {name}.{hook} takes {first.arg}, not an EngineStats"
+        module = rel[:-3].replace("/", ".")
+        leaked = sorted(d for d in _reachable(graph, module)
+                        if d.startswith("kvserve.kv") and d not in leaves)
+        assert not leaked, f"{module} reaches the KV cache: {leaked}"
+    # the protocol the engine calls them by says the same
+    protocol = ast.parse((PACKAGE / "engine" / "async_engine.py").read_text(encoding="utf-8"))
+    [stat_logger] = [n for n in ast.walk(protocol)
+                     if isinstance(n, ast.ClassDef) and n.name == "StatLogger"]
+    for f in stat_logger.body:
+        if isinstance(f, ast.FunctionDef) and f.name in ("on_step", "on_idle"):
+            assert ast.unparse(f.args.args[1].annotation) == "EngineStats"
+
+
+SCHEDULER_NAMES = {"scheduler", "sched"}
+SCHEDULER_HOOKS = {"audit", "swap", "spec", "blend", "vocab_size", "kv", "config", "bounded"}
+
+
+def scheduler_rewirings(tree: ast.AST) -> list[tuple[int, str]]:
+    """Assignments to a scheduler's attributes from outside it (`engine.scheduler.spec = x`),
+    and, inside a class named Scheduler, to its collaborators anywhere but __init__."""
+    found = []
+
+    def targets(node: ast.AST) -> list[ast.AST]:
+        if isinstance(node, ast.Assign):
+            return [t for target in node.targets
+                    for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            return [node.target]
+        return []
+
+    for node in ast.walk(tree):
+        for target in targets(node):
+            chain = _chain(target) if isinstance(target, ast.Attribute) else []
+            if len(chain) >= 2 and chain[1] in SCHEDULER_NAMES:
+                found.append((node.lineno, ".".join(reversed(chain))))
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef) and cls.name == "Scheduler":
+            for method in cls.body:
+                if isinstance(method, ast.FunctionDef) and method.name != "__init__":
+                    for node in ast.walk(method):
+                        for target in targets(node):
+                            chain = _chain(target) if isinstance(target, ast.Attribute) else []
+                            if chain[-1:] == ["self"] and len(chain) == 2 \
+                                    and chain[0] in SCHEDULER_HOOKS:
+                                found.append((node.lineno, "self." + chain[0]))
+    return found
+
+
+def test_the_rewiring_finder_finds_one():
+    code = ("self.scheduler.audit = a\n"
+            "engine.scheduler.spec, x = s, 1\n"
+            "self.scheduler.waiting.append(r)\n"
+            "class Scheduler:\n"
+            "    def __init__(self, hooks):\n"
+            "        self.swap = hooks.swap\n"
+            "    def later(self):\n"
+            "        self.num_preemptions += 1\n"
+            "        self.blend = None\n")
+    assert [line for line, _ in scheduler_rewirings(ast.parse(code))] == [1, 2, 9]
+
+
+def test_the_scheduler_hooks_are_given_at_construction():
+    """Nothing assigns to a scheduler's attributes from outside it, and the scheduler sets its
+    collaborators (audit, swap, speculator, blender, grammar width, KV manager) in its
+    constructor only: they come in SchedulerHooks, so a scheduler is whole when built."""
+    bad = [(rel, line, what) for rel, tree in _trees()
+           for line, what in scheduler_rewirings(tree)]
+    assert not bad, f"a scheduler rewired after construction: {bad}"
+
+
+# The KV manager's calls that change it or its parts (pool, prefix index, pins, tiers, events);
+# its reads (match, block_table, usage, ...) are anyone's.
+KV_MUTATING = {"start_prefetch", "wait_for_prefetch", "unblock", "admit", "plan_swap_out",
+               "allocate_blocks", "allocate_slots", "trim", "free", "reseat",
+               "cache_full_blocks", "end_step", "reset_prefix_cache", "drain_events",
+               "set_tenant_quota", "pin", "unpin", "save", "touch", "mark_idle", "share",
+               "release", "evict", "insert", "drop", "retain", "clear", "close",
+               "set_max_fraction"}
+KV_NAMES = {"kv", "manager", "kv_manager"}
+# Who may drive it: the KV package itself; the scheduler; the hooks the scheduler is built with
+# and alone calls (hit audits, bounded caches, document reuse; swap lives in kvserve/kv/); and
+# the simulator, which is its own scheduler of the same manager (docs/architecture.md).
+KV_DRIVERS = ("kvserve/kv/", "kvserve/engine/scheduler.py", "kvserve/engine/audit.py",
+              "kvserve/engine/bounded_kv.py", "kvserve/blend/", "kvserve/sim/")
+
+
+def kv_mutations(tree: ast.AST) -> list[tuple[int, str]]:
+    """Calls of a mutating method on the KV manager or a part of it (`kv.free(r)`,
+    `self.kv.pins.pin(...)`, `engine.kv.tiers.save(...)`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in KV_MUTATING:
+            chain = _chain(node.func)
+            if KV_NAMES & set(chain[1:]):
+                found.append((node.lineno, ".".join(reversed(chain))))
+    return found
+
+
+def test_the_kv_mutation_finder_finds_one():
+    code = ("plan = self.kv.end_step()\n"
+            "kv.pins.pin(probe, n, owner)\n"
+            "n = self.kv.block_size\n"
+            "self.engine.kv.tiers.save(h, data)\n"
+            "m = kv.match(seq)\n"
+            "self.scheduler.end_step()\n")
+    assert [line for line, _ in kv_mutations(ast.parse(code))] == [1, 2, 4]
+
+
+def test_only_the_scheduler_drives_the_kv_manager():
+    """The engine, the server, the worker and the rest change the KV cache through the
+    scheduler (Scheduler.end_step, start_prefetch, pin, save_chunks, ...), so every change to
+    what the cache holds has one owner that also knows the queues."""
+    bad = [(rel, line, what) for rel, tree in _trees() if not rel.startswith(KV_DRIVERS)
+           for line, what in kv_mutations(tree)]
+    assert not bad, f"the KV manager driven from outside the scheduler: {bad}"
+    # the finder sees the scheduler's own calls (it is not blind)
+    scheduler = ast.parse((PACKAGE / "engine" / "scheduler.py").read_text(encoding="utf-8"))
+    assert {"self.kv.admit", "self.kv.free", "self.kv.end_step"} \
+        <= {what for _, what in kv_mutations(scheduler)}

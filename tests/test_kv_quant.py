@@ -490,7 +490,7 @@ def test_capacity_equals_the_planner_and_the_bytes(kvserve_log):
         line = f"KV cache size: {tokens[name]:,} tokens"
         assert any(r.getMessage().startswith(line) for r in kvserve_log), name
         metrics = PrometheusStatLogger("m")
-        metrics._engine_gauges(engine)
+        metrics.on_idle(engine.stats())
         text = metrics.render().decode()
         assert f'kvserve:kv_cache_size_tokens{{model_name="m"}} {float(tokens[name])}' in text
         assert f'cache_dtype="{name}"' in text

@@ -504,8 +504,8 @@ def test_prometheus_metrics_by_source(workload, tmp_path):
                                  "max_local_disk_size": 0.01})
     exporter = PrometheusStatLogger("m")
     run_passes(llm, workload)
-    exporter.on_idle(llm.engine)
-    exporter.on_idle(llm.engine)  # a second poll adds nothing twice
+    exporter.on_idle(llm.engine.step_stats())
+    exporter.on_idle(llm.engine.step_stats())  # a second poll adds nothing twice
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(exporter.render().decode())
                for s in fam.samples}

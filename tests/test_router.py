@@ -198,18 +198,16 @@ def test_hollowed_window_blocks_stay_in_the_gateways_picture():
 def test_event_publisher_flags_lost_events():
     from kvserve.server.kv_events import KVEventPublisher
 
-    class Engine:
-        def __init__(self, batches):
-            self.batches = batches
-
-        def drain_kv_events(self):
-            return self.batches.pop(0)
-
+    from kvserve.engine.stats import EngineStats
     from kvserve.kv.events import KVEvent
+
+    def snapshot(events, dropped):  # what the engine hands its stat loggers
+        return EngineStats(0, 0, 0.0, 0, 0, 0, 0, kv_events=tuple(events),
+                           kv_events_dropped=dropped)
 
     pub = KVEventPublisher(capacity=2)
     ev = [KVEvent("BlockStored", i, 0) for i in range(1, 4)]
-    pub.on_idle(Engine([(ev, 0)]))  # three into a ring of two: event 0 is gone
+    pub.on_idle(snapshot(ev, 0))  # three into a ring of two: event 0 is gone
 
     async def poll(since):
         return await pub.poll(since, 0)
@@ -219,7 +217,7 @@ def test_event_publisher_flags_lost_events():
     assert asyncio.run(poll(0))["lost"] is False
     assert asyncio.run(poll(2)) == {"epoch": pub.epoch, "lost": False, "last_seq": 2,
                                     "events": []}
-    pub.on_idle(Engine([([], 5)]))  # the engine dropped five before they were drained
+    pub.on_idle(snapshot([], 5))  # the engine dropped five before they were drained
     gap = asyncio.run(poll(2))
     assert gap["lost"] and gap["events"] == []
 

@@ -276,13 +276,13 @@ def test_idle_work_runs_a_piece_at_a_time_and_requests_go_first(llm):
             yield
 
     class Steps:
-        def on_step(self, engine, outputs, streaming, now):
+        def on_step(self, stats, outputs, streaming, now):
             seen.append("step")
 
         def on_request_gone(self, request_id):
             pass
 
-        def on_idle(self, engine):
+        def on_idle(self, stats):
             pass
 
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -104,7 +104,7 @@ def test_swap_counters_reach_prometheus(llama, workload):
     got, stats, llm = _run(llama, prompts[:24], POOL_BLOCKS, "swap")
     assert got == expected[:24]
     metrics = PrometheusStatLogger("m")
-    metrics._engine_gauges(llm.engine)
+    metrics.on_idle(llm.engine.stats())
     text = metrics.render().decode()
     swap = stats.swap
     assert swap["swapped_out"] > 0

@@ -13,6 +13,8 @@ else talks to the loop through a command queue:
   (outputs for many requests, the answers to the commands) is handed to the asyncio loop in ONE
   callback, which puts each output into the per-request `asyncio.Queue` of a `RequestStream`.
 
+The asyncio side (the errors below, `RequestStream`, the delivery) is engine/async_stream.py.
+
 A request that fails inside a step on its own (`RequestOutput.error`) fails its stream alone
 (`EngineRequestError`); a step that raises as a whole fails the requests it was running (their
 streams get an `EngineStepError`, their blocks are freed by aborting them) and the loop goes on;
@@ -25,27 +27,36 @@ Admission counts sequences (a request with n samples is n of them), not requests
 
 Every `log_interval` seconds while busy the loop logs one line of throughput and cache figures on
 the "kvserve" logger; `stat_loggers` (e.g. the server's Prometheus metrics) are called on the loop
-thread after every step with what it produced.
+thread after every step with what it produced and one `EngineStats` snapshot
+(`LLMEngine.step_stats`), the same for all of them: a stat logger sees figures, never the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.worker.executor import ExecutorDied
+from kvserve.engine.async_stream import (EngineDeadError, EngineQueueFullError,
+                                         EngineRequestError, EngineStepError, RequestStream,
+                                         Result, deliver)
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.log_line import ThroughputLog
 from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.validation import DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger("kvserve")
@@ -54,71 +65,17 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineQueueFullError", "EngineR
            "EngineStepError", "RequestStream", "StatLogger"]
 
 
-class EngineQueueFullError(RuntimeError):
-    """Too many requests are waiting; try again later (HTTP 429)."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine step running this request raised; the request was aborted (HTTP 500)."""
-
-
-class EngineRequestError(EngineStepError):
-    """This request alone raised inside a step (e.g. while detokenized); it was stopped and
-    its blocks freed, the other requests went on (HTTP 500 for this request only)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (never started, shut down, or crashed) (HTTP 503)."""
-
-
 class StatLogger(Protocol):
-    """Called on the engine loop thread: must be quick and must not touch the engine's state
-    other than reading it."""
+    """Called on the engine loop thread: must be quick. It is handed an `EngineStats` snapshot
+    taken once per step (and once when the loop goes idle), never the engine itself, so what
+    it reports cannot depend on, or disturb, the engine's internals."""
 
-    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput],
+    def on_step(self, stats: EngineStats, outputs: Sequence[RequestOutput],
                 streaming: frozenset[str] | set[str], now: float) -> None: ...
 
     def on_request_gone(self, request_id: str) -> None: ...
 
-    def on_idle(self, engine: LLMEngine) -> None: ...
-
-
-class RequestStream:
-    """The asyncio side of one request.
-
-    Outputs are cumulative snapshots (full text and tokens so far), so the stream keeps only the
-    newest one not yet taken: a slow reader costs one snapshot of memory, not one per step, and
-    simply sees bigger deltas.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._latest: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-        self.finished = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the asyncio loop (via `_deliver`)."""
-        if isinstance(self._latest, BaseException):
-            return  # the request already failed: nothing after that matters
-        if isinstance(self._latest, RequestOutput) and self._latest.finished:
-            return  # never replace the final output
-        self._latest = item
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        """The newest output; raises the error that ended the request."""
-        while self._latest is None:
-            await self._ready.wait()
-            self._ready.clear()
-        item, self._latest = self._latest, None
-        self._ready.clear()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+    def on_idle(self, stats: EngineStats) -> None: ...
 
 
 @dataclass
@@ -146,18 +103,6 @@ class _Call:
     future: asyncio.Future
 
 
-@dataclass
-class _IntervalStats:
-    """What the periodic log line reports, accumulated on the loop thread."""
-
-    start: float = field(default_factory=time.monotonic)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    queries: int = 0
-    hits: int = 0
-    active: bool = False
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
@@ -172,7 +117,6 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.max_seqs_per_request = max_seqs_per_request
         self.log_stats = log_stats
-        self.log_interval = log_interval
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._wakeup = threading.Event()
@@ -183,11 +127,8 @@ class AsyncLLMEngine:
         # Loop-thread state only.
         self._streams: dict[str, RequestStream] = {}
         self._streaming: set[str] = set()
-        self._prompt_lens: dict[str, int] = {}  # prompt tokens of requests not yet counted
-        self._gen_counts: dict[str, int] = {}  # generated tokens counted so far per request
         self._pending: list[tuple[Any, Any]] = []  # (stream or future, item) for asyncio
-        self._interval = _IntervalStats()
-        self._last_cache = (0, 0)
+        self._log = ThroughputLog(log_interval)  # the periodic log line (engine/log_line.py)
         self.num_step_errors = 0
         self._idle_work: Iterator[object] | None = None
 
@@ -231,6 +172,22 @@ class AsyncLLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.kv.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the device KV pool."""
+        return self.engine.kv.num_blocks
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model in this process, for start-up work such as the server's GEMM warm-up;
+        None under tensor parallelism (the model is in the workers)."""
+        return self.engine.model
 
     @property
     def is_started(self) -> bool:
@@ -353,6 +310,60 @@ class AsyncLLMEngine:
     async def stats(self) -> EngineStats:
         return await self.call(lambda e: e.stats())
 
+    # -- what the server asks of the engine, by name (it never reaches into the LLMEngine:
+    # tests/test_architecture.py); each runs on the loop thread between steps -------------
+    async def explain_cache(self, prompt: PromptType, cache_salt: str | None = None,
+                            prompt_logprobs: int | None = None, full: bool = True) -> dict:
+        """The cache report a request for `prompt` would get now, without running it
+        (`LLMEngine.explain_cache`)."""
+        return await self.call(
+            lambda e: e.explain_cache(prompt, cache_salt, prompt_logprobs, full=full))
+
+    async def pin_room(self, prompt: PromptType, cache_salt: str | None, owner: str) -> int:
+        """The blocks a pin of `prompt` takes; raises PinLimitError or ValueError when it
+        cannot be pinned (`LLMEngine.pin_room`)."""
+        return await self.call(lambda e: e.pin_room(prompt, cache_salt, owner))
+
+    async def pin_prefix(self, prompt: PromptType, cache_salt: str | None,
+                         owner: str) -> dict | None:
+        """Pin the prompt's cached blocks; None when the device does not hold them all
+        (`LLMEngine.pin_prefix`)."""
+        return await self.call(lambda e: e.pin_prefix(prompt, cache_salt, owner))
+
+    async def unpin(self, pin_id: str, owner: str | None) -> dict | None:
+        """Release a pin; None if `owner` (None: anyone's) has none of that id."""
+        return await self.call(lambda e: e.unpin(pin_id, owner))
+
+    async def list_pins(self, owner: str | None) -> dict:
+        """`owner`'s pins and budget, or (None) every pin (`LLMEngine.list_pins`)."""
+        return await self.call(lambda e: e.list_pins(owner))
+
+    async def prefix_tree(self, limit: int) -> dict:
+        """The largest shared prefixes of the device's cache (`LLMEngine.prefix_tree`)."""
+        return await self.call(lambda e: e.prefix_tree(limit))
+
+    def submit_grammar(self, params: StructuredOutputsParams,
+                       tenant: Hashable) -> concurrent.futures.Future:
+        """Compile a request's grammar in the compiler's processes, in `tenant`'s turn (the
+        compiler is thread safe: called from any thread, never on the loop's); the future's
+        exception is a ValueError for a grammar that cannot be used. The engine then finds it
+        in its cache when the request is added."""
+        return self.engine.grammars.submit(params, tenant)
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Have `stat_logger` called after every step from now on (once: a logger already
+        there is not added twice). Call before `start`."""
+        if stat_logger not in self.stat_loggers:
+            self.stat_loggers.append(stat_logger)
+
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of every per-request map of this loop and the engine below it: all of them
+        must be empty when idle (the server's memory diagnostics; read from another thread,
+        so a busy engine's figures are approximate)."""
+        return {"async._streams": len(self._streams), "async._streaming": len(self._streaming),
+                "async._log": len(self._log), "async._commands": len(self._commands),
+                **self.engine.state_sizes()}
+
     # -- the loop thread --------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -370,11 +381,7 @@ class AsyncLLMEngine:
                         continue  # requests first, then the next piece
                     self._on_idle()
                     self._flush()
-                    timeout = None
-                    if self.log_stats and self._interval.active:
-                        timeout = max(0.0, self._interval.start + self.log_interval
-                                      - time.monotonic()) + 0.01
-                    self._wakeup.wait(timeout)
+                    self._wakeup.wait(self._log.seconds_left() if self.log_stats else None)
         except BaseException as exc:  # the loop itself broke: nothing can be served any more
             logger.exception("the engine loop died")
             self.dead_error = exc
@@ -442,15 +449,14 @@ class AsyncLLMEngine:
                 self._pending.append((cmd.future, cmd.request_id))
             elif isinstance(cmd, _Call):
                 try:
-                    self._pending.append((cmd.future, _Result(cmd.fn(engine))))
+                    self._pending.append((cmd.future, Result(cmd.fn(engine))))
                 except Exception as exc:
                     self._pending.append((cmd.future, exc))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._streaming.discard(request_id)
-        self._prompt_lens.pop(request_id, None)
-        self._gen_counts.pop(request_id, None)
+        self._log.forget(request_id)
         for sl in self.stat_loggers:
             try:
                 sl.on_request_gone(request_id)
@@ -489,10 +495,11 @@ class AsyncLLMEngine:
             if rs is not None:
                 self._pending.append((rs, out if out.error is None else EngineRequestError(
                     f"the request failed in the engine: {out.error}")))
-        self._count(outputs)
-        for sl in self.stat_loggers:
+        self._log.count(outputs)
+        stats = self._step_stats()
+        for sl in self.stat_loggers if stats is not None else ():
             try:
-                sl.on_step(engine, outputs, self._streaming, now)
+                sl.on_step(stats, outputs, self._streaming, now)
             except Exception:
                 logger.exception("stat logger failed")
         for out in outputs:
@@ -500,11 +507,31 @@ class AsyncLLMEngine:
                 self._forget(out.request_id)
 
     def _on_idle(self) -> None:
-        for sl in self.stat_loggers:
+        stats = self._step_stats()
+        for sl in self.stat_loggers if stats is not None else ():
             try:
-                sl.on_idle(self.engine)
+                sl.on_idle(stats)
             except Exception:
                 logger.exception("stat logger failed")
+
+    def _maybe_log(self) -> None:
+        """The periodic log line, when an interval of work has passed."""
+        try:
+            if self.log_stats and self._log.due():
+                self._log.write(self.engine.stats(), self.engine.has_unfinished_requests())
+        except Exception:
+            logger.exception("the stats log line failed")
+
+    def _step_stats(self) -> EngineStats | None:
+        """The one snapshot this step's stat loggers share (None: there are none, or it
+        failed, which is logged: serving goes on without the figures)."""
+        if not self.stat_loggers:
+            return None
+        try:
+            return self.engine.step_stats()
+        except Exception:
+            logger.exception("the stats snapshot for the stat loggers failed")
+            return None
 
     def _flush(self) -> None:
         """Hand everything produced so far to asyncio in one thread-safe callback."""
@@ -515,66 +542,6 @@ class AsyncLLMEngine:
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
         except RuntimeError:  # the event loop closed under us (shutdown)
             pass
-
-    # -- the periodic log line --------------------------------------------------------------
-    def _count(self, outputs: Sequence[RequestOutput]) -> None:
-        iv = self._interval
-        if not iv.active:  # the first work after an idle spell opens the interval
-            iv.start = time.monotonic()
-            iv.active = True
-        for out in outputs:
-            rid = out.request_id
-            if rid not in self._prompt_lens and rid not in self._gen_counts:
-                iv.prompt_tokens += len(out.prompt_token_ids)
-                self._prompt_lens[rid] = len(out.prompt_token_ids)
-            total = sum(len(c.token_ids) for c in out.outputs)
-            iv.generation_tokens += total - self._gen_counts.get(rid, 0)
-            self._gen_counts[rid] = total
-
-    def _maybe_log(self) -> None:
-        try:
-            self._log_line()
-        except Exception:
-            logger.exception("the stats log line failed")
-
-    def _log_line(self) -> None:
-        iv = self._interval
-        now = time.monotonic()
-        if not self.log_stats or not iv.active or now - iv.start < self.log_interval:
-            return
-        stats = self.engine.stats()
-        elapsed = now - iv.start
-        q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
-        dq, dh = max(0, q - self._last_cache[0]), max(0, h - self._last_cache[1])
-        self._last_cache = (q, h)
-        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
-                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                    "Prefix cache hit rate: %.1f%%", iv.prompt_tokens / elapsed,
-                    iv.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
-                    100.0 * stats.kv_cache_usage, 100.0 * dh / dq if dq else 0.0)
-        self._interval = _IntervalStats(start=now,
-                                        active=self.engine.has_unfinished_requests())
-
-
-@dataclass
-class _Result:
-    """A command's return value (kept apart from exceptions, which are values too)."""
-
-    value: Any
-
-
-def _deliver(items: list[tuple[Any, Any]]) -> None:
-    """Runs on the asyncio loop: route the loop thread's results to futures and streams."""
-    for target, item in items:
-        if isinstance(target, RequestStream):
-            target._put(item)
-        elif not target.done():
-            if isinstance(item, BaseException):
-                target.set_exception(item)
-            elif isinstance(item, _Result):
-                target.set_result(item.value)
-            else:
-                target.set_result(item)

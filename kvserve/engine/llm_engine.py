@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +25,7 @@ from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.worker.step import StepFailed, StepInput, StepOutput
-from kvserve.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
+from kvserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerHooks, StepUpdate
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.swapping import build_swap_space
 from kvserve.kv.bounded import BoundedKV, BoundedKVConfig
@@ -64,16 +65,16 @@ class LLMEngine:
             parts.page_groups
         self.tensors, self.backend, self.tiers = parts.tensors, parts.backend, parts.tiers
         self.kv, self.runner, self.executor = parts.kv, parts.runner, parts.executor
-        self.scheduler = Scheduler(config, self.kv)
         # Hit audits (engine/audit.py; None: off, the default); stats() has their counters.
         self.audit = Auditor(config, self.kv, self.executor,
                              self.kv_spec.layer_specs()[0].storage.dtype) \
             if config.kv_audit_rate > 0 else None
-        self.scheduler.audit = self.audit
-        self.scheduler.swap = build_swap_space(config, self.kv, self.tensors)
-        self.scheduler.spec = build_speculator(config.speculative_config, self.kv, self.model,
-                                               parts.drafter)
-        self.scheduler.blend = build_blender(config.blend_config, self.kv, self.tokenizer)
+        self.scheduler = Scheduler(config, self.kv, SchedulerHooks(
+            audit=self.audit, swap=build_swap_space(config, self.kv, self.tensors),
+            spec=build_speculator(config.speculative_config, self.kv, self.model,
+                                  parts.drafter),
+            blend=build_blender(config.blend_config, self.kv, self.tokenizer),
+            vocab_size=self.model_config.vocab_size))
         self.transfer = KVTransfer(config.kv_transfer_config, self.tiers)  # disaggregation
         self.inputs = InputProcessor(
             config, self.model_config, self.tokenizer, self.kv,
@@ -82,12 +83,12 @@ class LLMEngine:
         if bound is not None:
             logger.warning("bounded KV cache on (lossy): %s, %d tokens, %d sink tokens",
                            bound.policy, bound.budget, bound.sink_tokens)
-        self.scheduler.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self.inputs.eos_token_ids
         self._groups: dict[str, list[Request]] = {}
         self.outputs = OutputProcessor(self.tokenizer)
         self._streaming: set[str] = set()
         self._next_id = 0
+        self._num_latencies = 0  # tier load latencies handed out by step_stats()
 
     @property
     def bounded_kv(self) -> BoundedKV | None:
@@ -106,8 +107,8 @@ class LLMEngine:
         self.transfer.close()
         try:
             if self.tiers is not None:
-                self._run_plan(self.kv.end_step())  # anything still planned for the tiers
-                self.kv.tiers.close()
+                self._run_plan(self.scheduler.end_step())  # anything still planned
+                self.scheduler.close_tiers()
                 self.tiers.close()
                 self.tiers = None
         finally:
@@ -148,7 +149,7 @@ class LLMEngine:
             self._streaming.add(rid)
         for child in children:
             self.outputs.track(child, stream)
-            self.kv.start_prefetch(child, peer)
+            self.scheduler.start_prefetch(child, peer)
         if grammar is not None and not grammar.done():
             self.inputs.compiling[rid] = (grammar, children)  # joins the queue once compiled
         else:
@@ -208,12 +209,12 @@ class LLMEngine:
         not hold them all (run the prompt first). `owner`: who may list and release it besides
         the admin (the server's caller)."""
         probe, num_tokens = self._pin_probe(prompt, cache_salt)
-        pin = self.kv.pins.pin(probe, num_tokens, owner)
+        pin = self.scheduler.pin(probe, num_tokens, owner)
         return None if pin is None else pin.as_dict()
 
     def unpin(self, pin_id: str, owner: str | None = None) -> dict | None:
         """Release a pin; None if there is none of that id (made by `owner`, if given)."""
-        pin = self.kv.pins.unpin(pin_id, owner)
+        pin = self.scheduler.unpin(pin_id, owner)
         return None if pin is None else pin.as_dict()
 
     def list_pins(self, owner: str | None = None) -> dict:
@@ -260,7 +261,7 @@ class LLMEngine:
             if self.inputs.compiling and not self.scheduler.has_unfinished():
                 self.inputs.wait_compiling(0.05)
                 return compiled + self._admit_compiled()
-            if not self.kv.wait_for_prefetch(0.05):
+            if not self.scheduler.wait_for_prefetch(0.05):
                 return compiled
             batch = self._schedule()  # only loads from disk/Redis were in the way
         started = time.perf_counter()
@@ -279,7 +280,7 @@ class LLMEngine:
         # chunks this forward completed (saved now, not a step later: an engine that goes idle
         # or shuts down next would never save them).
         moves = self.scheduler.bounded.compact(batch.requests, out.observed)
-        plan = self.kv.end_step()  # (after the moves: their fresh blocks may evict and save)
+        plan = self.scheduler.end_step()  # (after the moves: their fresh blocks may evict)
         plan.compactions = moves
         self._run_plan(plan)
         outputs = compiled + self._outputs(update)
@@ -359,7 +360,7 @@ class LLMEngine:
         try:
             return self.scheduler.schedule()
         except Exception:
-            self._run_plan(self.kv.end_step())
+            self._run_plan(self.scheduler.end_step())
             raise
 
     def _execute(self, step: StepInput) -> StepOutput:
@@ -370,12 +371,12 @@ class LLMEngine:
         try:
             out = self.executor.execute(step)
         except StepFailed as failed:
-            self._store_saved(failed.saved)
+            self.scheduler.save_chunks(failed.saved)
             self._store_swapped(failed.swapped)
             if failed.stage == "load":
-                self.kv.reset_prefix_cache()
+                self.scheduler.reset_prefix_cache()
             raise failed.__cause__ from None
-        self._store_saved(out.saved)
+        self.scheduler.save_chunks(out.saved)
         self._store_swapped(out.swapped)
         return out
 
@@ -386,15 +387,6 @@ class LLMEngine:
     def _store_swapped(self, swapped: dict[str, torch.Tensor]) -> None:
         if swapped:
             self.scheduler.swap.fill(swapped)
-
-    def _store_saved(self, saved: list[tuple[int, torch.Tensor]]) -> None:
-        """Best-effort: a chunk that is not saved is recomputed later."""
-        for chunk_hash, data in saved:
-            try:
-                self.kv.tiers.save(chunk_hash, data)
-            except Exception:
-                logger.exception("saving chunk %x to the tiers failed; it is skipped",
-                                 chunk_hash)
 
     def _fail_group(self, parent_id: str, children: list[Request],
                     exc: Exception) -> RequestOutput:
@@ -426,14 +418,33 @@ class LLMEngine:
         """Debug check run by the tests after every step: queues, tables and pool agree."""
         self.scheduler.check_invariants()
 
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request state of the engine, its scheduler, KV manager and worker:
+        all of it must be empty when no request is running (the server's memory diagnostics,
+        server/debug_memory.py)."""
+        kv = self.kv
+        sizes = {
+            "engine._groups": len(self._groups), "engine.outputs": len(self.outputs),
+            "engine._streaming": len(self._streaming),
+            "scheduler.running": len(self.scheduler.running),
+            "scheduler.waiting": len(self.scheduler.waiting),
+            "kv.block_tables": len(kv.block_tables),
+            "kv._cursors": sum(len(g.cursors) for g in kv.groups),
+            "worker.sampling": len(self.runner.sampling),
+        }
+        if kv.prefix_caching:  # every group's index together
+            sizes["prefix.cached_blocks"] = sum(g.index.num_cached_blocks for g in kv.groups)
+            sizes["prefix.heap"] = sum(len(g.index._heap) for g in kv.groups)
+        return sizes
+
     def drain_kv_events(self) -> tuple[list[KVEvent], int]:
         """Blocks stored in / removed from the prefix index since the last drain, and how many
         records were dropped for want of room (kv/events.py)."""
-        return self.kv.drain_events()
+        return self.scheduler.drain_kv_events()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache); running requests go on."""
-        self.kv.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     @property
     def model_max_len(self) -> int:
@@ -442,7 +453,22 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the gauges and counters every stats reader shares (see EngineStats)."""
-        return self.scheduler.stats()
+        tiers = self.tiers
+        return replace(self.scheduler.stats(), block_size=self.config.block_size,
+                       num_gpu_blocks=self.kv.num_blocks, cache_dtype=self.config.kv_cache_dtype,
+                       tier_stats=self.tier_stats(), tier_usage=tiers.usage() if tiers else {})
+
+    def step_stats(self) -> EngineStats:
+        """`stats()` with what happened since the previous call: the tiers' load latencies
+        and the KV events (drained). The AsyncLLMEngine takes one after each step, and when it
+        goes idle, for its stat loggers; as it drains, nothing else calls it."""
+        latencies: list[tuple[str, float]] = []
+        if self.tiers is not None:
+            latencies, self._num_latencies = self.tiers.stats.latencies_since(
+                self._num_latencies)
+        events, dropped = self.drain_kv_events()
+        return replace(self.stats(), tier_load_latencies=tuple(latencies),
+                       kv_events=tuple(events), kv_events_dropped=dropped)
 
     def tier_stats(self) -> dict[str, dict]:
         """Bytes moved, faults and skipped saves of the storage tiers ({} without tiers)."""

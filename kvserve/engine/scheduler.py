@@ -23,19 +23,22 @@ the text, so the engine's output processor checks them and finishes through `fin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig
 from kvserve.blend.blender import Blender
 from kvserve.engine.audit import Auditor
 from kvserve.engine.bounded_kv import BoundedCaches
 from kvserve.engine.stats import EngineStats
-from kvserve.worker.step import SeqSampling, SeqStep, StepInput, StepOutput
+from kvserve.engine.step_message import grammar_bitmask, seq_steps
+from kvserve.worker.step import StepInput, StepOutput
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.events import KVEvent
+from kvserve.kv.pins import Pin
 from kvserve.kv.plan import StepPlan
 from kvserve.kv.prefix_index import PrefixMatch
 from kvserve.kv.report import build_report
@@ -44,7 +47,11 @@ from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers.stats import SOURCES
 from kvserve.request import Request, RequestStatus
 from kvserve.spec.speculator import Speculator
-from kvserve.structured.grammar import bitmask_words
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass
@@ -83,22 +90,23 @@ class StepUpdate:
     speculated: bool = False  # some request appended kept drafts: several tokens this step
 
 
-def prompt_rows(request: Request, start: int, end: int) -> tuple[int, int] | None:
-    """The prompt tokens whose logprobs computing positions [start, end) of `request` yields
-    and that it has not recorded yet (a request recomputing its prompt after a preemption
-    recorded them the first time), as (first token, count), or None.
+@dataclass(frozen=True)
+class SchedulerHooks:
+    """The scheduler's optional collaborators, each built by the engine from its config (None:
+    off). Given at construction, so a scheduler is whole from its first line and no one
+    rewires it afterwards (tests/test_architecture.py checks that nothing assigns to a
+    scheduler's attributes from outside)."""
 
-    Position p predicts token p + 1, so the last prompt position (which samples) yields no
-    prompt logprob, and neither does any output position."""
-    if not request.records_prompt_logprobs:
-        return None
-    first = max(start, len(request.prompt_logprobs) - 1)
-    last = min(end, len(request.prompt_token_ids) - 1)
-    return (first + 1, last - first) if last > first else None
+    audit: Auditor | None = None  # hit audits (engine/audit.py)
+    swap: SwapSpace | None = None  # swap preemption (kv/swap.py)
+    spec: Speculator | None = None  # speculative decoding (kvserve/spec/)
+    blend: Blender | None = None  # document reuse (kvserve/blend/)
+    vocab_size: int | None = None  # the grammar bitmask's width (None: no grammar rows)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 hooks: SchedulerHooks = SchedulerHooks()) -> None:
         assert config.max_num_batched_tokens is not None
         self.config = config
         self.kv = kv
@@ -108,12 +116,10 @@ class Scheduler:
         self.num_preemptions = 0
         # prompt tokens missed by the requests that asked for a cache report, by reason
         self.missed_tokens: Counter[str] = Counter()
-        self.vocab_size: int | None = None  # the grammar bitmask's width (set by the engine)
         self._finished_ids: list[str] = []  # for the next step: the worker drops their state
-        self.audit: Auditor | None = None  # hit audits (engine/audit.py), set by the engine
-        self.swap: SwapSpace | None = None  # swap preemption (kv/swap.py), set by the engine
-        self.spec: Speculator | None = None  # speculative decoding (kvserve/spec/), likewise
-        self.blend: Blender | None = None  # document reuse (kvserve/blend/), likewise
+        self.vocab_size = hooks.vocab_size
+        self.audit, self.swap, self.spec, self.blend = \
+            hooks.audit, hooks.swap, hooks.spec, hooks.blend
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -183,7 +189,7 @@ class Scheduler:
         ordered = prefills + decodes if prefills else decodes
         plan = self.kv.end_step()
         requests = [r for r, _ in ordered]
-        seqs = self._seq_steps(ordered)
+        seqs = seq_steps(self.kv, self.bounded, ordered)
         if self.blend is not None:
             self.blend.end_step(plan)
             for i, r in enumerate(requests):
@@ -193,7 +199,7 @@ class Scheduler:
         batch = ScheduledBatch(requests, [n for _, n in ordered], preempted, step,
                                num_drafted=num_drafted, has_prefill=has_prefill)
         if self.vocab_size is not None and any(r.grammar is not None for r in requests):
-            self._grammar_bitmask(batch)
+            grammar_bitmask(requests, step, self.vocab_size, batch.failed)
         return batch
 
     def _draft(self, spec: Speculator, request: Request, room: int) -> int:
@@ -210,57 +216,6 @@ class Scheduler:
             draft = []
         request.draft_token_ids = draft
         return len(draft)
-
-    def _seq_steps(self, chosen: list[tuple[Request, int]]) -> list[SeqStep]:
-        """The worker's view of each request's part of the step (for every running request,
-        every step)."""
-        kv = self.kv
-        one_group = kv.num_groups == 1
-        table_of = kv.block_table
-        observe_rows = self.bounded.observe_rows
-        seqs = []
-        append = seqs.append
-        for request, n in chosen:
-            start = request.num_computed_tokens
-            end = start + n
-            token_ids = request.token_ids
-            draft = request.draft_token_ids
-            if draft:  # n counts them: they follow the one uncomputed token
-                end -= len(draft)
-                token_ids = token_ids + draft
-            tables = (table_of(request),) if one_group \
-                else tuple(kv.group_block_tables(request))
-            # The common case (no prompt logprobs, no bounded cache) calls nothing.
-            rows = None if request.sampling_params.prompt_logprobs is None \
-                else prompt_rows(request, start, end)
-            observe = None if request.bounded_kv is None else observe_rows(request, start, end)
-            append(SeqStep(
-                request.request_id, token_ids[start:start + n], start,
-                start - request.num_dropped_tokens, tables,
-                end == request.num_tokens and request.max_tokens != 0, rows, observe,
-                None if request.worker_has_state else _sampling_state(request), len(draft)))
-        return seqs
-
-    def _grammar_bitmask(self, batch: ScheduledBatch) -> None:
-        """The allowed next tokens of each sampling row with a grammar, one packed row each (the
-        matchers stay here: the worker applies the bits). A matcher that raises fails its
-        request alone, after the step (its row allows everything)."""
-        step = batch.step
-        rows = {i: j for j, i in enumerate(
-            i for i, (r, s) in enumerate(zip(batch.requests, step.seqs))
-            if s.samples and r.grammar is not None)}
-        if not rows:
-            return
-        step.bitmask = bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1,
-                                            dtype=torch.int32)
-        step.bitmask_rows = rows
-        for i, j in rows.items():
-            request = batch.requests[i]
-            try:
-                request.grammar.fill_bitmask(bitmask, j)
-            except Exception as exc:
-                bitmask[j] = -1
-                batch.failed[request.parent_id or request.request_id] = exc
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens are computed, and their full blocks go into
@@ -518,6 +473,54 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return finished
 
+    # -- the KV manager's other changes, asked for by the engine ---------------------------
+    # Only the scheduler (and the hooks it was built with) drives the KV manager
+    # (tests/test_architecture.py), so that every change to what the cache holds has one
+    # owner that also knows the queues.
+    def end_step(self) -> StepPlan:
+        """What the KV cache planned since the last plan (saves, loads, copies), handed out
+        once (kv/manager.py: `end_step`)."""
+        return self.kv.end_step()
+
+    def start_prefetch(self, request: Request, peer: str | None = None) -> None:
+        """Start reading the tier chunks a new request will hit (`peer`: another instance's,
+        disaggregation), so they are in host memory when it is admitted."""
+        self.kv.start_prefetch(request, peer)
+
+    def wait_for_prefetch(self, seconds: float) -> bool:
+        """Wait up to `seconds` for a tier read a waiting request needs; whether one landed."""
+        return self.kv.wait_for_prefetch(seconds)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their blocks."""
+        self.kv.reset_prefix_cache()
+
+    def drain_kv_events(self) -> tuple[list[KVEvent], int]:
+        """The prefix index's events since the last drain, and how many were dropped."""
+        return self.kv.drain_events()
+
+    def pin(self, probe: Request, num_tokens: int, owner: str) -> Pin | None:
+        """Pin the cached blocks of `probe`'s first `num_tokens` (kv/pins.py)."""
+        return self.kv.pins.pin(probe, num_tokens, owner)
+
+    def unpin(self, pin_id: str, owner: str | None) -> Pin | None:
+        """Release a pin (None: no such pin of `owner`'s)."""
+        return self.kv.pins.unpin(pin_id, owner)
+
+    def save_chunks(self, saved: list[tuple[int, torch.Tensor]]) -> None:
+        """Hand the chunks the worker read to the tiers. Best-effort: a chunk that is not
+        saved is recomputed later."""
+        for chunk_hash, data in saved:
+            try:
+                self.kv.tiers.save(chunk_hash, data)
+            except Exception:
+                logger.exception("saving chunk %x to the tiers failed; it is skipped",
+                                 chunk_hash)
+
+    def close_tiers(self) -> None:
+        """Stop the tier link's threads (engine shutdown, after its last plan ran)."""
+        self.kv.tiers.close()
+
     def check_invariants(self) -> None:
         """Debug check run by the tests after every step: queues, tables and pool agree."""
         live = list(self.running) + list(self.waiting)
@@ -567,12 +570,3 @@ class Scheduler:
             self.swap.drop(request.request_id)
         if self.spec is not None:
             self.spec.release(request)
-
-
-def _sampling_state(request: Request) -> SeqSampling:
-    """What the worker keeps of a request to sample it (sent once; see SeqSampling)."""
-    request.worker_has_state = True
-    params = request.sampling_params
-    seed = None if params.seed is None else params.seed + request.index
-    return SeqSampling(params, request.prompt_token_ids, list(request.output_token_ids),
-                       frozenset(request.eos_token_ids), seed)

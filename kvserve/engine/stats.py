@@ -1,14 +1,21 @@
 """`EngineStats`: one reading of the engine's gauges and cumulative counters.
 
-The periodic log line of the AsyncLLMEngine and the Prometheus exporter (kvserve.server.metrics)
-both read this snapshot, taken by `LLMEngine.stats()`, instead of each reaching into the
-scheduler and the KV manager on its own: one place knows where a figure lives, so the two
-reports cannot disagree about what "running" or "a prefix-cache hit" means.
+The periodic log line of the AsyncLLMEngine and its stat loggers (the Prometheus exporter,
+kvserve.server.metrics; the KV-event publisher, kvserve.server.kv_events) all read this
+snapshot, taken by `LLMEngine.stats()`, instead of each reaching into the scheduler, the KV
+manager and the tiers on its own: one place knows where a figure lives, so the reports cannot
+disagree about what "running" or "a prefix-cache hit" means, and a stat logger needs nothing of
+`kvserve.kv` (tests/test_architecture.py checks that it imports none of it).
+
+`LLMEngine.step_stats()` adds what happened since its previous call (tier load latencies, KV
+events): the AsyncLLMEngine takes one such snapshot after each step, and when it goes idle, and
+hands the same one to every stat logger.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,3 +49,17 @@ class EngineStats:
     spec_decode: dict = field(default_factory=dict)
     # Document reuse (kvserve/blend/): its counters, audits and whether it is on ({}: off).
     blend: dict = field(default_factory=dict)
+    # Fixed once the engine is built: block size, device pool blocks, KV cache dtype.
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    cache_dtype: str = ""
+    # Storage tiers: bytes_saved, bytes_loaded, errors, skipped_saves (kv/tiers/stats.py's
+    # snapshot) and the bytes each tier holds; empty without tiers.
+    tier_stats: dict[str, dict] = field(default_factory=dict)
+    tier_usage: dict[str, int] = field(default_factory=dict)
+    # Since the previous `step_stats()` only (empty from `stats()`): tier load latencies
+    # (tier, seconds), the prefix index's events (kv/events.py's KVEvent records) and how many
+    # events were dropped for want of room before they were drained.
+    tier_load_latencies: tuple[tuple[str, float], ...] = ()
+    kv_events: tuple[Any, ...] = ()
+    kv_events_dropped: int = 0

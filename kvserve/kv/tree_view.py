@@ -14,19 +14,14 @@ steps, which is why the page asks for it less often than for the metrics.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.kv.prefix_index import Node
 from kvserve.kv.retention import DEFAULT_PRIORITY
+from kvserve.kv.tenant_name import tenant_digest
 
 PREVIEW_TOKENS = 16
-
-
-def tenant_digest(tenant: str) -> str | None:
-    """A tenant as the metrics label it (server/metrics.py's tenant_label): never the salt."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:12] if tenant else None
 
 
 def _subtree_blocks(roots: Sequence[Node]) -> dict[int, int]:

@@ -255,22 +255,20 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     access = access or AccessPolicy()
     if metrics is None:
         metrics = PrometheusStatLogger(served_model_names[0])
-    if metrics not in engine.stat_loggers:
-        engine.stat_loggers.append(metrics)
+    engine.add_stat_logger(metrics)
     kv_events = next((sl for sl in engine.stat_loggers if isinstance(sl, KVEventPublisher)),
                      None)
     if kv_events is None:
         kv_events = KVEventPublisher()
-        engine.stat_loggers.append(kv_events)
+        engine.add_stat_logger(kv_events)
     serving = OpenAIServingChat(engine, served_model_names, access)
     messages = MessagesServing(serving)
     if request_log is not None:
         from kvserve.server.request_log import RequestLog
 
-        kv = engine.engine.kv
         serving.request_log = RequestLog(request_log, {
-            "model": served_model_names[0], "block_size": kv.block_size,
-            "pool_blocks": kv.num_blocks, "eviction_policy": engine.config.eviction_policy,
+            "model": served_model_names[0], "block_size": engine.block_size,
+            "pool_blocks": engine.num_kv_blocks, "eviction_policy": engine.config.eviction_policy,
             "prefix_caching": engine.config.enable_prefix_caching})
     created = int(time.time())
 
@@ -403,7 +401,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str],
     async def cache_tree(limit: int = 64) -> dict[str, Any]:
         """The largest shared prefixes, their size, hits and age (kv/tree_view.py; admin
         only: it shows what the cache holds)."""
-        return await engine.call(lambda e: e.prefix_tree(min(max(limit, 1), 512)))
+        return await engine.prefix_tree(min(max(limit, 1), 512))
 
     @app.get("/v1/cache/pins", responses=_ERROR_RESPONSES)
     async def list_cache_pins(raw_request: Request) -> dict[str, Any]:

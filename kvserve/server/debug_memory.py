@@ -60,23 +60,9 @@ def _type_counts() -> collections.Counter:
 
 def engine_maps(engine: Any) -> dict[str, int]:
     """Sizes of the per-request state of the async engine, the engine, scheduler and KV
-    manager: all of it should be empty when no request is running."""
-    eng = engine.engine
-    sizes = {
-        "async._streams": len(engine._streams), "async._streaming": len(engine._streaming),
-        "async._prompt_lens": len(engine._prompt_lens),
-        "async._gen_counts": len(engine._gen_counts), "async._commands": len(engine._commands),
-        "engine._groups": len(eng._groups), "engine.outputs": len(eng.outputs),
-        "engine._streaming": len(eng._streaming),
-        "scheduler.running": len(eng.scheduler.running),
-        "scheduler.waiting": len(eng.scheduler.waiting),
-        "kv.block_tables": len(eng.kv.block_tables),
-        "kv._cursors": sum(len(g.cursors) for g in eng.kv.groups),
-        "worker.sampling": len(eng.runner.sampling),
-    }
-    if eng.kv.prefix_caching:  # every group's index together
-        sizes["prefix.cached_blocks"] = sum(g.index.num_cached_blocks for g in eng.kv.groups)
-        sizes["prefix.heap"] = sum(len(g.index._heap) for g in eng.kv.groups)
+    manager (`AsyncLLMEngine.state_sizes`), and of the stat loggers: all of it should be
+    empty when no request is running."""
+    sizes = engine.state_sizes()
     for sl in engine.stat_loggers:
         reqs = getattr(sl, "_requests", None)
         if reqs is not None:

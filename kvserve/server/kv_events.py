@@ -1,10 +1,11 @@
 """The replica's side of KV events: numbered, kept for a while, served by long poll.
 
-The engine records which blocks entered and left its prefix index (kv/events.py); this stat
-logger drains them on the engine's loop thread after every step (and when it goes idle, which
-catches a prefix-cache reset), numbers them and keeps the last `capacity` in a ring. A gateway
-(kvserve/router/events.py) asks `GET /v1/kv_events?since=SEQ&timeout=S` and gets every event
-after SEQ, waiting up to S seconds when there is none yet.
+The engine records which blocks entered and left its prefix index (kv/events.py) and drains
+them into the `EngineStats` snapshot it hands its stat loggers after every step (and when it
+goes idle, which catches a prefix-cache reset); this stat logger numbers them and keeps the
+last `capacity` in a ring. A gateway (kvserve/router/events.py) asks
+`GET /v1/kv_events?since=SEQ&timeout=S` and gets every event after SEQ, waiting up to S
+seconds when there is none yet.
 
 An answer carries the server's `epoch` (new at every start) and `lost`: true when events after
 SEQ are no longer kept (the ring wrapped, or the engine dropped some before they were drained),
@@ -20,6 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.engine.stats import EngineStats
 
 MAX_EVENTS_PER_ANSWER = 10_000
 
@@ -52,17 +55,18 @@ class KVEventPublisher:
         self._changed: asyncio.Event | None = None
 
     # -- the engine's loop thread -----------------------------------------------------------
-    def on_step(self, engine, outputs: Sequence, streaming, now: float) -> None:
-        self._drain(engine)
+    def on_step(self, stats: EngineStats, outputs: Sequence, streaming, now: float) -> None:
+        self._take(stats.kv_events, stats.kv_events_dropped)
 
-    def on_idle(self, engine) -> None:
-        self._drain(engine)
+    def on_idle(self, stats: EngineStats) -> None:
+        self._take(stats.kv_events, stats.kv_events_dropped)
 
     def on_request_gone(self, request_id: str) -> None:
         pass
 
-    def _drain(self, engine) -> None:
-        events, dropped = engine.drain_kv_events()
+    def _take(self, events: Sequence, dropped: int) -> None:
+        """Number the events drained since the last snapshot; `dropped` of them were lost
+        before the drain."""
         if not events and not dropped:
             return
         with self._lock:

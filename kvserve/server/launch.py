@@ -39,11 +39,11 @@ def warm_up_gemms(engine) -> Iterator[None]:
     from kvserve.layers.selection import warm_up_steps
 
     cfg = engine.config
-    if engine.engine.model is None:  # tensor parallelism: the model is in the workers (dense)
+    if engine.model is None:  # tensor parallelism: the model is in the workers (dense)
         return
     start = time.monotonic()
     warmed = 0
-    for _ in warm_up_steps(engine.engine.model, cfg.max_num_batched_tokens, cfg.max_num_seqs):
+    for _ in warm_up_steps(engine.model, cfg.max_num_batched_tokens, cfg.max_num_seqs):
         warmed += 1
         yield
     if warmed:

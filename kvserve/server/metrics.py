@@ -2,8 +2,8 @@
 with the `kvserve:` prefix.
 
 `PrometheusStatLogger` is a `StatLogger` of the AsyncLLMEngine: it runs on the engine loop
-thread after every step (prometheus_client's metrics are thread safe, so `/metrics` can be
-scraped from the asyncio thread at any time).
+thread after every step, with the step's `EngineStats` snapshot and outputs (prometheus_client's
+metrics are thread safe, so `/metrics` can be scraped from the asyncio thread at any time).
 
 Latency figures per request:
 * TTFT (`time_to_first_token_seconds`) and queue time (`request_queue_time_seconds`, arrival to
@@ -26,9 +26,8 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.stats import EngineStats
-from kvserve.kv.tree_view import tenant_digest
+from kvserve.kv.tenant_name import tenant_digest
 from kvserve.outputs import RequestOutput
 
 __all__ = ["PrometheusStatLogger", "CONTENT_TYPE_LATEST"]
@@ -188,12 +187,11 @@ class PrometheusStatLogger:
         self._children = {name: m.labels(**self._label) for name, m in vars(self).items()
                           if isinstance(m, (Counter, Gauge, Histogram)) and name not in labelled}
         self._last_counts: dict[tuple, float] = {}
-        self._num_latencies = 0
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
         self._requests: dict[str, _RequestTimes] = {}
-        self._static_for: LLMEngine | None = None  # the engine whose fixed gauges are set
+        self._static: tuple | None = None  # the fixed figures the info gauges were set to
 
     def m(self, name: str):
         return self._children[name]
@@ -205,15 +203,14 @@ class PrometheusStatLogger:
         return text + generate_latest(self.tenant_registry) if per_tenant else text
 
     # -- StatLogger -------------------------------------------------------------------------
-    def _engine_gauges(self, engine: LLMEngine) -> None:
-        stats = engine.stats()
-        if self._static_for is not engine:  # fixed once the engine is built: set once
-            self._static_for = engine
-            cfg = engine.config
-            self.cache_config_info.labels(**self._label, block_size=str(cfg.block_size),
-                                          cache_dtype=cfg.kv_cache_dtype,
-                                          num_gpu_blocks=str(engine.kv.num_blocks)).set(1)
-            self.m("kv_cache_size_tokens").set(engine.kv.num_blocks * cfg.block_size)
+    def _engine_gauges(self, stats: EngineStats) -> None:
+        static = (stats.block_size, stats.cache_dtype, stats.num_gpu_blocks)
+        if self._static != static:  # fixed once the engine is built: set once
+            self._static = static
+            self.cache_config_info.labels(**self._label, block_size=str(stats.block_size),
+                                          cache_dtype=stats.cache_dtype,
+                                          num_gpu_blocks=str(stats.num_gpu_blocks)).set(1)
+            self.m("kv_cache_size_tokens").set(stats.num_gpu_blocks * stats.block_size)
         self.m("kv_cache_usage").set(stats.kv_cache_usage)
         self.m("num_running").set(stats.num_running)
         self.m("num_waiting").set(stats.num_waiting)
@@ -237,7 +234,7 @@ class PrometheusStatLogger:
         self._grow(self.swap_bytes, {"out": swap.get("bytes_out", 0),
                                      "in": swap.get("bytes_in", 0)} if swap else {},
                    direction=None)
-        self._tier_metrics(engine, stats)
+        self._tier_metrics(stats)
         self._spec_metrics(stats.spec_decode)
         if stats.blend:
             blend = dict(stats.blend)
@@ -269,21 +266,19 @@ class PrometheusStatLogger:
                 metric.labels(**self._label, **labels).inc(value - last)
             self._last_counts[mark] = value
 
-    def _tier_metrics(self, engine: LLMEngine, stats: EngineStats) -> None:
+    def _tier_metrics(self, stats: EngineStats) -> None:
         self._grow(self.hits_by_source, stats.hit_tokens, source=None)
         self._grow(self.missed_by_reason, stats.missed_tokens, reason=None)
-        tiers = engine.tiers
-        if tiers is None:
+        snap = stats.tier_stats
+        if not snap:  # no tiers
             return
-        snap = engine.tier_stats()
         self._grow(self.tier_bytes_saved, snap["bytes_saved"], tier=None)
         self._grow(self.tier_bytes_loaded, snap["bytes_loaded"], tier=None)
         self._grow(self.tier_errors, snap["errors"], tier=None, kind=None)
         self._grow(self.tier_skipped_saves, snap["skipped_saves"], reason=None)
-        latencies, self._num_latencies = tiers.stats.latencies_since(self._num_latencies)
-        for tier, seconds in latencies:
+        for tier, seconds in stats.tier_load_latencies:  # those since the last snapshot
             self.tier_load_latency.labels(**self._label, tier=tier).observe(seconds)
-        for tier, used in tiers.usage().items():
+        for tier, used in stats.tier_usage.items():
             self.tier_usage.labels(**self._label, tier=tier).set(used)
 
     def _phase_times(self, met) -> None:
@@ -297,15 +292,15 @@ class PrometheusStatLogger:
             self.m("decode_time").observe(max(0.0, met.last_token_time - first))
         self.m("inference_time").observe(max(0.0, met.finished_time - start))
 
-    def on_idle(self, engine: LLMEngine) -> None:
-        self._engine_gauges(engine)
+    def on_idle(self, stats: EngineStats) -> None:
+        self._engine_gauges(stats)
 
     def on_request_gone(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def on_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput],
+    def on_step(self, stats: EngineStats, outputs: Sequence[RequestOutput],
                 streaming, now: float) -> None:
-        self._engine_gauges(engine)
+        self._engine_gauges(stats)
         for out in outputs:
             st = self._requests.get(out.request_id)
             if st is None:

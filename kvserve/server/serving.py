@@ -1,6 +1,10 @@
-"""What both endpoints share (`OpenAIServing`), and the /v1/completions handler: request ->
-engine requests -> OpenAI response objects (JSON or server-sent events). The chat endpoint is
-the subclass `kvserve.server.serving_chat.OpenAIServingChat`, which serves both endpoints.
+"""What the endpoints share (`OpenAIServing`): the checks every request gets, its sampling
+parameters, turning it into engine requests (added all or nothing), collecting or merging
+their outputs (aborting them when the client leaves), usage, and the streaming cursors. The
+endpoints derive from it: /v1/completions (serving_completion.py's OpenAIServingCompletion),
+then /v1/chat/completions (serving_chat.py's OpenAIServingChat, which serves both); token
+names and logprob objects are serving_logprobs.py's. The server reaches the engine only
+through the AsyncLLMEngine's own methods.
 
 Engine outputs are cumulative (full text and tokens so far); the streaming code keeps per-choice
 cursors and sends only what is new. While a choice is running, trailing text that could be the
@@ -12,36 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineQueueFullError,
                                          EngineStepError, RequestStream)
 from kvserve.kv.retention import Retention
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.server.documents import tokenized
-from kvserve.server.offload import off_loop, text_size
-from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     StreamOptions, TextPart)
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvserve.server.auth import AccessPolicy, caller_of
-from kvserve.server.cache_control import request_retention
-from kvserve.server.streaming import (event_stream, reports_field, sse, transfer_field,
-                                      wait_for_disconnect)
-from kvserve.server.structured_request import structured_outputs_of
+from kvserve.server.serving_logprobs import LogprobFormatter
+from kvserve.server.streaming import wait_for_disconnect
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.tokenizer import BYTE_DECODER, holdback
+from kvserve.tokenizer import holdback
 from kvserve.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
 
-MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -58,10 +53,6 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(500, str(exc))
     logger.error("request failed: %r", exc, exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
-
-
-def finite_logprob(value: float) -> float:
-    return value if value == value and value > MIN_LOGPROB else MIN_LOGPROB
 
 
 @dataclass
@@ -91,7 +82,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer
-        self._token_strs: dict[int, tuple[str, bytes, int]] = {}
+        self.logprob_format = LogprobFormatter(self.tokenizer)  # token names, logprobs
         self.request_log = None  # a kvserve.server.request_log.RequestLog (--request-log)
         self.access = access or AccessPolicy()  # keys, roles, isolation (server/auth.py)
 
@@ -114,32 +105,6 @@ class OpenAIServing:
                            code="model_not_found")
         return model
 
-    def token_str(self, token_id: int) -> str:
-        """How a token is shown in logprobs: its text, or (for a token that is only part of a
-        UTF-8 character) OpenAI's "bytes:\\xNN" form, so that different tokens never share a
-        name in `top_logprobs`."""
-        return self._token_info(token_id)[0]
-
-    def token_text_len(self, token_id: int) -> int:
-        return self._token_info(token_id)[2]
-
-    def token_bytes(self, token_id: int) -> list[int]:
-        return list(self._token_info(token_id)[1])
-
-    def _token_info(self, token_id: int) -> tuple[str, bytes, int]:
-        info = self._token_strs.get(token_id)
-        if info is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            raw, length = text.encode(), len(text)
-            if "\ufffd" in text:
-                piece = self.tokenizer.id_to_token(token_id)
-                if piece is not None and all(ch in BYTE_DECODER for ch in piece):
-                    raw = bytes(BYTE_DECODER[ch] for ch in piece)  # byte-level BPE
-                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            info = (text, raw, length)
-            if len(self._token_strs) < 1_000_000:
-                self._token_strs[token_id] = info
-        return info
 
     def _encode(self, text: str, add_special_tokens: bool = True,
                 what: str = "the prompt") -> list[int]:
@@ -173,8 +138,7 @@ class OpenAIServing:
         caller = caller_of(raw)
         tenant = ("key", caller.key) if caller.key is not None \
             else ("namespace", self.access.namespace(caller, req.cache_salt))
-        core = self.engine.engine
-        future = await asyncio.to_thread(core.grammars.submit, structured, tenant)
+        future = await asyncio.to_thread(self.engine.submit_grammar, structured, tenant)
         compiled = asyncio.wrap_future(future)
         gone = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
@@ -369,199 +333,6 @@ class OpenAIServing:
         cur.text_len = end
         return delta
 
-    # -- /v1/completions --------------------------------------------------------------------
-    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        arrival = time.time()
-        model = self.check_model(req.model)
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        self._check_common(req, cid)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of must be equal to n (or unset)", param="best_of")
-        if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
-            raise APIError(400, "max_tokens 0 generates nothing: it is allowed with echo or "
-                           "prompt_logprobs (to score the prompt)", param="max_tokens")
-        self._check_size(_num_prompts(req.prompt), req.n)
-        structured = structured_outputs_of(req)
-        if not await self._check_grammar(structured, "structured_outputs"
-                                         if req.structured_outputs is not None
-                                         else "response_format", req, raw):
-            return Response(status_code=499)
-        prompts = await off_loop(text_size(req.prompt), self._completion_prompts, req.prompt)
-        # echo with logprobs reports the prompt tokens' logprobs too (OpenAI's legacy API)
-        echo_lps = req.logprobs if req.echo else None
-        prompt_lps = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None),
-                         default=None)
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_lps,
-                                       structured, request_retention(req))
-        prep = self.prepared(prompts, params, req, raw)
-        created = int(time.time())
-        streams = await self._add_all(prep, cid, req, req.stream, arrival)
-        if req.stream:
-            return event_stream(self._completion_events(prep, streams, cid, created, model,
-                                                        req, arrival),
-                                lambda: self._abort_all(prep, streams))
-        outputs = await self._collect(raw, prep, streams)
-        if outputs is None:
-            return Response(status_code=499)
-        self._log_requests(req, prep, outputs, arrival)
-        choices = []
-        for p, out in enumerate(outputs):
-            prompt_text = self._echo_text(prep.prompts[p], req) if req.echo else ""
-            for c in out.outputs:
-                logprobs = None
-                if req.logprobs is not None:
-                    ids, entries = list(c.token_ids), list(c.logprobs or ())
-                    if req.echo:
-                        ids = list(out.prompt_token_ids) + ids
-                        entries = list(out.prompt_logprobs or ()) + entries
-                    logprobs = self._completion_logprobs(ids, entries, 0, req.logprobs)[0]
-                choice = {"index": p * req.n + c.index, "text": prompt_text + c.text,
-                          "logprobs": logprobs, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                        out, req.prompt_logprobs)
-                choices.append(choice)
-        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices, "usage": self._usage(outputs),
-                             **(reports_field(outputs) if req.kv_cache_report else {}),
-                             **transfer_field(outputs)})
-
-    def _completion_prompts(self, prompt) -> list[dict[str, Any]]:
-        out = []
-        for item in _prompt_items(prompt):
-            if isinstance(item, str):
-                out.append({"prompt": item, "prompt_token_ids": self._encode(item)})
-            elif item and isinstance(item[0], TextPart):  # server/documents.py
-                out.append(tokenized(self.tokenizer, item, True, self.engine.max_model_len))
-            else:
-                out.append({"prompt_token_ids": list(item)})
-        return out
-
-    def _echo_text(self, prompt: dict[str, Any], req: CompletionRequest) -> str:
-        """The prompt as echo returns it: the caller's text, or token ids decoded (as the
-        completion is, honouring skip_special_tokens)."""
-        if prompt.get("prompt") is not None:
-            return prompt["prompt"]
-        return self.tokenizer.decode(prompt["prompt_token_ids"],
-                                     skip_special_tokens=req.skip_special_tokens)
-
-    def _completion_logprobs(self, token_ids: Sequence[int],
-                             logprobs: Sequence[dict[int, float] | None] | None,
-                             text_offset: int, top_n: int | None = None
-                             ) -> tuple[dict[str, Any] | None, int]:
-        """OpenAI's legacy logprobs object. An entry of None (the first prompt token under
-        echo: nothing predicts it) gives null token_logprobs and top_logprobs. `top_n` keeps
-        that many alternatives (and the token itself) of entries that hold more (prompt
-        entries computed for a larger prompt_logprobs)."""
-        if logprobs is None:
-            return None, text_offset
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, lps in zip(token_ids, logprobs):
-            tokens.append(self.token_str(tid))
-            offsets.append(text_offset)
-            text_offset += self.token_text_len(tid)
-            if lps is None:
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            token_lps.append(finite_logprob(lps.get(tid, MIN_LOGPROB)))
-            ranked = sorted(lps.items(), key=lambda kv: -kv[1])
-            if top_n is not None and len(ranked) > top_n + 1:
-                ranked = ranked[:top_n] + [(tid, lps[tid])]
-            top: dict[str, float] = {}
-            for t, v in ranked:
-                top.setdefault(self.token_str(t), finite_logprob(v))
-            tops.append(top)
-        return ({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                 "text_offset": offsets}, text_offset)
-
-    def _vllm_prompt_logprobs(self, out: RequestOutput, k: int
-                              ) -> list[dict[str, dict[str, Any]] | None] | None:
-        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
-        {"logprob", "rank", "decoded_token"}} for the actual token and the top k (ranks 1..k
-        in order; the actual token's own rank from the engine)."""
-        if out.prompt_logprobs is None:
-            return None
-        result: list[dict[str, dict[str, Any]] | None] = []
-        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
-        for tid, entry, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
-            if entry is None:
-                result.append(None)
-                continue
-            item: dict[str, dict[str, Any]] = {}
-            item[str(tid)] = {"logprob": finite_logprob(entry[tid]), "rank": rank,
-                              "decoded_token": self.token_str(tid)}
-            tops = sorted(((t, v) for t, v in entry.items()), key=lambda kv: -kv[1])[:k]
-            for r, (t, v) in enumerate(tops, start=1):
-                item.setdefault(str(t), {"logprob": finite_logprob(v), "rank": r,
-                                         "decoded_token": self.token_str(t)})
-            result.append(item)
-        return result
-
-    async def _completion_events(self, prep: Prepared, streams: list[RequestStream], cid: str,
-                                 created: int, model: str, req: CompletionRequest,
-                                 arrival: float = 0.0) -> AsyncIterator[str]:
-        n = req.n
-        opts = req.stream_options or StreamOptions()
-        cursors = [[ChoiceCursor() for _ in range(n)] for _ in streams]
-        last: list[RequestOutput | None] = [None] * len(streams)
-        echo_texts = [self._echo_text(pr, req) if req.echo else "" for pr in prep.prompts]
-        try:
-            async for p, out in self._merge(streams):
-                last[p] = out
-                for c in out.outputs:
-                    cur = cursors[p][c.index]
-                    if cur.done:
-                        continue
-                    head, head_lp = "", None
-                    if req.echo and not cur.echoed:
-                        if req.logprobs is not None and out.prompt_logprobs is None:
-                            continue  # a sibling ran ahead of the prompt's logprobs: wait
-                        cur.echoed = True
-                        head = echo_texts[p]
-                        if req.logprobs is not None:
-                            head_lp, cur.text_offset = self._completion_logprobs(
-                                out.prompt_token_ids, out.prompt_logprobs, 0, req.logprobs)
-                    delta = self._text_delta(c, cur, prep.stop_list)
-                    lp = None
-                    if req.logprobs is not None and c.logprobs is not None \
-                            and len(c.token_ids) > cur.num_tokens:
-                        lp, cur.text_offset = self._completion_logprobs(
-                            c.token_ids[cur.num_tokens:], c.logprobs[cur.num_tokens:],
-                            cur.text_offset)
-                        cur.num_tokens = len(c.token_ids)
-                    lp = _join_logprobs(head_lp, lp)
-                    finished = c.finish_reason is not None
-                    if not head and not delta and lp is None and not finished:
-                        continue
-                    cur.done = finished
-                    chunk = {"id": cid, "object": "text_completion", "created": created,
-                             "model": model, "choices": [{
-                                 "index": p * n + c.index, "text": head + delta,
-                                 "logprobs": lp if req.logprobs is not None else None,
-                                 "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason}]}
-                    if opts.continuous_usage_stats:
-                        chunk["usage"] = self._choice_usage(len(out.prompt_token_ids), c)
-                    yield sse(chunk)
-            self._log_requests(req, prep, last, arrival)
-            if opts.include_usage:
-                yield sse({"id": cid, "object": "text_completion", "created": created,
-                           "model": model, "choices": [], "usage": self._usage(last)})
-            if req.kv_cache_report:  # a last chunk of its own, as the usage has
-                yield sse({"id": cid, "object": "text_completion", "created": created,
-                           "model": model, "choices": [], **reports_field(last)})
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # headers are out: report in the stream, then end it
-            err = engine_error(exc)
-            yield sse(err.body())
-            yield "data: [DONE]\n\n"
-        finally:  # also on cancellation / GeneratorExit when the client went away
-            self._abort_all(prep, streams)
-
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias keys are token ids written as strings ("50"); the engine checks
@@ -577,24 +348,3 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Two legacy logprobs objects of consecutive tokens as one."""
-    if a is None or b is None:
-        return a if b is None else b
-    return {key: a[key] + b[key] for key in a}
-
-
-def _prompt_items(prompt) -> list:
-    """The prompts of a /v1/completions `prompt` field: a string, a list of strings, one token
-    id list or a list of them."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], (int, TextPart)):
-        return [prompt]
-    return list(prompt)
-
-
-def _num_prompts(prompt) -> int:
-    return len(_prompt_items(prompt))

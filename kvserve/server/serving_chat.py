@@ -30,8 +30,9 @@ from kvserve.server.chat_prompt import render_chat
 from kvserve.server.protocol import APIError, CacheExplainRequest, CachePinRequest, \
     ChatCompletionRequest, StreamOptions
 from kvserve.server.offload import off_loop, text_size
-from kvserve.server.serving import (MIN_LOGPROB, ChoiceCursor, OpenAIServing, Prepared,
-                                    engine_error, finite_logprob)
+from kvserve.server.serving import ChoiceCursor, Prepared, engine_error
+from kvserve.server.serving_completion import OpenAIServingCompletion
+from kvserve.server.serving_logprobs import MIN_LOGPROB, finite_logprob
 from kvserve.server.streaming import event_stream, reports_field, sse, transfer_field
 from kvserve.server.structured_request import ToolPlan, structured_outputs_of, tool_plan
 from kvserve.server.documents import has_documents, split_rendered, tokenized
@@ -39,8 +40,8 @@ from kvserve.server.documents import has_documents, split_rendered, tokenized
 SERVED_TIER = "default"  # what `service_tier` reports: kvserve has one tier
 
 
-class OpenAIServingChat(OpenAIServing):
-    """OpenAIServing with /v1/chat/completions."""
+class OpenAIServingChat(OpenAIServingCompletion):
+    """The completions server with /v1/chat/completions: the one object that serves both."""
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
@@ -101,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.kv_cache_report:
             body.update(reports_field(outputs))
         if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+            body["prompt_logprobs"] = self.logprob_format.vllm_prompt_logprobs(
+                out, req.prompt_logprobs)
         return JSONResponse(body)
 
     async def explain_cache(self, req: CacheExplainRequest, caller: Caller) -> dict[str, Any]:
@@ -113,9 +115,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.cache_prompt(req)
         salt = self.access.namespace(caller, req.cache_salt)
         try:
-            return await self.engine.call(lambda e: e.explain_cache(
+            return await self.engine.explain_cache(
                 {"prompt_token_ids": prompt["prompt_token_ids"]}, salt,
-                req.prompt_logprobs, full=caller.admin))
+                req.prompt_logprobs, full=caller.admin)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -162,16 +164,17 @@ class OpenAIServingChat(OpenAIServing):
         if logprobs is None:
             return None
         content = []
+        names = self.logprob_format
         for tid, lps in zip(token_ids, logprobs):
-            s = self.token_str(tid)
+            s = names.token_str(tid)
             top = []
             if top_n:
                 for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]:
-                    ts = self.token_str(t)
+                    ts = names.token_str(t)
                     top.append({"token": ts, "logprob": finite_logprob(v),
-                                "bytes": self.token_bytes(t)})
+                                "bytes": names.token_bytes(t)})
             content.append({"token": s, "logprob": finite_logprob(lps.get(tid, MIN_LOGPROB)),
-                            "bytes": self.token_bytes(tid), "top_logprobs": top})
+                            "bytes": names.token_bytes(tid), "top_logprobs": top})
         return {"content": content}
 
     async def _chat_events(self, prep: Prepared, streams: list[RequestStream], cid: str,

@@ -247,7 +247,7 @@ class MessagesServing:
         created = 0
         core = self.chat.engine
         if end is not None and core.config.enable_prefix_caching:
-            bs = core.engine.kv.block_size
+            bs = core.block_size
             created = max(0, min(end, prompt - 1) // bs * bs - read)
         return {"input_tokens": prompt - read - created, "output_tokens":
                 usage["completion_tokens"], "cache_creation_input_tokens": created,

@@ -38,15 +38,14 @@ async def create_pin(serving: Any, req: CachePinRequest, caller: Caller) -> dict
     prompt = {"prompt_token_ids": (await serving.cache_prompt(req))["prompt_token_ids"]}
     salt = serving.access.namespace(caller, req.cache_salt)
     try:
-        await serving.engine.call(lambda e: e.pin_room(prompt, salt, _owner(caller)))
+        await serving.engine.pin_room(prompt, salt, _owner(caller))
     except PinLimitError as exc:
         raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     for _ in range(PIN_ATTEMPTS):
         try:
-            pin = await serving.engine.call(lambda e: e.pin_prefix(prompt, salt,
-                                                                   _owner(caller)))
+            pin = await serving.engine.pin_prefix(prompt, salt, _owner(caller))
         except PinLimitError as exc:  # another pin took the room meanwhile
             raise APIError(400, str(exc), param="prompt", code="pin_limit") from exc
         if pin is not None:
@@ -60,7 +59,7 @@ async def create_pin(serving: Any, req: CachePinRequest, caller: Caller) -> dict
 
 async def delete_pin(serving: Any, pin_id: str, caller: Caller) -> dict[str, Any]:
     owner = None if caller.admin else _owner(caller)
-    pin = await serving.engine.call(lambda e: e.unpin(pin_id, owner))
+    pin = await serving.engine.unpin(pin_id, owner)
     if pin is None:
         raise APIError(404, f"no pin {pin_id!r}", param="pin_id")
     return {**pin, "deleted": True}
@@ -68,4 +67,4 @@ async def delete_pin(serving: Any, pin_id: str, caller: Caller) -> dict[str, Any
 
 async def list_pins(serving: Any, caller: Caller) -> dict[str, Any]:
     owner = None if caller.admin else _owner(caller)
-    return await serving.engine.call(lambda e: e.list_pins(owner))
+    return await serving.engine.list_pins(owner)
