@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, Pipe
 STARTUP_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh process
 POLL_S = 0.05  # how often a waiting parent looks at its job's cancel flag
 WATCHDOG_S = 0.5  # how often a child checks that its parent is alive
+EXIT_WAIT_S = 5.0  # how long a parent waits for a dead child's exit code
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,22 @@ class CompileWorker:
                 return "cancelled" if self.closed else "died"
 
     def _stop(self, outcome: str) -> Trial:
-        code = self._proc.poll() if self._proc is not None else None
+        code = self._exit_code() if outcome == "died" else None
         self.kill()
         reason = f"the compiler process exited with code {code} while compiling it" \
             if outcome == "died" else ""
         return Trial(outcome, reason=reason)
+
+    def _exit_code(self) -> int | None:
+        """The dead child's exit code. Its pipe closes a moment before the kernel can report
+        the exit, so a bare poll() on a busy machine said "code None"; wait a little for it."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
 
     def close(self) -> None:
         """Kill the child and start none again."""
