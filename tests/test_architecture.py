@@ -182,7 +182,8 @@ KERNEL_CHOICE = ("kvserve.kernels", "kvserve.layers.selection", "kvserve.layers.
                  "kvserve.layers.cpu_linear", "kvserve.layers.cpu_layer_ops",
                  "kvserve.layers.fast_decode", "kvserve.layers.cpu_methods",
                  "kvserve.layers.quant_linear", "kvserve.layers.quant_decode",
-                 "kvserve.layers.quantize_at_load", "kvserve.layers.qgemm_select")
+                 "kvserve.layers.quantize_at_load", "kvserve.layers.kernel_choice",
+                 "kvserve.layers.plan_cache")
 
 
 def test_the_model_code_imports_no_kernel_choice():

@@ -1,5 +1,5 @@
 """The quantized kernel's cache tiles and thread pool (issue 31; kernels/cpu/csrc/qgemv.cpp,
-parallel.h) and the measured choice of the integer path (kvserve/layers/qgemm_select.py).
+parallel.h) and the measured choice of the integer path (kvserve/layers/kernel_choice.py).
 
 The tiles are 16 output features x x_tile_rows(k) rows of x (64 at the k here) in chunks of
 4 rows: the row counts below cross every edge (one partial chunk, one chunk, a chunk and a
@@ -18,7 +18,7 @@ import torch
 from test_quant_linear import ISAS, TYPES, _kernel, _quantized_x, _weight
 
 from kvserve.kernels.cpu import qgemv
-from kvserve.layers import qgemm_select
+from kvserve.layers import kernel_choice
 from kvserve.layers.buckets import BUCKETS
 
 TILE_ROWS = (1, 3, 4, 5, 17, 63, 64, 65, 130)
@@ -107,15 +107,15 @@ def test_crossover_from_bucket_times():
         pad = [None] * (n - 1 - len(ints))
         return {"int": [None, *ints, *pad], "dequant": [None, *deqs, *pad]}
 
-    assert qgemm_select.crossover_from(times([1, 2, 3], [5, 5, 5])) == inf
-    assert qgemm_select.crossover_from(times([1, 2, 9], [5, 5, 5])) == BUCKETS[2][0]
-    assert qgemm_select.crossover_from(times([9, 2, 3], [5, 5, 5])) == qgemm_select.DECODE_ROWS
+    assert kernel_choice.crossover_from(times([1, 2, 3], [5, 5, 5])) == inf
+    assert kernel_choice.crossover_from(times([1, 2, 9], [5, 5, 5])) == BUCKETS[2][0]
+    assert kernel_choice.crossover_from(times([9, 2, 3], [5, 5, 5])) == kernel_choice.DECODE_ROWS
     # the first loss decides: a win above it (noise) does not extend the integer path
-    assert qgemm_select.crossover_from(times([1, 9, 3], [5, 5, 5])) == BUCKETS[1][0]
+    assert kernel_choice.crossover_from(times([1, 9, 3], [5, 5, 5])) == BUCKETS[1][0]
 
 
 def test_env_override_picks_the_path(monkeypatch):
-    """KVSERVE_QGEMM_ROWS fixes the crossover: "inf" runs the integer kernel at 65 rows (its
+    """KVSERVE_KERNEL=qrows=N fixes the crossover: "inf" runs the integer kernel at 65 rows (its
     result is the kernel's own), 4 the dequantized copy + F.linear (float32 GEMM: equal to
     x @ W_deq^T up to MKL's rounding, not the kernel's 8-bit x)."""
     from kvserve.layers import quant_linear as ql
@@ -124,29 +124,30 @@ def test_env_override_picks_the_path(monkeypatch):
     weight = ql.QuantWeight(wq, "Q4_1", 32 * 8)
     x = torch.randn(65, 32 * 8, generator=torch.Generator().manual_seed(1))
     kern = _kernel(None)
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "inf")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=inf")
     lin = ql.QuantizedLinear(weight)
     assert lin.int_rows == float("inf")
     assert torch.equal(lin.apply(x), kern.linear(x, wq, "Q4_1", 32 * 8))
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=4")
     lin = ql.QuantizedLinear(weight)
     assert lin.int_rows == 4
     torch.testing.assert_close(lin.apply(x).double(), x.double() @ torch.from_numpy(w).T,
                                rtol=1e-4, atol=1e-4)
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "lots")
-    with pytest.raises(ValueError, match="KVSERVE_QGEMM_ROWS"):
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=lots")
+    with pytest.raises(ValueError, match="KVSERVE_KERNEL"):
         ql.QuantizedLinear(weight)
 
 
 def test_measured_crossover_is_cached(monkeypatch, tmp_path):
-    """Unset, the first call above DECODE_ROWS measures both paths on the projection's own
-    weight once (a fake timing here), caches the crossover, and a second projection of the
-    shape class takes it from this process's table without measuring."""
+    """Unset, making a method on a row-layout weight (at load) measures both paths on the
+    projection's own weight once (a fake timing here) and caches the crossover; a second
+    projection of the shape class takes it from this process's table without measuring, a
+    fresh process's table from the cache file; `apply` never measures."""
     from kvserve.layers import quant_linear as ql
 
-    monkeypatch.delenv(qgemm_select.QGEMM_ROWS_ENV, raising=False)
+    monkeypatch.delenv(kernel_choice.KERNEL_ENV, raising=False)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(qgemm_select, "_measured", {})
+    monkeypatch.setattr(kernel_choice, "_measured", {})
     calls = []
 
     def fake_measure(factories, max_bucket, repeats, only):
@@ -159,16 +160,18 @@ def test_measured_crossover_is_cached(monkeypatch, tmp_path):
             ts["int"][b], ts["dequant"][b] = (1.0, 2.0) if b < 3 else (3.0, 2.0)
         return {shape: ts}
 
-    monkeypatch.setattr(qgemm_select.gemm_select, "measure", fake_measure)
+    monkeypatch.setattr(kernel_choice.gemm_select, "measure", fake_measure)
     wq, _ = _weight("Q8_0", 32, 32 * 4, seed=4)
     weight = ql.QuantWeight(wq, "Q8_0", 32 * 4)
     lin = ql.QuantizedLinear(weight)
-    assert lin.int_rows == qgemm_select.DECODE_ROWS
-    lin.apply(torch.randn(1, 32 * 4))
-    assert calls == []  # decode rows never measure
-    lin.apply(torch.randn(9, 32 * 4))
     assert calls == ["Q8_0 32x128"] and lin.int_rows == BUCKETS[2][0]
+    assert lin.choice.kernel_at(BUCKETS[2][0]) == "qgemv"
+    assert lin.choice.kernel_at(BUCKETS[2][0] + 1) == "dequant"
+    lin.apply(torch.randn(1, 32 * 4))
+    lin.apply(torch.randn(200, 32 * 4))
     other = ql.QuantizedLinear(weight)
     other.apply_add(torch.randn(200, 32 * 4), torch.zeros(200, 32))
     assert calls == ["Q8_0 32x128"] and other.int_rows == BUCKETS[2][0]
     assert (tmp_path / "qgemm-rows.json").is_file()
+    monkeypatch.setattr(kernel_choice, "_measured", {})  # a new process: the file's entry
+    assert ql.QuantizedLinear(weight).int_rows == BUCKETS[2][0] and len(calls) == 1
