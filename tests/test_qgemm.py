@@ -175,3 +175,50 @@ def test_measured_crossover_is_cached(monkeypatch, tmp_path):
     assert (tmp_path / "qgemm-rows.json").is_file()
     monkeypatch.setattr(kernel_choice, "_measured", {})  # a new process: the file's entry
     assert ql.QuantizedLinear(weight).int_rows == BUCKETS[2][0] and len(calls) == 1
+
+
+def test_one_override_parses_every_item(monkeypatch):
+    """$KVSERVE_KERNEL: a bare GEMM kernel or gemm=, qlayout=, qrows= items, comma-separated;
+    an unknown item names the variable; `integer_rows` (deterministic inference) is qrows=inf
+    inside it, whatever the variable says, and its old value after."""
+    monkeypatch.delenv(kernel_choice.KERNEL_ENV, raising=False)
+    assert kernel_choice.override() == kernel_choice.Override()
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "onednn")
+    assert kernel_choice.override() == kernel_choice.Override(gemm="onednn")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, " gemm=panel, qlayout=rows ,qrows=16")
+    assert kernel_choice.override() == kernel_choice.Override("panel", "rows", 16.0)
+    with kernel_choice.integer_rows():
+        assert kernel_choice.override().rows == float("inf")
+    assert kernel_choice.override().rows == 16.0
+    for bad in ("mkl", "qlayout=blocks", "tiles=1"):
+        monkeypatch.setenv(kernel_choice.KERNEL_ENV, bad)
+        with pytest.raises(ValueError, match="KVSERVE_KERNEL"):
+            kernel_choice.override()
+
+
+def test_choice_follows_the_build_and_the_override(monkeypatch):
+    """choose(): tiles exactly where the build's tile kernel pays for the type and the shape
+    has tiles (QGemv.tiles_pay, qgemv.tileable), the integer kernel at every row count on
+    native tiles, measured otherwise; qlayout= / qrows= force them; a stacked weight runs
+    the integer kernel up to its parts' fewest rows."""
+    kern = _kernel(None)
+    monkeypatch.delenv(kernel_choice.KERNEL_ENV, raising=False)
+    for type_name, shape in (("Q4_K", (64, 512)), ("Q4_1", (48, 256)), ("Q8_0", (40, 64))):
+        c = kernel_choice.choose(type_name, shape)
+        tiles = kern.tiles_pay(type_name) and qgemv.tileable(type_name, *shape)
+        assert c.layout == ("tiles" if tiles else "rows")
+        assert c.kernel == ("qtiles" if tiles else "qgemv")
+        assert c.int_rows == (float("inf") if tiles and kern.tiles_native else None)
+        assert kernel_choice.choose(type_name, shape, layout="rows").layout == "rows"
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qlayout=tiles,qrows=4")
+    c = kernel_choice.choose("Q4_K", (64, 512))
+    assert (c.layout, c.int_rows) == ("tiles", 4)
+    assert (c.kernel_at(4), c.kernel_at(5)) == ("qtiles", "dequant")
+    assert kernel_choice.choose("Q4_K", (40, 512)).layout == "rows"  # no tiles of 40 rows
+    with pytest.raises(ValueError, match="runs the"):
+        kernel_choice.choose("Q4_K", (64, 512), isa="no-such-isa")
+    both = kernel_choice.stacked([kernel_choice.KernelChoice("qtiles", "tiles", float("inf")),
+                                  kernel_choice.KernelChoice("qgemv", "rows", 16.0)])
+    assert both == kernel_choice.KernelChoice("qtiles+qgemv", "tiles+rows", 16.0)
+    assert kernel_choice.stacked([both, kernel_choice.KernelChoice("qgemv", "rows", None)]
+                                 ).int_rows is None

@@ -26,7 +26,7 @@ where it beats it in all of them (it replaces that layout). A projection left wi
 packed layouts drops one where that costs under 10% (`decide`). Results are cached per CPU
 model, flags, torch version, threads, dtype and weight shapes in
 `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again (`choose`).
-`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` and
+`KVSERVE_KERNEL=dense|onednn` (kernel_choice.override) forces one kernel everywhere (tests, comparisons); `gemv` and
 `panel` force theirs where they are offered (`PARTIAL_KERNELS`) and dense elsewhere.
 
 A measurement taken while other processes kept the CPU busy is cached too, with each

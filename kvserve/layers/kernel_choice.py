@@ -101,7 +101,8 @@ def override() -> Override:
     """$KVSERVE_KERNEL parsed (see the module docstring), with `integer_rows`'s inf rows
     inside it; raises ValueError naming the variable on an item it does not know."""
     gemm = layout = rows = None
-    for item in filter(None, (s.strip().lower() for s in os.environ.get(KERNEL_ENV, "").split(","))):
+    items = (s.strip().lower() for s in os.environ.get(KERNEL_ENV, "").split(","))
+    for item in filter(None, items):
         name, _, value = item.rpartition("=")
         name = name.strip() or "gemm"
         value = value.strip()
