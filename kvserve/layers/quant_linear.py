@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu import qgemv
+from kvserve.layers import kernel_choice
 from kvserve.layers.activation import gated
 from kvserve.layers.block import LayerMethods, normed, split_qkv
+from kvserve.layers.kernel_choice import KernelChoice
 from kvserve.layers.linear import LinearMethod, with_output_norm
 from kvserve.layers.norm import rms_norm
-from kvserve.layers import kernel_choice
-from kvserve.layers.kernel_choice import KernelChoice
 from kvserve.layers.rotary import apply_rope
 
 # int_rows=None: the choice's (kernel_choice.choose, then measured when the method is made)
