@@ -133,7 +133,14 @@ def record_decode_steps(llm, fast: bool = True) -> dict:
     assert model.decode_step is not None, "the one-call decode was not set up"
     seen = {"rows": [], "left": 0, "logits": []}
     if fast:
-        inner = model.decode_step.run
+        inner, asked = model.decode_step.run, model.decode_step.serves
+
+        def served(rows):
+            ok = asked(rows)
+            seen["left"] += not ok
+            return ok
+
+        model.decode_step.serves = served
 
         def counted(hidden, *args):
             result = inner(hidden, *args)

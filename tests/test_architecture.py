@@ -182,7 +182,8 @@ KERNEL_CHOICE = ("kvserve.kernels", "kvserve.layers.selection", "kvserve.layers.
                  "kvserve.layers.cpu_linear", "kvserve.layers.cpu_layer_ops",
                  "kvserve.layers.fast_decode", "kvserve.layers.cpu_methods",
                  "kvserve.layers.quant_linear", "kvserve.layers.quant_decode",
-                 "kvserve.layers.quantize_at_load", "kvserve.layers.qgemm_select")
+                 "kvserve.layers.quantize_at_load", "kvserve.layers.kernel_choice",
+                 "kvserve.layers.plan_cache")
 
 
 def test_the_model_code_imports_no_kernel_choice():
@@ -428,3 +429,70 @@ def test_only_the_scheduler_drives_the_kv_manager():
     scheduler = ast.parse((PACKAGE / "engine" / "scheduler.py").read_text(encoding="utf-8"))
     assert {"self.kv.admit", "self.kv.free", "self.kv.end_step"} \
         <= {what for _, what in kv_mutations(scheduler)}
+
+
+# -- issue 65 item 2: one kernel choice, at load --------------------------------------------
+OLD_KERNEL_ENVS = ("KVSERVE_GEMM\"", "KVSERVE_GEMM'", "KVSERVE_GEMM=", "KVSERVE_QTILES",
+                   "KVSERVE_QGEMM_ROWS")
+
+
+def _functions(path: Path) -> dict[str, ast.FunctionDef]:
+    """'Class.method' / 'function' -> its definition, in the module at `path`."""
+    out: dict[str, ast.FunctionDef] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            out.update({f"{node.name}.{f.name}": f for f in node.body
+                        if isinstance(f, ast.FunctionDef)})
+    return out
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_one_kernel_override_read_in_one_place():
+    """The kernel is forced by one variable, $KVSERVE_KERNEL, read by kernel_choice.override
+    alone; the three it replaced (KVSERVE_GEMM, KVSERVE_QTILES, KVSERVE_QGEMM_ROWS) are
+    named nowhere in the package."""
+    readers, old = [], []
+    for p in PACKAGE.rglob("*.py"):
+        text = p.read_text(encoding="utf-8")
+        if "KVSERVE_KERNEL\"" in text or "KERNEL_ENV" in text and "environ" in text:
+            readers.append(p.name)
+        old += [(p.name, e) for e in OLD_KERNEL_ENVS if e in text]
+    assert readers == ["kernel_choice.py"], readers
+    assert not old, old
+
+
+def test_one_writer_of_the_measured_choices():
+    """The GEMM plan and the quantized crossovers are cached by one writer (plan_cache):
+    no other module of kvserve/layers writes JSON."""
+    writers = sorted(p.name for p in (PACKAGE / "layers").glob("*.py")
+                     if "json.dump" in p.read_text(encoding="utf-8"))
+    assert writers == ["plan_cache.py"], writers
+    for name in ("gemm_select.py", "kernel_choice.py"):
+        assert "plan_cache" in _names_in(ast.parse((PACKAGE / "layers" / name).read_text()))
+
+
+def test_quantized_apply_measures_nothing():
+    """The quantized methods run the choice they were made with: no apply (nor anything it
+    calls in quant_linear) reaches the measurement or the choice; making the method does."""
+    funcs = _functions(PACKAGE / "layers" / "quant_linear.py")
+    choosing = {"kernel_choice", "made_choice", "choice_of", "measured", "choose"}
+    applies = [f for f in funcs if f.split(".")[-1] in ("apply", "apply_add", "_dequant_path")]
+    assert len(applies) >= 4, applies
+    for name in applies:
+        seen, todo = set(), [name]
+        while todo:  # the module's own functions it calls, transitively
+            f = todo.pop()
+            if f in seen:
+                continue
+            seen.add(f)
+            used = _names_in(funcs[f])
+            assert not used & choosing, f"{name} reaches {used & choosing} via {f}"
+            todo += [g for g in funcs if g.split(".")[-1] in used and g not in seen]
+    for init in ("QuantizedLinear.__init__", "QuantizedGated.__init__"):
+        assert "made_choice" in _names_in(funcs[init])

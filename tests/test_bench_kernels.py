@@ -138,7 +138,7 @@ def test_forward_check_catches_a_wrong_packed_model(tmp_path, monkeypatch):
         pytest.skip("no oneDNN packing here: the forward kernel has one path")
     # The packed path this test checks, whatever this CPU's measured plan would pick (on an
     # Ice Lake Xeon MKL won every bucket, nothing was packed and the check had nothing to catch)
-    monkeypatch.setenv("KVSERVE_GEMM", "onednn")
+    monkeypatch.setenv("KVSERVE_KERNEL", "onednn")
     load = model_build.load_model
 
     def wrong_when_packed(path, dtype, pack_weights=True, **kw):

@@ -23,7 +23,7 @@ def _engine(path, monkeypatch, fast: bool = True, **kwargs) -> tuple[LLM, dict]:
     """An engine whose every projection runs the GEMV at <= 4 rows (the plan the one-call path
     needs; `auto` picks MKL on these tiny shapes), recording the rows of each step the path
     ran, the steps it left, and every logits tensor; `fast=False`: the path taken away."""
-    monkeypatch.setenv("KVSERVE_GEMM", "gemv")
+    monkeypatch.setenv("KVSERVE_KERNEL", "gemv")
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kwargs)
     return llm, record_decode_steps(llm, fast)
 
@@ -102,7 +102,7 @@ def test_caches_it_must_not_serve_stay_on_the_layer_path(kwargs, decode_checkpoi
 
 def test_qk_norm_models_stay_on_the_layer_path(monkeypatch, tmp_path):
     """Qwen3's q/k norms sit between the projection and RoPE: no one-call path is built."""
-    monkeypatch.setenv("KVSERVE_GEMM", "gemv")
+    monkeypatch.setenv("KVSERVE_KERNEL", "gemv")
     path = make_hf_checkpoint("qwen3", tmp_path / "qwen3")
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     assert llm.engine.runner.model.decode_step is None

@@ -120,11 +120,11 @@ def _has_x86_64_v3() -> bool:
 def test_capped_to_avx2_end_to_end(hf_checkpoints):
     """A fresh process under KVSERVE_CPU_ISA=avx2 and the libraries' caps
     (cpu_features.isa_cap_env), every projection on the panel GEMM where it is offered
-    (KVSERVE_GEMM=panel): kvserve's kernels are built for x86-64-v3 and load, no flag above
+    (KVSERVE_KERNEL=panel): kvserve's kernels are built for x86-64-v3 and load, no flag above
     AVX2 is left in what it reads, ATen runs its AVX2 code, the GEMM choice is cached under a
     key of its own, and greedy tokens through the AVX2 tiles (decodes of 8 rows) equal
     transformers' (run under the same caps)."""
-    env = dict(os.environ, **cpu_features.isa_cap_env("avx2"), KVSERVE_GEMM="panel",
+    env = dict(os.environ, **cpu_features.isa_cap_env("avx2"), KVSERVE_KERNEL="panel",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     proc = subprocess.run([sys.executable, "-c", CAPPED, str(hf_checkpoints["qwen2"])],
                           capture_output=True, text=True, env=env, timeout=600, check=False)

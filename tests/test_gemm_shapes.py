@@ -63,7 +63,7 @@ def test_padded_gemms_give_the_unpadded_result(t):
 
 def test_varied_prompt_lengths_compile_only_rounded_gemm_shapes(tmp_path):
     env = dict(os.environ, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT), KVSERVE_GEMM="onednn")  # every GEMM through oneDNN
+               PYTHONPATH=str(ROOT), KVSERVE_KERNEL="onednn")  # every GEMM through oneDNN
     env.setdefault("KVSERVE_CACHE_DIR", str(ROOT / ".kvserve-cache"))
     out = subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
@@ -101,7 +101,7 @@ def test_after_the_warm_up_serving_compiles_no_gemm(tmp_path):
     """`kvserve serve` warms every GEMM shape up front (`selection.warm_up_gemms`): afterwards a
     workload with 64 prompt lengths and mixed batches finds every GEMM compiled already."""
     env = dict(os.environ, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT), KVSERVE_GEMM="onednn")  # every GEMM through oneDNN
+               PYTHONPATH=str(ROOT), KVSERVE_KERNEL="onednn")  # every GEMM through oneDNN
     env.setdefault("KVSERVE_CACHE_DIR", str(ROOT / ".kvserve-cache"))
     out = subprocess.run([sys.executable, "-c", _WARMED_WORKLOAD], env=env, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
@@ -131,7 +131,7 @@ def test_dense_gemms_compile_no_onednn_kernels(tmp_path):
     oneDNN GEMM primitive at all, so it needs no row rounding. (In bfloat16 F.linear is a
     oneDNN call per shape, which is why the choice is made in float32 only.)"""
     env = dict(os.environ, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT), KVSERVE_GEMM="dense")
+               PYTHONPATH=str(ROOT), KVSERVE_KERNEL="dense")
     env.setdefault("KVSERVE_CACHE_DIR", str(ROOT / ".kvserve-cache"))
     workload = _WORKLOAD.replace("LLM(", "LLM(dtype='float32', ")
     out = subprocess.run([sys.executable, "-c", workload], env=env, check=False,

@@ -160,7 +160,7 @@ def test_smollm2_matches_transformers(kind, tmp_path, monkeypatch):
     # logits within 1e-4 of float64. (The measured plan's panel and GEMV kernels, above, sum
     # in another order: on this model up to 1.5e-4 from float64, 2.2x transformers' float32.)
     del llm
-    monkeypatch.setenv("KVSERVE_GEMM", "dense")
+    monkeypatch.setenv("KVSERVE_KERNEL", "dense")
     dense = LLM(model=str(path), dtype="float32", max_model_len=512, seed=0,
                 quantization="none")
     err = _max_logit_error(dense, prompts, reference)
@@ -172,11 +172,11 @@ def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
     """`LLM()` with no model is SmolLM2 from the installed package, and it answers the demo's
     first question correctly through its ChatML template (what `make demo` shows), whichever
     path this CPU's measured crossover gives a prefill: the dequantized weights
-    (KVSERVE_QGEMM_ROWS=4) or the integer kernel on 8-bit activations ("inf")."""
+    (KVSERVE_KERNEL=qrows=4) or the integer kernel on 8-bit activations ("inf")."""
     from kvserve.demo import CHATS
-    from kvserve.layers import qgemm_select
+    from kvserve.layers import kernel_choice
 
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, prefill_rows)
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, f"qrows={prefill_rows}")
     llm = LLM(dtype="float32", max_model_len=512)
     assert os.path.samefile(llm.engine.config.model, smollm2_path())
     out = llm.chat([{"role": "user", "content": CHATS[0]}],

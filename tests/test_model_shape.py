@@ -111,7 +111,7 @@ def _check_llm(llm: LLM, constructed: dict) -> None:
 
 @pytest.mark.parametrize("gemm", _kernels())
 def test_each_gemm_plan_is_fixed_at_construction(gemm, llama, constructed, monkeypatch):
-    monkeypatch.setenv("KVSERVE_GEMM", gemm)
+    monkeypatch.setenv("KVSERVE_KERNEL", gemm)
     llm = LLM(model=str(llama), dtype="float32", max_model_len=128)
     _check_llm(llm, constructed)
     if gemm == "gemv":  # the one-call decode step too, made by the constructor
@@ -133,7 +133,7 @@ def test_quantize_at_load(llama, constructed):
 def test_deepseek_layers(tmp_path, constructed, monkeypatch):
     from kvserve.model_loader.make_model import make_model
 
-    monkeypatch.setenv("KVSERVE_GEMM", "onednn")
+    monkeypatch.setenv("KVSERVE_KERNEL", "onednn")
     path = make_model(tmp_path / "ds", arch="deepseek_v2", size="tiny")
     _check_llm(LLM(model=str(path), dtype="float32", max_model_len=128), constructed)
 

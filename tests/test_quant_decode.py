@@ -78,11 +78,11 @@ def test_steps_it_must_not_serve_take_the_layer_path(kwargs, decode_checkpoints)
 
 
 def test_rows_beyond_the_integer_kernel_limit_take_the_layer_path(decode_checkpoints, monkeypatch):
-    """KVSERVE_QGEMM_ROWS=2: the layer path runs 3 and 4 rows on dequantized weights, so the
+    """KVSERVE_KERNEL=qrows=2: the layer path runs 3 and 4 rows on dequantized weights, so the
     one-call step (the integer kernel) serves 1 and 2 only."""
-    from kvserve.layers import qgemm_select
+    from kvserve.layers import kernel_choice
 
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "2")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=2")
     prompts = random_prompts([3, 17, 40, 70], 512, seed=8)
     fast, seen = _engine(decode_checkpoints["qwen2"], "q8_0", block_size=16)
     slow, _ = _engine(decode_checkpoints["qwen2"], "q8_0", fast=False, block_size=16)

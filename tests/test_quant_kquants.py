@@ -230,9 +230,9 @@ def test_q4_k_m_like_end_to_end(tmp_path, monkeypatch):
     from gguf_files import requantize_mixed, smollm2_path
 
     from kvserve import LLM, SamplingParams
-    from kvserve.layers import qgemm_select
+    from kvserve.layers import kernel_choice
 
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")  # prefills on the dequantized copy
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=4")  # prefills on the dequantized copy
 
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")

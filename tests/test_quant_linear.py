@@ -23,7 +23,7 @@ import torch
 from gguf import quants
 
 from kvserve.kernels.cpu import cpu_ext, qgemv
-from kvserve.layers import qgemm_select
+from kvserve.layers import kernel_choice
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (label, -march): the build's own (VNNI where this CPU has it), AVX2 without VNNI (an EPYC of
@@ -235,18 +235,18 @@ def engines():
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")
     # max_num_seqs=4: every decode step is in the first row bucket, the integer kernel's;
-    # KVSERVE_QGEMM_ROWS=4: a prefill on the dequantized copy (the exactness test below)
+    # KVSERVE_KERNEL=qrows=4: a prefill on the dequantized copy (the exactness test below)
     args = dict(model=str(smollm2_path()), dtype="float32", max_model_len=256, seed=0,
                 max_num_seqs=4)
-    saved = os.environ.get(qgemm_select.QGEMM_ROWS_ENV)
-    os.environ[qgemm_select.QGEMM_ROWS_ENV] = "4"
+    saved = os.environ.get(kernel_choice.KERNEL_ENV)
+    os.environ[kernel_choice.KERNEL_ENV] = "qrows=4"
     try:
         return LLM(quantization="gguf", **args), LLM(quantization="none", **args)
     finally:
         if saved is None:
-            del os.environ[qgemm_select.QGEMM_ROWS_ENV]
+            del os.environ[kernel_choice.KERNEL_ENV]
         else:
-            os.environ[qgemm_select.QGEMM_ROWS_ENV] = saved
+            os.environ[kernel_choice.KERNEL_ENV] = saved
 
 
 def test_engine_keeps_the_blocks(engines):
@@ -264,7 +264,7 @@ def test_engine_keeps_the_blocks(engines):
 
 
 def test_prefill_runs_the_file_weights_exactly(engines):
-    """Above the first row bucket (with KVSERVE_QGEMM_ROWS=4, the fixture's) the projections
+    """Above the first row bucket (with KVSERVE_KERNEL=qrows=4, the fixture's) the projections
     run F.linear on the blocks dequantized by the kernel, so a prefill's logits are the
     dequantized model's up to float rounding (FLOAT_LOGITS) and the Q8_0 head's 16-bit x on
     row tiles (`prefill_error`): the blocks were placed (q, k, v fused; gate, up fused;
@@ -363,7 +363,7 @@ def test_other_block_types_end_to_end(type_name, tmp_path, monkeypatch):
     if qgemv.load() is None:
         pytest.skip("no C++ compiler")
     path = requantize(smollm2_path(), tmp_path / f"smollm2.{type_name}.gguf", type_name)
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")  # prefills on the dequantized copy
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=4")  # prefills on the dequantized copy
     args = dict(model=str(path), dtype="float32", max_model_len=128, seed=0, max_num_seqs=4)
     quant, dense = LLM(quantization="gguf", **args), LLM(quantization="none", **args)
     model = quant.engine.model

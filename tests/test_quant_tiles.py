@@ -302,10 +302,10 @@ def test_one_call_step_on_tiles_serves_more_rows(quantization, decode_checkpoint
     from helpers import greedy_ids, random_prompts, record_decode_steps
 
     from kvserve import LLM
-    from kvserve.layers import quant_linear
+    from kvserve.layers import kernel_choice
 
-    monkeypatch.setenv(quant_linear.QTILES_ENV, "1")
-    monkeypatch.setenv("KVSERVE_QGEMM_ROWS", "inf")  # the layer path: the kernel at any rows
+    # tiles, and the layer path on the kernel at any rows
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qlayout=tiles,qrows=inf")
     prompts = random_prompts([3, 9, 17, 25, 33, 40, 51, 60, 64, 70], 512, seed=2)
     max_tokens = tuple(4 + 2 * i for i in range(len(prompts)))
     path = wide_llama if quantization == "q4_k" else decode_checkpoints["llama"]

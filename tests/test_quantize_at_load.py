@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kvserve import quant_formats
 from kvserve.kernels.cpu import qgemv
-from kvserve.layers import qgemm_select
+from kvserve.layers import kernel_choice
 from kvserve.layers.quantize_at_load import quantize_q4_k
 
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was",
@@ -126,7 +126,7 @@ def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, t
     # prefills and 8-row steps on the dequantized copy, as the other end-to-end tests have
     # it: the integer kernel's 8-bit x is checked against float64 in test_qgemm, and would
     # flip near-tied greedy tokens here (measured: in each format a prompt diverged within 12)
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=4")
     llm = LLM(model=str(float_ckpt), quantization=fmt, max_model_len=256, max_num_seqs=8,
               seed=0)
     model = llm.engine.model
@@ -194,7 +194,7 @@ def test_logits_stay_near_the_float_model(fmt, float_ckpt, float_llm, monkeypatc
     _needs_kernels()
     # the bounds are the weights' error alone: prefills on the dequantized copy (the
     # integer kernel's 8-bit x is checked against float64 in test_qgemm)
-    monkeypatch.setenv(qgemm_select.QGEMM_ROWS_ENV, "4")
+    monkeypatch.setenv(kernel_choice.KERNEL_ENV, "qrows=4")
     llm = LLM(model=str(float_ckpt), quantization=fmt, max_model_len=256, max_num_seqs=8,
               seed=0)
     prompts = [llm.engine.tokenizer.encode(p) for p in PLAIN]

@@ -14,5 +14,7 @@ The kernels' side (the model code never imports these; tests/test_architecture.p
 resolution, oneDNN warm-up), `cpu_methods` (the CPU's methods: the measured GEMM plan,
 quantized weights, the one-call decode steps), `cpu_linear` and `cpu_layer_ops` (the CPU
 kernels as methods and layer ops), `gemm_select` (measures and decides the GEMM plan),
-`quant_linear`, `quant_decode`, `quantize_at_load`, `qgemm_select` (GGUF blocks),
+`quant_linear`, `quant_decode`, `quantize_at_load` (GGUF blocks), `kernel_choice` (a
+quantized weight's one kernel choice, at load; $KVSERVE_KERNEL), `plan_cache` (the measured
+choices' JSON cache),
 `fast_decode` (the one-call float decode step)."""

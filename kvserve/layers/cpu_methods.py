@@ -56,7 +56,8 @@ def mlp_chunk_rows(intermediate_size: int, element_size: int) -> int:
 
 
 def file_weight(blocks) -> QuantWeight | StackedQuantWeight:
-    """A file's blocks (`quant_formats.FileBlocks`) in the layout their kernels run."""
+    """A file's blocks (`quant_formats.FileBlocks`) in the layout their kernel choice gives
+    them (`QuantWeight.for_kernels`: kernel_choice.choose per part)."""
     weights = [QuantWeight.for_kernels(data, type_name, blocks.k)
                for type_name, data in blocks.parts]
     return weights[0] if len(weights) == 1 else StackedQuantWeight(tuple(weights))
@@ -267,8 +268,16 @@ class FastDecodeStep:
 
     @property
     def max_rows(self) -> int | None:
-        """The most rows a step it serves has (None: it serves none)."""
+        """The most rows a step it serves has (None: it serves none), decided at load with
+        the layers' kernel choices (the rows their integer kernel / GEMV runs)."""
         return None if self.impl is None or self.impl.max_rows < 1 else self.impl.max_rows
+
+    def serves(self, rows: int) -> bool:
+        """Whether a step of `rows` rows is one for this step's kernels (the forward's
+        question; the attention backend may still have no kernel arguments for the step,
+        a quantized KV cache's, and `run` then returns None)."""
+        limit = self.max_rows
+        return limit is not None and 0 < rows <= limit
 
     def run(self, hidden: torch.Tensor, cos_sin: torch.Tensor, attn: object):
         return None if self.impl is None else self.impl.run(hidden, cos_sin, attn)

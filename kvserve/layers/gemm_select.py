@@ -26,7 +26,7 @@ where it beats it in all of them (it replaces that layout). A projection left wi
 packed layouts drops one where that costs under 10% (`decide`). Results are cached per CPU
 model, flags, torch version, threads, dtype and weight shapes in
 `$KVSERVE_CACHE_DIR/gemm-choice.json`, so a restart does not measure again (`choose`).
-`KVSERVE_GEMM=dense|onednn` forces one kernel everywhere (tests, comparisons); `gemv` and
+`KVSERVE_KERNEL=dense|onednn` (kernel_choice.override) forces one kernel everywhere (tests, comparisons); `gemv` and
 `panel` force theirs where they are offered (`PARTIAL_KERNELS`) and dense elsewhere.
 
 A measurement taken while other processes kept the CPU busy is cached too, with each
@@ -40,7 +40,6 @@ engine's `--remeasure-kernels`) measures everything again.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -49,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.kernels.cpu.cpu_features import LIBRARY_ISA_ENV, cpu_info, l3_cache_bytes
+from kvserve.layers import plan_cache
 from kvserve.layers.buckets import BUCKET_LABELS, BUCKETS, bucket_of  # noqa: F401
-from kvserve.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 
@@ -73,6 +72,7 @@ DISTURBED_CORES = 0.5  # other processes' CPU use above which a measurement is d
 MAX_DISTURBED = 3  # a cell measured disturbed this many times is kept as it is
 REFINE_BUDGET_S = 0.5  # seconds of re-measuring disturbed cells per start (at least one cell)
 QUIET_PROBE_S = 0.1  # how long a start watches the CPU before it re-measures anything
+CACHE_FILE = "gemm-choice.json"  # under $KVSERVE_CACHE_DIR (plan_cache)
 CACHE_VERSION = 11  # 3: head GEMV timed as bound; 4: panel GEMM; 5, 6: fewer layouts; 7: GEMV
 # ties; 8: cold timing (weights_stream); 9: the panel GEMM's AVX2/SSE tiles (half / quarter
 # panels); 10: the panel GEMM's norm and gated-activation epilogues; 11: disturbed cells cached
@@ -280,7 +280,7 @@ def _decide_full(per_kernel: dict[str, list[float | None]]) -> list[str]:
 
 # -- cache ------------------------------------------------------------------------------------
 def cache_path() -> Path:
-    return cache_dir() / "gemm-choice.json"
+    return plan_cache.path_of(CACHE_FILE)
 
 
 def cache_key(dtype: str, threads: int, shapes: dict[str, tuple[int, int]],
@@ -322,10 +322,7 @@ def cache_evictor(l3_bytes: int | None, max_bytes: int = 1 << 30) -> Callable[[]
 
 
 def load_cached(key: str) -> GemmPlan | None:
-    try:
-        entry = json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+    entry = plan_cache.read(CACHE_FILE, key)
     if not isinstance(entry, dict) or set(entry.get("kernels", {})) != set(PROJECTIONS):
         return None
     kernels = entry["kernels"]
@@ -338,23 +335,9 @@ def load_cached(key: str) -> GemmPlan | None:
 
 
 def store_cached(key: str, plan: GemmPlan) -> None:
-    """Best effort (a read-only cache directory only costs a measurement next time)."""
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        if not isinstance(data, dict):
-            data = {}
-        data[key] = {"kernels": plan.kernels, "times_us": plan.times_us,
-                     "disturbed": plan.disturbed, "cost_s": plan.cost_s}
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.debug("could not cache the GEMM choice in %s: %s", path, e)
+    """Best effort (plan_cache.write)."""
+    plan_cache.write(CACHE_FILE, key, {"kernels": plan.kernels, "times_us": plan.times_us,
+                                       "disturbed": plan.disturbed, "cost_s": plan.cost_s})
 
 
 def _busy_cpu_s() -> float | None:

@@ -25,8 +25,8 @@ import torch
 from kvserve.attention.base import BoundAttention
 from kvserve.kernels.cpu import gemv, qdecode, qgemv
 from kvserve.layers.fast_decode import paged_kernel_args
-from kvserve.layers.qgemm_select import DECODE_ROWS, env_rows
 from kvserve.layers.block import PROJECTION_ATTRS
+from kvserve.layers.kernel_choice import DECODE_ROWS, override
 from kvserve.layers.quant_linear import QuantWeight, StackedBound, bind_weight
 
 # The rows a step may have on row-tiled weights: the tile kernel wins at every row count
@@ -91,7 +91,7 @@ class QuantDecode:
         self._fn = kernel.decode_layers
         # the rows the layer path runs on the integer kernel (its methods read the same
         # override when they are built): beyond them it is F.linear on dequantized weights
-        forced = env_rows()
+        forced = override().rows
         self.max_rows = int(min(rows, forced if forced is not None else rows))
         self._ops: list[tuple] = []
         self._layer_args = []

@@ -7,14 +7,12 @@ token lookup on a quantized table (the tied LM head's weight too: one copy for b
 Why: batch-1 decode reads every weight once a step, so bytes per weight decide its speed;
 Q4_1 is 20 bytes per 32 weights, the fp32 copy kvserve dequantized at load 128.
 
-Up to `int_rows` rows a projection runs the C++ kernel (kernels/cpu/qgemv.py: x quantized to
-8-bit blocks, integer dot products on the weight blocks, cache-tiled past a few rows); above,
-the weight is dequantized into a scratch buffer shared by every projection (one at a time: a
-model's forward runs on one thread) and F.linear (MKL) runs on it. `int_rows` is measured
-on this CPU at a projection's first call above DECODE_ROWS rows, once per shape class
-(qgemm_select.py: the crossover of the two paths; $KVSERVE_QGEMM_ROWS fixes it): MKL's fp32
-GEMM does more arithmetic per cycle, the tiled kernel reads a quarter of the bytes and writes
-no fp32 copy of the weight, and where they cross depends on the CPU and the shape.
+Each method runs the one `KernelChoice` its weight got at load (kernel_choice.py: the layout
+the blocks are repacked into, and `int_rows`, measured when the method is made): up to
+`int_rows` rows the C++ kernel (kernels/cpu/qgemv.py: x quantized to 8-bit blocks, integer
+dot products on the weight blocks, cache-tiled past a few rows); above, the weight is
+dequantized into a scratch buffer shared by every projection (one at a time: a model's
+forward runs on one thread) and F.linear (MKL) runs on it. `apply` chooses nothing.
 
 The model code never sees these (tests/test_architecture.py): the loader hands a GGUF file's
 blocks to the layer (`layer.file_blocks`) in place of the float parameters, and the layer's
@@ -24,25 +22,23 @@ these from them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu import qgemv
+from kvserve.layers import kernel_choice
 from kvserve.layers.activation import gated
 from kvserve.layers.block import LayerMethods, normed, split_qkv
+from kvserve.layers.kernel_choice import KernelChoice
 from kvserve.layers.linear import LinearMethod, with_output_norm
 from kvserve.layers.norm import rms_norm
-from kvserve.layers.qgemm_select import DECODE_ROWS, crossover, env_rows
 from kvserve.layers.rotary import apply_rope
 
-# int_rows=None: the integer kernel up to DECODE_ROWS rows, above that up to the crossover
-# measured at the first call with more rows (or $KVSERVE_QGEMM_ROWS)
+# int_rows=None: the choice's (kernel_choice.choose, then measured when the method is made)
 INT_ROWS = None
-QTILES_ENV = "KVSERVE_QTILES"
 
 
 @dataclass(frozen=True)
@@ -63,18 +59,13 @@ class QuantWeight:
     @classmethod
     def for_kernels(cls, data: torch.Tensor, type_name: str, k: int) -> "QuantWeight":
         """The file-layout blocks `data`, given over (no one else may hold them), in the
-        layout their kernel runs fastest on this CPU: row tiles where the build's tile kernel
-        pays for the type (QGemv.tiles_pay: the AVX-512 VNNI kernel, at 32 rows 2.5-3.5x the
-        row layout's speed on a Zen 4 EPYC, batch 1 no slower; the AVX2 one 2.0-2.4x) and the
-        shape has tiles, else as they are. Tiled in place, so a load never holds a weight
-        twice. $KVSERVE_QTILES=1 / 0 forces tiles (where the shape has them) / rows."""
-        kernel = qgemv.load()
-        forced = os.environ.get(QTILES_ENV, "").strip()
-        wanted = kernel is not None and (kernel.tiles_pay(type_name) if forced == ""
-                                         else forced == "1")
-        if not wanted or not qgemv.tileable(type_name, data.shape[0], k):
+        layout `kernel_choice.choose` gives them (row tiles where the tile kernel pays for
+        the type and the shape has tiles), tiled in place, so a load never holds a weight
+        twice."""
+        choice = kernel_choice.choose(type_name, (data.shape[0], k))
+        if choice.layout != "tiles":
             return cls(data, type_name, k)
-        return cls(kernel.pack_tiles(data, type_name, k, in_place=True), type_name, k,
+        return cls(qgemv.load().pack_tiles(data, type_name, k, in_place=True), type_name, k,
                    tiled=True)
 
     def row_blocks(self) -> torch.Tensor:
@@ -189,17 +180,25 @@ def bind_weight(weight: "QuantWeight | StackedQuantWeight", bias: torch.Tensor |
                              weight.tiled)
 
 
-def default_rows(w: "QuantWeight | StackedQuantWeight") -> float | None:
-    """$KVSERVE_QGEMM_ROWS, else inf for row tiles on the AVX-512 tile kernel (at 16-512 rows
-    it ran 1.6-2x MKL's fp32 GEMM on the weight already dequantized, on every SmolLM2 shape:
-    nothing to measure), else None (measured at the first call above DECODE_ROWS)."""
-    forced = env_rows()
-    if forced is not None:
-        return forced
+def choice_of(w: "QuantWeight | StackedQuantWeight", float_x: bool = False) -> KernelChoice:
+    """The kernel choice of `w` as laid out (its int_rows None where it is to be measured)."""
     parts = w.parts if isinstance(w, StackedQuantWeight) else (w,)
-    kernel = qgemv.load()
-    native = kernel is not None and kernel.tiles_native
-    return float("inf") if native and all(p.tiled for p in parts) else None
+    dtype = "float-x" if float_x else "float32"
+    return kernel_choice.stacked([
+        kernel_choice.choose(p.type_name, p.shape, dtype, layout="tiles" if p.tiled else "rows")
+        for p in parts])
+
+
+def made_choice(w: "QuantWeight | StackedQuantWeight", int_rows: float | None, label: str,
+                run_int: Callable, run_dequant: Callable, float_x: bool = False
+                ) -> KernelChoice:
+    """`w`'s choice with its int_rows: `int_rows` where given, else measured now (at load,
+    once per shape class `label`) where the choice leaves it open."""
+    choice = choice_of(w, float_x)
+    if int_rows is not None:
+        return replace(choice, int_rows=int_rows)
+    return kernel_choice.measured(choice, f"{layout_name(w)}{label} {w.n}x{w.k}", w.k,
+                                  run_int, run_dequant)
 
 
 def layout_name(w: "QuantWeight | StackedQuantWeight") -> str:
@@ -221,9 +220,9 @@ def dequantized(w: "QuantWeight | StackedQuantWeight") -> torch.Tensor:
 class QuantizedLinear(LinearMethod):
     """x W^T + b on a QuantWeight: the C++ kernel up to `int_rows` rows (x quantized to 8
     bits, or with `float_x` kept in float32: Q8_0 only, the LM head's), MKL on a dequantized
-    copy above; int_rows None: measured (see the module docstring)."""
+    copy above; int_rows None: the weight's KernelChoice's (measured here, at load)."""
 
-    __slots__ = ("weight", "bias", "int_rows", "float_x", "_store", "_add", "_pending")
+    __slots__ = ("weight", "bias", "int_rows", "float_x", "choice", "_store", "_add")
 
     def __init__(self, weight: "QuantWeight | StackedQuantWeight",
                  bias: torch.Tensor | None = None, int_rows: float | None = INT_ROWS,
@@ -231,55 +230,40 @@ class QuantizedLinear(LinearMethod):
         if float_x and weight.type_name != "Q8_0":
             raise ValueError(f"float x runs on Q8_0 weights only, not {weight.type_name}")
         self.weight, self.bias, self.float_x = weight, bias, float_x
-        if int_rows is None:
-            int_rows = default_rows(weight)
-        self._pending = int_rows is None
-        self.int_rows = DECODE_ROWS if int_rows is None else int_rows
         self._store = bind_weight(weight, bias, qgemv.MODE_STORE, float_x)
         self._add = bind_weight(weight, bias, qgemv.MODE_ADD, float_x)
-
-    def _measure(self) -> None:
-        w = self.weight
-        self._pending = False
-        self.int_rows = crossover(
-            f"{layout_name(w)}{' float-x' if self.float_x else ''} {w.n}x{w.k}", w.k, self._store,
-            lambda x: F.linear(x, dequantized(w), self.bias))
+        self.choice = made_choice(weight, int_rows, " float-x" if float_x else "", self._store,
+                                  lambda x: F.linear(x, dequantized(weight), bias), float_x)
+        self.int_rows = self.choice.int_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.int_rows:
             return self._store(x)
-        if self._pending:
-            self._measure()
-            return self.apply(x)
         return F.linear(x, dequantized(self.weight), self.bias)
 
     def apply_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if self._pending and x.shape[0] > self.int_rows:
-            self._measure()
         if x.shape[0] <= self.int_rows and residual.stride(1) == 1:
             return self._add(x, residual)
-        residual.addmm_(x, dequantized(w).t())
+        residual.addmm_(x, dequantized(self.weight).t())
         return residual if self.bias is None else residual.add_(self.bias)
 
 
 class QuantizedGated(LinearMethod):
     """The gate | up projection on a QuantWeight [2i, k]: act(x gate^T + b_g) * (x up^T +
-    b_u), fused into the integer kernel up to `int_rows` rows."""
+    b_u), fused into the integer kernel up to `int_rows` rows (None: the weight's
+    KernelChoice's, measured here, at load)."""
 
-    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "_gated", "_pending")
+    __slots__ = ("weight", "bias", "intermediate", "gelu", "int_rows", "choice", "_gated")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, intermediate: int,
                  gelu: bool, int_rows: float | None = INT_ROWS) -> None:
         if weight.n != 2 * intermediate:
             raise ValueError(f"a [gate; up] weight has {2 * intermediate} rows, got {weight.n}")
         self.weight, self.bias, self.intermediate, self.gelu = weight, bias, intermediate, gelu
-        if int_rows is None:
-            int_rows = default_rows(weight)
-        self._pending = int_rows is None
-        self.int_rows = DECODE_ROWS if int_rows is None else int_rows
         mode = qgemv.MODE_GELU_MUL if gelu else qgemv.MODE_SILU_MUL
         self._gated = bind_weight(weight, bias, mode)
+        self.choice = made_choice(weight, int_rows, " gated", self._gated, self._dequant_path)
+        self.int_rows = self.choice.int_rows
 
     def _dequant_path(self, x: torch.Tensor) -> torch.Tensor:
         return gated(F.linear(x, dequantized(self.weight), self.bias), self.intermediate,
@@ -288,12 +272,6 @@ class QuantizedGated(LinearMethod):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.int_rows:
             return self._gated(x)
-        if self._pending:
-            w = self.weight
-            self._pending = False
-            self.int_rows = crossover(f"{layout_name(w)} gated {w.n}x{w.k}", w.k, self._gated,
-                                      self._dequant_path)
-            return self.apply(x)
         return self._dequant_path(x)
 
 

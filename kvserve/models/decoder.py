@@ -189,7 +189,8 @@ class CausalLM(nn.Module):
         self.file_blocks: dict = {}
         # How the token lookup, the LM head (a LinearMethod per row bucket) and the final norm
         # compute, and the decode step that runs every layer in one call where the plan has
-        # one (its `run` returns None for a step it does not serve)
+        # one (`serves(rows)`: the rows its kernels were chosen for at load; `run` returns
+        # None where the attention backend has no kernel arguments for the step)
         self.embed = plan.embedding(config)
         self.head = plan.head_method(config)
         self.final_norm = plan.final_norm()
@@ -259,8 +260,9 @@ class CausalLM(nn.Module):
         tables = [self.rope_cos_sin.index_select(0, positions).to(self.dtype)]
         if self.rope_cos_sin_local is not None:
             tables.append(self.rope_cos_sin_local.index_select(0, positions).to(self.dtype))
-        if between is None and self.decode_step is not None and self.decode_step.run(
-                hidden, tables[self.rope_of_layer[0]], attn) is not None:
+        if between is None and self.decode_step is not None \
+                and self.decode_step.serves(hidden.shape[0]) and self.decode_step.run(
+                    hidden, tables[self.rope_of_layer[0]], attn) is not None:
             return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
         bucket = bucket_of(hidden.shape[0])
         for i, (layer, rope) in enumerate(zip(self.layers, self.rope_of_layer)):

@@ -9,7 +9,6 @@ likewise builds its configs before its model loader runs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from kvserve import features as F
 from kvserve import quant_formats
 from kvserve.dtypes import canonical_dtype
 from kvserve.layers import selection
-from kvserve.layers.qgemm_select import integer_rows
+from kvserve.layers.kernel_choice import integer_rows, override
 from kvserve.layers.plan import ExecutionPlan, TensorParallel
 from kvserve.model_loader import loader
 from kvserve.models.config import ModelConfig
@@ -46,7 +45,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
 
     With `pack_weights` (the default) each projection gets the GEMM kernel that measures
     fastest on this CPU per batch size (`selection.gemm_plan`; `gemm` = "auto", "onednn",
-    "dense", "gemv" or "panel", default $KVSERVE_GEMM or "auto"); the logits are the same up
+    "dense", "gemv" or "panel", default $KVSERVE_KERNEL's gemm= or "auto"); the logits are the same up
     to float rounding either way; `remeasure_kernels` measures them again rather than reading
     the choice cached for this CPU and model shape. Without it every GEMM stays dense
     (F.linear).
@@ -64,7 +63,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     only its slice of each tensor; a GGUF file is dequantized. `elementwise` "triton": the
     GPU's fused norm, RoPE and SiLU-and-mul. `gemm_plan`: run this GEMM plan (checked), not
     a measured one. `deterministic`: quantized projections run the integer kernel at every
-    row count (qgemm_select.integer_rows). The config returned is the whole model's."""
+    row count (kernel_choice.integer_rows). The config returned is the whole model's."""
     with integer_rows(deterministic):
         return _load_model(model_dir, dtype, device, pack_weights, gemm, remeasure_kernels,
                            quantization, shard, tp, elementwise, gemm_plan)
@@ -105,7 +104,7 @@ def _load_model(model_dir: str | Path, dtype: str | torch.dtype, device: str | t
         kind = "none"
     kernel = None
     if pack_weights or shard is not None:
-        kernel = gemm or os.environ.get("KVSERVE_GEMM", "auto")
+        kernel = gemm or override().gemm or "auto"
     plan = selection.plan_for(model_config, torch_dtype, device, gemm=kernel,
                               remeasure=remeasure_kernels, quantization=kind, tp=tp,
                               elementwise=elementwise, gemm_plan_override=gemm_plan,
