@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve import features as F
+from kvserve.utils import features as F
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy
