@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from kvserve.bench.record import (add_record_arg, current_machine, ratio,
                                   write_record)
 from benchmarks.lab.reference import ensure_checkpoint

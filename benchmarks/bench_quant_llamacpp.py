@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from benchmarks.lab import gguf_models, harness, llamacpp
 from kvserve.bench.ceilings import read_gbps, weight_bytes
 from kvserve.bench.noise import Interference

@@ -33,6 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from benchmarks.lab import gguf_models, harness, llamacpp
 from kvserve.bench import serve, spawn
 from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from benchmarks.lab import harness
 from kvserve.bench import ceilings
 from kvserve.bench.noise import Interference

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from kvserve.bench.noise import Interference, wait_for_quiet
 from kvserve.bench.record import Row, add_record_arg, ratio, write_record
 from benchmarks.lab.reference import ensure_checkpoint
