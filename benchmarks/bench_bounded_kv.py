@@ -33,7 +33,7 @@ from kvserve.kv.bounded import POLICIES, BoundedKVConfig
 from kvserve.model_loader.default import embedded_model_path
 from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
 from kvserve.sampler import SampleResult
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 
 class ForcedSampler:

@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from kvserve.bench.record import (add_record_arg, current_machine, ratio,
                                   write_record)
-from kvserve.bench.reference import ensure_checkpoint
+from benchmarks.lab.reference import ensure_checkpoint
 
 
 def _ttft(llm, ids: list[int]) -> tuple[float, int]:
@@ -79,7 +80,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None,
-                   help="default: the reference checkpoint (kvserve.bench.reference)")
+                   help="default: the reference checkpoint (benchmarks.lab.reference)")
     p.add_argument("--samples", type=int, default=5, help="TTFT samples per state (5)")
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)

@@ -94,7 +94,7 @@ def main() -> None:
         print(f"{name:<40} {off:>10.3f} {on:>10.3f} {on / off:>7.3f}x")
         rows.append(Row(name, unit, round(on, 4), round(off, 4), ratio(on, off)))
     if args.record:
-        # a GGUF made by kvserve.bench.gguf_models is <shape>/<TYPE>.gguf: name both
+        # a GGUF made by benchmarks.lab.gguf_models is <shape>/<TYPE>.gguf: name both
         model = f"{Path(args.model).parent.name}/{Path(args.model).name}" if args.model \
             else "SmolLM2-135M Q4_1 (embedded)"
         stem = f"{Path(args.model).parent.name}-{Path(args.model).stem}" if args.model \

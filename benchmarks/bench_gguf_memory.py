@@ -77,7 +77,7 @@ def time_to_ready(cmd: list[str], port: int) -> float:
 
 def startup(path: str, llama_server: str, max_model_len: int, repeats: int) -> dict:
     from kvserve.bench.spawn import kvserve_command
-    from kvserve.ports import free_port
+    from kvserve.utils.ports import free_port
 
     Path(path).read_bytes()  # into the page cache
     times: dict[str, list[float]] = {"kvserve": [], "llama-server": []}

@@ -145,7 +145,7 @@ def greedy_prompts(wins: list[list[int]], prompt_len: int, count: int) -> list[l
 def accuracy(args) -> dict:
     from kvserve import SamplingParams
     from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     model = resolve_model(args.model)
     tok = Tokenizer.from_dir(tokenizer_dir(model))

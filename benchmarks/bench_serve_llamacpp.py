@@ -33,9 +33,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from kvserve.bench import gguf_models, harness, llamacpp, serve, spawn
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
+from benchmarks.lab import gguf_models, harness, llamacpp
+from kvserve.bench import serve, spawn
 from kvserve.bench.record import Row, add_record_arg, current_machine, ratio, write_record
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 
 
 def server_cmd(args: argparse.Namespace, engine: str, parallel: int, port: int) -> list[str]:
@@ -120,9 +122,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path,
-                   help="the file (default: kvserve.bench.gguf_models' --shape/--type)")
+                   help="the file (default: benchmarks.lab.gguf_models' --shape/--type)")
     p.add_argument("--llama-src", type=Path,
-                   help="llama.cpp source tree (kvserve.bench.gguf_models')")
+                   help="llama.cpp source tree (benchmarks.lab.gguf_models')")
     p.add_argument("--llama-bin", type=Path, help="llama.cpp build/bin (default: --llama-src's)")
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--type", default="Q4_K_M")

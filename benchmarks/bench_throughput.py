@@ -2,14 +2,14 @@
 """Offline throughput: kvserve vs Hugging Face transformers `generate`, side by side, one run.
 
 Workloads (greedy, every request generates the full length), on the reference model
-(kvserve.bench.reference) or --model: `main`, 64 prompts x 128 random tokens -> 128 new tokens
+(benchmarks.lab.reference) or --model: `main`, 64 prompts x 128 random tokens -> 128 new tokens
 each (transformers: one batch of 64), and `batch1`, 1 x 128 -> 128; each in float32 and
 (unless --skip-bf16) bfloat16. With --prefix-len N every prompt starts with one shared N-token
 prefix (kvserve's prefix cache against transformers recomputing it; `kvserve-nocache` is
 kvserve with the cache off). Metric: output tokens / generate wall time (model load excluded,
 one tiny warm-up first), with decode-only tok/s, prefill time and the greedy agreement.
 
-The protocol (kvserve.bench.harness): each measurement its own subprocess, engines alternating,
+The protocol (benchmarks.lab.harness): each measurement its own subprocess, engines alternating,
 --repeats runs, a disturbed run re-run, median [min-max] and the ratio of medians. The
 machine's ceilings (kvserve.bench.ceilings) are measured at the start and at the end: the
 main workload's share of the fp32 matmul ceiling and of its own GEMM ceiling, batch-1
@@ -29,11 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.bench import ceilings, harness
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
+from benchmarks.lab import harness
+from kvserve.bench import ceilings
 from kvserve.bench.noise import Interference
 from kvserve.bench.offline import random_prompts
 from kvserve.bench.record import Row, add_record_arg, current_machine, write_record
-from kvserve.bench.reference import ensure_checkpoint
+from benchmarks.lab.reference import ensure_checkpoint
 from kvserve.bench.stats import fmt_spread, spread
 from kvserve.kernels.cpu.cpu_features import ISA_CAPS, ISA_ENV, LIBRARY_ISA_ENV, isa_cap_env
 from kvserve.kv.prefix_index import common_prefix

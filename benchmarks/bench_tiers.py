@@ -36,9 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (the repo root on sys.path: benchmarks.lab)
 from kvserve.bench.noise import Interference, wait_for_quiet
 from kvserve.bench.record import Row, add_record_arg, ratio, write_record
-from kvserve.bench.reference import ensure_checkpoint
+from benchmarks.lab.reference import ensure_checkpoint
 from kvserve.bench.stats import fmt_spread, spread
 
 HERE = Path(__file__).resolve().parent

@@ -98,7 +98,7 @@ def all_reduce_time(rows: int, hidden: int = 576, n: int = 300) -> list[float]:
 
     import torch.multiprocessing as mp
 
-    from kvserve.ports import free_port
+    from kvserve.utils.ports import free_port
     from kvserve.parallel.comm import ShmExchange
 
     ctx = mp.get_context("spawn")

@@ -2,10 +2,10 @@
 
 Every other component receives the finished `EngineConfig` and trusts it, so all argument checks
 live here and produce a `ValueError` that names the argument and the accepted range. Which
-features do not combine is one table, kvserve/features.py's `CONFLICTS`: `features()` names
+features do not combine is one table, kvserve/utils/features.py's `CONFLICTS`: `features()` names
 what this config turns on and `check_features` refuses a listed pair (the builder and the input
 processor add what only the model or a request says). The fields
-also define the engine flags of `kvserve generate` / `serve` (see `kvserve.cli.add_engine_args`):
+also define the engine flags of `kvserve generate` / `serve` (see `kvserve.entrypoints.cli.add_engine_args`):
 each field's metadata carries its help text and choices, so a flag cannot drift from its field.
 """
 
@@ -16,13 +16,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve import features as F
-from kvserve.dtypes import DTYPE_ALIASES, DTYPES
+from kvserve.utils import features as F
+from kvserve.utils.dtypes import DTYPE_ALIASES, DTYPES
 from kvserve.kv.eviction import ONLINE_POLICIES, make_eviction_policy
 from kvserve.kv.pins import check_pin_fractions
 from kvserve.kv.spec import KV_CACHE_DTYPE_CHOICES, resolve_kv_dtype
 from kvserve.kv.swap import PREEMPTION_MODES
-from kvserve.quant_formats import AT_LOAD, QUANTIZATIONS
+from kvserve.utils.quant_formats import AT_LOAD, QUANTIZATIONS
 from kvserve.blend.config import load_blend_config
 from kvserve.spec.config import load_speculative_config
 
@@ -293,7 +293,7 @@ class EngineConfig:
         self.check_features()
 
     def features(self) -> set[str]:
-        """The features (kvserve/features.py) this config turns on by itself; the builder adds
+        """The features (kvserve/utils/features.py) this config turns on by itself; the builder adds
         what the loaded model says, the input processor a request's bounded cache."""
         on = set()
         if self.kv_tier_config is not None:
@@ -330,7 +330,7 @@ class EngineConfig:
 
     def check_features(self, extra: set[str] = frozenset(), **context: Any) -> None:
         """Refuse a combination of this config's features (and `extra` ones, found later) that
-        the compatibility table (kvserve/features.py's CONFLICTS) lists."""
+        the compatibility table (kvserve/utils/features.py's CONFLICTS) lists."""
         F.check_features(self.features() | extra, **{
             "kv_cache_dtype": self.kv_cache_dtype, "backend": self.attention_backend,
             "method": getattr(self.speculative_config, "method", None), **context})

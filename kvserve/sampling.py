@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvserve.kv.retention import Retention, kv_retention_range
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.validation import check_utf8, shorten
+from kvserve.utils.validation import check_utf8, shorten
 
 # vLLM's default max_logprobs: the most top-k alternatives a request may ask for per prompt
 # token (the server applies it to logprobs/top_logprobs too).

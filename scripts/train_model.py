@@ -12,7 +12,7 @@ What it does, in order (each step is deterministic for a given Python version an
    when the SHA-256 of its relative path falls in the lowest 5% (`HELD_OUT_PER_MILLE`), so the
    split does not depend on file order or on which other files exist.
 2. tokenizer: a byte-level BPE (`tokenizers`, 8,192 entries) trained on the training files only,
-   with kvserve's special tokens and ChatML template (`kvserve.tokenizer_train`).
+   with kvserve's special tokens and ChatML template (`kvserve.tokenizer.train`).
 3. model: a Qwen2-architecture decoder (GQA, tied embeddings, RoPE) written here in plain
    PyTorch with the Hugging Face tensor names, so kvserve's loader and transformers both load it.
 4. training: AdamW with linear warm-up and cosine decay, fp32, fixed seed, windows of the
@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from kvserve import tokenizer_train as tt
+from kvserve.tokenizer import train as tt
 from kvserve.eval.heldout import EXCLUDED_DIRS, HELD_OUT_PER_MILLE, corpus_files, stdlib_root
 from kvserve.eval.heldout import is_heldout as is_held_out
 

@@ -81,7 +81,7 @@ def save_random_checkpoint(config, out, seed: int = 0, perturb_norms: bool = Fal
     import torch
     import transformers
 
-    from kvserve.tokenizer_train import train_tokenizer
+    from kvserve.tokenizer.train import train_tokenizer
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 import time
 
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 
 
 class RedisServer:

@@ -1,4 +1,4 @@
-"""A `kvserve serve` process for the tests (`python -m kvserve.cli serve` on a free port), its
+"""A `kvserve serve` process for the tests (`python -m kvserve.entrypoints.cli serve` on a free port), its
 log in a file, stopped with SIGINT as a user would."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvserve.bench.spawn import wait_healthy
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 
 MAX_MODEL_LEN = 512
 
@@ -26,7 +26,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, KVSERVE_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="2", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port),
              "--max-model-len", str(max_model_len), "--num-threads", "2", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -85,7 +85,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

@@ -496,3 +496,60 @@ def test_quantized_apply_measures_nothing():
             todo += [g for g in funcs if g.split(".")[-1] in used and g not in seen]
     for init in ("QuantizedLinear.__init__", "QuantizedGated.__init__"):
         assert "made_choice" in _names_in(funcs[init])
+
+
+# -- Issue 65, item 5: a top level that shows the layers ------------------------------------------
+
+TOP_LEVEL_CAP = 8
+
+
+def test_the_top_level_holds_only_the_public_api():
+    """The modules at the top of kvserve/ are what a user imports (LLM, config, sampling,
+    outputs) and the request; everything else lives in the package of its layer, so the
+    directory listing reads as the architecture."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_CAP, f"{len(top)} modules at the top of kvserve/: {top}"
+    assert {"__init__.py", "config.py", "sampling.py", "outputs.py"} <= set(top)
+
+
+def test_utils_holds_only_leaves():
+    """kvserve/utils/ is below everything: a module there that imports kvserve has a concept
+    and belongs with it (the graph would otherwise grow an upward edge through utils/)."""
+    graph = import_graph()
+    utils = [m for m in graph if m.startswith("kvserve.utils.")]
+    assert "kvserve.utils.dtypes" in utils and "kvserve.utils.features" in utils
+    upward = {m: sorted(graph[m]) for m in utils if graph[m] - {"kvserve.utils"}}
+    assert not upward, f"utils/ modules that import kvserve: {upward}"
+
+
+def test_the_installed_package_imports_nothing_of_the_bench_lab():
+    """benchmarks/lab/ (figures, harness, llama.cpp runners, the reference checkpoint) is not
+    installed (pyproject's packages: kvserve* only), so nothing in kvserve/ may import it:
+    `kvserve bench` must run from a wheel."""
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["kvserve*"]
+    lab = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            lab += [f"{path.relative_to(PACKAGE.parent)}: {n}" for n in names
+                    if n.split(".")[0] == "benchmarks"]
+    assert not lab, lab
+    assert (PACKAGE.parent / "benchmarks" / "lab" / "figures.py").exists()
+
+
+def test_console_scripts_name_callables():
+    """pyproject's console scripts (`kvserve`) point at a module and function that exist, so a
+    move of the CLI cannot leave the installed command pointing at nothing."""
+    import importlib
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    scripts = pyproject["project"]["scripts"]
+    assert "kvserve" in scripts
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name

@@ -26,8 +26,8 @@ from openai.types.chat import ChatCompletionChunk
 from kvserve.bench import datasets
 from kvserve.bench.serve import arrival_gaps
 from kvserve.bench.stats import percentile
-from kvserve.cli import main
-from kvserve.ports import free_port
+from kvserve.entrypoints.cli import main
+from kvserve.utils.ports import free_port
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -288,7 +288,7 @@ def _kvserve_processes(marker: str) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "kvserve.cli serve" in cmd and marker in cmd:
+            if "kvserve.entrypoints.cli serve" in cmd and marker in cmd:
                 pids.append(int(d.name))
     return pids
 

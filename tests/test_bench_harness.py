@@ -1,4 +1,4 @@
-"""The machinery the peer comparisons in benchmarks/ run on (kvserve/bench/harness.py,
+"""The machinery the peer comparisons in benchmarks/ run on (benchmarks/lab/harness.py,
 ceilings.py, reference.py): the retry protocol keeps the least disturbed run, a failed worker
 is reported rather than raised, the parameter and FLOP counts match the checkpoint's tensors as
 safetensors reads them, `kvserve bench throughput --ceiling` divides by what it measured, and
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kvserve.bench import ceilings, harness, reference
+from benchmarks.lab import harness, reference
+from kvserve.bench import ceilings
 from kvserve.bench.stats import fmt_spread, spread
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.bench import kernels
-from kvserve.cli import build_parser
+from kvserve.entrypoints.cli import build_parser
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""kvserve.bench.llamacpp against fake llama.cpp tools and a fake llama-cpp-python: the tools'
+"""benchmarks.lab.llamacpp against fake llama.cpp tools and a fake llama-cpp-python: the tools'
 JSON lines are parsed into the figures the comparisons report, failures carry the tool's
 stderr, and the worker's NLL equals torch's cross entropy on the same logits."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.bench import harness, llamacpp
-from kvserve.bench.llamacpp_worker import window_nll
+from benchmarks.lab import harness, llamacpp
+from benchmarks.lab.llamacpp_worker import window_nll
 
 
 def fake_tool(bins: Path, name: str, body: str) -> None:

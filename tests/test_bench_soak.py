@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvserve.bench import soak
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 
 
 def rounds(rss_kb: list[int]) -> list[soak.Round]:

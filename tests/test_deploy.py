@@ -63,7 +63,7 @@ def _container(workload: dict) -> dict:
 
 
 def test_the_gateway_lists_every_replica_pod_and_its_args_parse():
-    from kvserve.cli import route_parser
+    from kvserve.entrypoints.cli import route_parser
 
     sts = _by_kind("StatefulSet")["kvserve-replica"]
     gw = _by_kind("Deployment")["kvserve-gateway"]
@@ -79,7 +79,7 @@ def test_the_gateway_lists_every_replica_pod_and_its_args_parse():
 
 
 def test_replicas_parse_and_share_the_redis_tier():
-    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import build_parser
     from kvserve.kv.tiers.config import TierConfig
 
     sts = _by_kind("StatefulSet")["kvserve-replica"]
@@ -235,7 +235,7 @@ def test_an_invalid_leaderworkerset_is_caught():
 
 
 def test_leader_and_worker_args_parse_into_one_multinode_engine():
-    from kvserve.cli import build_parser, engine_kwargs
+    from kvserve.entrypoints.cli import build_parser, engine_kwargs
     from kvserve.config import EngineConfig
 
     lws = _lws()
@@ -277,7 +277,7 @@ def _named_port(container: dict, port) -> int:
 
 
 def test_the_leader_serves_http_and_the_service_selects_it_alone():
-    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import build_parser
 
     lws = _lws()
     leader = _lws_container(lws, "leader")

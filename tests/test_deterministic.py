@@ -140,7 +140,7 @@ def test_gemma2_soft_capping_is_refused(hf_checkpoints):
 
 
 def test_the_flag_and_its_sglang_name(tiny_model_dir):
-    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import build_parser
 
     for flag in ("--deterministic", "--enable-deterministic-inference"):
         args = build_parser().parse_args(["generate", str(tiny_model_dir), flag])

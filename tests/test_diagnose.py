@@ -201,7 +201,7 @@ def test_request_log_lines_survive_unicode_line_splitters(tmp_path, breaker):
 
 
 def test_cli_json_and_plot(tmp_path, tiny, capsys):
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     path = tmp_path / "log.jsonl"
     synth.write(synth.generate(60, seed=5), str(path))
@@ -388,7 +388,7 @@ def test_default_model_is_the_embedded_one(tmp_path, capsys):
         embedded_model_path()
     except ValueError as exc:
         pytest.skip(str(exc))
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     tokenizer = load_tokenizer(None)
     r = render_all(tokenizer, [LogRecord(0, messages=[{"role": "user", "content": "hi"}])])[0]

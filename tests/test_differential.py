@@ -233,11 +233,11 @@ EXAMPLES_ISOLATION = 15
 
 
 def test_kv_isolation_does_not_change_outputs(model_dir):
-    """--kv-isolation api_key (kvserve/tenancy.py: a key's digest, and within it a salt, as
+    """--kv-isolation api_key (kvserve/frontend/tenancy.py: a key's digest, and within it a salt, as
     the engine's cache_salt) against everybody in one namespace: the same tokens and
     logprobs, with fewer hits (the isolation took effect: a tenant never reads another's
     blocks)."""
-    from kvserve.tenancy import cache_namespace, key_digest
+    from kvserve.frontend.tenancy import cache_namespace, key_digest
 
     keys = [key_digest(f"sk-tenant-{i}") for i in range(3)]
 

@@ -15,7 +15,7 @@ import random
 import httpx
 import pytest
 
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 from test_router import Proc, replica_model
 
 MAX_MODEL_LEN = 512

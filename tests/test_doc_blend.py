@@ -71,7 +71,7 @@ def test_plan_covers_every_position_once_and_never_a_single_row(data):
 
 # -- inputs and config --------------------------------------------------------------------------
 def test_parts_are_tokenized_alone_and_spans_checked(tiny_model_dir):
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     parts = tokenize_parts(tok, ["Hello there. ", {"text": "A document.",

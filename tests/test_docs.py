@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import docs_ref
+from kvserve.entrypoints import docs_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ def _env() -> dict[str, str]:
 def test_reference_page_is_what_the_code_generates(name):
     committed = (ROOT / "docs" / "reference" / name).read_text()
     assert committed == docs_ref.PAGES[name](), (
-        f"docs/reference/{name} is stale: run `python -m kvserve.docs_ref` and commit it")
+        f"docs/reference/{name} is stale: run `python -m kvserve.entrypoints.docs_ref` and commit it")
 
 
 def test_stale_pages_names_a_changed_page(tmp_path):
@@ -40,7 +40,7 @@ def test_stale_pages_names_a_changed_page(tmp_path):
 
 def test_every_serve_flag_is_in_the_cli_reference():
     helped = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvserve.cli import main; sys.exit(main())",
+        [sys.executable, "-c", "import sys; from kvserve.entrypoints.cli import main; sys.exit(main())",
          "serve", "--help"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0, helped.stderr
     # The option lines: "  --kv-cache-dtype {auto,...}  help", "  --tensor-parallel-size ..., -tp"

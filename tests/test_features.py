@@ -1,4 +1,4 @@
-"""The compatibility table (kvserve/features.py): every refusal of a feature combination is one
+"""The compatibility table (kvserve/utils/features.py): every refusal of a feature combination is one
 of its rows, checked in one function, and the config's own combinations are refused at
 start-up with the row's reason."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import features as F
+from kvserve.utils import features as F
 from kvserve.config import EngineConfig
 
 

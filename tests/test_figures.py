@@ -1,5 +1,5 @@
 """The figures pages cannot drift from the result records: the committed pages are what
-`python -m kvserve.bench.figures` renders from docs/figures/data/, a record without its date,
+`python -m benchmarks.lab.figures` renders from docs/figures/data/, a record without its date,
 machine, command or peer is refused, a record the benchmarks write reads back the same, and a
 made-up record's values appear in its table. (tests/test_docs.py builds the site with
 `mkdocs build --strict`, which the Figures nav is part of.)"""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench import figures
+from benchmarks.lab import figures
 from kvserve.bench.record import (REQUIRED, Record, RecordError, Row, load_record, parse_record,
                                   write_record)
 
@@ -48,12 +48,12 @@ def test_check_names_a_stale_page_and_plot(tmp_path):
     rec["rows"][0]["ratio"] = 9.99
     path.write_text(json.dumps(rec))
     assert sorted(figures.stale(out, data)) == [
-        "docs/figures/serving.md is stale: run python -m kvserve.bench.figures",
-        "docs/figures/serving.png is stale: run python -m kvserve.bench.figures"]
+        "docs/figures/serving.md is stale: run python -m benchmarks.lab.figures",
+        "docs/figures/serving.png is stale: run python -m benchmarks.lab.figures"]
     path.unlink()
     (data / "serving" / "serve-llamacpp-8b.json").unlink()
     (data / "serving" / "bench-serve.json").unlink()
-    assert "docs/figures/serving.md has no records: run python -m kvserve.bench.figures " \
+    assert "docs/figures/serving.md has no records: run python -m benchmarks.lab.figures " \
         "(it removes it)" in figures.stale(out, data)
 
 

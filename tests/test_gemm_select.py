@@ -292,7 +292,7 @@ def test_the_engine_reuses_the_cached_choice_unless_told_to_remeasure(tmp_path, 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "demo"])
 def test_remeasure_kernels_flag(command):
-    from kvserve.cli import build_parser, engine_kwargs
+    from kvserve.entrypoints.cli import build_parser, engine_kwargs
 
     parser = build_parser()
     assert engine_kwargs(parser.parse_args([command, "--remeasure-kernels"]))[

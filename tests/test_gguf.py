@@ -173,7 +173,7 @@ def test_llm_without_a_model_runs_smollm2(prefill_rows, monkeypatch):
     first question correctly through its ChatML template (what `make demo` shows), whichever
     path this CPU's measured crossover gives a prefill: the dequantized weights
     (KVSERVE_KERNEL=qrows=4) or the integer kernel on 8-bit activations ("inf")."""
-    from kvserve.demo import CHATS
+    from kvserve.entrypoints.demo import CHATS
     from kvserve.layers import kernel_choice
 
     monkeypatch.setenv(kernel_choice.KERNEL_ENV, f"qrows={prefill_rows}")

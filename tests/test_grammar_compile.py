@@ -36,7 +36,7 @@ from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.structured.compiler import GrammarCompiler, GrammarLimitError
 from kvserve.structured.fair_queue import FairQueue
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

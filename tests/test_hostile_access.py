@@ -25,7 +25,7 @@ from server_process import ServerProcess, all_running
 from test_server import _assert_error_shape
 
 from kvserve.model_loader.make_model import ensure_default_model
-from kvserve.tenancy import key_digest
+from kvserve.frontend.tenancy import key_digest
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -236,12 +236,12 @@ def test_no_caller_string_starts_a_log_line(servers, name):
 
 
 def test_the_formatter_keeps_a_record_on_its_line_and_a_traceback_as_python_writes_it():
-    """In process, what the server's handlers use (kvserve/logging_setup.py): the message and
+    """In process, what the server's handlers use (kvserve/utils/logging_setup.py): the message and
     the traceback's exception messages escaped, every other traceback line as Python's."""
     import logging
     import sys
 
-    from kvserve.logging_setup import FORMAT, OneLineFormatter, uvicorn_formatter
+    from kvserve.utils.logging_setup import FORMAT, OneLineFormatter, uvicorn_formatter
 
     def record(msg: str, *args, exc_info=None) -> logging.LogRecord:
         return logging.LogRecord("kvserve", logging.ERROR, __file__, 1, msg, args, exc_info)

@@ -1,4 +1,4 @@
-"""kvserve/hugepages.py: the weights and the KV pool on 2 MiB pages, read back from the kernel's
+"""kvserve/utils/hugepages.py: the weights and the KV pool on 2 MiB pages, read back from the kernel's
 own accounting (/proc/self/smaps), not from anything hugepages.py says of itself."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import hugepages
+from kvserve.utils import hugepages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20

@@ -255,7 +255,7 @@ def reference_model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(MODEL)
     texts = [("import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the arguments and "

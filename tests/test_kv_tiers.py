@@ -525,7 +525,7 @@ def test_prometheus_metrics_by_source(workload, tmp_path):
 def test_cli_takes_a_tier_config_file(tmp_path):
     import argparse
 
-    from kvserve.cli import add_engine_args, engine_kwargs
+    from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
 
     path = tmp_path / "tiers.yaml"
     path.write_text("chunk_size: 64\nlocal_cpu: true\nmax_local_cpu_size: 1\n")

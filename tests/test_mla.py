@@ -39,7 +39,7 @@ VARIANTS = {
 def make_deepseek_checkpoint(out, v3: bool = False, seed: int = 0, **overrides):
     import transformers
 
-    from kvserve.tokenizer_train import train_tokenizer
+    from kvserve.tokenizer.train import train_tokenizer
 
     torch.manual_seed(seed)
     cls = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config

@@ -35,7 +35,7 @@ from kvserve.model_loader.make_model import (ARCHS, DEFAULT_MODEL_VERSION,  # no
                                              make_model)
 
 transformers.logging.set_verbosity_error()
-HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer_train") is not None
+HAVE_TOKENIZER = importlib.util.find_spec("kvserve.tokenizer.train") is not None
 
 ATOL = 1e-4
 VOCAB = 320
@@ -609,7 +609,7 @@ def test_cli_make_model_writes_transformers_config(tmp_path, arch):
     """`kvserve make-model --arch phi3|olmo2` (the command line's choices are the registry's):
     transformers' own config class wrote the config.json, and the checkpoint loads in kvserve
     with transformers' logits."""
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     path = tmp_path / arch
     assert main(["make-model", str(path), "--arch", arch, "--seed", "2"]) == 0
@@ -634,7 +634,7 @@ def test_make_model_is_deterministic(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.skipif(not HAVE_TOKENIZER, reason="kvserve.tokenizer_train not available yet")
+@pytest.mark.skipif(not HAVE_TOKENIZER, reason="kvserve.tokenizer.train not available yet")
 def test_ensure_default_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     path = ensure_default_model()

@@ -254,7 +254,7 @@ def test_a_tool_call_cut_by_max_tokens_is_still_a_call(client, stream, choice):
 
 
 def test_two_turn_tool_conversation_round_trips_through_the_template(client, server):
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     first = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}],

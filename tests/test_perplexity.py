@@ -14,7 +14,7 @@ import pytest
 
 from kvserve import LLM
 from kvserve.bench import perplexity
-from kvserve.cli import main as cli_main
+from kvserve.entrypoints.cli import main as cli_main
 from kvserve.eval.heldout import is_heldout, stdlib_files, stdlib_root
 from kvserve.eval.perplexity import NLL, relative_difference, unigram_nll, windows
 from kvserve.model_loader.make_model import TRAINED_MODEL_DIR as TRAINED

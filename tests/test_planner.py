@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.planner import (ModelSpec, fragmentation, kv_bytes_per_request, kv_bytes_per_token,
                              kv_bytes_per_token_layer, make_plan, max_concurrency, weight_bytes)
 from kvserve.planner.memory import parse_length_distribution

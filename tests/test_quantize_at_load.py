@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kvserve import quant_formats
+from kvserve.utils import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers import kernel_choice
 from kvserve.layers.quantize_at_load import quantize_q4_k
@@ -254,7 +254,7 @@ def test_flags_and_the_start_up_line(tmp_path, caplog):
     import logging
 
     from kvserve import LLM
-    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import build_parser
     from kvserve.config import EngineConfig
     from kvserve.model_loader.make_model import make_model
 

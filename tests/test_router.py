@@ -21,7 +21,7 @@ import pytest
 
 from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import chain_hashes, extra_keys
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 from kvserve.router.keys import PrefixKeyer
 from kvserve.router.policies import (CacheAwarePolicy, ConsistentHashPolicy, LeastLoadedPolicy,
                                      NoReplicaAvailable, RoundRobinPolicy)
@@ -351,7 +351,7 @@ class Proc:
         self.log_path = self.log_dir / f"{self.name}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *self.argv,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", *self.argv,
                                       "--port", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -545,7 +545,7 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_events_confirm_the_keys(c
     assert all(c > 100 for c in cached[1:]), cached
     # The gateway's keys (its own tokenizer and chat template) are the replica's block hashes:
     # every full block of the prompt but the last token was published as BlockStored.
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     keyer = PrefixKeyer(16, Tokenizer.from_dir(replica_model()))
     body = {"messages": [{"role": "system", "content": SYSTEM},

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 from test_router import Proc
 
 TRANSFER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1",
@@ -385,7 +385,7 @@ def test_without_a_decode_instance_the_gateway_answers_503_and_skips_the_prefill
      "--prefill-timeout must be > 0"),
 ])
 def test_flag_errors_say_what_to_give(argv, message):
-    from kvserve.cli import route_parser
+    from kvserve.entrypoints.cli import route_parser
     from kvserve.router.launch import build_gateway
 
     with pytest.raises(ValueError, match=message):
@@ -393,7 +393,7 @@ def test_flag_errors_say_what_to_give(argv, message):
 
 
 def test_the_flags_build_a_disaggregated_gateway_and_the_cli_reports_errors():
-    from kvserve.cli import route_parser
+    from kvserve.entrypoints.cli import route_parser
     from kvserve.router.disagg import DisaggGateway
     from kvserve.router.launch import build_gateway
 
@@ -406,6 +406,6 @@ def test_the_flags_build_a_disaggregated_gateway_and_the_cli_reports_errors():
     assert gw.decode.policy.name == "least_loaded" and gw.config.prefill_timeout_s == 5
     assert type(build_gateway(route_parser().parse_args(["--replica", "http://r"]))
                 ).__name__ == "Gateway"
-    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "route", "--prefill",
+    out = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "route", "--prefill",
                           "http://p:1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--prefill needs --decode" in out.stderr

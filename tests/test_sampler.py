@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-import kvserve.sampler as sampler_module
+import kvserve.sampler.sampler as sampler_module
 from kvserve.sampler import SampleResult, Sampler, SamplingRow
 from kvserve.sampling import SamplingParams
 
@@ -115,7 +115,7 @@ def test_all_greedy_is_one_argmax_on_the_fast_path(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the all-greedy fast path must not reach this")
 
-    for name in ("_apply_logit_changes", "_topk_topp_threshold", "_rows"):
+    for name in ("apply_logit_changes", "topk_topp_threshold", "_rows"):
         monkeypatch.setattr(sampler_module, name, forbidden)
     for name in ("_sample", "_probs", "_draw", "token_logprobs"):
         monkeypatch.setattr(Sampler, name, forbidden)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server, driven as a real process (`python -m kvserve.cli serve`) on the
+"""The OpenAI-compatible server, driven as a real process (`python -m kvserve.entrypoints.cli serve`) on the
 tiny random-weight model (`ensure_default_model`), with the official `openai` client, raw HTTP for hostile input,
 schemathesis against the server's own OpenAPI schema, and a 256-client streaming load."""
 
@@ -62,7 +62,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(ensure_default_model())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import cli
+from kvserve.entrypoints import cli
 
 
 def _parse(*argv):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.kv.hashing import chain_hashes
 from kvserve.sim import SimConfig, Trace, TraceRequest, from_token_lists, load_trace, replay
 from kvserve.sim.alloc import allocation_modes

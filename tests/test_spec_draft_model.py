@@ -269,7 +269,7 @@ def test_smollm2_drafts_for_itself(smollm2_reference, quantization):
 
 
 def test_generate_command_takes_a_draft_model(llama_dir, capsys):
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     spec = json.dumps(_draft(llama_dir))
     assert main(["generate", str(llama_dir), "--speculative-config", spec,

@@ -295,7 +295,7 @@ def test_json_strings_hold_only_valid_utf8(body, valid):
 
     from kvserve.structured.compiler import GrammarCompiler
     from kvserve.structured.grammar import strict_json_strings
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir("kvserve/assets/stdlib-coder")
     compiler = GrammarCompiler(tok, tok.backend.get_vocab_size(), [])

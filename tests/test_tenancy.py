@@ -38,7 +38,7 @@ from test_server import _assert_error_shape
 
 from kvserve.model_loader.make_model import ensure_default_model
 from kvserve.server.auth import AccessPolicy
-from kvserve.tenancy import Credentials, cache_namespace, key_digest, read_key_file
+from kvserve.frontend.tenancy import Credentials, cache_namespace, key_digest, read_key_file
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -157,7 +157,7 @@ def test_the_reported_attack_reads_nothing_and_the_admin_still_diagnoses(shared)
 def test_the_salt_probe_answers_as_for_a_prompt_never_seen(shared):
     """The first caller's exact prompt under the prober's own salt, against token ids of the
     same length nobody sent: the two answers are equal, field for field."""
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     url = shared.url
     secret = PUBLIC + " The salted record: vault code 9911-2045." + SECRET
@@ -369,7 +369,7 @@ def test_no_admin_endpoint_without_a_key_off_loopback(tmp_path_factory):
     (["--api-key-file", "/nonexistent/keys.txt"], "--api-key-file"),
 ])
 def test_flags_that_cannot_work_fail_at_start(flags, message):
-    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--port", "1", *flags],
+    r = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", "1", *flags],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
 

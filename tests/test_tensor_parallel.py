@@ -214,7 +214,7 @@ def _check_plan(path, tp: LLM, capsys) -> None:
     rank's bytes per block, and the block count every rank holds."""
     import json
 
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     capsys.readouterr()
     assert main(["plan", str(path), "-tp", "2", "--kv-cache-memory", str(KV_BYTES),
@@ -313,12 +313,12 @@ def test_ranks_on_a_second_node(models, tmp_path):
     import subprocess
     import sys
 
-    from kvserve.ports import free_port
+    from kvserve.utils.ports import free_port
 
     path = models["llama"]
     port = free_port()
     node = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.cli", "serve", str(path), "-tp", "2", "--nnodes", "2",
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", str(path), "-tp", "2", "--nnodes", "2",
          "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
          "--dtype", "float32", "--block-size", "16", "--max-model-len", "512",
          "--num-threads", "1"],

@@ -1,4 +1,4 @@
-"""Tests for kvserve.tokenizer and kvserve.tokenizer_train: training, HF-format parity, chat
+"""Tests for kvserve.tokenizer.tokenizer and kvserve.tokenizer.train: training, HF-format parity, chat
 templates, streaming helpers."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback
-from kvserve.tokenizer_train import BOS_TOKEN_ID, EOS_TOKEN_ID, train_tokenizer
+from kvserve.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback
+from kvserve.tokenizer.train import BOS_TOKEN_ID, EOS_TOKEN_ID, train_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

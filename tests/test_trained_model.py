@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.model_loader.make_model import TRAINED_MODEL_DIR
-from kvserve.tokenizer_train import BOS_TOKEN_ID, CHATML_TEMPLATE, EOS_TOKEN_ID, SPECIAL_TOKENS
+from kvserve.tokenizer.train import BOS_TOKEN_ID, CHATML_TEMPLATE, EOS_TOKEN_ID, SPECIAL_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_model.py"

@@ -202,11 +202,11 @@ def test_the_gateway_serves_the_page_with_its_replicas(server, tmp_path, browser
     import sys
 
     from selenium.webdriver.common.by import By
-    from kvserve.ports import free_port
+    from kvserve.utils.ports import free_port
 
     port = free_port()
     log = open(tmp_path / "gateway.log", "wb")
-    gw = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "route", "--replica",
+    gw = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "route", "--replica",
                            server.url, "--port", str(port), "--admin-api-key", ADMIN],
                           stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

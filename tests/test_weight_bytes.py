@@ -26,7 +26,7 @@ def _needs_kernels():
 
 
 def _plan(model: str, quantization: str, capsys) -> dict:
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     capsys.readouterr()
     assert main(["plan", model, "--quantization", quantization, "--kv-cache-memory",
@@ -118,7 +118,7 @@ def test_quantize_at_load(hf_checkpoints, quantization, capsys):
 def test_refusals(hf_checkpoints, capsys):
     from gguf_files import smollm2_path
 
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     for model, q, says in [(str(smollm2_path()), "q8_0", "quantizes a float safetensors"),
                            (str(hf_checkpoints["qwen2"]), "gguf", "keeps a GGUF file's"),

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.features import DETERMINISTIC, INT4, refuse
+from kvserve.utils.features import DETERMINISTIC, INT4, refuse
 from kvserve.kv.bounded import snapkv_votes
 from kvserve.kv.quant import KIVIStep, ResidualAt
 from kvserve.kv.spec import first_needed_block, first_visible

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve import features as F
+from kvserve.utils import features as F
 from kvserve.kv.tensors import KVTensorPool
 from kvserve.attention import triton_kernels as tk
 from kvserve.attention.base import (AttentionBackend, AttentionMetadata, SequenceSlice,

@@ -33,7 +33,7 @@ def _run(module: str) -> Callable[[argparse.Namespace], int]:
 
 def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None],
                      engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
-    """The subcommands under `sub`; the offline ones with kvserve.cli's engine flags
+    """The subcommands under `sub`; the offline ones with kvserve.entrypoints.cli's engine flags
     (`add_engine_args`, read back by `engine_kwargs`: this package does not import the CLI)."""
     from kvserve.bench.kernels import add_kernels_args
     from kvserve.bench.latency import add_latency_args

@@ -15,7 +15,7 @@ def load_llm(args: argparse.Namespace, **overrides):
     `overrides` win over the flags (a benchmark's own sizing)."""
     from kvserve import LLM
 
-    kwargs = args.engine_kwargs(args)  # kvserve.cli's, set by add_bench_parser
+    kwargs = args.engine_kwargs(args)  # kvserve.entrypoints.cli's, set by add_bench_parser
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     t0 = time.perf_counter()
     llm = LLM(**kwargs)

@@ -3,7 +3,7 @@
 docs/benchmarks.md (retired by issue 51) grew into a lab notebook: every pass appended, and a
 reader could not tell which figure is today's. A record holds one run's current figures with
 what makes them readable on their own: the date, the machine (CPU model and SIMD flags), the
-exact command and the peer it was measured against. `python -m kvserve.bench.figures` renders
+exact command and the peer it was measured against. `python -m benchmarks.lab.figures` renders
 every record under docs/figures/data/<area>/ into one page per area; a newer run of the same
 benchmark overwrites its record, so the page shows the current figure and git keeps the history.
 
@@ -179,7 +179,7 @@ def add_record_arg(parser, area: str) -> None:
                         type=record_target,
                         help="write the figures as a record for the figures pages: a .json "
                              f"path, or with no value docs/figures/data/{area}/ "
-                             "(then run python -m kvserve.bench.figures)")
+                             "(then run python -m benchmarks.lab.figures)")
 
 
 def ratio(a, b) -> float | None:

@@ -24,7 +24,7 @@ import httpx
 from kvserve.bench import datasets, results, spawn
 from kvserve.bench.client import RequestResult, chat_body, completion_body, stream_request
 from kvserve.bench.stats import parse_percentiles, pct_label, summarize
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 
 METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}

@@ -33,7 +33,7 @@ import httpx
 
 from kvserve.bench import spawn
 from kvserve.bench.client import sse_lines
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu kernel "

@@ -17,7 +17,7 @@ import httpx
 
 
 def kvserve_command(port: int, model: str | None = None, extra: list[str] | None = None) -> list:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     return cmd + ([model] if model else []) + list(extra or [])
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvserve.validation import json_object
+from kvserve.utils.validation import json_object
 
 
 @dataclass(frozen=True)

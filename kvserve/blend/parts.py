@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.validation import check_utf8
+from kvserve.utils.validation import check_utf8
 
 DOCUMENT = "document"
 

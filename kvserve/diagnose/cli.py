@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.cli_flags import add_report_args, print_report
+from kvserve.utils.cli_flags import add_report_args, print_report
 
 EPILOG = """\
 LOG is kvserve's request log (`kvserve serve --request-log FILE`) or OpenAI-format JSONL of

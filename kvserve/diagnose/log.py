@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.jsonl import json_line, read_jsonl
+from kvserve.utils.jsonl import json_line, read_jsonl
 
 
 @dataclass

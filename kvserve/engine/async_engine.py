@@ -57,7 +57,7 @@ from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.validation import DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_MAX_WAITING_REQUESTS
+from kvserve.utils.validation import DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger("kvserve")
 

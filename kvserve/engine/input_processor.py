@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Union
 
-from kvserve import features as F
+from kvserve.utils import features as F
 from kvserve.blend.parts import check_spans, tokenize_parts
 from kvserve.config import EngineConfig
 from kvserve.kv.bounded import (
@@ -31,8 +31,8 @@ from kvserve.models.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 from kvserve.structured.compiler import GrammarCompiler
-from kvserve.tokenizer import Tokenizer
-from kvserve.validation import check_cache_salt, check_text_fits, check_token_ids, check_utf8, \
+from kvserve.tokenizer.tokenizer import Tokenizer
+from kvserve.utils.validation import check_cache_salt, check_text_fits, check_token_ids, check_utf8, \
     shorten
 
 # A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
@@ -51,7 +51,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.kv = kv
         self._backend = backend
-        # What the model turns on (kvserve/features.py), for the table's rows a bounded cache
+        # What the model turns on (kvserve/utils/features.py), for the table's rows a bounded cache
         # meets: MLA, sliding windows, a KV cache in another dtype, per-group tables.
         self._features, self._feature_context = F.model_features(model_config,
                                                                  kv_differs_from_model)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.logging_setup import init_logging
+from kvserve.utils.logging_setup import init_logging
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 

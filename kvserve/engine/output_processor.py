@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
-from kvserve.validation import shorten
+from kvserve.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from kvserve.utils.validation import shorten
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Literal
 
 from kvserve.eval.heldout import stdlib_files, stdlib_root
 from kvserve.eval.perplexity import read_text
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 Kind = Literal["english", "code"]
 KINDS: tuple[Kind, ...] = ("english", "code")

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 # What save_pretrained writes for the weights and the model; everything else in a checkpoint
 # directory (the tokenizer's files) is copied next to a re-initialised model.

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve import features as F
+from kvserve.utils import features as F
 
 POLICIES = ("streaming_llm", "snapkv", "h2o")
 ATTENTION_POLICIES = ("snapkv", "h2o")  # select by attention weights: the torch backend only

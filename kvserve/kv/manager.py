@@ -31,6 +31,12 @@ do more (a partial hit, tier loads, a bounded cache's reseat: one group only, as
 it happens) and one fast path for the common one-group `_grow`. `block_tables` is the first
 group's tables: the one table of a one-group manager, and for any manager the requests that
 hold blocks (every group holds the same ones).
+
+The manager's parts, by responsibility: kv/lookup.py (what of a sequence is cached: hashes,
+device and tier matches, prefetches), kv/allocation.py (the block tables: allocate, evict,
+release, trim, free, reseat), kv/sizes.py (block arithmetic), and here what ties them together:
+admission (a hit's blocks and room for the rest, all or nothing), publishing computed blocks
+after a step, and the step's memory plan.
 """
 
 from __future__ import annotations
@@ -39,19 +45,21 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve import features as F
+from kvserve.kv.allocation import BlockAllocation
 from kvserve.kv.block_pool import NULL_BLOCK, BlockPool
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.eviction import EvictionPolicy
-from kvserve.kv.hashing import chain_hashes, extra_keys
+from kvserve.kv.group import Cursor, Group
+from kvserve.kv.hashing import extra_keys
 from kvserve.kv.invariants import check_manager
+from kvserve.kv.lookup import PrefixLookup
 from kvserve.kv.pins import Pins
 from kvserve.kv.plan import ChunkLoad, StepPlan, SwapOut
 from kvserve.kv.prefix_index import Node, NoPrefixCache, PrefixCache, PrefixIndex, PrefixMatch
-from kvserve.kv.seq import CachedSeq, matchable_tokens, tenant_of
-from kvserve.kv.sizes import BlockCounts
+from kvserve.kv.seq import CachedSeq, tenant_of
 from kvserve.kv.swap import SwapMatch
 from kvserve.kv.tiers.link import NoTiers, TieredMatch, Tiers
+from kvserve.utils import features as F
 
 
 @dataclass(frozen=True)
@@ -62,27 +70,8 @@ class Admission:
     num_computed_tokens: int
 
 
-@dataclass
-class _Cursor:
-    """How far a sequence's blocks are in the prefix index: its deepest node, and how many of
-    its leading blocks that node's path accounts for."""
 
-    node: Node
-    num_blocks: int
-    generation: int
-
-
-@dataclass
-class _Group:
-    """One KV group's block tables, prefix index and cursors (one group unless hybrid)."""
-
-    window: int | None  # release blocks wholly before it (None: keep every block)
-    index: PrefixCache
-    tables: dict[str, list[int]]
-    cursors: dict[str, _Cursor]
-
-
-class KVCacheManager(BlockCounts):
+class KVCacheManager(PrefixLookup, BlockAllocation):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str | EvictionPolicy = "lru", tiers: Tiers | None = None,
                  kv_events_capacity: int = 0, window: int | None = None,
@@ -117,7 +106,7 @@ class KVCacheManager(BlockCounts):
         # page_groups: its index holds a prefix exactly when its blocks are stored).
         self.events = KVEventLog(kv_events_capacity)
         self.groups = [
-            _Group(w, PrefixIndex(self.pool, block_size, eviction_policy,
+            Group(w, PrefixIndex(self.pool, block_size, eviction_policy,
                                   self.events if g == 0 else KVEventLog(0), w)
                    if enable_prefix_caching else NoPrefixCache(block_size), {}, {})
             for g, w in enumerate(windows)]
@@ -153,7 +142,7 @@ class KVCacheManager(BlockCounts):
     def num_groups(self) -> int:
         return len(self.groups)
 
-    def _only_group(self, what: str) -> _Group:
+    def _only_group(self, what: str) -> Group:
         if len(self.groups) != 1:
             raise ValueError(f"{what} belongs to one group of {len(self.groups)}: read "
                              "manager.groups[g] of a hybrid manager")
@@ -188,85 +177,6 @@ class KVCacheManager(BlockCounts):
         point, but never past the last matched block (new blocks are published under its
         node, so it must stay in the index)."""
         return min(self.first_held_block(num_tokens, group=group), max(num_nodes - 1, 0))
-
-    # -- prefix cache -----------------------------------------------------------------------
-    def block_hashes(self, seq: CachedSeq, num_blocks: int) -> list[int]:
-        """The sequence's chained block hashes, extended on demand to `num_blocks` full blocks."""
-        hashes = seq.block_hashes
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else 0
-            hashes.extend(chain_hashes(seq.token_ids[: num_blocks * self.block_size],
-                                       self.block_size, extra_keys(seq.cache_salt), parent,
-                                       start_block=len(hashes)))
-        return hashes[:num_blocks]
-
-    def _matchable_hashes(self, seq: CachedSeq) -> list[int]:
-        return self.block_hashes(seq, matchable_tokens(seq) // self.block_size)
-
-    def device_match(self, seq: CachedSeq) -> PrefixMatch:
-        """The longest prefix of a sequence that device blocks hold (in every group)."""
-        limit = matchable_tokens(seq)
-        if limit == 0 or not self.prefix_caching:
-            return PrefixMatch([], block_size=self.block_size)
-        tokens, hashes = seq.token_ids[:limit], self._matchable_hashes(seq)
-        extra = extra_keys(seq.cache_salt)
-        indexes: list[PrefixIndex] = [g.index for g in self.groups]  # type: ignore[misc]
-        if len(indexes) == 1:  # one index can also serve a partial hit (a copy-on-write)
-            return indexes[0].match(tokens, hashes, extra)
-        # Each group's path, and the deepest depth every group can serve. No partial hit (a
-        # copy would be needed in every group at once).
-        paths = [index.walk(tokens, hashes, extra) for index in indexes]
-        valid = [index.valid_depths(p) for index, p in zip(indexes, paths)]
-        depth = max(d for d in range(min(len(p) for p in paths) + 1)
-                    if all(v[d] for v in valid))
-        return PrefixMatch(paths[0][:depth], block_size=self.block_size,
-                           group_nodes=[p[:depth] for p in paths])
-
-    def match(self, seq: CachedSeq) -> PrefixMatch:
-        """The longest cached prefix of a sequence that holds no blocks: device blocks, then
-        chunks in host memory."""
-        match = self.device_match(seq)
-        if matchable_tokens(seq) == 0 or not self.prefix_caching:
-            return match
-        return self.tiers.continue_match(match, self._matchable_hashes(seq))
-
-    def match_after_prefetch(self, seq: CachedSeq) -> PrefixMatch:
-        """`match` as the sequence would find it once a prefetch of its chunks on disk or in
-        Redis were done, without doing one (read-only: the cache report's explain)."""
-        match = self.device_match(seq)
-        if matchable_tokens(seq) == 0 or not self.prefix_caching:
-            return match
-        return self.tiers.match_after_prefetch(match, self._matchable_hashes(seq))
-
-    def hashes_completed_by(self, seq: CachedSeq, num_new_tokens: int) -> list[int]:
-        """Hashes of the full blocks that computing `num_new_tokens` more of `seq` completes (the
-        scheduler lets a request whose next block is among them wait a step and hit it)."""
-        if not self.prefix_caching:
-            return []
-        first = seq.num_computed_tokens // self.block_size
-        last = (seq.num_computed_tokens + num_new_tokens) // self.block_size
-        return self.block_hashes(seq, last)[first:] if last > first else []
-
-    def next_block_hash(self, seq: CachedSeq, match: PrefixMatch) -> int | None:
-        """The hash of the first matchable block that `match` does not cover, if any."""
-        hashes = self._matchable_hashes(seq) if self.prefix_caching else []
-        j = match.num_full_blocks
-        return hashes[j] if j < len(hashes) else None
-
-    def start_prefetch(self, seq: CachedSeq, peer: str | None = None) -> None:
-        """Begin promoting the sequence's chunks from disk/Redis (and `peer`, the instance
-        that computed its prompt) into host memory."""
-        if matchable_tokens(seq) and self.prefix_caching:
-            self.tiers.start_prefetch(seq.request_id, self._matchable_hashes(seq),
-                                      len(self.device_match(seq).nodes), peer)
-
-    def prefetch_pending(self, seq: CachedSeq) -> bool:
-        return self.tiers.prefetch_pending(seq.request_id)
-
-    def wait_for_prefetch(self, seconds: float) -> bool:
-        """Block up to `seconds` for a pending prefetch (an engine with nothing else to do);
-        True if there was one."""
-        return self.tiers.wait_for_prefetch(seconds)
 
     # -- admission --------------------------------------------------------------------------
     def _group_hits(self, match: PrefixMatch) -> list[tuple[int, list[Node]]]:
@@ -341,13 +251,13 @@ class KVCacheManager(BlockCounts):
                     table.append(copy)
             g.tables[seq.request_id] = table
             g.index.touch(nodes, seq.priority)
-            g.cursors[seq.request_id] = _Cursor(node, match.num_full_blocks, g.index.generation)
+            g.cursors[seq.request_id] = Cursor(node, match.num_full_blocks, g.index.generation)
         self._count_hits(seq, match)
         grown = self._grow(seq.request_id, match.num_tokens + num_new_tokens)
         assert grown, "can_admit checked the room"
         return Admission(match.num_tokens)
 
-    def _admit_loaded(self, g: _Group, seq: CachedSeq, match: TieredMatch, table: list[int],
+    def _admit_loaded(self, g: Group, seq: CachedSeq, match: TieredMatch, table: list[int],
                       node: Node) -> Node:
         """Fresh blocks for the chunks found in host memory: their KV goes into the plan, and
         they enter the index like computed blocks (nothing reads them before the plan's loads
@@ -384,139 +294,6 @@ class KVCacheManager(BlockCounts):
             for source, tokens in self.tiers.tokens_by_source(match):
                 self.hit_tokens[source] += tokens
 
-    # -- allocation -------------------------------------------------------------------------
-    def allocate_blocks(self, n: int) -> list[int]:
-        """Take `n` blocks, evicting idle cached ones first if the free list is short; a
-        chunk an eviction ends is named in the plan, to be saved before the block is reused."""
-        short = n - self.pool.num_free
-        if short > 0:
-            for node in self._evict(short):
-                save = self.tiers.save_for_evicted(node)
-                if save is not None:
-                    self._plan.saves.append(save)
-        return self.pool.allocate(n)
-
-    def _evict(self, n: int) -> list[Node]:
-        """Up to `n` idle blocks out of the indexes. With several groups, windowed groups give
-        first, a share from each in turn (each index in its own policy order: LRU hollows the
-        oldest, shallowest entries, which no deep hit needs), and full groups only when they
-        have nothing left: a full group can only drop a path's deepest blocks, which shortens
-        every hit through it, and a hit needs every group."""
-        out: list[Node] = []
-        windowed = [g for g in self.groups if g.window is not None]
-        full = [g for g in self.groups if g.window is None]
-        for tier in (windowed, full):
-            while len(out) < n and tier:
-                before = len(out)
-                for g in tier:
-                    if len(out) >= n:
-                        break
-                    out.extend(g.index.evict(max(1, (n - len(out)) // len(tier))))
-                if len(out) == before:
-                    break
-        return out
-
-    def _release_outside_window(self, seq: CachedSeq) -> None:
-        """Release the blocks wholly before the sequence's window, in each windowed group: no
-        query reads them again (a preempted sequence recomputes from the start). Published
-        ones stay cached, idle."""
-        for i, g in enumerate(self.groups):
-            if g.window is None:
-                continue
-            table = g.tables.get(seq.request_id)
-            end = self.first_held_block(seq.num_computed_tokens, group=i)
-            cursor = g.cursors.get(seq.request_id)
-            if cursor is not None and cursor.num_blocks:
-                # Keep the last published block: the next ones are published under its node.
-                end = min(end, cursor.num_blocks - 1)
-            # Released entries are always a prefix of the table (check_invariants): only the
-            # run between the last released one and `end` is new, not the whole history.
-            if not table or end <= 0 or table[end - 1] == NULL_BLOCK:
-                continue
-            start = end - 1
-            while start > 0 and table[start - 1] != NULL_BLOCK:
-                start -= 1
-            gone = table[start:end]
-            table[start:end] = [NULL_BLOCK] * (end - start)
-            g.index.mark_idle(self.pool.release(gone))
-
-    def _grow(self, request_id: str, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.block_size)  # blocks_for_tokens, once per sequence a step
-        if len(self.groups) == 1:  # the common case, once per running sequence per step
-            table = self.block_tables.setdefault(request_id, [])
-            missing = need - len(table)
-            if missing <= 0:
-                return True
-            if missing > self.pool.num_available:
-                return False
-            table.extend(self.allocate_blocks(missing))
-            return True
-        missing = [need - len(g.tables.get(request_id, ())) for g in self.groups]
-        if sum(missing) > self.pool.num_available:
-            return False
-        for g, m in zip(self.groups, missing):
-            table = g.tables.setdefault(request_id, [])
-            if m > 0:
-                table.extend(self.allocate_blocks(m))
-        return True
-
-    def allocate_slots(self, seq: CachedSeq, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change, beyond releasing
-        blocks that fell out of the window) if the pool is short."""
-        if self._windowed:
-            self._release_outside_window(seq)
-        return self._grow(seq.request_id,  # kv_length(seq), inline: every sequence, every step
-                          seq.num_computed_tokens - seq.num_dropped_tokens + num_new_tokens)
-
-    def trim(self, seq: CachedSeq, num_tokens: int) -> None:
-        """Give back the blocks wholly past the sequence's first `num_tokens` (speculative
-        decoding: the slots of rejected drafts; never published, so they go straight back)."""
-        keep = self.blocks_for_tokens(num_tokens - seq.num_dropped_tokens)
-        for g in self.groups:
-            table = g.tables.get(seq.request_id)
-            if table is not None and len(table) > keep:
-                gone = table[keep:]
-                del table[keep:]
-                g.index.mark_idle(self.pool.release(gone))
-
-    def free(self, seq: CachedSeq) -> None:
-        """Give back every block of a finished, aborted or preempted sequence; cached blocks stay
-        in the index, idle, until evicted."""
-        self.tiers.forget(seq.request_id)
-        for g in self.groups:
-            g.cursors.pop(seq.request_id, None)
-            table = g.tables.pop(seq.request_id, None)
-            if table:
-                g.index.mark_idle(self.pool.release(b for b in table if b != NULL_BLOCK))
-
-    def reseat(self, seq: CachedSeq, num_blocks: int) -> tuple[list[int], list[int]] | None:
-        """Move a bounded sequence (kvserve.kv.bounded) onto `num_blocks` fresh private blocks,
-        for its compacted KV: returns (old table, new table), or None (no change) if the pool
-        lacks the blocks. The old blocks are released at once (cached ones stay in the index,
-        idle) but keep their KV until the next allocation, so the caller copies the kept tokens
-        out of them before anything allocates. The sequence inserts nothing more into the
-        prefix index: its blocks no longer hold the KV their tokens' hashes name."""
-        if len(self.groups) > 1:
-            F.refuse(F.BOUNDED, F.HYBRID)
-        [g] = self.groups
-        if num_blocks > self.pool.num_available:
-            return None
-        fresh = self.allocate_blocks(num_blocks)
-        old = g.tables[seq.request_id]
-        g.tables[seq.request_id] = fresh
-        g.cursors.pop(seq.request_id, None)
-        g.index.mark_idle(self.pool.release([b for b in old if b != NULL_BLOCK]))
-        return old, fresh
-
-    def block_table(self, seq: CachedSeq) -> list[int]:
-        """The first group's table: the one table of a one-group manager (the scheduler's
-        common case; `group_block_tables` for every group)."""
-        return self.block_tables[seq.request_id]
-
-    def group_block_tables(self, seq: CachedSeq) -> list[list[int]]:
-        """Every group's table, in group order."""
-        return [g.tables[seq.request_id] for g in self.groups]
-
     # -- after a step -----------------------------------------------------------------------
     def cache_full_blocks(self, seq: CachedSeq) -> None:
         """Insert the sequence's newly computed full blocks into each group's prefix index
@@ -526,7 +303,7 @@ class KVCacheManager(BlockCounts):
         for g in self.groups:
             self._publish(g, seq)
 
-    def _publish(self, g: _Group, seq: CachedSeq) -> None:
+    def _publish(self, g: Group, seq: CachedSeq) -> None:
         cursor = g.cursors.get(seq.request_id)
         if cursor is None:
             return

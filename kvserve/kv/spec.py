@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.dtypes import short_dtype_name
+from kvserve.utils.dtypes import short_dtype_name
 
 
 # -- storage formats ------------------------------------------------------------------------
@@ -42,7 +42,7 @@ KV_DTYPES = {
     "int8": KVDType("int8", 8, True, torch.uint8),
     "int4": KVDType("int4", 4, True, torch.uint8),
 }
-# fp8's spellings; the float dtypes' spellings come from kvserve.dtypes (the one alias table).
+# fp8's spellings; the float dtypes' spellings come from kvserve.utils.dtypes (the one alias table).
 _FP8_ALIASES = {"fp8_e4m3": "fp8", "fp8_ds_mla": "fp8", "e4m3": "fp8", "e5m2": "fp8_e5m2"}
 # The names `--kv-cache-dtype` accepts (vLLM's, plus int8 and int4), for messages and --help.
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16",

@@ -26,8 +26,8 @@ import logging
 
 import torch
 
-from kvserve import features as F
-from kvserve import hugepages
+from kvserve.utils import features as F
+from kvserve.utils import hugepages
 from kvserve.kv.quant import BlockState, KVScales, make_codecs
 from kvserve.kv.spec import KVCacheSpec, KVGroup
 

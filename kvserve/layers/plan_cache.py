@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 

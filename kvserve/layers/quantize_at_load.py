@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kvserve import quant_formats
+from kvserve.utils import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers.block import PROJECTION_ATTRS
 from kvserve.layers.quant_linear import QuantWeight

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvserve.dtypes import DTYPES, canonical_dtype, to_torch_dtype
+from kvserve.utils.dtypes import DTYPES, canonical_dtype, to_torch_dtype
 from kvserve.kernels.cpu import gemv, panel_gemm, qgemv
 from kvserve.kernels.cpu.cpu_features import cpu_info
 from kvserve.layers import gemm_select

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from kvserve import hugepages, quant_formats
+from kvserve.utils import hugepages, quant_formats
 from kvserve.layers.block import PROJECTION_ATTRS
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.model_loader.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf

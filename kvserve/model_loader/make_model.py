@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kvserve.dtypes import DTYPES, to_torch_dtype
+from kvserve.utils.dtypes import DTYPES, to_torch_dtype
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.models import registry
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 ARCHS = registry.MAKE_ARCHS
 SIZES = ("tiny", "small", "qwen3-0.6b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b",
@@ -51,7 +51,7 @@ _SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=32768, tie_word_embeddings=False),
-    # The shapes CPU users run as GGUF files (kvserve/bench/gguf_models.py converts them
+    # The shapes CPU users run as GGUF files (benchmarks/lab/gguf_models.py converts them
     # with llama.cpp's own tools; the speed-at-scale figures are taken on them).
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -190,9 +190,7 @@ def make_model(out_dir: str | Path, arch: str = DEFAULT_ARCH, size: str = DEFAUL
     bos, eos = 0, 2
     train_tokenizer = None
     if with_tokenizer:
-        from kvserve import (
-            tokenizer_train as tok,  # lazy: only needed when writing a tokenizer
-        )
+        from kvserve.tokenizer import train as tok
 
         train_tokenizer = tok.train_tokenizer
         bos, eos = tok.BOS_TOKEN_ID, tok.EOS_TOKEN_ID

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve import quant_formats
+from kvserve.utils import quant_formats
 from kvserve.kernels.cpu import qgemv
 from kvserve.layers.block import PROJECTION_ATTRS
 from kvserve.layers.plan import ExecutionPlan

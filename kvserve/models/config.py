@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.dtypes import DTYPES, canonical_dtype
+from kvserve.utils.dtypes import DTYPES, canonical_dtype
 from kvserve.models.deepseek_config import MLAConfig, MoEConfig
 
 

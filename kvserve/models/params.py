@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve import hugepages
+from kvserve.utils import hugepages
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:

@@ -22,7 +22,7 @@ from kvserve.layers.selection import resolve_dtype
 from kvserve.parallel.comm import exchange_slot_bytes
 from kvserve.parallel.executor import MultiprocExecutor
 from kvserve.model_loader.tp_layout import check_tp
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
 

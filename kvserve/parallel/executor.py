@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
-from kvserve.ports import free_port
+from kvserve.utils.ports import free_port
 from kvserve.worker.executor import ExecutorDied
 from kvserve.worker.step import StepFailed, StepInput, StepOutput
 from kvserve.parallel.channel import Broadcast, read_reply

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.cli_flags import add_report_args, print_report
+from kvserve.utils.cli_flags import add_report_args, print_report
 from kvserve.planner import presets
 from kvserve.planner.units import parse_bytes, parse_tokens
-from kvserve.quant_formats import QUANTIZATIONS
+from kvserve.utils.quant_formats import QUANTIZATIONS
 
 EPILOG = """examples:
   kvserve plan llama-2-7b --kv-cache-dtype fp16 --max-model-len 4096

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.dtypes import short_dtype_name
+from kvserve.utils.dtypes import short_dtype_name
 from kvserve.kv.spec import (KV_DTYPES, KVCacheSpec, KVStorage, MLALatentSpec, decoder_kv_spec,
                              mla_saving_line)
 from kvserve.kv.spec import resolve_kv_dtype as _resolve_kv_dtype

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvserve.dtypes import short_dtype_name
+from kvserve.utils.dtypes import short_dtype_name
 from kvserve.models.config import ModelConfig, checkpoint_dtype, layer_windows, read_json_object
 from kvserve.models.deepseek_config import MLAConfig, parse_mla
 from kvserve.model_loader.gguf_checkpoint import is_gguf, open_gguf

@@ -44,14 +44,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.anthropic_errors import anthropic_error, is_anthropic_path
+from kvserve.frontend.anthropic_errors import anthropic_error, is_anthropic_path
 from kvserve.router.events import subscribe
 from kvserve.router.keys import PrefixKeyer
 from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policies import NoReplicaAvailable, RoutingPolicy
 from kvserve.router.replicas import ReplicaState, check_once, health_loop
 from kvserve.web import install_web
-from kvserve.tenancy import Credentials, client_key
+from kvserve.frontend.tenancy import Credentials, client_key
 
 logger = logging.getLogger("kvserve.router")
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.kv.hashing import chain_hashes, extra_keys
-from kvserve.tenancy import cache_namespace, key_digest
+from kvserve.frontend.tenancy import cache_namespace, key_digest
 
 TEXT_BYTES_PER_TOKEN = 4  # a rough BPE average; only the granularity of text keys depends on it
 
@@ -103,8 +103,8 @@ class PrefixKeyer:
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.tokenizer = tokenizer  # kvserve.tokenizer.Tokenizer, or None
-        self.kv_isolation = kv_isolation  # the replicas' --kv-isolation (kvserve/tenancy.py)
+        self.tokenizer = tokenizer  # kvserve.tokenizer.tokenizer.Tokenizer, or None
+        self.kv_isolation = kv_isolation  # the replicas' --kv-isolation (kvserve/frontend/tenancy.py)
 
     def token_keys(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         return chain_hashes(token_ids, self.block_size, extra_keys(salt))

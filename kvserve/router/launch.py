@@ -7,9 +7,9 @@ import argparse
 import logging
 import os
 
-from kvserve.cli_flags import add_balance_args
+from kvserve.utils.cli_flags import add_balance_args
 from kvserve.router.policies import GATEWAY_POLICIES
-from kvserve.tenancy import KV_ISOLATION
+from kvserve.frontend.tenancy import KV_ISOLATION
 
 logger = logging.getLogger("kvserve.router")
 
@@ -75,7 +75,7 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
 def load_tokenizer(path: str | None):
     if path is None:
         return None
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
     from kvserve.model_loader.default import NAME, embedded_model_path
     from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
@@ -113,7 +113,7 @@ def build_gateway(args: argparse.Namespace):
     from kvserve.router.keys import PrefixKeyer
     from kvserve.router.policies import make_policy
     from kvserve.router.replicas import ReplicaState
-    from kvserve.tenancy import Credentials
+    from kvserve.frontend.tenancy import Credentials
 
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
@@ -146,7 +146,7 @@ def build_gateway(args: argparse.Namespace):
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.logging_setup import init_logging, uvicorn_log_config
+    from kvserve.utils.logging_setup import init_logging, uvicorn_log_config
     from kvserve.router.app import build_router_app
     from kvserve.router.disagg import DisaggGateway
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.anthropic_errors import anthropic_error, is_anthropic_path
+from kvserve.frontend.anthropic_errors import anthropic_error, is_anthropic_path
 from kvserve.server.protocol import MAX_STOP, error_body
 
 

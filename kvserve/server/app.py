@@ -31,7 +31,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.kv_events import KVEventPublisher
 from kvserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from kvserve.server import serving_pins
-from kvserve.anthropic_errors import anthropic_error, is_anthropic_path
+from kvserve.frontend.anthropic_errors import anthropic_error, is_anthropic_path
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, shaped_error
 from kvserve.server.auth import AccessPolicy, AuthMiddleware, caller_of
 from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequest,
@@ -41,7 +41,7 @@ from kvserve.server.protocol import (APIError, CacheExplainRequest, CachePinRequ
 from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.server.serving_messages import MessagesServing
 from kvserve.web import install_web
-from kvserve.validation import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvserve.utils.validation import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("kvserve")
 

@@ -1,4 +1,4 @@
-"""The `kvserve serve` flags beyond the shared engine flags of `kvserve.cli.add_engine_args`
+"""The `kvserve serve` flags beyond the shared engine flags of `kvserve.entrypoints.cli.add_engine_args`
 (vLLM's names; --kv-cache-dtype is an engine flag, EngineConfig.kv_cache_dtype). Only argparse
 here, so that building the CLI parser stays cheap."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.tenancy import KV_ISOLATION
-from kvserve.validation import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST,
+from kvserve.frontend.tenancy import KV_ISOLATION
+from kvserve.utils.validation import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST,
                                 DEFAULT_MAX_WAITING_REQUESTS)
 
 

@@ -27,9 +27,9 @@ from fastapi.responses import JSONResponse
 
 from kvserve.server.anthropic_protocol import shaped_error
 from kvserve.server.protocol import APIError
-from kvserve.tenancy import KV_ISOLATION, Credentials, bearer_of, cache_namespace
+from kvserve.frontend.tenancy import KV_ISOLATION, Credentials, bearer_of, cache_namespace
 from kvserve.web import is_public
-from kvserve.validation import check_cache_salt
+from kvserve.utils.validation import check_cache_salt
 
 logger = logging.getLogger("kvserve")
 
@@ -116,7 +116,7 @@ class AccessPolicy:
             "--allow-unauthenticated-admin)"
 
     def namespace(self, caller: Caller, cache_salt: str | None) -> str | None:
-        """The cache namespace (the engine's cache_salt) of a request (kvserve/tenancy.py);
+        """The cache namespace (the engine's cache_salt) of a request (kvserve/frontend/tenancy.py);
         the caller's own salt is checked first, as the engine would check it."""
         try:
             check_cache_salt(cache_salt)

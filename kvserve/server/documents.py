@@ -16,7 +16,7 @@ from typing import Any
 
 from kvserve.blend.parts import DOCUMENT, tokenize_parts
 from kvserve.server.protocol import APIError
-from kvserve.validation import check_text_fits
+from kvserve.utils.validation import check_text_fits
 
 START, END = "\ue000", "\ue001"  # private-use characters around a document's rendered text
 

@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-from kvserve.logging_setup import init_logging, uvicorn_log_config
+from kvserve.utils.logging_setup import init_logging, uvicorn_log_config
 
 logger = logging.getLogger("kvserve")
 
@@ -54,7 +54,7 @@ def warm_up_gemms(engine) -> Iterator[None]:
 def access_policy(args: argparse.Namespace):
     """Keys, roles and isolation from the flags (server/auth.py)."""
     from kvserve.server.auth import AccessPolicy
-    from kvserve.tenancy import Credentials
+    from kvserve.frontend.tenancy import Credentials
 
     credentials = Credentials.from_args(args.api_key, args.api_key_file, args.admin_api_key,
                                         os.environ)

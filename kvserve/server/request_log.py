@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.jsonl import json_line
+from kvserve.utils.jsonl import json_line
 from kvserve.server.protocol import ChatCompletionRequest
 
 logger = logging.getLogger("kvserve")
@@ -71,7 +71,7 @@ class RequestLog:
                      outputs, arrival: float, namespace: str | None = None) -> None:
         """One line per finished engine request of a chat or completions request (a chat
         request is one prompt; a completions request may hold several). `namespace`: the
-        cache namespace the request was served in (kvserve/tenancy.py), written as
+        cache namespace the request was served in (kvserve/frontend/tenancy.py), written as
         "namespace" when it is not the request's own cache_salt (--kv-isolation api_key or
         none), so that `kvserve diagnose` replays the sharing that happened."""
         for prompt, rid, out in zip(prompts, engine_ids, outputs):

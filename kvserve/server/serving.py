@@ -32,8 +32,8 @@ from kvserve.server.auth import AccessPolicy, caller_of
 from kvserve.server.serving_logprobs import LogprobFormatter
 from kvserve.server.streaming import wait_for_disconnect
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.tokenizer import holdback
-from kvserve.validation import check_text_fits, shorten
+from kvserve.tokenizer.tokenizer import holdback
+from kvserve.utils.validation import check_text_fits, shorten
 
 logger = logging.getLogger("kvserve")
 
@@ -63,7 +63,7 @@ class Prepared:
     params: SamplingParams
     stop_list: list[str]
     engine_ids: list[str] = field(default_factory=list)
-    namespace: str | None = None  # the engine's cache_salt (kvserve/tenancy.py)
+    namespace: str | None = None  # the engine's cache_salt (kvserve/frontend/tenancy.py)
     tenant: str | None = None  # for tenant quotas (--kv-tenant-by api_key): the API key
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.outputs import RequestOutput
-from kvserve.tokenizer import BYTE_DECODER
+from kvserve.tokenizer.tokenizer import BYTE_DECODER
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 

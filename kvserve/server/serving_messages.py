@@ -32,7 +32,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from kvserve.anthropic_errors import anthropic_error
+from kvserve.frontend.anthropic_errors import anthropic_error
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, Tool
 from kvserve.server.cache_control import message_control
 from kvserve.server.protocol import APIError, ChatCompletionRequest

@@ -7,11 +7,11 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from kvserve.jsonl import json_line
+from kvserve.utils.jsonl import json_line
 
 
 def sse(obj: Any, event: str | None = None) -> str:
-    """One server-sent event carrying `obj` as compact JSON on one line (kvserve.jsonl), named
+    """One server-sent event carrying `obj` as compact JSON on one line (kvserve.utils.jsonl), named
     `event` if given."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json_line(obj)}\n\n"

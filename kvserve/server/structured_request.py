@@ -16,7 +16,7 @@ from kvserve.server.tool_parser import (ForcedToolCalls, ToolCallStream, assembl
                                         parse_tool_calls)
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.structured.tool_calls import parameters_schema, required_calls_schema
-from kvserve.validation import shorten
+from kvserve.utils.validation import shorten
 
 # vLLM's names before 0.12 (which removed them) -> the structured_outputs key that replaced them.
 LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

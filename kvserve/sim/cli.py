@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.cli_flags import add_balance_args, add_report_args, print_report
+from kvserve.utils.cli_flags import add_balance_args, add_report_args, print_report
 
 EPILOG = """examples:
   kvserve simulate --generator gsp --capacity 32k,64k,128k,256k --policy all --plot hit.png

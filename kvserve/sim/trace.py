@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.jsonl import read_jsonl
+from kvserve.utils.jsonl import read_jsonl
 
 _MAX_TOKEN = 2**62  # token ids are hashed as int64; larger hash ids are renumbered above this
 

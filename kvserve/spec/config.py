@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.quant_formats import QUANTIZATIONS
-from kvserve.validation import json_object
+from kvserve.utils.quant_formats import QUANTIZATIONS
+from kvserve.utils.validation import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 BUILT = METHODS

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvserve.validation import shorten
+from kvserve.utils.validation import shorten
 
 # Fields vLLM's StructuredOutputsParams has that kvserve refuses, with why.
 _REFUSED = {

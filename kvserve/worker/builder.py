@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvserve import features as F
+from kvserve.utils import features as F
 from kvserve.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvserve.worker.executor import InProcessExecutor
 from kvserve.worker.model_build import load_model
@@ -42,7 +42,7 @@ from kvserve.attention.select import make_attention_backend
 from kvserve.models.config import ModelConfig
 from kvserve.models.decoder import CausalLM
 from kvserve.model_loader.gguf_checkpoint import tokenizer_dir
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
 

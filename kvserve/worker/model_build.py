@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve import features as F
-from kvserve import quant_formats
-from kvserve.dtypes import canonical_dtype
+from kvserve.utils import features as F
+from kvserve.utils import quant_formats
+from kvserve.utils.dtypes import canonical_dtype
 from kvserve.layers import selection
 from kvserve.layers.kernel_choice import integer_rows, override
 from kvserve.layers.plan import ExecutionPlan, TensorParallel

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvserve.kernels.cpu.cpu_features import cpu_info, march
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 if TYPE_CHECKING:
     import torch

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve import hugepages
+from kvserve.utils import hugepages
 from kvserve.kernels.cpu import cpu_ext
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm.cpp"

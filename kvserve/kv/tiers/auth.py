@@ -17,7 +17,7 @@ Where the key comes from, first match wins:
 1. a key file named in the configuration (`auth_key_file` of the tier config, or of
    `kv_transfer_config`'s `kv_connector_extra_config`);
 2. the environment variable `KVSERVE_KV_AUTH_KEY`;
-3. a random key created once, mode 0600, under the kvserve cache directory (kvserve/paths.py):
+3. a random key created once, mode 0600, under the kvserve cache directory (kvserve/utils/paths.py):
    processes of one user on one machine agree without configuration (a producer and its
    consumer, a disk tier reused across restarts); replicas on other machines, or sharing a
    Redis, must be given the same key by 1 or 2.
@@ -37,7 +37,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 logger = logging.getLogger("kvserve.tiers")
 

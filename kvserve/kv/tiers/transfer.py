@@ -28,7 +28,7 @@ from typing import Any
 
 from kvserve.kv.tiers.config import GB, TierConfig, check_keys
 from kvserve.kv.tiers.producers import Producer, parse_producers, resolve_producer
-from kvserve.validation import json_object
+from kvserve.utils.validation import json_object
 
 CONNECTORS = ("kvserve", "redis")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 logger = logging.getLogger("kvserve")
 

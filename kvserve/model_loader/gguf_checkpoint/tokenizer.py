@@ -1,6 +1,6 @@
 """A GGUF's tokenizer metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`) as the
 tokenizer.json / tokenizer_config.json / generation_config.json a Hugging Face checkpoint
-carries, so `kvserve.tokenizer.Tokenizer.from_dir` loads it like any other.
+carries, so `kvserve.tokenizer.tokenizer.Tokenizer.from_dir` loads it like any other.
 
 Byte-level BPE ("gpt2", the tokenizer of Llama 3, Qwen, SmolLM and most recent models) is
 built; the text is split before BPE by the regexes llama.cpp uses for the file's

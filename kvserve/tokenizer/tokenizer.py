@@ -1,7 +1,7 @@
 """Tokenizer: a thin wrapper over `tokenizers.Tokenizer` plus what a serving engine needs around it.
 
 * `Tokenizer` loads a Hugging Face tokenizer directory (a real checkpoint's, or one written by
-  `kvserve.tokenizer_train.train_tokenizer`), encodes, decodes, collects the end of sequence ids
+  `kvserve.tokenizer.train.train_tokenizer`), encodes, decodes, collects the end of sequence ids
   from the three places checkpoints keep them, and renders chat templates the way Hugging Face
   does (sandboxed Jinja, `trim_blocks`/`lstrip_blocks`, non-ASCII `tojson`).
 * `IncrementalDetokenizer` turns a stream of token ids into a stream of text deltas, holding back

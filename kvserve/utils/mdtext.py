@@ -1,5 +1,5 @@
-"""Text as Markdown inline text, for the pages generated from the code (kvserve/docs_ref.py)
-and from the benchmarks' result records (kvserve/bench/figures.py). A leaf module: both
+"""Text as Markdown inline text, for the pages generated from the code (kvserve/entrypoints/docs_ref.py)
+and from the benchmarks' result records (benchmarks/lab/figures.py). A leaf module: both
 generators use it without importing each other (docs_ref imports the command line, which
 imports kvserve.bench)."""
 

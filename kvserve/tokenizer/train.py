@@ -1,7 +1,7 @@
 """The tokenizer the tests and `make_model` checkpoints ship: a small byte-level BPE trained
 offline, from a corpus generated in code, written in Hugging Face format.
 
-It lives apart from `kvserve.tokenizer` because serving never trains: the engine only loads,
+It lives apart from `kvserve.tokenizer.tokenizer` because serving never trains: the engine only loads,
 encodes and decodes, and should not carry a word list and a PRNG to do so. The corpus is built
 from a fixed seed with a fixed PRNG (not Python's `random`), so the same arguments give
 byte-identical files on every machine and every Python version.

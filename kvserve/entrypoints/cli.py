@@ -88,8 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvserve.demo import DemoOptions, run_demo
-    from kvserve.logging_setup import init_logging
+    from kvserve.entrypoints.demo import DemoOptions, run_demo
+    from kvserve.utils.logging_setup import init_logging
 
     init_logging()  # the engine's start-up lines (the KV capacity line among them)
     run_demo(DemoOptions(max_tokens=args.max_tokens,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 NAME = "bench-qwen2-small"
 _STAMP_FILE = ".bench-stamp.json"

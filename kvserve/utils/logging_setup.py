@@ -95,7 +95,7 @@ def uvicorn_log_config() -> dict[str, Any]:
 
     config = copy.deepcopy(LOGGING_CONFIG)
     for name, formatter in config["formatters"].items():
-        formatter["()"] = "kvserve.logging_setup.uvicorn_formatter"
+        formatter["()"] = "kvserve.utils.logging_setup.uvicorn_formatter"
         formatter["access"] = name == "access"
     return config
 

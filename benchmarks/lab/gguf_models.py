@@ -15,7 +15,7 @@ The peer comparisons with llama.cpp in benchmarks/ call `ensure`. Needs a llama.
 sdist's vendored tree, built with `--target llama-quantize ...`) and `sentencepiece`
 importable (the converter imports it).
 
-    PYTHONPATH=$PWD .venv/bin/python -m kvserve.bench.gguf_models \\
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.lab.gguf_models \\
         --llama-src /tmp/llsrc/llama_cpp_python-0.3.36 --shapes llama-3.2-1b \\
         --types Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0
 """
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.paths import cache_dir
+from kvserve.utils.paths import cache_dir
 
 SHAPES = {  # make-model size -> (architecture, vocabulary override)
     "llama-3.2-1b": ("llama", 49152),

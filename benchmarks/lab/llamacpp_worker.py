@@ -1,4 +1,4 @@
-"""llama-cpp-python's side of the llama.cpp comparisons (kvserve/bench/llamacpp.py), run as a
+"""llama-cpp-python's side of the llama.cpp comparisons (benchmarks/lab/llamacpp.py), run as a
 script by llama.cpp's own interpreter: it imports neither torch nor kvserve, so the peer runs
 as its users run it. Prints one JSON object.
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvserve.bench.harness import worker_env
+from benchmarks.lab.harness import worker_env
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
@@ -27,7 +27,7 @@ _RSS_WRAPPER = ("import resource, subprocess, sys\n"
 
 def bin_dir(llama_src: Path) -> Path:
     """build/bin of the llama.cpp tree in a llama-cpp-python sdist (or of the tree itself)."""
-    from kvserve.bench.gguf_models import llama_tree
+    from benchmarks.lab.gguf_models import llama_tree
 
     return llama_tree(Path(llama_src)) / "build" / "bin"
 
