@@ -271,3 +271,34 @@ def test_the_loader_matches_no_pointers():
     users = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "model_loader").rglob("*.py")
              if "data_ptr" in p.read_text(encoding="utf-8")]
     assert not users, users
+
+
+# -- Issue 65, item 3: architecture flags out of ModelConfig ----------------------------------
+# ModelConfig's fields that every architecture shares, or that the engine, the planner and the
+# attention backends read (sizes, heads, vocabulary, windows, RoPE, EOS, dtype, the attention
+# scale's inputs and soft-cap, MLA's cache layout, MoE's experts for the planner).
+SHARED_CONFIG_FIELDS = {
+    "architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
+    "layer_windows", "torch_dtype", "eos_token_id", "mla", "moe", "attn_logit_softcapping",
+    "query_pre_attn_scalar", "attention_multiplier", "rotary_dim", "family"}
+# Per-architecture switches still read by the shared decoder. This list may only shrink: a
+# family's own setting goes in its own dataclass (`ModelConfig.family`, as Granite's
+# `GraniteSettings`) or its own layer's constructor arguments, not here.
+ARCHITECTURE_FIELDS_LEFT = {
+    "attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "qk_norm_per_head", "hidden_act",
+    "pre_norms", "output_norms", "embed_scale", "final_logit_softcapping", "logits_scaling",
+    "sliding_rope_theta", "rope_layers"}
+
+
+def test_model_config_holds_no_new_architecture_flag():
+    from dataclasses import fields
+
+    from kvserve.models.config import ModelConfig
+
+    names = {f.name for f in fields(ModelConfig)}
+    assert names - SHARED_CONFIG_FIELDS == ARCHITECTURE_FIELDS_LEFT, (
+        "added: " + str(sorted(names - SHARED_CONFIG_FIELDS - ARCHITECTURE_FIELDS_LEFT))
+        + "; gone (take them off ARCHITECTURE_FIELDS_LEFT): "
+        + str(sorted(ARCHITECTURE_FIELDS_LEFT - names)))

@@ -169,8 +169,7 @@ class CausalLM(nn.Module):
         self.rope_of_layer = [0] * config.num_hidden_layers
         local = None
         if config.sliding_rope_theta is not None:
-            local = rope_cache(config, device, config.sliding_rope_theta,
-                               config.sliding_rope_scaling)
+            local = rope_cache(config, device, config.sliding_rope_theta)
             self.rope_of_layer = [int(w is not None) for w in config.windows]
         elif not all(config.rope_layers):  # SmolLM3's NoPE layers: a table that rotates nothing
             local = identity_rope_cache(config, device)
