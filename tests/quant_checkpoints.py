@@ -35,14 +35,14 @@ def default_float_checkpoint(out: Path) -> Path:
     c = config
     sizes = {"qkv_proj": (c.q_size, c.kv_size, c.kv_size),
              "gate_up_proj": (c.intermediate_size, c.intermediate_size)}
-    tensors = {"model.embed_tokens.weight": model.embed_tokens,
+    tensors = {"model.embed_tokens.weight": model.embed_tokens.weight,
                "model.norm.weight": model.norm}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = layer.input_layernorm
         tensors[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
         for attr, (module, names) in PROJECTIONS.items():
-            w = getattr(layer, attr)
+            w = getattr(layer, attr).weight
             parts = w.split(sizes[attr]) if attr in sizes else (w,)
             for name, part in zip(names, parts):
                 tensors[f"{p}{module}.{name}.weight"] = part

@@ -553,3 +553,89 @@ def test_console_scripts_name_callables():
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
+
+
+# -- Issue 65, item 1: projections own their weights ------------------------------------------
+# Where model parts are built, loaded and prepared. Outside its own class nothing assigns an
+# attribute of a model part (no `setattr(layer, ...)`, no `layer.x = ...`): a projection takes
+# a file's blocks, frees or replaces its weight through its own methods
+# (kvserve/layers/projection.py), and a method keeps what it makes in itself.
+MODEL_SIDE = ("models", "layers", "model_loader")
+# The attribute stores on objects other than `self` that are left, none on a model part:
+# the GEMM plan's own record (a measured plan's kernels and source) and the GGUF reader's
+# tensor record (the checkpoint name it maps to).
+ALLOWED_FOREIGN_STORES = {("layers/gemm_select.py", "plan.kernels"),
+                          ("layers/gemm_select.py", "plan.source"),
+                          ("model_loader/loader.py", "tensor.name")}
+
+
+def foreign_stores(tree: ast.AST) -> list[str]:
+    """Every `x.attr = ...` (also augmented, annotated and in tuples) and `setattr(x, ...)` /
+    `delattr(x, ...)` whose object is not the enclosing method's `self` (or `cls`), as the
+    source text of its target."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            found += [ast.unparse(t) for t in ast.walk(target)
+                      if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                      and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and node.args \
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self"):
+            found.append(ast.unparse(node.args[0]) + " (" + node.func.id + ")")
+    return found
+
+
+def test_foreign_store_finder_sees_each_form():
+    code = ("layer.w = 1\nsetattr(model, 'x', None)\nself.ok = 1\na.b, c = 1, 2\n"
+            "m.n += 1\nsetattr(self, 'ok', 2)\n")
+    assert sorted(foreign_stores(ast.parse(code))) == ["a.b", "layer.w", "m.n",
+                                                       "model (setattr)"]
+
+
+def test_no_module_assigns_a_model_parts_attributes():
+    found = {(str(p.relative_to(PACKAGE)), store)
+             for package in MODEL_SIDE for p in (PACKAGE / package).rglob("*.py")
+             for store in foreign_stores(ast.parse(p.read_text(encoding="utf-8")))}
+    assert found <= ALLOWED_FOREIGN_STORES, sorted(found - ALLOWED_FOREIGN_STORES)
+
+
+def test_the_loader_matches_no_pointers():
+    """A checkpoint tensor's projection is named by the weight map (`Target.owner`), not
+    found by comparing addresses."""
+    users = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "model_loader").rglob("*.py")
+             if "data_ptr" in p.read_text(encoding="utf-8")]
+    assert not users, users
+
+
+# -- Issue 65, item 3: architecture flags out of ModelConfig ----------------------------------
+# ModelConfig's fields that every architecture shares, or that the engine, the planner and the
+# attention backends read (sizes, heads, vocabulary, windows, RoPE, EOS, dtype, the attention
+# scale's inputs and soft-cap, MLA's cache layout, MoE's experts for the planner).
+SHARED_CONFIG_FIELDS = {
+    "architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
+    "layer_windows", "torch_dtype", "eos_token_id", "mla", "moe", "attn_logit_softcapping",
+    "query_pre_attn_scalar", "attention_multiplier", "rotary_dim", "family"}
+# Per-architecture switches still read by the shared decoder. This list may only shrink: a
+# family's own setting goes in its own dataclass (`ModelConfig.family`, as Granite's
+# `GraniteSettings`) or its own layer's constructor arguments, not here.
+ARCHITECTURE_FIELDS_LEFT = {
+    "attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "qk_norm_per_head", "hidden_act",
+    "pre_norms", "output_norms", "embed_scale", "final_logit_softcapping", "logits_scaling",
+    "sliding_rope_theta", "rope_layers"}
+
+
+def test_model_config_holds_no_new_architecture_flag():
+    from dataclasses import fields
+
+    from kvserve.models.config import ModelConfig
+
+    names = {f.name for f in fields(ModelConfig)}
+    assert names - SHARED_CONFIG_FIELDS == ARCHITECTURE_FIELDS_LEFT, (
+        "added: " + str(sorted(names - SHARED_CONFIG_FIELDS - ARCHITECTURE_FIELDS_LEFT))
+        + "; gone (take them off ARCHITECTURE_FIELDS_LEFT): "
+        + str(sorted(ARCHITECTURE_FIELDS_LEFT - names)))

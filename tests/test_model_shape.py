@@ -17,11 +17,16 @@ import torch
 
 from conftest import make_hf_checkpoint
 from kvserve import LLM, SamplingParams
+from kvserve.utils.quant_formats import FileBlocks
 from kvserve.layers.cpu_linear import gemv_available, onednn_available
 from kvserve.kernels.cpu import panel_gemm
 from kvserve.models.decoder import CausalLM
 
 CPU = torch.device("cpu")
+# What a part holds as data: tensors, and a file's blocks of a weight (a projection's
+# `file_blocks`, handed over by the loader: bytes, not behaviour). An attribute that is None
+# is left out of a walk, so one that gets an object later shows as added.
+DATA = (torch.Tensor, FileBlocks)
 
 
 def shape_of(model: torch.nn.Module) -> dict[str, dict[str, object]]:
@@ -31,7 +36,8 @@ def shape_of(model: torch.nn.Module) -> dict[str, dict[str, object]]:
     for name, module in model.named_modules():
         attrs: dict[str, object] = {"<module>": (type(module).__name__, id(module))}
         for key, value in vars(module).items():
-            if key.startswith("_") or key == "training" or isinstance(value, torch.Tensor):
+            if key.startswith("_") or key == "training" or value is None \
+                    or isinstance(value, DATA):
                 continue
             attrs[key] = (type(value).__name__, id(value))
         out[name] = attrs

@@ -221,7 +221,7 @@ def prefill_error(quant, dense, prompts: list[list[int]]) -> tuple[float, float]
         del model.compute_logits
     b = first_token_logits(dense, [prompts])
     err = max((a[tuple(p)] - b[tuple(p)]).abs().max().item() for p in prompts)
-    table = dense.engine.model.embed_tokens.detach()
+    table = dense.engine.model.embed_tokens.weight.detach()
     return err, FLOAT_LOGITS + max(
         _head_allowance(model.head.buckets[bucket_of(h.shape[0])], h, table) for h in hidden)
 
@@ -256,7 +256,8 @@ def test_engine_keeps_the_blocks(engines):
     for layer in model.layers:
         assert set(layer.quant_weights) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
         assert {w.type_name for w in layer.quant_weights.values()} == {"Q4_1"}
-        assert layer.qkv_proj is None and layer.gate_up_proj is None  # no float copies
+        # no float copies
+        assert layer.qkv_proj.weight is None and layer.gate_up_proj.weight is None
     assert model.quant_head.type_name == "Q8_0"  # x kept in float there (QuantizedHead)
     assert model.quant_head.tiled == _expected_tiles()  # 16-bit x on tiles (prefill_error)
     assert model.gemm_plan.kernels["head"][0] == "quant-fx"
@@ -368,7 +369,7 @@ def test_other_block_types_end_to_end(type_name, tmp_path, monkeypatch):
     quant, dense = LLM(quantization="gguf", **args), LLM(quantization="none", **args)
     model = quant.engine.model
     assert {w.type_name for w in model.layers[0].quant_weights.values()} == {type_name}
-    assert model.quant_embed is model.quant_head and model.embed_tokens.numel() == 0
+    assert model.quant_embed is model.quant_head and model.embed_tokens.weight is None
     head = model.gemm_plan.kernels["head"]
     assert head == ["quant-fx" if type_name == "Q8_0" else "quant"] * len(head)
     err, allowed = prefill_error(quant, dense,

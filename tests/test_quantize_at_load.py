@@ -132,7 +132,7 @@ def test_greedy_equals_transformers_on_the_dequantized_blocks(fmt, float_ckpt, t
     model = llm.engine.model
     want = {quant_formats.projection_type(fmt, k) for k in (576, 1536)}
     assert {w.type_name for w in model.layers[0].quant_weights.values()} == want
-    assert model.layers[0].qkv_proj is None and model.gemm_plan.source == "quantized"
+    assert model.layers[0].qkv_proj.weight is None and model.gemm_plan.source == "quantized"
     ref = dequantized_checkpoint(model, float_ckpt, tmp_path / "ref")
     prompts = [llm.engine.tokenizer.encode(p) for p in PLAIN]
     expected = hf_greedy(ref, prompts, 12)

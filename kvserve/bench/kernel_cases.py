@@ -140,7 +140,7 @@ def bench_forward(args: argparse.Namespace) -> list[dict]:
     ref = models["F.linear"]
     config = ref.config
     params = sum(p.numel() for n, p in ref.named_parameters()
-                 if n not in ("embed_tokens", "lm_head"))
+                 if n not in ("embed_tokens.weight", "lm_head.weight"))
     print(f"{args.arch} small, {args.dtype}, {params / 1e6:.2f} M non-embedding parameters")
     tol = 1e-3 if args.dtype == "float32" else 5e-2
     cases = [(f"forward T={t}", t, 2 * params * t) for t in _ints(args.tokens)]

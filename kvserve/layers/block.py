@@ -78,20 +78,20 @@ def dense_methods(layer, norm: Callable = rms_norm, rope: Callable = apply_rope,
     norm: they add their own sum into the residual stream (all-reduced on a rank)."""
     eps = layer.eps
     qkv = normed(norm, layer.input_layernorm, eps,
-                 Dense(layer.qkv_proj, layer.qkv_bias).apply)
+                 Dense(layer.qkv_proj.weight, layer.qkv_proj.bias).apply)
 
     def attn_in(h: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
         return split_qkv(layer, qkv(h), cos_sin, norm, rope)
 
-    o = with_output_norm(o or Dense(layer.o_proj, layer.o_bias), layer.attn_out_norm, eps,
-                         norm)
+    o = with_output_norm(o or Dense(layer.o_proj.weight, layer.o_proj.bias), layer.attn_out_norm,
+                         eps, norm)
     moe = getattr(layer, "moe", None)
     if moe is not None:
         mlp = normed(norm, layer.post_attention_layernorm, eps, lambda x: x)
         return LayerMethods(attn_in, o.apply_add, mlp, moe.forward_add)
-    gate_up = gate_up or DenseGated(layer.gate_up_proj, layer.gate_up_bias,
+    gate_up = gate_up or DenseGated(layer.gate_up_proj.weight, layer.gate_up_proj.bias,
                                     layer.intermediate_size, layer.gelu)
     mlp = normed(norm, layer.post_attention_layernorm, eps, gate_up.apply)
-    down = with_output_norm(down or Dense(layer.down_proj, layer.down_bias),
+    down = with_output_norm(down or Dense(layer.down_proj.weight, layer.down_proj.bias),
                             layer.mlp_out_norm, eps, norm)
     return LayerMethods(attn_in, o.apply_add, mlp, down.apply_add)

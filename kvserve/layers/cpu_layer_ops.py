@@ -59,7 +59,7 @@ def attn_in_after_norm(layer, qkv: Callable[[torch.Tensor], torch.Tensor]
     """(residual, cos_sin) -> q, k, v around `qkv` (residual -> q | k | v, normed inside):
     split, q/k norms, RoPE. In float32 on the CPU (without q/k norms) the RoPE is gemv.py's
     C++ kernel, in place on the GEMM's output."""
-    w = layer.o_proj
+    w = layer.o_proj.weight
     g = gemv.load() if gemv_available(w.dtype, w.device) else None
     if g is None or layer.qk_norm is not None:  # q/k norms sit between projection and RoPE
         return lambda h, cos_sin: split_qkv(layer, qkv(h), cos_sin, rope=apply_rope)
@@ -87,15 +87,15 @@ def dense_ops(layer, projs: tuple[str, ...] = PROJECTIONS) -> dict[str, Callable
     method keeps its weight alive)."""
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
-        ops["qkv"] = Dense(layer.qkv_proj, layer.qkv_bias).apply
+        ops["qkv"] = Dense(layer.qkv_proj.weight, layer.qkv_proj.bias).apply
     if "o" in projs:
-        ops["o"] = with_output_norm(Dense(layer.o_proj, layer.o_bias), layer.attn_out_norm,
-                                    layer.eps).apply_add
+        ops["o"] = with_output_norm(Dense(layer.o_proj.weight, layer.o_proj.bias),
+            layer.attn_out_norm, layer.eps).apply_add
     if "mlp" in projs:
-        ops["mlp"] = DenseGated(layer.gate_up_proj, layer.gate_up_bias,
+        ops["mlp"] = DenseGated(layer.gate_up_proj.weight, layer.gate_up_proj.bias,
                                 layer.intermediate_size, layer.gelu).apply
     if "down" in projs:
-        ops["down"] = with_output_norm(Dense(layer.down_proj, layer.down_bias),
+        ops["down"] = with_output_norm(Dense(layer.down_proj.weight, layer.down_proj.bias),
                                        layer.mlp_out_norm, layer.eps).apply_add
     return ops
 
@@ -106,16 +106,16 @@ def onednn_ops(layer, projs: tuple[str, ...] = PROJECTIONS) -> dict[str, Callabl
     residual adds too where no output norm sits between GEMM and add."""
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
-        ops["qkv"] = OneDNN(onednn_pack(layer.qkv_proj), layer.qkv_bias).apply
+        ops["qkv"] = OneDNN(onednn_pack(layer.qkv_proj.weight), layer.qkv_proj.bias).apply
     if "o" in projs:
-        ops["o"] = with_output_norm(OneDNN(onednn_pack(layer.o_proj), layer.o_bias),
+        ops["o"] = with_output_norm(OneDNN(onednn_pack(layer.o_proj.weight), layer.o_proj.bias),
                                     layer.attn_out_norm, layer.eps).apply_add
     if "mlp" in projs:
-        ops["mlp"] = OneDNNGated(layer.gate_up_proj, layer.gate_up_bias,
+        ops["mlp"] = OneDNNGated(layer.gate_up_proj.weight, layer.gate_up_proj.bias,
                                  layer.intermediate_size, layer.gelu).apply
     if "down" in projs:
-        ops["down"] = with_output_norm(OneDNN(onednn_pack(layer.down_proj), layer.down_bias),
-                                       layer.mlp_out_norm, layer.eps).apply_add
+        ops["down"] = with_output_norm(OneDNN(onednn_pack(layer.down_proj.weight),
+            layer.down_proj.bias), layer.mlp_out_norm, layer.eps).apply_add
     return ops
 
 
@@ -134,19 +134,20 @@ def panel_ops(layer, projs: tuple[str, ...] = PROJECTIONS,
     ops: dict[str, Callable] = {}
     if "qkv" in projs:
         norm = layer.input_layernorm if fused else None
-        qkv = Panel(g.bind(g.pack(layer.qkv_proj), layer.qkv_bias, norm, layer.eps)).apply
+        qkv = Panel(g.bind(g.pack(layer.qkv_proj.weight), layer.qkv_proj.bias, norm,
+            layer.eps)).apply
         ops["qkv"] = attn_in_after_norm(layer, qkv) if fused else qkv
     if "o" in projs:
-        ops["o"] = with_output_norm(Panel(g.bind(g.pack(layer.o_proj), layer.o_bias)),
+        ops["o"] = with_output_norm(Panel(g.bind(g.pack(layer.o_proj.weight), layer.o_proj.bias)),
                                     layer.attn_out_norm, layer.eps).apply_add
     if "mlp" in projs:
         norm = layer.post_attention_layernorm if fused else None
         act = "gelu_pytorch_tanh" if layer.gelu else "silu"
-        ops["mlp"] = Panel(g.bind(g.pack(layer.gate_up_proj, act), layer.gate_up_bias, norm,
-                                  layer.eps)).apply
+        ops["mlp"] = Panel(g.bind(g.pack(layer.gate_up_proj.weight, act), layer.gate_up_proj.bias,
+            norm, layer.eps)).apply
     if "down" in projs:
-        ops["down"] = with_output_norm(Panel(g.bind(g.pack(layer.down_proj), layer.down_bias)),
-                                       layer.mlp_out_norm, layer.eps).apply_add
+        ops["down"] = with_output_norm(Panel(g.bind(g.pack(layer.down_proj.weight),
+            layer.down_proj.bias)), layer.mlp_out_norm, layer.eps).apply_add
     return ops
 
 
@@ -164,7 +165,8 @@ def gemv_ops(layer, projs: tuple[str, ...] = PROJECTIONS,
         norm = {"norm_weight": layer.input_layernorm, "eps": eps} \
             if fused and layer.input_layernorm is not None else {}
         rope_cols = layer.qk_size if fused and layer.qk_norm is None else 0
-        qkv = g.bind(layer.qkv_proj, layer.qkv_bias, rope_cols=rope_cols, head_dim=d, **norm)
+        qkv = g.bind(layer.qkv_proj.weight, layer.qkv_proj.bias, rope_cols=rope_cols, head_dim=d,
+            **norm)
         if not fused:
             ops["qkv"] = qkv
         elif rope_cols:
@@ -172,15 +174,16 @@ def gemv_ops(layer, projs: tuple[str, ...] = PROJECTIONS,
         else:  # q/k norms sit between the projection and RoPE
             ops["qkv"] = lambda h, cs: split_qkv(layer, qkv(h), cs, rope=apply_rope)
     if "o" in projs:
-        ops["o"] = gemv_output_add(g, layer.o_proj, layer.o_bias, layer.attn_out_norm, eps)
+        ops["o"] = gemv_output_add(g, layer.o_proj.weight, layer.o_proj.bias, layer.attn_out_norm,
+            eps)
     if "mlp" in projs:
         norm = {"norm_weight": layer.post_attention_layernorm, "eps": eps} \
             if fused and layer.post_attention_layernorm is not None else {}
         mode = gemv.MODE_GELU_MUL if layer.gelu else gemv.MODE_SILU_MUL
-        ops["mlp"] = g.bind(layer.gate_up_proj, layer.gate_up_bias, mode, **norm)
+        ops["mlp"] = g.bind(layer.gate_up_proj.weight, layer.gate_up_proj.bias, mode, **norm)
     if "down" in projs:
-        ops["down"] = gemv_output_add(g, layer.down_proj, layer.down_bias, layer.mlp_out_norm,
-                                      eps)
+        ops["down"] = gemv_output_add(g, layer.down_proj.weight, layer.down_proj.bias,
+            layer.mlp_out_norm, eps)
     return ops
 
 

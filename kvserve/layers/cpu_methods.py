@@ -85,7 +85,7 @@ class PlannedDecoder(m.DecoderMethod):
         for kernel, ops in built.items():
             wrap_unfused(layer, kernel, ops)
         self.mlp_chunk_rows = mlp_chunk_rows(layer.intermediate_size,
-                                             layer.o_proj.element_size())
+                                             layer.o_proj.weight.element_size())
         block = None
         for b in range(NUM_BUCKETS):
             ops = {p: built[plan.kernels[p][b]][p] for p in _PROJS}
@@ -93,25 +93,26 @@ class PlannedDecoder(m.DecoderMethod):
             if all(plan.kernels[p][b] == "gemv" for p in ("o", "mlp", "down")) \
                     and layer.attn_out_norm is None and layer.mlp_out_norm is None \
                     and layer.post_attention_layernorm is not None:
+                o, gu, d = layer.o_proj, layer.gate_up_proj, layer.down_proj
                 block = block or gemv.load().bind_mlp_block(
-                    layer.o_proj, layer.o_bias, layer.post_attention_layernorm, layer.eps,
-                    layer.gate_up_proj, layer.gate_up_bias, layer.down_proj, layer.down_bias,
-                    layer.gelu)
+                    o.weight, o.bias, layer.post_attention_layernorm, layer.eps, gu.weight,
+                    gu.bias, d.weight, d.bias, layer.gelu)
                 fused = block
             self.buckets.append(LayerMethods(ops["qkv"], ops["o"], ops["mlp"], ops["down"],
                                              fused))
             if b == 0 and fused is not None and plan.kernels["qkv"][0] == "gemv" \
                     and layer.qk_norm is None and layer.input_layernorm is not None:
                 self.one_call_ops = (gemv.load().bind(
-                    layer.qkv_proj, layer.qkv_bias, norm_weight=layer.input_layernorm,
+                    layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_layernorm,
                     eps=layer.eps, rope_cols=layer.qk_size, head_dim=layer.head_dim), fused)
         # free the dense weights no bucket reads (the methods hold what they need)
         for proj, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("mlp", "gate_up_proj"),
                            ("down", "down_proj")):
             kept = any(plan.uses(proj, k) for k in gemm_select.ROW_MAJOR)
-            self.packed.add(getattr(layer, name), _packs(plan, proj), kept)
+            projection = getattr(layer, name)
+            self.packed.add(projection.weight, _packs(plan, proj), kept)
             if not kept:
-                setattr(layer, name, None)
+                projection.release()
 
 
 class PlannedHead(m.HeadMethod):
@@ -139,7 +140,7 @@ class PlannedHead(m.HeadMethod):
         # a tied head's table stays for the lookups: its packed layouts are copies
         self.packed.add(dense, _packs(plan, "head"), row_major or model.lm_head is None)
         if model.lm_head is not None and not row_major:
-            model.lm_head = None  # the packed copy is the head now
+            model.lm_head.release()  # the packed copy is the head now
 
 
 def _packs(plan: GemmPlan, proj: str) -> int:
@@ -152,7 +153,8 @@ def _packs(plan: GemmPlan, proj: str) -> int:
 # -- quantized weights (issue 31) -----------------------------------------------------------
 class QuantizedDecoder(m.DecoderMethod):
     """The quantized linear methods (kvserve/layers/quant_linear.py) on the projections the
-    loader handed over as blocks (`layer.file_blocks`) or `at_load` quantizes; a projection
+    loader handed over as blocks (each projection's `file_blocks`) or `at_load` quantizes; a
+    projection
     left float runs F.linear, and a layer without blocks the dense methods. The norm and RoPE
     are the C++ ones the one-call step (QuantDecode) runs, so both give the same bits."""
 
@@ -164,14 +166,16 @@ class QuantizedDecoder(m.DecoderMethod):
         self.weights: dict[str, QuantWeight | StackedQuantWeight] = {}
 
     def prepare(self, layer) -> None:
-        self.weights.update({a: file_weight(b) for a, b in layer.file_blocks.items()})
+        projections = {a: getattr(layer, a) for a in PROJECTION_ATTRS}
+        self.weights.update({a: file_weight(p.file_blocks) for a, p in projections.items()
+                             if p is not None and p.file_blocks is not None})
         if self.at_load is not None:
             self.weights.update(self.at_load.quantize(layer))
         if not self.weights:
             self.buckets = [dense_methods(layer)] * NUM_BUCKETS
             return
         norm = gemv.load().rms_norm if self.cpp and layer.qk_norm is None else rms_norm
-        weights = {a: self.weights.get(a, getattr(layer, a)) for a in PROJECTION_ATTRS}
+        weights = {a: self.weights.get(a, getattr(layer, a).weight) for a in PROJECTION_ATTRS}
         rope = cpp_rope if self.cpp else apply_rope
         self.buckets = [quantized_methods(layer, weights, norm, rope)] * NUM_BUCKETS
         self.mlp_chunk_rows = mlp_chunk_rows(layer.intermediate_size, 4)
@@ -186,7 +190,7 @@ class QuantizedEmbeddingMethod(m.Embedding):
         self._fn = None
 
     def prepare(self, model) -> None:
-        blocks = model.file_blocks.get("embed_tokens")
+        blocks = model.embed_tokens.file_blocks
         if blocks is not None:
             self.weight = file_weight(blocks)
             self._fn = QuantizedEmbedding(self.weight)
@@ -215,7 +219,7 @@ class QuantizedHead(m.HeadMethod):
 
     def prepare(self, model) -> None:
         embed = getattr(model.embed, "weight", None)
-        blocks = model.file_blocks.get("lm_head")
+        blocks = model.lm_head.file_blocks if model.lm_head is not None else None
         if embed is not None and model.lm_head is None:
             self.weight = embed
         elif blocks is not None:
@@ -223,7 +227,7 @@ class QuantizedHead(m.HeadMethod):
         head = model.head_weight()
         self.buckets = [Dense(head)] * NUM_BUCKETS
         self.kernels = ["dense"] * NUM_BUCKETS
-        if self.weight is not None and head.numel() == 0:  # the blocks alone, tied or not
+        if self.weight is not None and head is None:  # the blocks alone, tied or not
             fx = self.weight.type_name == "Q8_0"
             self.buckets = [QuantizedLinear(self.weight, None, float("inf"), float_x=fx)
                             ] * NUM_BUCKETS
@@ -241,14 +245,14 @@ class QuantizedHead(m.HeadMethod):
 
 # -- single projections and the one-call decode steps ---------------------------------------
 class PackedProjection(m.Projection):
-    """oneDNN on a packed copy of owner.<attr> (which the packed copy replaces)."""
+    """oneDNN on a packed copy of the projection's weight (which the copy replaces, through
+    the projection's own `replace`)."""
 
     __slots__ = ()
 
     def prepare(self) -> None:
-        packed = nn.Parameter(onednn_pack(getattr(self.owner, self.attr)), requires_grad=False)
-        setattr(self.owner, self.attr, packed)
-        self.inner = OneDNN(packed)
+        self.linear.replace(onednn_pack(self.linear.weight))
+        self.inner = OneDNN(self.linear.weight)
 
 
 class FastDecodeStep:
@@ -324,10 +328,10 @@ class CpuMethods(MethodSource):
     def embedding(self, config) -> m.Embedding:
         return QuantizedEmbeddingMethod() if self.quantized else m.DenseEmbedding()
 
-    def projection(self, owner: nn.Module, attr: str, comm: Any = None) -> m.Projection:
+    def projection(self, linear: nn.Module, comm: Any = None) -> m.Projection:
         if comm is None and self.gemm is not None and mla_kernel(self.gemm) == "onednn":
-            return PackedProjection(owner, attr)
-        return m.Projection(owner, attr, comm)
+            return PackedProjection(linear)
+        return m.Projection(linear, comm)
 
     def one_call_decode(self, config) -> Any:
         """A one-call step where the layers can have one: pre-norms and nothing else around

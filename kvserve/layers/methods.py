@@ -1,6 +1,7 @@
 """How each part of a model computes, as objects a part is given when it is built: a decoder
 layer's `DecoderMethod`, the LM head's `HeadMethod`, the token lookup's `Embedding`, and
-`Projection` (one weight of an architecture's own layers, DeepSeek's). Kernel-free: the dense
+`Projection` (the method of one projection module of an architecture's own layers,
+DeepSeek's). Kernel-free: the dense
 methods (F.linear, torch's element-wise ops, or the ones a `MethodSource` passes in, the GPU's
 Triton kernels) and tensor parallelism's wrappers live here; the CPU's measured and quantized
 methods beside them (`kvserve.layers.cpu_methods`) subclass these.
@@ -88,8 +89,8 @@ class DenseDecoder(DecoderMethod):
 
     def prepare(self, layer) -> None:
         gate_up = None
-        if self.act is not None and not layer.gelu:
-            gate_up = DenseGated(layer.gate_up_proj, layer.gate_up_bias,
+        if self.act is not None and not layer.gelu and layer.gate_up_proj is not None:
+            gate_up = DenseGated(layer.gate_up_proj.weight, layer.gate_up_proj.bias,
                                  layer.intermediate_size, layer.gelu, act=self.act)
         self.buckets = [dense_methods(layer, self.norm, self.rope, gate_up)] * NUM_BUCKETS
 
@@ -107,8 +108,9 @@ class ReducedDecoder(DecoderMethod):
 
     def prepare(self, layer) -> None:
         self.inner.prepare(layer)
-        o = Reduced(layer.o_proj, layer.o_bias, self.comm)
-        down = Reduced(layer.down_proj, layer.down_bias, self.comm)
+        o = Reduced(layer.o_proj.weight, layer.o_proj.bias, self.comm)
+        d = layer.down_proj  # (None in a routed-experts layer: they all-reduce their own sum)
+        down = None if d is None else Reduced(d.weight, d.bias, self.comm)
         reduced = dense_methods(layer, o=o, down=down)  # (its adds, output-normed; routed
         # experts all-reduce their own sum)
         self.buckets = [LayerMethods(m.attn_in, reduced.o_add, m.mlp, reduced.down_add)
@@ -174,7 +176,7 @@ class DenseEmbedding(Embedding):
         self.table: torch.Tensor | None = None
 
     def prepare(self, model) -> None:
-        self.table = model.embed_tokens
+        self.table = model.embed_tokens.weight
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.table)
@@ -189,7 +191,7 @@ class VocabParallelEmbedding(Embedding):
         self.table: torch.Tensor | None = None
 
     def prepare(self, model) -> None:
-        self.table = model.embed_tokens
+        self.table = model.embed_tokens.weight
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -217,18 +219,19 @@ class Reduced(LinearMethod):
 
 
 class Projection(LinearMethod):
-    """One weight of a layer (`owner.<attr>`), its method fixed at construction and made in
-    `prepare`: Dense here, all-reduced (`Reduced`) with `comm` (a row-parallel projection of
-    a tensor-parallel rank); the CPU's packed variant is `cpu_methods.PackedProjection`."""
+    """One projection module's method (`linear`, a `projection.Linear`), fixed at
+    construction and made in `prepare`: Dense here, all-reduced (`Reduced`) with `comm` (a
+    row-parallel projection of a tensor-parallel rank); the CPU's packed variant is
+    `cpu_methods.PackedProjection`."""
 
-    __slots__ = ("owner", "attr", "comm", "inner")
+    __slots__ = ("linear", "comm", "inner")
 
-    def __init__(self, owner: torch.nn.Module, attr: str, comm: Any = None) -> None:
-        self.owner, self.attr, self.comm = owner, attr, comm
+    def __init__(self, linear: torch.nn.Module, comm: Any = None) -> None:
+        self.linear, self.comm = linear, comm
         self.inner: LinearMethod | None = None
 
     def prepare(self) -> None:
-        w = getattr(self.owner, self.attr)
+        w = self.linear.weight
         self.inner = Dense(w) if self.comm is None else Reduced(w, None, self.comm)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ class MethodSource:
     def embedding(self, config) -> m.Embedding:
         return m.DenseEmbedding()
 
-    def projection(self, owner: torch.nn.Module, attr: str, comm: Any = None) -> m.Projection:
-        return m.Projection(owner, attr, comm)
+    def projection(self, linear: torch.nn.Module, comm: Any = None) -> m.Projection:
+        return m.Projection(linear, comm)
 
     def final_norm(self) -> Callable:
         return self.norm
@@ -106,10 +106,11 @@ class ExecutionPlan:
             return m.VocabParallelEmbedding(self.tp.vocab_start, self.tp.comm)
         return self.source.embedding(config)
 
-    def projection(self, owner: torch.nn.Module, attr: str, row: bool = False) -> m.Projection:
-        """owner.<attr>'s method; `row`: a row-parallel projection (all-reduced on a rank)."""
+    def projection(self, linear: torch.nn.Module, row: bool = False) -> m.Projection:
+        """The method of `linear` (a `projection.Linear`); `row`: a row-parallel projection
+        (all-reduced on a rank)."""
         comm = self.tp.comm if row and self.tp is not None else None
-        return self.source.projection(owner, attr, comm)
+        return self.source.projection(linear, comm)
 
     def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A rank's all-reduce (for partial sums a layer adds itself: MoE), or None."""

@@ -98,12 +98,12 @@ class QuantDecode:
         for layer in model.layers:
             w = layer.quant_weights
             gated = qgemv.MODE_GELU_MUL if layer.gelu else qgemv.MODE_SILU_MUL
-            qkv = bind_weight(w["qkv_proj"], layer.qkv_bias, qgemv.MODE_STORE)
+            qkv = bind_weight(w["qkv_proj"], layer.qkv_proj.bias, qgemv.MODE_STORE)
             # (op, first column, end): a stacked qkv's parts, each into its columns
             qkv_ops = qkv.parts if isinstance(qkv, StackedBound) else [(qkv, 0, qkv.n)]
-            ops = (qkv_ops, bind_weight(w["o_proj"], layer.o_bias, qgemv.MODE_ADD),
-                   bind_weight(w["gate_up_proj"], layer.gate_up_bias, gated),
-                   bind_weight(w["down_proj"], layer.down_bias, qgemv.MODE_ADD))
+            ops = (qkv_ops, bind_weight(w["o_proj"], layer.o_proj.bias, qgemv.MODE_ADD),
+                   bind_weight(w["gate_up_proj"], layer.gate_up_proj.bias, gated),
+                   bind_weight(w["down_proj"], layer.down_proj.bias, qgemv.MODE_ADD))
             self._ops.append((ops, layer.input_layernorm, layer.post_attention_layernorm))
             self._layer_args.append((ctypes.c_int64 * _LAYER_FIELDS)())
         self._qkv_lists = [(ctypes.c_void_p * len(ops[0]))() for ops, _, _ in self._ops]

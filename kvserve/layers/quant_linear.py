@@ -15,7 +15,8 @@ dequantized into a scratch buffer shared by every projection (one at a time: a m
 forward runs on one thread) and F.linear (MKL) runs on it. `apply` chooses nothing.
 
 The model code never sees these (tests/test_architecture.py): the loader hands a GGUF file's
-blocks to the layer (`layer.file_blocks`) in place of the float parameters, and the layer's
+blocks to the projection that owns them (`Linear.take_blocks`) in place of its float weight,
+and the layer's
 method (`cpu_methods.QuantizedDecoder`, chosen by the plan when the layer was built) makes
 these from them.
 """
@@ -303,16 +304,18 @@ def quantized_methods(layer, weights: dict[str, QuantWeight | torch.Tensor],
         return QuantizedLinear(w, bias, int_rows) if quantized else Dense(w, bias)
 
     eps = layer.eps
-    qkv = normed(norm, layer.input_layernorm, eps, linear("qkv_proj", layer.qkv_bias).apply)
+    qkv = normed(norm, layer.input_layernorm, eps,
+                 linear("qkv_proj", layer.qkv_proj.bias).apply)
 
     def attn_in(h: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
         return split_qkv(layer, qkv(h), cos_sin, norm, rope)
 
-    o = with_output_norm(linear("o_proj", layer.o_bias), layer.attn_out_norm, eps, norm)
+    o = with_output_norm(linear("o_proj", layer.o_proj.bias), layer.attn_out_norm, eps, norm)
     gu = weights["gate_up_proj"]
-    gate_up = QuantizedGated(gu, layer.gate_up_bias, layer.intermediate_size, layer.gelu,
+    gate_up = QuantizedGated(gu, layer.gate_up_proj.bias, layer.intermediate_size, layer.gelu,
                              int_rows) if isinstance(gu, QuantWeight) \
-        else DenseGated(gu, layer.gate_up_bias, layer.intermediate_size, layer.gelu)
+        else DenseGated(gu, layer.gate_up_proj.bias, layer.intermediate_size, layer.gelu)
     mlp = normed(norm, layer.post_attention_layernorm, eps, gate_up.apply)
-    down = with_output_norm(linear("down_proj", layer.down_bias), layer.mlp_out_norm, eps, norm)
+    down = with_output_norm(linear("down_proj", layer.down_proj.bias), layer.mlp_out_norm, eps,
+                            norm)
     return LayerMethods(attn_in, o.apply_add, mlp, down.apply_add)

@@ -146,14 +146,14 @@ class AtLoad:
         jobs = {}
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             for attr in PROJECTION_ATTRS:
-                p = getattr(layer, attr)
+                p = getattr(layer, attr).weight
                 type_name = quant_formats.projection_type(self.quantization, p.shape[1])
                 if type_name is not None:
                     jobs[attr] = (type_name, p.shape[1], pool.submit(quantize, p, type_name))
             made = {}
             for attr, (type_name, k, job) in jobs.items():
                 made[attr] = QuantWeight.for_kernels(job.result(), type_name, k)
-                setattr(layer, attr, None)
+                getattr(layer, attr).release()
                 self._kept[type_name] = self._kept.get(type_name, 0) + 1
         self._done += 1
         self._bar.update(1)

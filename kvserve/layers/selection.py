@@ -55,7 +55,7 @@ def layer_candidates(layer: Any, layer_ops: bool = True
     norm in their own calls, the other kernels run the norms as separate ops, and the
     choice should see that. False: the GEMMs alone (the benchmarks' GEMM ceiling). Each
     kernel's ops (and packed copies) are made when a factory of it is first called."""
-    p = {"dtype": layer.qkv_proj.dtype, "device": layer.qkv_proj.device}
+    p = {"dtype": layer.qkv_proj.weight.dtype, "device": layer.qkv_proj.weight.device}
     kernels = ["dense"]
     if onednn_available(**p):
         kernels.append("onednn")
@@ -64,7 +64,7 @@ def layer_candidates(layer: Any, layer_ops: bool = True
     if panel_gemm.available(**p):
         kernels.append("panel")
     built: dict[str, dict[str, Callable]] = {}
-    h, q = layer.qkv_proj.shape[1], layer.q_size
+    h, q = layer.qkv_proj.weight.shape[1], layer.q_size
 
     def factory(kind: str, kernel: str) -> gemm_select.RunFactory:
         def make(rows: int) -> Callable[[], object] | None:
@@ -334,7 +334,7 @@ def warm_up_steps(model: Any, max_rows: int, max_logit_rows: int,
     kernels = model.gemm_plan.kernels
     layers = model.warm_up_layers()
     per_row = sum(layer.gemm_flops_per_row() for layer in layers)
-    zeros = dict(dtype=model.dtype, device=model.embed_tokens.device)
+    zeros = dict(dtype=model.dtype, device=model.device)
     spent = 0.0
     for rows in sorted({gemm_rows(t) for t in range(1, max_rows + 1)}):
         b = bucket_of(rows)

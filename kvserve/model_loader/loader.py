@@ -7,7 +7,8 @@ cast) straight into the place the family's weight map gives it: q/k/v into row r
 `qkv_proj`, gate/up into `gate_up_proj`, Qwen3's (and Gemma 3's) q_norm/k_norm broadcast over
 their heads, Gemma's norm weights w stored as 1 + w. Nothing is initialised twice and no
 intermediate concatenations are built. A GGUF file's block-format weights the plan's methods
-take as they are (`accepts_blocks`) are handed over as bytes (`file_blocks`). Then the model's
+take as they are (`accepts_blocks`) are handed to the projection that owns them
+(`Linear.take_blocks`: each weight map target names its projection). Then the model's
 `process_weights_after_loading` lets its methods make what they run. What is
 architecture-specific lives in the family modules; this file only reads files and copies.
 """
@@ -27,14 +28,13 @@ import torch
 from safetensors import safe_open
 
 from kvserve.utils import hugepages, quant_formats
-from kvserve.layers.block import PROJECTION_ATTRS
 from kvserve.layers.plan import ExecutionPlan
 from kvserve.model_loader.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from kvserve.model_loader.gguf_checkpoint.dequant import TORCH_TYPES
 from kvserve.models import registry
 from kvserve.models.base import Target
 from kvserve.models.config import ModelConfig
-from kvserve.models.decoder import CausalLM, DecoderLayer
+from kvserve.models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from kvserve.model_loader.tp_layout import RankLayout
@@ -224,55 +224,36 @@ def _copy(target: Target, tensor: torch.Tensor, loaded: set[str], name: str) -> 
     loaded.add(name)
 
 
-def _owners(model: CausalLM) -> list[tuple[int, int, object, str, torch.Tensor]]:
-    """(start, end address, layer, attribute, parameter) of every float projection the loader
-    may keep quantized."""
-    found = []
-    for layer in model.layers:
-        if not isinstance(layer, DecoderLayer):  # DeepSeek's MLA / MoE: no quantized methods
-            continue
-        for attr in PROJECTION_ATTRS:
-            p = getattr(layer, attr, None)
-            if isinstance(p, torch.Tensor) and p.dim() == 2 and p.device.type == "cpu":
-                found.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(),
-                              layer, attr, p))
-    return found
-
-
-def _quantized_groups(model: CausalLM, work: list[tuple]) -> dict[tuple[int, str], tuple]:
+def _quantized_groups(model: CausalLM, work: list[tuple]) -> list[tuple]:
     """The projections whose checkpoint tensors are each of a block type the kernels run
     (for the K-quants: with k a multiple of 256), copied plainly into whole rows of the
-    parameter and covering all of it:
-    (id(layer), attribute) -> (layer, attribute, parameter, [(tensor, first row)]).
+    projection's weight and covering all of it: [(projection, [(tensor, first row)])].
+    Each target names its projection (`Target.owner`), so nothing is found by address.
 
     The parts of a fused projection may differ in type where it runs the plain or the
     residual mode (qkv: llama.cpp's Q4_K_M gives attn_v another type than attn_q/attn_k, and
     where a row is not a multiple of 256, as SmolLM2's 576, its quantizer falls back to
     Q5_0 / Q8_0 per tensor): kept as several parts, a kernel call per type. The gated
-    gate | up needs one type (one kernel computes both halves) and stays dense otherwise."""
-    owners = _owners(model)
-    groups: dict[tuple[int, str], list] = {}
+    gate | up needs one type (one kernel computes both halves) and stays dense otherwise.
+    The embedding table and the LM head are projections too ("embed_tokens", "lm_head":
+    one type, `accepts_blocks` says)."""
+    groups: dict[int, tuple] = {}
     for tensor, target in work:
-        dest = target.dest
-        if dest.dim() != 2 or not dest.is_contiguous():
+        owner = target.owner
+        if owner is None or not owner.blocks or len(tensor.shape) != 2 or owner.weight is None \
+                or owner.weight.device.type != "cpu":
             continue
-        ptr = dest.data_ptr()
-        for start, end, layer, attr, p in owners:
-            if start <= ptr < end:
-                row_bytes = p.shape[1] * p.element_size()
-                if dest.shape[1] == p.shape[1] and (ptr - start) % row_bytes == 0:
-                    groups.setdefault((id(layer), attr), [layer, attr, p, []])[3].append(
-                        (tensor, target, (ptr - start) // row_bytes))
-                break
-    kept = {}
-    for key, (layer, attr, p, parts) in groups.items():
-        types = {t.info.type_name for t, _, _ in parts}
-        if not model.plan.source.accepts_blocks(attr, types, p.shape[1]) \
-                or any(tg.transform is not None or tg.offset for _, tg, _ in parts) \
-                or sum(tg.dest.shape[0] for _, tg, _ in parts) != p.shape[0]:
+        groups.setdefault(id(owner), (owner, []))[1].append((tensor, target))
+    kept = []
+    for owner, parts in groups.values():
+        types = {t.info.type_name for t, _ in parts}
+        if not model.plan.source.accepts_blocks(owner.role, types, owner.in_features) \
+                or any(tg.transform is not None or tg.offset or tg.part is not None
+                       for _, tg in parts) \
+                or sum(tg.dest.shape[0] for _, tg in parts) != owner.out_features:
             continue
-        kept[key] = (layer, attr, p, sorted(((t, row) for t, _, row in parts),
-                                            key=lambda part: part[1]))
+        kept.append((owner, sorted(((t, tg.first_row) for t, tg in parts),
+                                   key=lambda part: part[1])))
     return kept
 
 
@@ -299,55 +280,33 @@ def _stacked(parts: list[tuple], k: int) -> quant_formats.FileBlocks:
 
 
 def _keep_quantized(model: CausalLM, work: list[tuple], loaded: set[str]) -> list[tuple]:
-    """Hand the block-format projections of `work` to their layers (`layer.file_blocks`; the
-    float parameter dropped: it was never written, so it never took memory); the embedding
-    table, where the plan's methods run its type, to the model (`file_blocks["embed_tokens"]`,
-    `embed_tokens` left empty), which a tied LM head then runs too; an untied head's table as
-    `file_blocks["lm_head"]`: beside its float copy for Q8_0 (whose x stays float at a few
-    rows), alone for the other types (`lm_head` left empty: an 8B Q4_K_M file's Q6_K head was
-    806 MB in float32). Returns the rest of `work`, to dequantize."""
-    accepts = model.plan.source.accepts_blocks
+    """Hand the block-format projections of `work` to their projections (`take_blocks`: the
+    float weight dropped; it was never written, so it never took memory). The embedding
+    table, where the plan's methods run its type, is one of them (a tied LM head then runs
+    it too); an untied head keeps its float copy beside the blocks for Q8_0 (whose x stays
+    float at a few rows), not for the other types (an 8B Q4_K_M file's Q6_K head was 806 MB
+    in float32). Returns the rest of `work`, to dequantize."""
     groups = _quantized_groups(model, work)
     taken = set()
-    for layer, attr, p, parts in groups.values():
-        layer.file_blocks[attr] = _stacked(parts, p.shape[1])
+    for owner, parts in groups:
+        head_copy = owner.role == "lm_head" and parts[0][0].info.type_name == "Q8_0"
+        owner.take_blocks(_stacked(parts, owner.in_features), keep_float=head_copy)
+        if head_copy:  # its float copy is dequantized too
+            continue
         for tensor, _ in parts:
-            loaded.add(tensor.name)
-            taken.add(id(tensor))
-        setattr(layer, attr, None)
-    for tensor, _ in work:
-        if tensor.name != "model.embed_tokens.weight" or not _runs(accepts, tensor,
-                                                                  "embed_tokens"):
-            continue
-        model.file_blocks["embed_tokens"] = _stacked([(tensor, None)], tensor.shape[1])
-        model.embed_tokens = torch.nn.Parameter(model.embed_tokens.new_empty(
-            (0, tensor.shape[1])), requires_grad=False)
-        loaded.add(tensor.name)
-        taken.add(id(tensor))
-    for tensor, _ in work:  # an untied head's table (QuantizedHead)
-        if tensor.name != "lm_head.weight" or not _runs(accepts, tensor, "lm_head"):
-            continue
-        model.file_blocks["lm_head"] = _stacked([(tensor, None)], tensor.shape[1])
-        if tensor.info.type_name != "Q8_0":  # the head runs these blocks alone: no float copy
-            model.lm_head = torch.nn.Parameter(model.lm_head.new_empty(
-                (0, tensor.shape[1])), requires_grad=False)
             loaded.add(tensor.name)
             taken.add(id(tensor))
     rest = [item for item in work if id(item[0]) not in taken]
     kinds = sorted({item[0].info.type_name for item in rest})
-    table = model.file_blocks.get("embed_tokens")
+    layers = [g for g in groups if g[0].role not in ("embed_tokens", "lm_head")]
+    table = model.embed_tokens.file_blocks
     logger.info("quantization gguf: %d projections kept in their block format (%s), the "
-                "embedding table %s; dequantized at load: %d tensors (%s)", len(groups),
-                ", ".join(sorted({t.info.type_name for g in groups.values() for t, _ in g[3]}))
+                "embedding table %s; dequantized at load: %d tensors (%s)", len(layers),
+                ", ".join(sorted({t.info.type_name for g in layers for t, _ in g[1]}))
                 or "none",
                 f"too ({table.type_names[0]})" if table is not None else "not", len(rest),
                 ", ".join(kinds) or "none")
     return rest
-
-
-def _runs(accepts: Callable, tensor, name: str) -> bool:
-    """Whether the plan's methods run this 2-D GGUF tensor as it is stored."""
-    return len(tensor.shape) == 2 and accepts(name, (tensor.info.type_name,), tensor.shape[1])
 
 
 def _load_gguf(gguf: GGUFCheckpoint, targets: dict[str, Target], loaded: set[str],

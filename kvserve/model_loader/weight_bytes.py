@@ -47,35 +47,19 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
-def _storage_key(p: torch.Tensor) -> int:
-    """What makes two parameters one allocation (a tied head and its table). Meta tensors and
-    opaque ones (oneDNN-packed weights, as MLA's absorbed projections are) have no storage
-    to share, so each counts once by identity."""
-    if p.device.type == "meta" or p.is_mkldnn:
-        return id(p)
-    try:
-        return p.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return id(p)
-
-
 def weight_bytes(model: CausalLM) -> WeightBytes:
-    """What `model` holds: its parameters (each storage once) plus its QuantWeights (the
-    layers', the embedding table's and the LM head's, each once: a tied head is the table)."""
-    seen: set[int] = set()
+    """What `model` holds: its parameters (each once: each is its projection's or norm's own
+    tensor, and a tied head is the table's projection itself, not a second parameter) plus
+    its QuantWeights (the layers', the embedding table's and the LM head's, each once)."""
     total = params = 0
     for p in model.parameters():
-        key = _storage_key(p)
-        if key in seen:
-            continue
-        seen.add(key)
         total += p.numel() * p.element_size()
         params += p.numel()
     held = [w for layer in model.layers for w in (getattr(layer, "quant_weights", None)
                                                    or {}).values()]
     embed = getattr(model, "quant_embed", None)
     head = getattr(model, "quant_head", None)  # a copy of a float table, the table, or alone
-    alone = head is not None and head is not embed and model.head_weight().numel() == 0
+    alone = head is not None and head is not embed and model.head_weight() is None
     # weight values held only as blocks
     values = [w for w in held + [embed] + ([head] if alone else []) if w is not None]
     unique = {id(w): w for w in values + ([head] if head is not None else [])}
@@ -179,7 +163,7 @@ def planned_weight_bytes(config, quantization: str | None,
                                      "MLA / MoE layers have no quantized methods")
                 continue
             for attr in PROJECTION_ATTRS:
-                n, k = getattr(layer, attr).shape
+                n, k = getattr(layer, attr).weight.shape
                 if gguf:
                     found = kept.projections.get((i, attr))
                 else:
@@ -189,13 +173,13 @@ def planned_weight_bytes(config, quantization: str | None,
                 if found is not None:
                     keep(n * k, *found)
     if gguf and kept.embed is not None:
-        keep(math.prod(model.embed_tokens.shape), (kept.embed[0],), kept.embed[1])
+        keep(math.prod(model.embed_tokens.weight.shape), (kept.embed[0],), kept.embed[1])
     if gguf and kept.head_copy and model.lm_head is not None:
         total += kept.head_copy
         quantized += kept.head_copy
         types.add("Q8_0")
     if gguf and kept.head is not None and model.lm_head is not None:
-        keep(math.prod(model.lm_head.shape), (kept.head[0],), kept.head[1])
+        keep(math.prod(model.lm_head.weight.shape), (kept.head[0],), kept.head[1])
     return WeightBytes(total, quantized, qparams, params, tuple(sorted(types)))
 
 

@@ -35,6 +35,11 @@ class Target:
     # Tensor parallelism: (dim, start, stop), the range of the checkpoint tensor (of `shape`)
     # this rank reads into `dest` (kvserve/model_loader/tp_shard.py); None reads all of it.
     part: tuple[int, int, int] | None = None
+    # The projection (`kvserve.layers.projection.Linear`) whose weight `dest` is whole rows
+    # of, from row `first_row`: the loader hands a file's blocks to it (`take_blocks`)
+    # instead of finding it by address. None for anything else (norms, biases, experts).
+    owner: Any = None
+    first_row: int = 0
 
 
 # (model, config) -> checkpoint tensor name -> Target, in the order make-model draws them

@@ -67,20 +67,22 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Gemma 2: attention scores = cap * tanh(scores / cap), before the mask and the softmax
     attn_logit_softcapping: float | None = None
-    # Granite: the softmax scale itself (attention_multiplier), a divisor of the logits, and
-    # the factor of each residual add's output (folded into o and down by its weight map)
+    # Granite: the softmax scale itself (attention_multiplier) and a divisor of the logits
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
-    residual_multiplier: float | None = None
-    # RoPE of the sliding layers when it differs from the full layers' (Gemma 3: base 10,000
-    # locally, 1,000,000 globally); None = the same as rope_theta / rope_scaling.
+    # RoPE base of the sliding layers when it differs from the full layers' (Gemma 3: 10,000
+    # locally, 1,000,000 globally; unscaled: `gemma3` refuses scaling there); None = the same
+    # as rope_theta / rope_scaling.
     sliding_rope_theta: float | None = None
-    sliding_rope_scaling: dict[str, Any] | None = None
     # Which layers rotate q and k (SmolLM3 leaves every fourth without RoPE); () = all of them
     rope_layers: tuple[bool, ...] = ()
     # Partial RoPE (Phi-3's partial_rotary_factor < 1): only the first rotary_dim dimensions of
     # each head rotate; None = all of head_dim.
     rotary_dim: int | None = None
+    # What only one family's own code reads (its weight map, its layers), as that family's
+    # own frozen dataclass (e.g. `granite.GraniteSettings`), made by its config adapter:
+    # not fields here, where every architecture and the engine would carry them (issue 65).
+    family: Any = None
 
     @property
     def one_rope(self) -> bool:

@@ -40,10 +40,11 @@ from torch import nn
 from kvserve.attention.base import AttentionFn, RowCut
 from kvserve.layers.buckets import bucket_of
 from kvserve.layers.plan import ExecutionPlan
+from kvserve.layers.projection import Linear
 from kvserve.layers.rotary import identity_rope_cache, rope_cache
 from kvserve.models.config import ModelConfig
 from kvserve.models.moe import MoE
-from kvserve.models.params import param as _param
+from kvserve.layers.params import param as _param
 
 
 class DecoderLayer(nn.Module):
@@ -64,8 +65,8 @@ class DecoderLayer(nn.Module):
         self.hidden_size = h
         # The norm before attention (None without pre-norms: OLMo 2)
         self.input_layernorm = _param(h, **p) if c.pre_norms else None
-        self.qkv_proj = _param(qkv, h, **p)
-        self.qkv_bias = _param(qkv, **p) if c.attention_bias else None
+        self.qkv_proj = Linear(qkv, h, plan, "qkv_proj", bias=c.attention_bias,
+                               blocks=True)
         # Per head (Qwen3, Gemma 3): q_norm repeated over the q heads, then k_norm over the kv
         # heads, [heads + kv heads, head_dim], so that one normalisation covers q and k
         # together. Over the whole projection (OLMo 2): [q_size + kv_size], q's then k's.
@@ -75,8 +76,7 @@ class DecoderLayer(nn.Module):
             self.qk_norm = _param(c.num_attention_heads + c.num_key_value_heads, c.head_dim, **p)
         else:
             self.qk_norm = _param(c.q_size + c.kv_size, **p)
-        self.o_proj = _param(h, c.q_size, **p)
-        self.o_bias = _param(h, **p) if c.o_proj_bias else None
+        self.o_proj = Linear(h, c.q_size, plan, "o_proj", bias=c.o_proj_bias, blocks=True)
         # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
         # pre_feedforward_layernorm; None without pre-norms).
         self.post_attention_layernorm = _param(h, **p) if c.pre_norms else None
@@ -88,14 +88,10 @@ class DecoderLayer(nn.Module):
         self.moe = MoE(c.moe, h, plan) if c.moe is not None and c.moe.is_moe_layer(layer_idx) \
             else None
         dense = self.moe is None
-        self.gate_up_proj = _param(2 * c.intermediate_size, h, **p) if dense else None
-        self.gate_up_bias = _param(2 * c.intermediate_size, **p) if dense and c.mlp_bias \
-            else None
-        self.down_proj = _param(h, c.intermediate_size, **p) if dense else None
-        self.down_bias = _param(h, **p) if dense and c.mlp_bias else None
-        # Projections a quantized checkpoint holds as blocks (attribute -> FileBlocks), handed
-        # over by the loader in place of the float parameter; the method makes its weights
-        self.file_blocks: dict = {}
+        self.gate_up_proj = Linear(2 * c.intermediate_size, h, plan, "gate_up_proj",
+                                   bias=c.mlp_bias, blocks=True) if dense else None
+        self.down_proj = Linear(h, c.intermediate_size, plan, "down_proj",
+                                bias=c.mlp_bias, blocks=True) if dense else None
         # How this layer computes: one LayerMethods per row bucket once prepared
         self.method = plan.decoder_method(config)
 
@@ -158,20 +154,22 @@ class CausalLM(nn.Module):
         dtype, device = plan.dtype, plan.device
         self.dtype = dtype
         p = dict(dtype=dtype, device=device)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
+        # The token table ([vocab, hidden]) and the untied LM head: projections, each the
+        # one owner of its weight (or of the file's blocks of it)
+        self.embed_tokens = Linear(config.vocab_size, config.hidden_size, plan, "embed_tokens",
+                                   blocks=True)
         self.layers = nn.ModuleList(self.make_layer(config, i, plan)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, **p)
         self.lm_head = None if config.tie_word_embeddings else \
-            _param(config.vocab_size, config.hidden_size, **p)
+            Linear(config.vocab_size, config.hidden_size, plan, "lm_head", blocks=True)
         self.register_buffer("rope_cos_sin", rope_cache(config, device), persistent=False)
         # Layers whose RoPE differs from the full layers' (Gemma 3's local layers, SmolLM3's
         # layers without RoPE) use a second table; layer i uses table self.rope_of_layer[i].
         self.rope_of_layer = [0] * config.num_hidden_layers
         local = None
         if config.sliding_rope_theta is not None:
-            local = rope_cache(config, device, config.sliding_rope_theta,
-                               config.sliding_rope_scaling)
+            local = rope_cache(config, device, config.sliding_rope_theta)
             self.rope_of_layer = [int(w is not None) for w in config.windows]
         elif not all(config.rope_layers):  # SmolLM3's NoPE layers: a table that rotates nothing
             local = identity_rope_cache(config, device)
@@ -184,9 +182,6 @@ class CausalLM(nn.Module):
                              persistent=False)
         self._softcap = config.final_logit_softcapping
         self._logit_divisor = config.logits_scaling  # Granite: logits / logits_scaling
-        # The embedding table and LM head as a quantized checkpoint holds them ("embed_tokens",
-        # "lm_head" -> FileBlocks), handed over by the loader
-        self.file_blocks: dict = {}
         # How the token lookup, the LM head (a LinearMethod per row bucket) and the final norm
         # compute, and the decode step that runs every layer in one call where the plan has
         # one (`serves(rows)`: the rows its kernels were chosen for at load; `run` returns
@@ -221,8 +216,19 @@ class CausalLM(nn.Module):
             if table is not None and table.shape[0] > n:
                 setattr(self, name, table[:n].clone())
 
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's float weight (the embedding table where they are tied)."""
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (its final norm's device: every float tensor's; the table
+        may be held as blocks alone)."""
+        return self.norm.device
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The LM head's float weight (the embedding table where they are tied); None where
+        only the file's blocks of it are held."""
+        return self.head_projection().weight
+
+    def head_projection(self) -> Linear:
+        """The LM head's projection (the embedding table's where they are tied)."""
         return self.lm_head if self.lm_head is not None else self.embed_tokens
 
     @property

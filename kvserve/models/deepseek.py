@@ -98,18 +98,17 @@ def _weights(model: Any, config: ModelConfig) -> dict:
         p = f"model.layers.{i}."
         a = f"{p}self_attn."
         w.norm(p + "input_layernorm.weight", layer.input_layernorm)
-        q_a = layer.qkv_a_proj[: layer.q_a_size]
+        q_a, kv_a = slice(0, layer.q_a_size), slice(layer.q_a_size, None)
         if m.q_lora_rank:
-            w.add(a + "q_a_proj.weight", q_a)
+            w.linear(a + "q_a_proj.weight", layer.qkv_a_proj, q_a)
             w.norm(a + "q_a_layernorm.weight", layer.q_a_layernorm)
-            w.add(a + "q_b_proj.weight", layer.q_b_proj, transform=rope_q)
+            w.linear(a + "q_b_proj.weight", layer.q_b_proj, transform=rope_q)
         else:
-            w.add(a + "q_proj.weight", q_a, transform=rope_q)
-        w.add(a + "kv_a_proj_with_mqa.weight", layer.qkv_a_proj[layer.q_a_size:],
-              transform=rope_kv)
+            w.linear(a + "q_proj.weight", layer.qkv_a_proj, q_a, transform=rope_q)
+        w.linear(a + "kv_a_proj_with_mqa.weight", layer.qkv_a_proj, kv_a, transform=rope_kv)
         w.norm(a + "kv_a_layernorm.weight", layer.kv_a_layernorm)
         w.add(a + "kv_b_proj.weight", layer.kv_b_proj)
-        w.add(a + "o_proj.weight", layer.o_proj)
+        w.linear(a + "o_proj.weight", layer.o_proj)
         w.norm(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
         mlp = layer.mlp
         if not isinstance(mlp, MoE):  # a dense SwiGLU layer
@@ -119,7 +118,7 @@ def _weights(model: Any, config: ModelConfig) -> dict:
         if mlp.e_score_correction_bias is not None:
             w.add(p + "mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias)
         for e in range(mlp.cfg.n_routed_experts):
-            w.gated_mlp(f"{p}mlp.experts.{e}.", mlp.w13[e], mlp.w2[e])
+            w.expert(f"{p}mlp.experts.{e}.", mlp.w13[e], mlp.w2[e])
         if mlp.shared is not None:
             w.gated_mlp(p + "mlp.shared_experts.", mlp.shared.gate_up_proj, mlp.shared.down_proj)
     w.final(model)

@@ -29,11 +29,12 @@ from kvserve.attention.mla import MLAAttentionFn, MLAProjections
 from kvserve.layers.linear import LinearMethod
 from kvserve.layers.norm import rms_norm
 from kvserve.layers.plan import ExecutionPlan
+from kvserve.layers.projection import Linear
 from kvserve.layers.rotary import apply_rope
 from kvserve.models.config import ModelConfig
 from kvserve.models.decoder import CausalLM
 from kvserve.models.moe import MoE, SwiGLU
-from kvserve.models.params import param as _param
+from kvserve.layers.params import param as _param
 
 
 class DeepseekLayer(nn.Module):
@@ -52,12 +53,13 @@ class DeepseekLayer(nn.Module):
         hidden = c.hidden_size
         self.q_a_size = m.q_lora_rank or h * m.qk_head_dim
         self.input_layernorm = _param(hidden, **p)
-        self.qkv_a_proj = _param(self.q_a_size + m.latent_dim, hidden, **p)
+        self.qkv_a_proj = Linear(self.q_a_size + m.latent_dim, hidden, plan, "qkv_a_proj")
         self.q_a_layernorm = _param(m.q_lora_rank, **p) if m.q_lora_rank else None
-        self.q_b_proj = _param(h * m.qk_head_dim, m.q_lora_rank, **p) if m.q_lora_rank else None
+        self.q_b_proj = Linear(h * m.qk_head_dim, m.q_lora_rank, plan, "q_b_proj") \
+            if m.q_lora_rank else None
         self.kv_a_layernorm = _param(m.kv_lora_rank, **p)
         self.kv_b_proj = _param(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, **p)
-        self.o_proj = _param(hidden, h * m.v_head_dim, **p)
+        self.o_proj = Linear(hidden, h * m.v_head_dim, plan, "o_proj")
         self.post_attention_layernorm = _param(hidden, **p)
         moe = c.moe
         if moe is not None and moe.is_moe_layer(layer_idx):
@@ -66,10 +68,10 @@ class DeepseekLayer(nn.Module):
             self.mlp = SwiGLU(hidden, c.intermediate_size, plan)
         # how the projections run, from the plan; kv_b_proj stays dense (the attention
         # backend slices it per head for absorption), and so do the routed experts
-        self.qkv_a: LinearMethod = plan.projection(self, "qkv_a_proj")
+        self.qkv_a: LinearMethod = plan.projection(self.qkv_a_proj)
         self.q_b: LinearMethod | None = None if self.q_b_proj is None \
-            else plan.projection(self, "q_b_proj")
-        self.o: LinearMethod = plan.projection(self, "o_proj", row=True)
+            else plan.projection(self.q_b_proj)
+        self.o: LinearMethod = plan.projection(self.o_proj, row=True)
         self._proj: MLAProjections | None = None
 
     def process_weights_after_loading(self) -> None:

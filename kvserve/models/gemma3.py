@@ -35,10 +35,10 @@ def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
     f = decoder_fields(d, arch, max_positions=131072, head_dim=256)
     f["hidden_act"] = gated_activation(d, arch, "hidden_activation", GELU_TANH)
     _refuse_options(d)
-    (theta, scaling), (local_theta, local_scaling) = _rope(d, f["max_position_embeddings"])
+    (theta, scaling), local_theta = _rope(d, f["max_position_embeddings"])
     bias = bool(d.get("attention_bias", False))
     f.update(rope_theta=theta, rope_scaling=scaling, sliding_rope_theta=local_theta,
-             sliding_rope_scaling=local_scaling, attention_bias=bias, o_proj_bias=bias,
+             attention_bias=bias, o_proj_bias=bias,
              qk_norm=True, output_norms=True, embed_scale=f["hidden_size"] ** 0.5,
              query_pre_attn_scalar=pos_float(d, "query_pre_attn_scalar", 256.0),
              final_logit_softcapping=opt_pos_float(d, "final_logit_softcapping"))
@@ -56,8 +56,9 @@ def _refuse_options(d: dict[str, Any]) -> None:
 
 
 def _rope(d: dict[str, Any], max_pos: int
-          ) -> tuple[tuple[float, dict[str, Any] | None], tuple[float, None]]:
-    """Gemma 3's two RoPEs: (full layers', sliding layers'), from transformers 5's per-layer-type
+          ) -> tuple[tuple[float, dict[str, Any] | None], float]:
+    """Gemma 3's two RoPEs: (the full layers' base and scaling, the sliding layers' base:
+    they are never scaled), from transformers 5's per-layer-type
     `rope_parameters` or the older `rope_theta` / `rope_scaling` (global) +
     `rope_local_base_freq` (local). Defaults as Gemma3TextConfig: 1e6 globally, 1e4 locally."""
     params = d.get("rope_parameters")
@@ -71,7 +72,7 @@ def _rope(d: dict[str, Any], max_pos: int
         local = {"rope_theta": pos_float(d, "rope_local_base_freq", 1e4), "rope_scaling": None}
     if local["rope_scaling"] is not None:
         raise ValueError("RoPE scaling on Gemma 3's sliding layers is not supported")
-    return (full["rope_theta"], full["rope_scaling"]), (local["rope_theta"], None)
+    return (full["rope_theta"], full["rope_scaling"]), local["rope_theta"]
 
 
 def _weights(model: Any, config: Any) -> dict:

@@ -5,6 +5,7 @@ modeling_granite.py applies them:
   * `residual_multiplier`: each residual add is residual + m * output; m is folded into the
     o_proj and down_proj weights (and biases) as they are copied, so the decoder's fused
     residual adds run unchanged (the products differ from transformers' by float rounding);
+    only this family's weight map reads it (`GraniteSettings`, the config's `family`);
   * `attention_multiplier`: the softmax scale itself, in place of 1/sqrt(head_dim);
   * `logits_scaling`: the logits divided by it.
 Biases on q, k, v and o follow `attention_bias`, on the MLP `mlp_bias`; rms_norm_eps 1e-6 and
@@ -13,7 +14,7 @@ Biases on q, k, v and o follow `attention_bias`, on the MLP `mlp_bias`; rms_norm
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -22,10 +23,17 @@ from kvserve.models.fields import llama_fields
 from kvserve.models.weights import Layout, decoder_weights
 
 
+@dataclass(frozen=True)
+class GraniteSettings:
+    """What only Granite's own code reads: the factor of each residual add's output."""
+
+    residual_multiplier: float = 1.0
+
+
 def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
     f = llama_fields(d, arch, max_positions=2048)
     f["embed_scale"] = float(d.get("embedding_multiplier", 1.0))
-    f["residual_multiplier"] = float(d.get("residual_multiplier", 1.0))
+    f["family"] = GraniteSettings(float(d.get("residual_multiplier", 1.0)))
     f["attention_multiplier"] = float(d.get("attention_multiplier", 1.0))
     f["logits_scaling"] = float(d.get("logits_scaling", 1.0))
     return f
@@ -34,8 +42,8 @@ def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
 def _weights(model: Any, config: Any) -> dict:
     """Llama's names; the outputs that feed a residual add scaled by residual_multiplier."""
     targets = decoder_weights(model, config, Layout())
-    m = config.residual_multiplier
-    if m is None or m == 1.0:
+    m = config.family.residual_multiplier
+    if m == 1.0:
         return targets
     scaled = (".self_attn.o_proj.weight", ".self_attn.o_proj.bias", ".mlp.down_proj.weight",
               ".mlp.down_proj.bias")

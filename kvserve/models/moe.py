@@ -11,8 +11,9 @@ from torch import nn
 
 from kvserve.layers.activation import gated
 from kvserve.layers.plan import ExecutionPlan
+from kvserve.layers.projection import Linear
 from kvserve.models.deepseek_config import MoEConfig
-from kvserve.models.params import param as _param
+from kvserve.layers.params import param as _param
 
 
 class MoE(nn.Module):
@@ -121,12 +122,11 @@ class SwiGLU(nn.Module):
                  row: bool = True) -> None:
         super().__init__()
         self.intermediate = intermediate
-        p = dict(dtype=plan.dtype, device=plan.device)
-        self.gate_up_proj = _param(2 * intermediate, hidden, **p)
-        self.down_proj = _param(hidden, intermediate, **p)
+        self.gate_up_proj = Linear(2 * intermediate, hidden, plan, "gate_up_proj")
+        self.down_proj = Linear(hidden, intermediate, plan, "down_proj")
         # how the projections run, from the plan (`row`: down all-reduced on a rank)
-        self.gate_up = plan.projection(self, "gate_up_proj")
-        self.down = plan.projection(self, "down_proj", row=row)
+        self.gate_up = plan.projection(self.gate_up_proj)
+        self.down = plan.projection(self.down_proj, row=row)
 
     def prepare(self) -> None:
         self.gate_up.prepare()

@@ -17,6 +17,7 @@ whose factors switch with the sequence's length.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -49,10 +50,10 @@ def _config(d: dict[str, Any], arch: str) -> dict[str, Any]:
 def _weights(model: Any, config: Any) -> dict:
     targets = decoder_weights(model, config, _LAYOUT)
     rows = partial_rotary_rows(config)
-    if rows is not None:
-        for i in range(config.num_hidden_layers):
-            targets[f"model.layers.{i}.self_attn.qkv_proj.weight"].transform = rows
-    return targets
+    if rows is None:
+        return targets
+    return {name: replace(t, transform=rows) if name.endswith(".self_attn.qkv_proj.weight")
+            else t for name, t in targets.items()}
 
 
 PHI3 = Family(config=_config, model=decoder_model, weights=_weights,

@@ -61,38 +61,55 @@ class WeightMap:
         self.targets[name] = Target(dest, tuple(dest.shape) if shape is None else shape,
                                     transform=transform)
 
+    def linear(self, name: str, proj: Any, rows: slice | None = None,
+               transform: Any = None) -> None:
+        """`rows` of a projection's weight (all of it by default): a target that names its
+        owner, so the loader can hand the file's blocks of it to the projection."""
+        dest = proj.weight if rows is None else proj.weight[rows]
+        self.targets[name] = Target(dest, tuple(dest.shape), transform=transform, owner=proj,
+                                    first_row=0 if rows is None else rows.start or 0)
+
     def norm(self, name: str, dest: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         self.targets[name] = Target(dest, tuple(dest.shape) if shape is None else shape,
                                     self.norm_offset)
 
-    def gated_mlp(self, prefix: str, gate_up: torch.Tensor, down: torch.Tensor,
-                  gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None, fused: bool = False) -> None:
-        """gate_proj / up_proj (or one gate_up_proj) into [gate; up] rows, then down_proj."""
-        inter = gate_up.shape[0] // 2
+    def gated_mlp(self, prefix: str, gate_up: Any, down: Any, fused: bool = False) -> None:
+        """gate_proj / up_proj (or one gate_up_proj) into the [gate; up] rows of the
+        `gate_up` projection, then down_proj, and their biases where they have them."""
+        inter = gate_up.out_features // 2
         if fused:
-            self.add(prefix + "gate_up_proj.weight", gate_up)
+            self.linear(prefix + "gate_up_proj.weight", gate_up)
         else:
-            self.add(prefix + "gate_proj.weight", gate_up[:inter])
-            self.add(prefix + "up_proj.weight", gate_up[inter:])
-        self.add(prefix + "down_proj.weight", down)
-        if gate_up_bias is not None:
+            self.linear(prefix + "gate_proj.weight", gate_up, slice(0, inter))
+            self.linear(prefix + "up_proj.weight", gate_up, slice(inter, None))
+        self.linear(prefix + "down_proj.weight", down)
+        if gate_up.bias is not None:
             if fused:
-                self.add(prefix + "gate_up_proj.bias", gate_up_bias)
+                self.add(prefix + "gate_up_proj.bias", gate_up.bias)
             else:
-                self.add(prefix + "gate_proj.bias", gate_up_bias[:inter])
-                self.add(prefix + "up_proj.bias", gate_up_bias[inter:])
-        if down_bias is not None:
-            self.add(prefix + "down_proj.bias", down_bias)
+                self.add(prefix + "gate_proj.bias", gate_up.bias[:inter])
+                self.add(prefix + "up_proj.bias", gate_up.bias[inter:])
+        if down.bias is not None:
+            self.add(prefix + "down_proj.bias", down.bias)
+
+    def expert(self, prefix: str, w13: torch.Tensor, w2: torch.Tensor,
+               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        """One routed expert: its gate and up into its [gate; up] rows of w13, its down into
+        w2 (the experts' stacked tensors, not projections: they stay float)."""
+        gate, up, down = names
+        i = w13.shape[0] // 2
+        self.add(f"{prefix}{gate}.weight", w13[:i])
+        self.add(f"{prefix}{up}.weight", w13[i:])
+        self.add(f"{prefix}{down}.weight", w2)
 
     def embedding(self, model: Any) -> None:
-        self.add("model.embed_tokens.weight", model.embed_tokens)
+        self.linear("model.embed_tokens.weight", model.embed_tokens)
 
     def final(self, model: Any) -> None:
         """The final norm and, when the model has its own, the LM head (tied: the embedding)."""
         self.norm("model.norm.weight", model.norm)
         if model.lm_head is not None:
-            self.add("lm_head.weight", model.lm_head)
+            self.linear("lm_head.weight", model.lm_head)
 
 
 def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str, Target]:
@@ -109,14 +126,15 @@ def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str
             dest = getattr(layer, param)
             if dest is not None:
                 w.norm(p + layout.norms[param] + ".weight", dest)
+        qkv_rows = (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv))
         if layout.fused_qkv:
-            w.add(a + "qkv_proj.weight", layer.qkv_proj)
+            w.linear(a + "qkv_proj.weight", layer.qkv_proj)
         else:
-            for n, rows in zip("qkv", (slice(0, q), slice(q, q + kv), slice(q + kv, None))):
-                w.add(f"{a}{n}_proj.weight", layer.qkv_proj[rows])
-        if layer.qkv_bias is not None:
-            for n, rows in zip("qkv", (slice(0, q), slice(q, q + kv), slice(q + kv, None))):
-                w.add(f"{a}{n}_proj.bias", layer.qkv_bias[rows])
+            for n, rows in zip("qkv", qkv_rows):
+                w.linear(f"{a}{n}_proj.weight", layer.qkv_proj, rows)
+        if layer.qkv_proj.bias is not None:
+            for n, rows in zip("qkv", qkv_rows):
+                w.add(f"{a}{n}_proj.bias", layer.qkv_proj.bias[rows])
         if layer.qk_norm is not None:
             if layer.qk_norm.dim() == 2:  # per head: [heads + kv heads, head_dim], broadcast
                 h = c.num_attention_heads
@@ -125,14 +143,13 @@ def decoder_weights(model: Any, config: ModelConfig, layout: Layout) -> dict[str
             else:  # over the whole projection: [q_size + kv_size]
                 w.norm(a + "q_norm.weight", layer.qk_norm[:q])
                 w.norm(a + "k_norm.weight", layer.qk_norm[q:])
-        w.add(a + "o_proj.weight", layer.o_proj)
-        if layer.o_bias is not None:
-            w.add(a + "o_proj.bias", layer.o_bias)
+        w.linear(a + "o_proj.weight", layer.o_proj)
+        if layer.o_proj.bias is not None:
+            w.add(a + "o_proj.bias", layer.o_proj.bias)
         if layer.moe is not None:
             _experts(w, f"{p}{layout.moe_block}.", layer.moe, layout.experts)
             continue
-        w.gated_mlp(p + "mlp.", layer.gate_up_proj, layer.down_proj, layer.gate_up_bias,
-                    layer.down_bias, layout.fused_gate_up)
+        w.gated_mlp(p + "mlp.", layer.gate_up_proj, layer.down_proj, layout.fused_gate_up)
     w.final(model)
     return w.targets
 
@@ -141,12 +158,8 @@ def _experts(w: WeightMap, prefix: str, moe: Any, names: tuple[str, str, str]) -
     """A routed-experts layer: the router, then each expert's gate and up into its [gate; up]
     rows and its down projection."""
     w.add(prefix + "gate.weight", moe.gate)
-    gate, up, down = names
-    i = moe.w13.shape[1] // 2
     for e in range(moe.w13.shape[0]):
-        w.add(f"{prefix}experts.{e}.{gate}.weight", moe.w13[e][:i])
-        w.add(f"{prefix}experts.{e}.{up}.weight", moe.w13[e][i:])
-        w.add(f"{prefix}experts.{e}.{down}.weight", moe.w2[e])
+        w.expert(f"{prefix}experts.{e}.", moe.w13[e], moe.w2[e], names)
 
 
 def partial_rotary_rows(config: ModelConfig):

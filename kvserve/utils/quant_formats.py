@@ -56,8 +56,8 @@ def bytes_per_param(type_name: str) -> float:
 @dataclass(frozen=True)
 class FileBlocks:
     """One weight as a file stores it, handed by the loader to the part that owns the weight
-    (a layer's or the model's `file_blocks`), whose quantized method makes its kernels' layout
-    from it: `parts`, (type name, uint8 tensor [rows, bytes per row]) in row order, one per run
+    (its projection's `file_blocks`, `kvserve.layers.projection`), whose quantized method
+    makes its kernels' layout from it: `parts`, (type name, uint8 tensor [rows, bytes per row]) in row order, one per run
     of rows of one type (a fused qkv's q/k and v may differ); `k` the row's width in values."""
 
     parts: tuple[tuple[str, Any], ...]

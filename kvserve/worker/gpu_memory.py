@@ -28,7 +28,7 @@ GPU_RESERVE_BYTES = 512 * 1024**2
 def profile_peak_memory(model: CausalLM, num_tokens: int, num_logit_rows: int,
                         max_model_len: int) -> int:
     """Peak bytes allocated (weights included) by one forward over `num_tokens` tokens."""
-    device = model.embed_tokens.device
+    device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -53,7 +53,7 @@ def profile_kv_budget(model: CausalLM, cfg: EngineConfig) -> int:
     """Bytes the KV pool may take: total x gpu_memory_utilization - peak - other processes'
     and the CUDA context's use - a fixed reserve. Raises ValueError when nothing is left."""
     assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
-    device = model.embed_tokens.device
+    device = model.device
     peak = profile_peak_memory(model, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                cfg.max_model_len)
     free, total = torch.cuda.mem_get_info(device)

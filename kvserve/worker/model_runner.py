@@ -41,7 +41,7 @@ class ModelRunner:
         self.backend = backend
         self.tensors = tensors
         self.block_size = block_size
-        self.device = model.embed_tokens.device
+        self.device = model.device
         # Set by the engine on CUDA (kvserve.worker.cuda_graphs); replays decode-only batches.
         self.graphs = None
         self.sampling = StepSampler(seed)
