@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvserve.bench.record import (Row, add_record_arg, current_command, current_machine, ratio,
+                                  write_record)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The worker imports only the public API (`kvserve.LLM`), which every commit has.
@@ -101,11 +104,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workloads", default=",".join(FIGURES))
     ap.add_argument("--aa", action="store_true", help="the base against itself")
+    add_record_arg(ap, "no-slowdown")
     args = ap.parse_args()
-    with open("/proc/cpuinfo") as f:
-        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    print("cpu flags:", " ".join(x for x in flags if x.startswith(("avx", "amx", "fma"))),
-          flush=True)
+    print(current_machine(), flush=True)
     base = _checkout(args.base)
     trees = {"base": base, "this": base if args.aa else ROOT}
     try:
@@ -123,11 +124,30 @@ def main() -> None:
                        capture_output=True)
     label = "base (A/A)" if args.aa else "this"
     print(f"\n{'figure':<36} {'base':>9} {label:>11} {'ratio':>7}  (medians of {args.repeats})")
+    rows = []
     for key in args.workloads.split(","):
         b = statistics.median(x[key] for x in runs["base"])
         t = statistics.median(x[key] for x in runs["this"])
         name, unit = FIGURES[key]
         print(f"{name:<36} {b:>9.3f} {t:>11.3f} {t / b:>6.3f}x  {unit}")
+        spread = [x[key] for x in runs["this"]]
+        rows.append(Row(f"{name} [{min(spread):.3f}-{max(spread):.3f}]", unit, round(t, 4),
+                        round(b, 4), ratio(t, b)))
+    if args.record:
+        model = f"{Path(args.model).parent.name}/{Path(args.model).name}" if args.model \
+            else "SmolLM2-135M Q4_1 (embedded)"
+        stem = f"{Path(args.model).parent.name}-{Path(args.model).stem}" if args.model \
+            else "smollm2"
+        write_record(args.record, rows=rows, command=current_command().replace(
+                         str(Path.home()), "~"), peer=f"the base commit {args.base}"
+                     + (" against itself (A/A)" if args.aa else ""),
+                     name=f"bench-vs-commit-{stem}{'-aa' if args.aa else ''}".lower()
+                     .replace("_", "-").replace(".", "-"),
+                     title=f"this tree against {args.base}: {model}"
+                     + (" (A/A: the base against itself)" if args.aa else ""),
+                     notes=f"medians of {args.repeats} alternated repeats, [min-max] of this "
+                           "tree's; ratio this / base (prefill: seconds, lower is better; "
+                           "decode: tok/s, higher is better)")
 
 
 if __name__ == "__main__":
